@@ -1,0 +1,60 @@
+# egress: `make demo` and `make test` install whatever is missing, then run.
+# A fresh Debian machine as root needs nothing else.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMPS := .make
+# Debian packages: the datapath (nftables, iproute2), in-process nft (python3-nftables, used
+# from a venv made with --system-site-packages), DNS tools for tests and benchmarks, and the
+# real tunnel tools the detection tests run.
+APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils iodine \
+	dns2tcp dnsmasq-base dnsperf tcpdump procps util-linux
+
+.PHONY: help setup demo test test-unit lint bench clean
+
+help:
+	@echo "make demo   install what is missing, then run the demo (no network needed)"
+	@echo "make test   install what is missing, then run the whole test suite"
+	@echo "make lint   ruff, mypy --strict egress/, import-linter layer contracts"
+	@echo "make bench  run the benchmarks in bench/ and print their figures"
+
+$(STAMPS)/apt: Makefile
+	@mkdir -p $(STAMPS)
+	@missing=$$(for p in $(APT_PKGS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
+		| grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages: $$missing (run as root)"; exit 1; fi; \
+		echo "installing: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@touch $@
+
+$(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
+	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+setup: $(STAMPS)/venv
+
+demo: setup
+	@$(VENV)/bin/egressctl demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit tests/integration
+
+lint: setup
+	$(VENV)/bin/ruff check egress tests bench
+	$(VENV)/bin/ruff format --check egress tests bench
+	$(VENV)/bin/mypy --strict egress
+	$(VENV)/bin/lint-imports
+
+bench: setup
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,175 @@
+"""Frozen dataclasses shared by every layer: the compiled form of a policy.
+
+Nothing here parses or does I/O; ``egress.policy`` builds these from YAML and the
+other layers only read them.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass, field
+
+from egress.errors import Location
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class Mode(enum.Enum):
+    ENFORCE = "enforce"
+    AUDIT = "audit"
+
+
+class Action(enum.Enum):
+    """What happens on a violation of a class."""
+
+    FREEZE = "freeze"
+    BLOCK = "block"
+    LOG = "log"
+
+
+class ViolationClass(enum.Enum):
+    BLOCKED_CONNECT = "blocked_connect"
+    DENIED_NAME = "denied_name"
+    DENIED_TYPE = "denied_type"
+    TUNNEL = "tunnel"
+    FOREIGN_DNS = "foreign_dns"
+    REBINDING = "rebinding"
+    LAYER_LOSS = "layer_loss"
+
+
+DEFAULT_ACTIONS: dict[ViolationClass, Action] = {
+    ViolationClass.BLOCKED_CONNECT: Action.FREEZE,
+    ViolationClass.DENIED_NAME: Action.BLOCK,
+    ViolationClass.DENIED_TYPE: Action.BLOCK,
+    ViolationClass.TUNNEL: Action.FREEZE,
+    ViolationClass.FOREIGN_DNS: Action.FREEZE,
+    ViolationClass.REBINDING: Action.BLOCK,
+    ViolationClass.LAYER_LOSS: Action.FREEZE,
+}
+
+
+class PatternKind(enum.Enum):
+    EXACT = "exact"  # pypi.org
+    ONE = "one"  # *.pythonhosted.org: exactly one more label
+    MANY = "many"  # **.githubusercontent.com: one or more labels
+
+
+@dataclass(frozen=True)
+class NamePattern:
+    kind: PatternKind
+    suffix: str  # lowercase ASCII (punycode), no trailing dot
+    text: str  # as written in the policy
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class PortRange:
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Destination ports per transport; an empty tuple means none of that transport."""
+
+    tcp: tuple[PortRange, ...] = ()
+    udp: tuple[PortRange, ...] = ()
+
+    def is_empty(self) -> bool:
+        return not self.tcp and not self.udp
+
+
+@dataclass(frozen=True)
+class DnsRule:
+    """One entry of ``spec.dns.allow``."""
+
+    index: int
+    pattern: NamePattern
+    types: frozenset[int]  # record type numbers this rule allows
+    explicit_types: frozenset[int]  # types the rule itself named (not inherited defaults)
+    ports: Ports  # where IPs learned through this rule may be reached
+    where: Location
+
+    def describe(self) -> str:
+        return f"dns.allow[{self.index}] {self.pattern.text}"
+
+
+@dataclass(frozen=True)
+class CidrRule:
+    """One entry of ``spec.connect.allow``: a static destination that needs no DNS."""
+
+    index: int
+    network: IPNetwork
+    ports: Ports
+    where: Location
+
+    def describe(self) -> str:
+        return f"connect.allow[{self.index}] {self.network}"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream DNS server; ``system`` means the host's resolv.conf at start time."""
+
+    host: str | None  # None for "system"
+    port: int = 53
+
+    @property
+    def is_system(self) -> bool:
+        return self.host is None
+
+    def __str__(self) -> str:
+        if self.host is None:
+            return "system"
+        if ":" in self.host:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+
+class DeniedResponse(enum.Enum):
+    NXDOMAIN = "nxdomain"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class DnsSpec:
+    upstreams: tuple[Upstream, ...]
+    types: frozenset[int]
+    ttl_min: int  # seconds
+    ttl_max: int  # seconds
+    rebinding_deny: bool
+    rebinding_exempt: tuple[IPNetwork, ...]
+    denied_response: DeniedResponse
+    allow: tuple[DnsRule, ...]
+
+
+@dataclass(frozen=True)
+class ConnectSpec:
+    ports: Ports  # default ports for IPs learned from DNS
+    allow: tuple[CidrRule, ...]
+
+
+@dataclass(frozen=True)
+class TunnelSpec:
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    source: str  # file the policy came from, or "<embedded>"
+    mode: Mode
+    dns: DnsSpec
+    connect: ConnectSpec
+    tunnel: TunnelSpec
+    violations: dict[ViolationClass, Action] = field(hash=False)
+
+    def action(self, cls: ViolationClass) -> Action:
+        return self.violations.get(cls, DEFAULT_ACTIONS[cls])
