@@ -173,3 +173,61 @@ class Policy:
 
     def action(self, cls: ViolationClass) -> Action:
         return self.violations.get(cls, DEFAULT_ACTIONS[cls])
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A packet's 5-tuple (ICMP: ports are the type and code)."""
+
+    proto: str  # tcp | udp | icmp | icmpv6 | a protocol number
+    src: str
+    dst: str
+    sport: int | None = None
+    dport: int | None = None
+
+    def __str__(self) -> str:
+        if self.sport is None or self.dport is None:
+            return f"{self.proto} {self.src} -> {self.dst}"
+        return (
+            f"{self.proto} {_hostport(self.src, self.sport)} -> {_hostport(self.dst, self.dport)}"
+        )
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One thing a sandbox tried that its policy does not allow, with its evidence."""
+
+    cls: ViolationClass
+    layer: str  # inline | observer
+    rule: str  # the rule that decided, or why none did
+    detail: str  # what happened, for a person
+    at: float  # unix time the layer saw it
+    action: Action
+    flow: Flow | None = None
+    uid: int | None = None
+    qname: str | None = None
+    qtype: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "class": self.cls.value,
+            "layer": self.layer,
+            "rule": self.rule,
+            "detail": self.detail,
+            "at": self.at,
+            "action": self.action.value,
+        }
+        if self.flow is not None:
+            f = self.flow
+            out["flow"] = {
+                "proto": f.proto, "src": f.src, "sport": f.sport, "dst": f.dst, "dport": f.dport,
+            }  # fmt: skip
+        for key in ("uid", "qname", "qtype"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out

@@ -1,0 +1,107 @@
+"""Carve each sandbox's link networks out of the subnet pools.
+
+Sandbox number ``i`` gets the ``i``-th /30 of the IPv4 pool and the ``i``-th /64 of the
+IPv6 pool: the host end of the veth takes the first address, the sandbox the second. The
+numbering is the only shared state, so allocation (in the runtime) only has to claim an
+index atomically.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import TypeVar
+
+from egress.errors import SandboxError
+
+DEFAULT_POOL4 = "10.231.0.0/16"
+DEFAULT_POOL6 = "fd00:e9e5:5000::/48"
+PREFIX4 = 30
+PREFIX6 = 64
+
+_N = TypeVar("_N", ipaddress.IPv4Network, ipaddress.IPv6Network)
+
+
+@dataclass(frozen=True)
+class SandboxNet:
+    index: int
+    net4: ipaddress.IPv4Network
+    net6: ipaddress.IPv6Network
+
+    @property
+    def gateway4(self) -> ipaddress.IPv4Address:
+        return self.net4.network_address + 1
+
+    @property
+    def address4(self) -> ipaddress.IPv4Address:
+        return self.net4.network_address + 2
+
+    @property
+    def gateway6(self) -> ipaddress.IPv6Address:
+        return self.net6.network_address + 1
+
+    @property
+    def address6(self) -> ipaddress.IPv6Address:
+        return self.net6.network_address + 2
+
+
+@dataclass(frozen=True)
+class Pools:
+    v4: ipaddress.IPv4Network
+    v6: ipaddress.IPv6Network
+
+    @classmethod
+    def parse(cls, spec: str | None) -> Pools:
+        """``--subnet-pool``: one or two CIDRs, comma-separated (v4 and/or v6)."""
+        v4 = ipaddress.IPv4Network(DEFAULT_POOL4)
+        v6 = ipaddress.IPv6Network(DEFAULT_POOL6)
+        for part in (spec or "").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                net = ipaddress.ip_network(part)
+            except ValueError as exc:
+                raise SandboxError(f"--subnet-pool: {exc}") from None
+            if isinstance(net, ipaddress.IPv4Network):
+                v4 = _check_size(net, PREFIX4)
+            else:
+                v6 = _check_size(net, PREFIX6)
+        return cls(v4, v6)
+
+    @property
+    def capacity(self) -> int:
+        return int(
+            min(
+                2 ** (PREFIX4 - self.v4.prefixlen),
+                2 ** min(PREFIX6 - self.v6.prefixlen, 62),
+            )
+        )
+
+    def network(self, index: int) -> SandboxNet:
+        if not 0 <= index < self.capacity:
+            raise SandboxError(
+                f"subnet pool exhausted: {self.v4} and {self.v6} hold {self.capacity} "
+                "sandboxes; end some or pass a larger --subnet-pool"
+            )
+        net4 = ipaddress.IPv4Network((int(self.v4.network_address) + index * 4, PREFIX4))
+        step6 = 2 ** (128 - PREFIX6)
+        net6 = ipaddress.IPv6Network((int(self.v6.network_address) + index * step6, PREFIX6))
+        return SandboxNet(index, net4, net6)
+
+
+def _check_size(net: _N, prefix: int) -> _N:
+    if net.prefixlen > prefix:
+        raise SandboxError(f"--subnet-pool: {net} is smaller than one /{prefix}")
+    return net
+
+
+def first_free(used: set[int], capacity: int) -> int:
+    """Lowest index not in ``used``; the caller holds the allocation lock."""
+    for i in range(capacity):
+        if i not in used:
+            return i
+    raise SandboxError(
+        f"subnet pool exhausted: all {capacity} sandbox networks are in use; "
+        "end some or pass a larger --subnet-pool"
+    )

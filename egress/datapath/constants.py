@@ -1,0 +1,17 @@
+"""Fixed values of every sandbox's datapath.
+
+NFLOG groups and the resolver address are per network namespace, so every sandbox can use
+the same ones: nothing here needs to be allocated.
+"""
+
+from __future__ import annotations
+
+TABLE = "egress"  # inet table in the sandbox netns
+RESOLVER4 = "127.0.0.53"  # the sandbox's resolver, on its own loopback
+INLINE_GROUP = 100  # NFLOG group read by the inline layer
+OBSERVER_GROUP = 101  # NFLOG group read by the observer layer
+LOG_RATE = "200/second"
+LOG_BURST = 100
+SANDBOX_IF = "eth0"  # the sandbox's end of its veth
+DNS_LOG_PREFIX = "egress dns"
+DROP_LOG_PREFIX = "egress "  # followed by the violation class

@@ -1,0 +1,30 @@
+"""Turn the kernel's drop evidence (an NFLOG prefix and the packet's 5-tuple) into a
+Violation: which class, which rule decided, what to tell a person."""
+
+from __future__ import annotations
+
+from egress.datapath.constants import DROP_LOG_PREFIX
+from egress.model import Flow, Mode, Policy, Violation, ViolationClass
+
+
+def drop_class(prefix: str) -> ViolationClass | None:
+    """``egress blocked_connect`` -> BLOCKED_CONNECT; other prefixes are not drops."""
+    if not prefix.startswith(DROP_LOG_PREFIX):
+        return None
+    try:
+        return ViolationClass(prefix[len(DROP_LOG_PREFIX) :].strip())
+    except ValueError:
+        return None
+
+
+def drop_violation(
+    policy: Policy, cls: ViolationClass, flow: Flow | None, uid: int | None, at: float, layer: str
+) -> Violation:
+    verb = "allowed (audit)" if policy.mode is Mode.AUDIT else "rejected"
+    if cls is ViolationClass.FOREIGN_DNS:
+        rule = "DNS goes only to the sandbox's resolver"
+    else:
+        rule = "default deny: no connect.allow rule or DNS-learned address allows it"
+    what = str(flow) if flow is not None else "a packet the kernel could not describe"
+    detail = f"{what} {verb}" + (f" (uid {uid})" if uid is not None else "")
+    return Violation(cls, layer, rule, detail, at, policy.action(cls), flow, uid)

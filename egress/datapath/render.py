@@ -1,0 +1,126 @@
+"""Render nft-templates/*.nft into the ruleset text for one sandbox.
+
+Templates hold ``{{name}}`` slots that this module fills with blocks it builds from the
+policy; nft's own ``define``/``$VAR`` carry the scalar values, so a rendered file with
+placeholder values still passes ``nft -c -f`` and shows the reader which values vary.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from egress.datapath import constants as c
+from egress.errors import DatapathError
+from egress.model import CidrRule, IPNetwork, Mode, Policy, PortRange
+
+_SLOT = re.compile(r"\{\{(\w+)\}\}")
+
+
+@dataclass(frozen=True)
+class Define:
+    name: str
+    value: str
+    note: str  # why the value is what it is, shown as a comment
+
+    def line(self) -> str:
+        return f"define {self.name} = {self.value}\t# {self.note}"
+
+
+def fill(template: str, slots: Mapping[str, str]) -> str:
+    """Replace every ``{{slot}}``; a slot the caller did not provide is a bug, not a blank."""
+
+    def sub(m: re.Match[str]) -> str:
+        try:
+            return slots[m.group(1)]
+        except KeyError:
+            raise DatapathError(f"template slot {{{{{m.group(1)}}}}} has no value") from None
+
+    return _SLOT.sub(sub, template)
+
+
+def sandbox_defines() -> list[Define]:
+    return [
+        Define("RESOLVER4", c.RESOLVER4, "the sandbox's resolver, on its own loopback"),
+        Define("INLINE_GROUP", str(c.INLINE_GROUP), "NFLOG group of the inline layer"),
+        Define("OBSERVER_GROUP", str(c.OBSERVER_GROUP), "NFLOG group of the observer layer"),
+        Define("LOG_RATE", c.LOG_RATE, "log rate limit; the counter still counts all"),
+        Define("LOG_BURST", str(c.LOG_BURST), "log burst"),
+    ]
+
+
+def render_sandbox(template: str, policy: Policy) -> str:
+    """The sandbox netns ruleset for ``policy`` (identical for every sandbox of it)."""
+    audit = policy.mode is Mode.AUDIT
+    return fill(
+        template,
+        {
+            "mode_note": _mode_note(policy),
+            "defines": "\n".join(d.line() for d in sandbox_defines()),
+            "static_rules": _static_rules(policy.connect.allow),
+            "verdict": _verdict(audit),
+        },
+    )
+
+
+def _mode_note(policy: Policy) -> str:
+    if policy.mode is Mode.AUDIT:
+        return f"policy {policy.name!r} (mode: audit): violations are logged, then accepted."
+    return f"policy {policy.name!r} (mode: enforce): violations are logged, then rejected."
+
+
+def _verdict(audit: bool) -> str:
+    if audit:
+        return "\t\taccept"
+    # A reset or an ICMP error makes a connect fail at once instead of timing out.
+    return "\t\tmeta l4proto tcp reject with tcp reset\n\t\treject with icmpx admin-prohibited"
+
+
+def _static_rules(rules: tuple[CidrRule, ...]) -> str:
+    lines: list[str] = []
+    for rule in rules:
+        lines.extend(_cidr_lines(rule))
+    if not lines:
+        return "\t\t# (none)"
+    return "\n".join(lines)
+
+
+def _cidr_lines(rule: CidrRule) -> list[str]:
+    family = "ip" if rule.network.version == 4 else "ip6"
+    head = f"\t\t{family} daddr {rule.network}"
+    note = f"  # {rule.describe()} ({rule.where})"
+    out = []
+    for proto, ranges in (("tcp", rule.ports.tcp), ("udp", rule.ports.udp)):
+        if ranges:
+            out.append(f"{head} {proto} dport {port_set(ranges)} accept{note}")
+    return out
+
+
+def port_set(ranges: tuple[PortRange, ...]) -> str:
+    return "{ " + ", ".join(str(r) for r in ranges) + " }"
+
+
+@dataclass(frozen=True)
+class UplinkValues:
+    """What the uplink table of one sandbox needs; ``None`` renders placeholders."""
+
+    table: str
+    sandbox_if: str
+    uplink_if: str
+    net4: IPNetwork
+    net6: IPNetwork
+
+
+PLACEHOLDER_UPLINK = "<uplink-if>"
+
+
+def render_uplink(template: str, values: UplinkValues) -> str:
+    defines = [
+        Define("TABLE", values.table, "per sandbox: its own table in the uplink netns"),
+        Define("SANDBOX_IF", f'"{values.sandbox_if}"', "per sandbox: host end of its veth"),
+        Define("UPLINK_IF", f'"{values.uplink_if}"', "the uplink's default-route device"),
+        Define("SANDBOX_NET4", str(values.net4), "per sandbox: its IPv4 link network"),
+        Define("SANDBOX_NET6", str(values.net6), "per sandbox: its IPv6 link network"),
+    ]
+    return fill(template, {"defines": "\n".join(d.line() for d in defines)})

@@ -1,0 +1,129 @@
+"""Filter an upstream answer before any of it reaches the sandbox.
+
+Only the CNAME chain that starts at the question is kept, and every name in it must be
+allowlisted (a CNAME is not a way out); records of types the rule does not allow are
+removed; A/AAAA records pointing at rebinding targets are dropped. The addresses that
+remain are what the kernel's sets will allow.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from dnslib import QTYPE, RR, DNSRecord
+
+from egress.model import DnsRule, IPAddress, Policy, ViolationClass
+from egress.policy.matcher import Matcher
+from egress.resolver.rebinding import rebinding_reason
+from egress.resolver.wire import NOERROR, NXDOMAIN, SERVFAIL
+
+A, CNAME, SOA, AAAA = 1, 5, 6, 28
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something the filter removed or refused, to be reported as a violation."""
+
+    cls: ViolationClass
+    rule: str
+    detail: str
+
+
+@dataclass
+class Filtered:
+    rcode: int
+    answers: list[RR] = field(default_factory=list)
+    authority: list[RR] = field(default_factory=list)
+    ips: list[tuple[IPAddress, int]] = field(default_factory=list)  # (address, ttl)
+    findings: list[Finding] = field(default_factory=list)
+    refused: bool = False  # the whole answer is withheld (denied CNAME target)
+
+    def min_ttl(self) -> int:
+        ttls = [rr.ttl for rr in self.answers + self.authority]
+        return min(ttls) if ttls else 0
+
+    def negative_ttl(self) -> int | None:
+        """RFC 2308: a negative answer lives min(SOA TTL, SOA MINIMUM); no SOA, no caching."""
+        for rr in self.authority:
+            if rr.rtype == SOA:
+                return int(min(rr.ttl, rr.rdata.times[-1]))
+        return None
+
+
+def filter_answer(
+    response: DNSRecord, qname: str, qtype: int, rule: DnsRule, matcher: Matcher, policy: Policy
+) -> Filtered:
+    rcode = response.header.rcode
+    if rcode not in (NOERROR, NXDOMAIN):
+        return Filtered(SERVFAIL if rcode != 5 else rcode)
+    out = Filtered(rcode)
+    chain = _follow_chain(response.rr, qname, rule, matcher, out)
+    if out.refused:
+        return out
+    for rr in response.rr:
+        owner = _name(rr.rname)
+        if owner not in chain or rr.rtype == CNAME:
+            continue  # outside the chain: not an answer to this question
+        _keep_record(rr, qtype, rule, policy, out)
+    out.authority = [rr for rr in response.auth if rr.rtype == SOA]
+    return out
+
+
+def _name(label: object) -> str:
+    return str(label).rstrip(".").lower()
+
+
+def _follow_chain(
+    records: list[RR], qname: str, rule: DnsRule, matcher: Matcher, out: Filtered
+) -> set[str]:
+    """Names on the CNAME chain from qname, within this answer only."""
+    cnames = {_name(rr.rname): rr for rr in records if rr.rtype == CNAME}
+    chain, current = [qname], qname
+    while current in cnames and len(chain) <= 16:
+        rr = cnames[current]
+        target = _name(rr.rdata.label)
+        if target in chain:
+            break  # a loop: stop where it closes
+        if not matcher.rule_for(target):
+            out.refused = True
+            out.findings.append(Finding(
+                ViolationClass.DENIED_NAME, f"no rule matches {target!r}",
+                f"CNAME {current} -> {target}: the target is not allowlisted",
+            ))  # fmt: skip
+            return set()
+        if CNAME not in rule.types:
+            out.refused = True
+            out.findings.append(Finding(
+                ViolationClass.DENIED_TYPE, rule.describe(),
+                f"CNAME {current} -> {target}: {rule.describe()} does not allow CNAME",
+            ))  # fmt: skip
+            return set()
+        out.answers.append(rr)
+        chain.append(target)
+        current = target
+    return set(chain)
+
+
+def _keep_record(rr: RR, qtype: int, rule: DnsRule, policy: Policy, out: Filtered) -> None:
+    if rr.rtype != qtype and qtype != 255:
+        return  # an extra the question did not ask for
+    if rr.rtype not in rule.types:
+        out.findings.append(Finding(
+            ViolationClass.DENIED_TYPE, rule.describe(),
+            f"removed {QTYPE.get(rr.rtype, rr.rtype)} record of {_name(rr.rname)}",
+        ))  # fmt: skip
+        return
+    if rr.rtype in (A, AAAA):
+        ip = ipaddress.ip_address(str(rr.rdata))
+        why = (
+            rebinding_reason(ip, policy.dns.rebinding_exempt) if policy.dns.rebinding_deny else None
+        )
+        if why:
+            out.findings.append(Finding(
+                ViolationClass.REBINDING, "dns.rebinding: deny",
+                f"dropped {_name(rr.rname)} -> {ip}: {why}",
+            ))  # fmt: skip
+            return
+        out.ips.append((ip, rr.ttl))
+    out.answers.append(rr)

@@ -1,0 +1,99 @@
+"""Answers kept as wire bytes, with the offsets of their TTLs, ready to patch and send.
+
+A hit costs a dict lookup, a copy and a few ``pack_into``s: no dnslib objects. Negative
+answers are kept as long as RFC 2308 allows (their SOA's TTL and MINIMUM). Entries also
+remember until when the kernel allows their addresses, so a hit can refresh the set
+before the sandbox uses an address the kernel would already have forgotten.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from egress.datapath.elements import SetUpdate
+from egress.resolver import wire
+
+_TTL = struct.Struct("!I")
+
+
+@dataclass(slots=True)
+class Entry:
+    message: bytes  # the reply with ID 0, no OPT, the question in lowercase
+    ttl_offsets: tuple[int, ...]
+    ttls: tuple[int, ...]
+    stored_at: float
+    expires_at: float
+    update: SetUpdate | None  # the elements this answer allows (None: no addresses)
+    allowed_until: float  # when the kernel's set elements for them expire
+
+    def remaining(self, now: float) -> int:
+        return max(0, int(self.expires_at - now))
+
+
+class Cache:
+    """Bounded LRU keyed by the lowercased question section (name, type, class)."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes, now: float) -> Entry | None:
+        entry = self._entries.get(key)
+        if entry is None or entry.expires_at <= now:
+            if entry is not None:
+                del self._entries[key]
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: bytes, entry: Entry) -> None:
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def make_entry(
+    message: bytes, ttl: int, now: float, update: SetUpdate | None, allowed_s: int
+) -> Entry:
+    offsets = tuple(wire.ttl_offsets(message))
+    ttls = tuple(_TTL.unpack_from(message, off)[0] for off in offsets)
+    return Entry(message, offsets, ttls, now, now + ttl, update, now + allowed_s)
+
+
+def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:
+    """The cached answer for this client: its ID, flags, question case, EDNS; TTLs aged."""
+    out = bytearray(entry.message)
+    qid_flags = struct.unpack_from("!H", out, 2)[0]
+    flags = wire.reply_flags(query.flags, qid_flags & 0xF)
+    struct.pack_into("!HH", out, 0, query.id, flags)
+    out[12 : 12 + len(query.question)] = query.question
+    age = int(now - entry.stored_at)
+    for off, ttl in zip(entry.ttl_offsets, entry.ttls, strict=True):
+        _TTL.pack_into(out, off, max(0, ttl - age))
+    if query.edns_size is not None:
+        out += wire.opt_record()
+        struct.pack_into("!H", out, 10, struct.unpack_from("!H", out, 10)[0] + 1)
+    if len(out) > max_size:
+        return truncated(query)
+    return bytes(out)
+
+
+def truncated(query: wire.Query) -> bytes:
+    """TC=1 with the question only: the client asks again over TCP."""
+    opt = query.edns_size is not None
+    flags = wire.reply_flags(query.flags, wire.NOERROR) | wire.TC
+    head = wire.HEADER.pack(query.id, flags, 1, 0, 0, 1 if opt else 0)
+    return head + query.question + (wire.opt_record() if opt else b"")

@@ -1,0 +1,109 @@
+"""Claims on the subnet pool: which sandbox holds which address block.
+
+One JSON file per sandbox under <run dir>/sandboxes/, written under an flock so that
+concurrent ``egressctl run``s never pick the same block. A claim whose owner process is
+gone and whose netns no longer exists is stale and is reclaimed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from egress.datapath.addressing import first_free
+from egress.errors import SandboxError
+from egress.runtime.paths import run_dir
+
+
+@dataclass
+class Claim:
+    id: str
+    index: int
+    netns: str
+    host_if: str
+    uplink_netns: str | None
+    owner_pid: int
+    cgroup: str = ""
+    keep: bool = False
+
+
+def sandboxes_dir() -> Path:
+    return run_dir() / "sandboxes"
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    directory = sandboxes_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise SandboxError(f"{directory}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_all() -> list[Claim]:
+    claims = []
+    for path in sorted(sandboxes_dir().glob("*.json")):
+        try:
+            claims.append(Claim(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a half-written or foreign file holds no claim
+    return claims
+
+
+def _stale(claim: Claim) -> bool:
+    return not _alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
+
+
+def claim(sandbox_id: str, capacity: int, uplink_netns: str | None) -> Claim:
+    """Atomically take the lowest free address block for a new sandbox."""
+    with _locked():
+        used = set()
+        for existing in load_all():
+            if _stale(existing):
+                release(existing.id)
+            else:
+                used.add(existing.index)
+        index = first_free(used, capacity)
+        new = Claim(
+            id=sandbox_id,
+            index=index,
+            netns=f"egress-{sandbox_id}",
+            host_if=f"eg-{sandbox_id}",
+            uplink_netns=uplink_netns,
+            owner_pid=os.getpid(),
+        )
+        save(new)
+        return new
+
+
+def save(c: Claim) -> None:
+    path = sandboxes_dir() / f"{c.id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(c), indent=2))
+    os.replace(tmp, path)
+
+
+def release(sandbox_id: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (sandboxes_dir() / f"{sandbox_id}.json").unlink()

@@ -1,0 +1,38 @@
+"""Where egress keeps runtime state, and where it finds its nft templates."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import egress
+from egress.errors import EgressError
+
+DEFAULT_RUN_DIR = "/run/egress"
+
+
+def run_dir() -> Path:
+    """Volatile state (claims, lab state): EGRESS_RUN_DIR, default /run/egress."""
+    return Path(os.environ.get("EGRESS_RUN_DIR", DEFAULT_RUN_DIR))
+
+
+def template_dir() -> Path:
+    """nft-templates/: $EGRESS_TEMPLATES, the source tree, or the installed data files."""
+    candidates = [
+        os.environ.get("EGRESS_TEMPLATES", ""),
+        str(Path(egress.__file__).resolve().parent.parent / "nft-templates"),
+        str(Path(sys.prefix) / "share" / "egress" / "nft-templates"),
+    ]
+    for cand in candidates:
+        if cand and (Path(cand) / "sandbox.nft").is_file():
+            return Path(cand)
+    raise EgressError("nft-templates/ not found; set EGRESS_TEMPLATES to its directory")
+
+
+def read_template(name: str) -> str:
+    path = template_dir() / name
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise EgressError(f"{path}: cannot read template: {exc.strerror}") from None

@@ -1,0 +1,176 @@
+"""Create and destroy one sandbox: netns, veth, addresses, routes, nft rulesets, cgroup.
+
+Creation records an undo step for everything it makes, so a failure half-way removes
+exactly what was made; ``destroy`` runs the same steps for a finished sandbox. The host end
+of the veth lives in the uplink namespace (the host, or ``--uplink-netns``), where the
+sandbox's own nft table forwards and masquerades its traffic out of the default route.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from egress.datapath import constants as c
+from egress.datapath.addressing import Pools, SandboxNet
+from egress.datapath.render import UplinkValues, render_sandbox, render_uplink
+from egress.errors import EgressError, SandboxError
+from egress.model import Policy
+from egress.runtime import claims, netns
+from egress.runtime.cgroup import Cgroup
+from egress.runtime.nft import NftHandle
+from egress.runtime.paths import read_template
+
+ETC_NETNS = Path("/etc/netns")
+
+
+def new_id() -> str:
+    return secrets.token_hex(3)
+
+
+@dataclass
+class Sandbox:
+    id: str
+    policy: Policy
+    net: SandboxNet
+    netns: str
+    host_if: str
+    uplink_netns: str | None
+    uplink_table: str
+    cgroup: Cgroup
+    nft: NftHandle
+    created_s: float = 0.0  # create-to-ready time
+    _undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
+
+    @property
+    def resolv_conf(self) -> Path:
+        return ETC_NETNS / self.netns / "resolv.conf"
+
+    def destroy(self) -> None:
+        """Remove everything this sandbox made, newest first; report what resisted."""
+        failures = _unwind(self._undo)
+        if failures:
+            raise SandboxError(f"sandbox {self.id}: teardown left: " + "; ".join(failures))
+
+
+def _unwind(undo: list[tuple[str, Callable[[], None]]]) -> list[str]:
+    failures = []
+    while undo:
+        what, step = undo.pop()
+        try:
+            step()
+        except (EgressError, OSError) as exc:
+            failures.append(f"{what}: {exc}")
+    return failures
+
+
+def create(policy: Policy, pools: Pools, uplink_netns: str | None) -> Sandbox:
+    """Make a ready sandbox for ``policy``; on any failure nothing is left behind."""
+    if uplink_netns is not None and not netns.netns_exists(uplink_netns):
+        raise SandboxError(
+            f"uplink netns {uplink_netns!r} does not exist (see `ip netns list`; "
+            "`egressctl lab up` makes one for testing)"
+        )
+    start = time.monotonic()
+    sandbox_id = new_id()
+    undo: list[tuple[str, Callable[[], None]]] = []
+    try:
+        claim = claims.claim(sandbox_id, pools.capacity, uplink_netns)
+        undo.append(("address claim", lambda: claims.release(sandbox_id)))
+        sb = _build(policy, pools.network(claim.index), claim, undo)
+    except BaseException:
+        _unwind(undo)
+        raise
+    sb.created_s = time.monotonic() - start
+    claim.cgroup = sb.cgroup.v2_path or ""
+    claims.save(claim)
+    return sb
+
+
+def _build(
+    policy: Policy,
+    net: SandboxNet,
+    claim: claims.Claim,
+    undo: list[tuple[str, Callable[[], None]]],
+) -> Sandbox:
+    name, host_if, uplink = claim.netns, claim.host_if, claim.uplink_netns
+    netns.create_netns(name)
+    undo.append((f"netns {name}", lambda: netns.remove_netns(name)))
+    netns.create_veth_pair(host_if, c.SANDBOX_IF, name, uplink)
+    undo.append((f"veth {host_if}", lambda: netns.delete_link(host_if, uplink)))
+    _addresses(net, name, host_if, uplink)
+    nft = NftHandle.open(name)
+    undo.append(("nft handle", nft.close))
+    nft.load(render_sandbox(read_template("sandbox.nft"), policy))
+    table = f"egress_{claim.id}"
+    _uplink_rules(net, host_if, uplink, table, undo)
+    cgroup = Cgroup.create(claim.id)
+    undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
+    _write_resolv_conf(name, undo)
+    return Sandbox(claim.id, policy, net, name, host_if, uplink, table, cgroup, nft, 0.0, undo)
+
+
+def _addresses(net: SandboxNet, name: str, host_if: str, uplink: str | None) -> None:
+    netns.loopback_up(name)
+    # Let unprivileged ICMP echo sockets exist, so a ping is sent, blocked and reported
+    # rather than failing before it reaches the rules.
+    netns.set_sysctl(name, "net.ipv4.ping_group_range", "0 2147483647")
+    netns.add_address(host_if, f"{net.gateway4}/{net.net4.prefixlen}", uplink)
+    netns.add_address(host_if, f"{net.gateway6}/{net.net6.prefixlen}", uplink)
+    netns.set_up(host_if, uplink)
+    netns.add_address(c.SANDBOX_IF, f"{net.address4}/{net.net4.prefixlen}", name)
+    netns.add_address(c.SANDBOX_IF, f"{net.address6}/{net.net6.prefixlen}", name)
+    netns.set_up(c.SANDBOX_IF, name)
+    netns.add_default_route(str(net.gateway4), name, c.SANDBOX_IF)
+    netns.add_default_route(str(net.gateway6), name, c.SANDBOX_IF)
+
+
+def _uplink_rules(
+    net: SandboxNet,
+    host_if: str,
+    uplink: str | None,
+    table: str,
+    undo: list[tuple[str, Callable[[], None]]],
+) -> None:
+    uplink_if = netns.default_route_ifname(uplink)
+    if uplink_if is None:
+        where = f"uplink netns {uplink!r}" if uplink else "the host"
+        raise SandboxError(f"{where} has no default route: the sandbox's traffic can't leave")
+    netns.set_sysctl(uplink, "net.ipv4.ip_forward", 1)
+    netns.set_sysctl(uplink, "net.ipv6.conf.all.forwarding", 1)
+    values = UplinkValues(table, host_if, uplink_if, net.net4, net.net6)
+    handle = NftHandle.open(uplink)
+    try:
+        handle.load(render_uplink(read_template("uplink.nft"), values))
+    finally:
+        handle.close()
+    undo.append((f"uplink table {table}", lambda: _delete_uplink_table(uplink, table)))
+
+
+def _delete_uplink_table(uplink: str | None, table: str) -> None:
+    if uplink is not None and not netns.netns_exists(uplink):
+        return
+    handle = NftHandle.open(uplink)
+    try:
+        handle.delete_table("inet", table)
+    finally:
+        handle.close()
+
+
+def _remove_cgroup(cgroup: Cgroup) -> None:
+    if cgroup.pids():
+        cgroup.kill()
+    cgroup.remove()
+
+
+def _write_resolv_conf(name: str, undo: list[tuple[str, Callable[[], None]]]) -> None:
+    # `ip netns exec` bind-mounts /etc/netns/NAME/* over /etc/* in the workload's private
+    # mount namespace: that is how the workload finds its resolver.
+    directory = ETC_NETNS / name
+    directory.mkdir(parents=True, exist_ok=True)
+    undo.append((f"{directory}", lambda: shutil.rmtree(directory, ignore_errors=True)))
+    (directory / "resolv.conf").write_text(f"nameserver {c.RESOLVER4}\noptions edns0\n")
