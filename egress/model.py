@@ -186,6 +186,8 @@ class Flow:
     dport: int | None = None
 
     def __str__(self) -> str:
+        if self.proto.startswith("icmp"):
+            return f"{self.proto} type {self.sport} code {self.dport} {self.src} -> {self.dst}"
         if self.sport is None or self.dport is None:
             return f"{self.proto} {self.src} -> {self.dst}"
         return (

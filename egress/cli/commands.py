@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 from egress.cli import lab_cmds, policy_cmds, run_cmds
 
-
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     policy_cmds.register,
     run_cmds.register,

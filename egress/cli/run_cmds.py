@@ -99,5 +99,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         user=args.user,
         report=args.report,
         keep=args.keep,
+        upstream=args.upstream,
     )
     return run(policy, opts)

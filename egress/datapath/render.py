@@ -43,10 +43,6 @@ def fill(template: str, slots: Mapping[str, str]) -> str:
 def sandbox_defines() -> list[Define]:
     return [
         Define("RESOLVER4", c.RESOLVER4, "the sandbox's resolver, on its own loopback"),
-        Define("INLINE_GROUP", str(c.INLINE_GROUP), "NFLOG group of the inline layer"),
-        Define("OBSERVER_GROUP", str(c.OBSERVER_GROUP), "NFLOG group of the observer layer"),
-        Define("LOG_RATE", c.LOG_RATE, "log rate limit; the counter still counts all"),
-        Define("LOG_BURST", str(c.LOG_BURST), "log burst"),
     ]
 
 
@@ -60,6 +56,10 @@ def render_sandbox(template: str, policy: Policy) -> str:
             "defines": "\n".join(d.line() for d in sandbox_defines()),
             "static_rules": _static_rules(policy.connect.allow),
             "verdict": _verdict(audit),
+            # nft takes no variables in limit and log statements, so these are written out.
+            "inline_group": str(c.INLINE_GROUP),
+            "observer_group": str(c.OBSERVER_GROUP),
+            "log_limit": f"limit rate {c.LOG_RATE} burst {c.LOG_BURST} packets",
         },
     )
 
@@ -117,10 +117,10 @@ PLACEHOLDER_UPLINK = "<uplink-if>"
 
 def render_uplink(template: str, values: UplinkValues) -> str:
     defines = [
-        Define("TABLE", values.table, "per sandbox: its own table in the uplink netns"),
         Define("SANDBOX_IF", f'"{values.sandbox_if}"', "per sandbox: host end of its veth"),
         Define("UPLINK_IF", f'"{values.uplink_if}"', "the uplink's default-route device"),
         Define("SANDBOX_NET4", str(values.net4), "per sandbox: its IPv4 link network"),
         Define("SANDBOX_NET6", str(values.net6), "per sandbox: its IPv6 link network"),
     ]
-    return fill(template, {"defines": "\n".join(d.line() for d in defines)})
+    # Table names can't be nft variables, so the name is written out.
+    return fill(template, {"defines": "\n".join(d.line() for d in defines), "table": values.table})

@@ -71,7 +71,7 @@ def parse_query(data: bytes) -> Query:
     if end + 4 > len(data):
         raise WireError("question cut short", FORMERR)
     qtype, qclass = struct.unpack_from("!HH", data, end)
-    question = data[HEADER.size : end + 4]
+    question = bytes(data[HEADER.size : end + 4])
     edns = _read_edns(data, end + 4, ar)
     lower = tuple(label.lower() for label in labels)
     qname = ".".join(label.decode("ascii", "replace") for label in lower)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 import struct
 import time
@@ -65,6 +66,24 @@ def system_upstreams(resolv_conf: str = "/etc/resolv.conf") -> list[tuple[str, i
     if not servers:
         raise UpstreamError(f"{resolv_conf} names no nameserver; set dns.upstreams")
     return servers
+
+
+def parse_upstream(text: str) -> tuple[str, int]:
+    """``IP``, ``IP:PORT``, ``[IPv6]:PORT`` or a bare IPv6 address."""
+    host, port = text, "53"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else "53"
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise UpstreamError(f"upstream {text!r}: expected IP, IP:PORT or [IPv6]:PORT") from None
+    if not 0 < number < 65536:
+        raise UpstreamError(f"upstream {text!r}: port {number} is out of range")
+    return host, number
 
 
 def resolve_upstreams(upstreams: tuple[Upstream, ...]) -> list[tuple[str, int]]:
@@ -256,8 +275,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         assert self.transport is not None

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -24,8 +25,10 @@ from egress.datapath.addressing import Pools
 from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError, SandboxError
 from egress.model import Policy, Violation
+from egress.resolver.core import ResolverCore
 from egress.runtime import sandbox as sbx
 from egress.runtime import workload
+from egress.runtime.dns_server import ResolverServer, parse_upstream, resolve_upstreams
 from egress.runtime.nflog import NflogEvent, NflogListener
 
 # Signals a user sends to "the command"; SIGINT/SIGQUIT come from the terminal to the whole
@@ -42,6 +45,7 @@ class RunOptions:
     user: str | None = None
     report: str | None = None
     keep: bool = False
+    upstream: str | None = None  # --upstream IP[:PORT], instead of the policy's upstreams
 
 
 @dataclass
@@ -74,10 +78,27 @@ def run(policy: Policy, opts: RunOptions) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressctl run needs root (it creates a network namespace); use sudo")
     user = workload.resolve_user(opts.user)
-    result = asyncio.run(_run(policy, opts, user))
-    if opts.report:
-        _write_report(opts.report, result.to_json(policy, opts, user.name))
+    # Created and destroyed outside the event loop: pyroute2's synchronous API runs its own.
+    sb = sbx.create(policy, opts.pools, opts.uplink_netns)
+    result = RunResult(sb.id, exit_code=1, kept=opts.keep)
+    result.timings_ms["create"] = round(sb.created_s * 1000, 2)
+    try:
+        asyncio.run(_serve(sb, opts, user, result))
+    finally:
+        _collect_counters(sb, result)
+        _finish(sb, opts, result)
+        if opts.report:
+            _write_report(opts.report, result.to_json(policy, opts, user.name))
     return result.exit_code
+
+
+def _finish(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> None:
+    if opts.keep:
+        print(f"egressctl: kept sandbox {sb.id} (netns {sb.netns})", file=sys.stderr)
+        return
+    start = time.monotonic()
+    sb.destroy()
+    result.timings_ms["teardown"] = round((time.monotonic() - start) * 1000, 2)
 
 
 def _write_report(path: str, data: dict[str, object]) -> None:
@@ -88,23 +109,6 @@ def _write_report(path: str, data: dict[str, object]) -> None:
         os.replace(tmp, target)
     except OSError as exc:
         raise EgressError(f"--report {path}: {exc.strerror}") from None
-
-
-async def _run(policy: Policy, opts: RunOptions, user: workload.User) -> RunResult:
-    sb = sbx.create(policy, opts.pools, opts.uplink_netns)
-    result = RunResult(sb.id, exit_code=1, kept=opts.keep)
-    result.timings_ms["create"] = round(sb.created_s * 1000, 2)
-    try:
-        await _serve(sb, opts, user, result)
-    finally:
-        _collect_counters(sb, result)
-        if not opts.keep:
-            start = time.monotonic()
-            sb.destroy()
-            result.timings_ms["teardown"] = round((time.monotonic() - start) * 1000, 2)
-        else:
-            print(f"egressctl: kept sandbox {sb.id} (netns {sb.netns})", file=sys.stderr)
-    return result
 
 
 class _Session:
@@ -132,18 +136,32 @@ class _Session:
         self.listener.close()
 
 
+def _resolver(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> ResolverServer:
+    upstreams = resolve_upstreams(sb.policy.dns.upstreams)
+    if opts.upstream:
+        upstreams = [parse_upstream(opts.upstream)]
+    core = ResolverCore(sb.policy, len(upstreams), secrets.randbits)
+    return ResolverServer(
+        core, upstreams, sb.nft, result.violations.append, sb.netns, opts.uplink_netns
+    )
+
+
 async def _serve(sb: sbx.Sandbox, opts: RunOptions, user: workload.User, result: RunResult) -> None:
     loop = asyncio.get_running_loop()
     session = _Session(sb, result)
     loop.add_reader(session.listener.fileno(), session.on_nflog)
+    resolver = _resolver(sb, opts, result)
+    await resolver.start()
     try:
         procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
         proc = workload.spawn(sb.netns, user, opts.argv, procs)
         result.exit_code = await _wait(loop, proc.pid, sb)
         proc.returncode = result.exit_code  # reaped by _wait; keep Popen from reaping again
     finally:
+        await resolver.close()
         loop.remove_reader(session.listener.fileno())
         session.close()
+        _resolver_counters(resolver, result)
 
 
 async def _wait(loop: asyncio.AbstractEventLoop, pid: int, sb: sbx.Sandbox) -> int:
@@ -196,6 +214,14 @@ def _from_terminal() -> bool:
         return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
     except (OSError, ValueError):
         return False
+
+
+def _resolver_counters(resolver: ResolverServer, result: RunResult) -> None:
+    stats = resolver.core.stats
+    result.counters.update({f"dns_{k}": v for k, v in stats.items()})
+    result.counters["set_updates"] = resolver.sets.updates
+    result.counters["set_update_failures"] = resolver.sets.failures + resolver.sets.slow
+    result.counters["resolver_internal_errors"] = resolver.internal_errors
 
 
 def _collect_counters(sb: sbx.Sandbox, result: RunResult) -> None:

@@ -1,0 +1,313 @@
+"""The resolver core, driven by hand: no sockets, an upstream made of dnslib replies."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from dnslib import AAAA, CNAME, QTYPE, RR, SOA, TXT, A, DNSRecord, EDNS0
+
+from egress.model import ViolationClass
+from egress.policy import parse_policy
+from egress.resolver import wire
+from egress.resolver.actions import AllowThenReply, Forward, Reply, Report
+from egress.resolver.core import ResolverCore
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: t}}
+spec:
+  mode: {mode}
+  dns:
+    upstreams: ["192.0.2.53", "192.0.2.54"]
+    ttl: {{min: 5s, max: 1h}}
+    denied_response: {denied}
+    allow:
+      - allowed.test
+      - alias.test
+      - "*.cdn.test"
+      - {{name: api.test, types: [A], ports: [443]}}
+"""
+
+
+def core(mode: str = "enforce", denied: str = "nxdomain") -> ResolverCore:
+    policy, _ = parse_policy(POLICY.format(mode=mode, denied=denied), "t.yaml")
+    rng = random.Random(7)
+    return ResolverCore(policy, n_upstreams=2, randbits=rng.getrandbits)
+
+
+def query(name: str, qtype: str = "A", qid: int = 4242, edns: bool = False) -> bytes:
+    q = DNSRecord.question(name, qtype)
+    q.header.id = qid
+    if edns:
+        q.add_ar(EDNS0(udp_len=4096))
+    return q.pack()
+
+
+def upstream_answer(fwd: Forward, *records: RR, rcode: int = 0, auth: tuple[RR, ...] = ()) -> bytes:
+    q = DNSRecord.parse(fwd.data)
+    r = q.reply()
+    r.header.rcode = rcode
+    for rr in records:
+        r.add_answer(rr)
+    for rr in auth:
+        r.add_auth(rr)
+    return r.pack()
+
+
+def only(actions: list, kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_allowed_name_is_forwarded_with_our_own_id_case_and_edns() -> None:
+    c = core()
+    actions = c.on_query(query("AlLoWeD.TeSt.", edns=True, qid=99), "client", False, 0.0)
+    [fwd] = only(actions, Forward)
+    up = DNSRecord.parse(fwd.data)
+    assert str(up.q.qname) == "allowed.test."
+    assert up.header.id != 99
+    [opt] = up.ar
+    assert opt.rtype == QTYPE.OPT and opt.rdata == []  # no client options ride along
+
+
+def test_answer_waits_for_the_set_update_and_carries_the_ip() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "client", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.1)
+    assert isinstance(act, AllowThenReply)
+    assert act.update.elements4 == ("203.0.113.10 . tcp . 80", "203.0.113.10 . tcp . 443")
+    assert act.update.timeout_s == 60
+    client, data, fallback = act.replies[0]
+    assert client == "client"
+    assert DNSRecord.parse(data).header.id == 4242
+    assert DNSRecord.parse(fallback).header.rcode == wire.SERVFAIL
+
+
+def test_rule_ports_and_ttl_bounds() -> None:
+    c = core()
+    [fwd] = c.on_query(query("api.test"), "c", False, 0.0)
+    rr = RR("api.test", QTYPE.A, rdata=A("203.0.113.11"), ttl=1)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    assert act.update.elements4 == ("203.0.113.11 . tcp . 443",)
+    assert act.update.timeout_s == 5  # clamped up to ttl.min
+
+
+@pytest.mark.parametrize(
+    ("name", "qtype", "cls"),
+    [
+        ("denied.test", "A", ViolationClass.DENIED_NAME),
+        ("evil-allowed.test", "A", ViolationClass.DENIED_NAME),
+        ("allowed.test.evil.test", "A", ViolationClass.DENIED_NAME),
+        ("a.b.cdn.test", "A", ViolationClass.DENIED_NAME),
+        ("allowed.test", "TXT", ViolationClass.DENIED_TYPE),
+        ("allowed.test", "NULL", ViolationClass.DENIED_TYPE),
+        ("allowed.test", "ANY", ViolationClass.DENIED_TYPE),
+        ("api.test", "AAAA", ViolationClass.DENIED_TYPE),
+    ],
+)
+def test_denied_queries_never_go_upstream(name: str, qtype: str, cls: ViolationClass) -> None:
+    c = core()
+    actions = c.on_query(query(name, qtype), "c", False, 0.0)
+    assert not only(actions, Forward)
+    [report] = only(actions, Report)
+    assert report.violation.cls is cls
+    assert report.violation.layer == "inline"
+    [reply] = only(actions, Reply)
+    expected = wire.NXDOMAIN if cls is ViolationClass.DENIED_NAME else wire.REFUSED
+    assert DNSRecord.parse(reply.data).header.rcode == expected
+
+
+def test_denied_response_refused_is_configurable() -> None:
+    c = core(denied="refused")
+    [_, reply] = c.on_query(query("denied.test"), "c", False, 0.0)
+    assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
+
+
+def test_cname_to_a_denied_name_is_refused_whole() -> None:
+    c = core()
+    [fwd] = c.on_query(query("alias.test"), "c", False, 0.0)
+    records = (
+        RR("alias.test", QTYPE.CNAME, rdata=CNAME("denied.test"), ttl=60),
+        RR("denied.test", QTYPE.A, rdata=A("203.0.113.12"), ttl=60),
+    )
+    actions = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    assert not only(actions, AllowThenReply)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.DENIED_NAME
+    [reply] = only(actions, Reply)
+    assert DNSRecord.parse(reply.data).header.rcode == wire.NXDOMAIN
+
+
+def test_cname_to_an_allowed_name_is_answered() -> None:
+    c = core()
+    [fwd] = c.on_query(query("alias.test"), "c", False, 0.0)
+    records = (
+        RR("alias.test", QTYPE.CNAME, rdata=CNAME("allowed.test"), ttl=60),
+        RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),
+        RR("elsewhere.test", QTYPE.A, rdata=A("203.0.113.66"), ttl=60),  # off the chain
+    )
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    assert act.update.elements4[0].startswith("203.0.113.10 ")
+    answer = DNSRecord.parse(act.replies[0][1])
+    assert [str(r.rdata) for r in answer.rr] == ["allowed.test.", "203.0.113.10"]
+
+
+@pytest.mark.parametrize(
+    ("qtype", "rdata"),
+    [
+        ("A", A("169.254.169.254")),
+        ("A", A("127.0.0.1")),
+        ("A", A("10.1.2.3")),
+        ("AAAA", AAAA("fe80::1")),
+        ("AAAA", AAAA("::ffff:7f00:1")),
+    ],
+)
+def test_rebinding_answers_are_dropped(qtype: str, rdata: object) -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test", qtype), "c", False, 0.0)
+    rr = RR("allowed.test", getattr(QTYPE, qtype), rdata=rdata, ttl=60)
+    actions = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    assert not only(actions, AllowThenReply)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.REBINDING
+    [reply] = only(actions, Reply)
+    assert DNSRecord.parse(reply.data).rr == []
+
+
+def test_documentation_ranges_are_not_rebinding() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test", "AAAA"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.AAAA, rdata=AAAA("2001:db8::10"), ttl=60)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    assert act.update.elements6 == ("2001:db8::10 . tcp . 80", "2001:db8::10 . tcp . 443")
+
+
+def test_records_of_unasked_or_unallowed_types_are_removed() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    records = (
+        RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),
+        RR("allowed.test", QTYPE.TXT, rdata=TXT("smuggled"), ttl=60),
+    )
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    assert [r.rtype for r in DNSRecord.parse(act.replies[0][1]).rr] == [QTYPE.A]
+
+
+def test_cache_hit_patches_id_ttl_and_question_case() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    [hit] = c.on_query(query("ALLOWED.test", qid=7, edns=True), "c2", False, 10.0)
+    assert isinstance(hit, Reply)
+    msg = DNSRecord.parse(hit.data)
+    assert msg.header.id == 7
+    assert str(msg.q.qname) == "ALLOWED.test."
+    assert msg.rr[0].ttl == 50
+    assert msg.ar and msg.ar[0].rtype == QTYPE.OPT
+    assert c.stats["forwarded"] == 1
+
+
+def test_cache_hit_refreshes_the_set_when_it_would_lapse_first() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=600)
+    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    [entry] = c.cache._entries.values()
+    entry.allowed_until = 100.0  # e.g. the element was removed or set with a shorter timeout
+    [hit] = c.on_query(query("allowed.test"), "c", False, 50.0)
+    assert isinstance(hit, AllowThenReply)
+    assert hit.update.timeout_s == 550
+    [again] = c.on_query(query("allowed.test"), "c", False, 60.0)
+    assert isinstance(again, Reply)
+
+
+def test_negative_answers_are_cached_for_the_soa_minimum() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test", "AAAA"), "c", False, 0.0)
+    soa = RR("test", QTYPE.SOA, rdata=SOA("ns.test", "h.test", (1, 2, 3, 4, 30)), ttl=300)
+    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rcode=3, auth=(soa,)), 0.0)
+    [hit] = c.on_query(query("allowed.test", "AAAA"), "c", False, 29.0)
+    assert DNSRecord.parse(hit.data).header.rcode == wire.NXDOMAIN
+    assert only(c.on_query(query("allowed.test", "AAAA"), "c", False, 31.0), Forward)
+
+
+def test_identical_questions_in_flight_share_one_upstream_query() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test", qid=1), "a", False, 0.0)
+    assert c.on_query(query("allowed.test", qid=2), "b", False, 0.0) == []
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    assert [(cl, DNSRecord.parse(d).header.id) for cl, d, _ in act.replies] == [("a", 1), ("b", 2)]
+
+
+def test_upstream_failover_then_servfail() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    [second] = c.on_upstream_failure(fwd.token, 2.0)
+    assert isinstance(second, Forward) and second.upstream == 1
+    [reply] = c.on_upstream_failure(fwd.token, 4.0)
+    assert DNSRecord.parse(reply.data).header.rcode == wire.SERVFAIL
+    assert c.pending == {} and c.inflight == {}
+
+
+def test_truncated_upstream_answer_is_retried_over_tcp() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    r = DNSRecord.parse(upstream_answer(fwd))
+    r.header.tc = 1
+    [retry] = c.on_upstream_reply(fwd.token, r.pack(), 0.0)
+    assert isinstance(retry, Forward) and retry.tcp
+
+
+def test_spoofed_reply_with_another_id_is_ignored() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    r = DNSRecord.parse(upstream_answer(fwd))
+    r.header.id ^= 0xFFFF
+    assert c.on_upstream_reply(fwd.token, r.pack(), 0.0) == []
+    assert fwd.token in c.pending
+
+
+def test_udp_answer_too_big_for_the_client_is_truncated() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    records = [RR("allowed.test", QTYPE.A, rdata=A(f"203.0.113.{i}"), ttl=60) for i in range(1, 60)]
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    msg = DNSRecord.parse(act.replies[0][1])
+    assert msg.header.tc == 1 and msg.rr == []
+    [tcp] = c.on_query(query("allowed.test"), "c", True, 0.0)
+    assert len(DNSRecord.parse(tcp.data).rr) == 59
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x00" * 5,
+        DNSRecord.question("allowed.test").reply().pack(),  # a response
+        bytes.fromhex("1234010000020000000000000774657374000001000107746573740000010001"),
+        bytes.fromhex("12340100000100000000000007616c6c6f776564"),  # cut short
+        bytes.fromhex("1234010000010000000000000c0c0000010001"),  # pointer in question
+        bytes.fromhex("1234290000010000000000000474657374000001000100"),  # opcode UPDATE
+    ],
+)
+def test_malformed_packets_never_go_upstream(data: bytes) -> None:
+    c = core()
+    actions = c.on_query(data, "c", False, 0.0)
+    assert not only(actions, Forward)
+    for reply in only(actions, Reply):
+        assert DNSRecord.parse(reply.data).header.rcode in (wire.FORMERR, wire.NOTIMP)
+
+
+def test_audit_mode_forwards_denied_names_and_reports_them() -> None:
+    c = core(mode="audit")
+    actions = c.on_query(query("denied.test"), "c", False, 0.0)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.DENIED_NAME
+    [fwd] = only(actions, Forward)
+    rr = RR("denied.test", QTYPE.A, rdata=A("127.0.0.1"), ttl=60)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    assert isinstance(act, AllowThenReply)  # answered as a plain forwarder would
