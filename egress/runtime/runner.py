@@ -182,7 +182,8 @@ async def _wait(loop: asyncio.AbstractEventLoop, pid: int, sb: sbx.Sandbox) -> i
         os.close(pidfd)
         for sig in FORWARDED + TERMINAL:
             loop.remove_signal_handler(sig)
-    return os.waitstatus_to_exitcode(status) if status >= 0 else 1
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
 
 
 def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, sb: sbx.Sandbox) -> None:

@@ -174,3 +174,34 @@ def _write_resolv_conf(name: str, undo: list[tuple[str, Callable[[], None]]]) ->
     directory.mkdir(parents=True, exist_ok=True)
     undo.append((f"{directory}", lambda: shutil.rmtree(directory, ignore_errors=True)))
     (directory / "resolv.conf").write_text(f"nameserver {c.RESOLVER4}\noptions edns0\n")
+
+
+def teardown_claim(claim: claims.Claim) -> list[str]:
+    """Remove a sandbox known only by its claim (its egress process died, or --keep).
+
+    The same steps as ``destroy``, each one tolerant of what is already gone; returns what
+    could not be removed.
+    """
+    undo: list[tuple[str, Callable[[], None]]] = [
+        ("address claim", lambda: claims.release(claim.id)),
+        (f"netns {claim.netns}", lambda: netns.remove_netns(claim.netns)),
+        (f"veth {claim.host_if}", lambda: netns.delete_link(claim.host_if, claim.uplink_netns)),
+        (
+            f"uplink table egress_{claim.id}",
+            lambda: _delete_uplink_table(claim.uplink_netns, f"egress_{claim.id}"),
+        ),
+        (f"cgroup {claim.id}", lambda: _remove_cgroup_by_name(claim.id)),
+        (
+            f"{ETC_NETNS / claim.netns}",
+            lambda: shutil.rmtree(ETC_NETNS / claim.netns, ignore_errors=True),
+        ),
+    ]
+    return _unwind(undo)
+
+
+def _remove_cgroup_by_name(name: str) -> None:
+    try:
+        cgroup = Cgroup.open(name)
+    except SandboxError:
+        return  # never made, or already gone
+    _remove_cgroup(cgroup)

@@ -1,0 +1,309 @@
+"""Issue 3: `egressctl run` with kernel-enforced default-deny egress, against the lab.
+
+Every test runs the real command: a netns, veth, nftables, cgroup and an unprivileged
+workload (tests/privileged/probe.py) that tries things and says what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from egress.runtime import claims
+from egress.runtime.lab import Lab
+from tests.privileged.sandboxes import (
+    EGRESSCTL,
+    SYSTEM_PYTHON,
+    cleanup,
+    env,
+    leftovers,
+    policy_file,
+    run_probe,
+    workdir,
+)
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+NOBODY = 65534
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: static}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [allowed.lab.test]
+  connect:
+    allow:
+      - {cidr: 203.0.113.10/32, ports: [80], proto: tcp}
+      - {cidr: "2001:db8:80::10/128", ports: [80], proto: tcp}
+"""
+
+
+def flows(outcome, cls="blocked_connect"):
+    return {
+        (v["flow"]["proto"], v["flow"]["dst"], v["flow"]["dport"]): v
+        for v in outcome.violations(cls)
+    }
+
+
+def test_static_allow_reachable_and_everything_else_blocked_fast(lab: Lab) -> None:
+    steps = [
+        {"op": "tcp", "host": "203.0.113.10", "port": 80},
+        {"op": "tcp", "host": "2001:db8:80::10", "port": 80},
+        {"op": "tcp", "host": "203.0.113.10", "port": 8080},
+        {"op": "tcp", "host": "203.0.113.11", "port": 80},
+        {"op": "tcp", "host": "2001:db8:80::11", "port": 80},
+        {"op": "icmp", "host": "203.0.113.10"},
+        {"op": "udp", "host": "203.0.113.10", "port": 9999},
+        {"op": "dns", "server": lab.dns4, "name": "allowed.lab.test"},
+    ]
+    out = run_probe(POLICY, steps, lab.uplink_netns)
+    assert out.rc == 0, out.stderr
+    ok4, ok6, *blocked = out.steps
+    assert ok4["ok"] and ok4["body"].startswith("lab 203.0.113.10:80"), ok4
+    assert ok6["ok"] and ok6["body"].startswith("lab [2001:db8:80::10]:80"), ok6
+    for step in blocked:
+        assert not step["ok"], step
+        assert step["elapsed"] < 1.0, step
+    seen = flows(out)
+    for key in [
+        ("tcp", "203.0.113.10", 8080),
+        ("tcp", "203.0.113.11", 80),
+        ("tcp", "2001:db8:80::11", 80),
+        ("udp", "203.0.113.10", 9999),
+    ]:
+        assert key in seen, (key, list(seen))
+        v = seen[key]
+        assert v["layer"] == "inline" and v["uid"] == NOBODY
+        assert v["flow"]["src"] and v["flow"]["sport"]
+    assert any(k[0] == "icmp" and k[1] == "203.0.113.10" for k in seen), list(seen)
+    [dns] = [v for v in out.violations("foreign_dns") if v["flow"]["dst"] == lab.dns4]
+    assert dns["flow"]["dport"] == 53 and dns["uid"] == NOBODY
+    assert out.report["counters"]["dropped_packets"] >= 6
+    assert leftovers(out.report["sandbox"], lab.uplink_netns) == []
+
+
+def test_workload_cannot_touch_the_rules(lab: Lab) -> None:
+    steps = [
+        {"op": "whoami"},
+        {"op": "run", "argv": ["/usr/sbin/nft", "list", "ruleset"]},
+        {"op": "run", "argv": ["/usr/sbin/nft", "flush", "ruleset"]},
+        {"op": "run", "argv": ["/usr/sbin/ip", "link", "set", "eth0", "down"]},
+        {"op": "raw"},
+        {"op": "tcp", "host": "203.0.113.11", "port": 80},
+        {"op": "tcp", "host": "203.0.113.10", "port": 80},
+    ]
+    out = run_probe(POLICY, steps, lab.uplink_netns)
+    me, nft_list, nft_flush, link_down, raw, blocked, allowed = out.steps
+    assert me["uid"] == NOBODY and me["gid"] != 0
+    assert me["caps"]["CapEff"] == me["caps"]["CapPrm"] == me["caps"]["CapBnd"] == "0" * 16
+    assert me["caps"]["CapAmb"] == "0" * 16
+    assert "nameserver 127.0.0.53" in me["resolv"]
+    for step in (nft_list, nft_flush, link_down):
+        assert step["rc"] != 0 and "not permitted" in step["stderr"].lower(), step
+    assert not raw["ok"] and raw["error"] == "EPERM"
+    assert not blocked["ok"]
+    assert allowed["ok"], allowed
+
+
+def _sandbox_of(pid: int) -> str:
+    [claim] = [c for c in claims.load_all() if c.owner_pid == pid]
+    return claim.id
+
+
+def test_rules_hold_with_no_egress_process_alive(lab: Lab) -> None:
+    with workdir() as d:
+        go = d / "go"
+        steps = [
+            {"op": "tcp", "host": "203.0.113.10", "port": 80},
+            {"op": "wait_file", "path": str(go)},
+            {"op": "tcp", "host": "203.0.113.11", "port": 80},
+            {"op": "udp", "host": "203.0.113.10", "port": 9999},
+            {"op": "tcp", "host": "203.0.113.10", "port": 80},
+        ]
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, str(d / "probe.py"),
+                json.dumps(steps)]  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
+        sandbox_id = None
+        try:
+            assert proc.stdout is not None
+            first = json.loads(proc.stdout.readline())
+            assert first["ok"], first
+            sandbox_id = _sandbox_of(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)  # egress is gone; the workload is not
+            proc.wait()
+            go.touch()
+            rest = [json.loads(line) for line in proc.stdout]
+            _, blocked_tcp, blocked_udp, allowed = rest
+            assert not blocked_tcp["ok"] and not blocked_udp["ok"]
+            assert allowed["ok"]
+        finally:
+            proc.kill()
+            if sandbox_id:
+                cleanup(sandbox_id)
+        assert sandbox_id and leftovers(sandbox_id, lab.uplink_netns) == []
+
+
+def test_nothing_is_left_after_a_killed_command(lab: Lab) -> None:
+    with workdir() as d:
+        report = d / "r.json"
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--report", str(report),
+                "--", "/bin/sh", "-c", "sleep 30 & kill -9 $$"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=60)
+        assert done.returncode == 137, done.stderr
+        data = json.loads(report.read_text())
+        assert data["exit_code"] == 137
+        assert leftovers(data["sandbox"], lab.uplink_netns) == []
+
+
+def test_twenty_sandboxes_are_isolated_from_each_other(lab: Lab) -> None:
+    n = 20
+    with workdir() as d:
+        board = d / "board"
+        board.mkdir(mode=0o777)
+        board.chmod(0o777)
+        procs = []
+        for i in range(n):
+            steps = [
+                {"op": "listen", "port": 8080},
+                {"op": "myaddr", "publish": str(board)},
+                {"op": "wait_count", "path": str(board), "count": n},
+                {"op": "tcp", "host": "203.0.113.11", "port": 20000 + i, "http": False},
+            ]
+            report = d / f"r{i}.json"
+            argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                    "--uplink-netns", lab.uplink_netns, "--report", str(report),
+                    "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]  # fmt: skip
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env()))
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        results = [[json.loads(line) for line in o.splitlines()] for o in outs]
+        reports = [json.loads((d / f"r{i}.json").read_text()) for i in range(n)]
+    addresses = [r[1]["address"] for r in results]
+    assert len(set(addresses)) == n
+    for i, report in enumerate(reports):
+        seen = {(v["flow"]["dst"], v["flow"]["dport"]) for v in report["violations"] if "flow" in v}
+        tcp_ports = {p for dst, p in seen if dst == "203.0.113.11"}
+        assert tcp_ports == {20000 + i}, (i, seen)  # only its own traffic is in its evidence
+        assert leftovers(report["sandbox"], lab.uplink_netns) == []
+
+
+def test_a_sandbox_reaches_no_other_sandbox_and_not_the_uplink(lab: Lab) -> None:
+    with workdir() as d:
+        board = d / "board"
+        board.mkdir()
+        board.chmod(0o777)
+        go = d / "go"
+        holder_steps = [
+            {"op": "listen", "port": 8080},
+            {"op": "myaddr", "publish": str(board)},
+            {"op": "wait_file", "path": str(go)},
+        ]
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, str(d / "probe.py"),
+                json.dumps(holder_steps)]  # fmt: skip
+        holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
+        try:
+            assert holder.stdout is not None
+            holder.stdout.readline()
+            other = json.loads(holder.stdout.readline())["address"]
+            gateway = other.rsplit(".", 1)[0] + ".1"
+            steps = [
+                {"op": "myaddr"},
+                {"op": "tcp", "host": other, "port": 8080, "http": False},
+                {"op": "tcp", "host": gateway, "port": 22, "http": False},
+                {"op": "tcp", "host": "198.18.0.1", "port": 22, "http": False},
+                {"op": "udp", "host": "198.18.0.1", "port": 53},
+            ]
+            out = run_probe(POLICY, steps, lab.uplink_netns)
+            me, to_other, to_gw, to_uplink, udp_uplink = out.steps
+            own_gateway = me["address"].rsplit(".", 1)[0] + ".1"
+            assert not to_other["ok"] and not to_gw["ok"] and not to_uplink["ok"]
+            assert not udp_uplink["ok"]
+            seen = flows(out)
+            assert ("tcp", other, 8080) in seen and ("tcp", "198.18.0.1", 22) in seen
+            # Its own gateway is the uplink too: the sandbox gets to nothing there either.
+            probe_gw = run_probe(POLICY, [{"op": "tcp", "host": own_gateway, "port": 22,
+                                          "http": False}], lab.uplink_netns)  # fmt: skip
+            assert not probe_gw.steps[0]["ok"]
+        finally:
+            go.touch()
+            holder.communicate(timeout=30)
+
+
+def test_a_policy_with_errors_creates_nothing(lab: Lab) -> None:
+    before = set(netns_list())
+    with workdir() as d:
+        bad = policy_file(d, POLICY.replace("proto: tcp}", "proto: tcpx}", 1))
+        done = subprocess.run([*EGRESSCTL, "run", "--policy", str(bad), "--uplink-netns",
+                               lab.uplink_netns, "--", "true"],
+                              capture_output=True, text=True, env=env())  # fmt: skip
+    assert done.returncode == 2
+    assert f"{bad}:" in done.stderr and "tcpx" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert set(netns_list()) == before
+
+
+def test_missing_uplink_netns() -> None:
+    with workdir() as d:
+        done = subprocess.run([*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                               "--uplink-netns", "no-such-uplink", "--", "true"],
+                              capture_output=True, text=True, env=env())  # fmt: skip
+    assert done.returncode == 1
+    assert "uplink netns 'no-such-uplink' does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_missing_command_exits_127(lab: Lab) -> None:
+    with workdir() as d:
+        report = d / "r.json"
+        done = subprocess.run([*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                               "--uplink-netns", lab.uplink_netns, "--report", str(report),
+                               "--", "/no/such/command"],
+                              capture_output=True, text=True, env=env())  # fmt: skip
+        assert done.returncode == 127, done.stderr
+        assert leftovers(json.loads(report.read_text())["sandbox"], lab.uplink_netns) == []
+
+
+def test_exhausted_subnet_pool(lab: Lab) -> None:
+    pool = ["--subnet-pool", "10.99.0.0/30"]  # room for exactly one sandbox
+    with workdir() as d:
+        go = d / "go"
+        steps = [{"op": "myaddr"}, {"op": "wait_file", "path": str(go)}]
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)), "--uplink-netns",
+                lab.uplink_netns, *pool, "--", SYSTEM_PYTHON, str(d / "probe.py"),
+                json.dumps(steps)]  # fmt: skip
+        first = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
+        try:
+            assert first.stdout is not None
+            assert json.loads(first.stdout.readline())["address"] == "10.99.0.2"
+            second = subprocess.run([*EGRESSCTL, "run", "--policy", str(d / "policy.yaml"),
+                                     "--uplink-netns", lab.uplink_netns, *pool, "--", "true"],
+                                    capture_output=True, text=True, env=env())  # fmt: skip
+            assert second.returncode == 1
+            assert "subnet pool exhausted" in second.stderr
+        finally:
+            go.touch()
+            first.communicate(timeout=30)
+
+
+def test_running_without_root_says_so(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from egress.cli.main import main
+
+    with workdir() as d:
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+        rc = main(["run", "--policy", str(policy_file(d, POLICY)), "--", "true"])
+    assert rc == 1
+    assert "needs root" in capsys.readouterr().err
+
+
+def netns_list() -> list[str]:
+    """Sandbox namespaces only: other tests may make labs meanwhile."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith("egress-")]
