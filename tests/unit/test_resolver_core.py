@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from dnslib import AAAA, CNAME, QTYPE, RR, SOA, TXT, A, DNSRecord, EDNS0
+from dnslib import AAAA, CNAME, EDNS0, QTYPE, RR, SOA, TXT, A, DNSRecord
 
 from egress.model import ViolationClass
 from egress.policy import parse_policy

@@ -1,0 +1,217 @@
+"""JSON Schema (draft 2020-12) of the policy language, for editors and other tools.
+
+It describes structure: keys, types, enumerations and the shape of strings. What a
+schema cannot say well (IDNA, CIDR host bits, min <= max, duplicate rules) is left to
+the validator, which is the authority; a file that passes ``egressctl validate`` also
+passes this schema (a test checks it for every shipped policy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from egress.model import Action, ViolationClass
+
+Schema = dict[str, Any]
+
+NAME_PATTERN = r"^(\*\*?\.)?[^*\s]+$"
+DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
+TYPE_PATTERN = r"^([A-Za-z][A-Za-z0-9]*|TYPE[0-9]{1,5})$"
+
+
+def _obj(
+    description: str, properties: dict[str, Schema], required: list[str] | None = None
+) -> Schema:
+    schema: Schema = {
+        "type": "object",
+        "description": description,
+        "properties": properties,
+        "additionalProperties": False,
+    }
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _defs() -> dict[str, Schema]:
+    port = {
+        "oneOf": [
+            {"type": "integer", "minimum": 1, "maximum": 65535},
+            {"type": "string", "pattern": r"^[0-9]{1,5}$"},
+        ]
+    }
+    port_list = {"type": "array", "items": {"$ref": "#/$defs/port"}}
+    range_list = {"type": "array", "items": {"$ref": "#/$defs/portOrRange"}}
+    return {
+        "port": {**port, "description": "A TCP or UDP port, 1-65535."},
+        "portOrRange": {
+            "description": 'A port, or a range like "8000-8100" (connect.allow only).',
+            "anyOf": [port, {"type": "string", "pattern": r"^[0-9]{1,5}-[0-9]{1,5}$"}],
+        },
+        "ports": {
+            "description": "A list of ports (TCP), or {tcp: [...], udp: [...]}. Single ports only:"
+            " learned addresses are matched one port each.",
+            "oneOf": [port_list, _transports(port_list)],
+        },
+        "portRanges": {
+            "description": "A list of ports or ranges (with proto), or {tcp: [...], udp: [...]}.",
+            "oneOf": [range_list, _transports(range_list)],
+        },
+        "recordType": {
+            "type": "string",
+            "pattern": TYPE_PATTERN,
+            "description": "A DNS record type: A, AAAA, CNAME, HTTPS, TXT, ... or TYPE65280.",
+        },
+        "recordTypes": {"type": "array", "items": {"$ref": "#/$defs/recordType"}},
+        "duration": {
+            "type": "string",
+            "pattern": DURATION_PATTERN,
+            "minLength": 2,
+            "description": "A duration with a unit: 30s, 5m, 1h, 1h30m.",
+        },
+        "cidr": {
+            "type": "string",
+            "description": "An IPv4 or IPv6 network, no host bits: 192.0.2.0/24, 2001:db8::/32.",
+        },
+        "action": {"enum": [action.value for action in Action]},
+    }
+
+
+def _transports(items: Schema) -> Schema:
+    return _obj("Ports per transport.", {"tcp": items, "udp": items})
+
+
+def _dns_rule() -> Schema:
+    name = {
+        "type": "string",
+        "pattern": NAME_PATTERN,
+        "description": "x.com (exact), *.x.com (exactly one more label) or **.x.com (one or more).",
+    }
+    rule = _obj(
+        "A name with its own record types and ports.",
+        {
+            "name": name,
+            "types": {
+                "$ref": "#/$defs/recordTypes",
+                "description": "Replaces dns.types for this rule; may name data-only types.",
+            },
+            "ports": {
+                "$ref": "#/$defs/ports",
+                "description": "Ports for addresses learned by this rule (else connect.ports).",
+            },
+        },
+        ["name"],
+    )
+    return {"oneOf": [name, rule]}
+
+
+def _dns() -> Schema:
+    return _obj(
+        "What the sandbox may resolve.",
+        {
+            "upstreams": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"type": "string"},
+                "description": "system (host resolv.conf), IP, IP:port or [IPv6]:port.",
+            },
+            "types": {
+                "$ref": "#/$defs/recordTypes",
+                "description": "Record types every rule allows unless it lists its own."
+                " Default [A, AAAA, CNAME, HTTPS].",
+            },
+            "ttl": _obj(
+                "Bounds on how long a learned address stays allowed.",
+                {
+                    "min": {"$ref": "#/$defs/duration", "description": "Default 5s."},
+                    "max": {"$ref": "#/$defs/duration", "description": "Default 1h, at most 24h."},
+                },
+            ),
+            "rebinding": {
+                "enum": ["deny", "allow"],
+                "description": "Refuse answers pointing at private/local addresses. Default deny.",
+            },
+            "rebinding_exempt": {
+                "type": "array",
+                "items": {"$ref": "#/$defs/cidr"},
+                "description": "Networks exempt from rebinding protection.",
+            },
+            "denied_response": {
+                "enum": ["nxdomain", "refused"],
+                "description": "What a denied query gets back. Default nxdomain.",
+            },
+            "allow": {
+                "type": "array",
+                "items": _dns_rule(),
+                "description": "Names the sandbox may resolve (required; may be empty).",
+            },
+        },
+        ["allow"],
+    )
+
+
+def _connect() -> Schema:
+    cidr_rule = _obj(
+        "A static destination that needs no DNS.",
+        {
+            "cidr": {"$ref": "#/$defs/cidr"},
+            "ports": {"$ref": "#/$defs/portRanges", "description": "Default: every port."},
+            "proto": {"enum": ["tcp", "udp", "any"], "description": "Default tcp."},
+        },
+        ["cidr"],
+    )
+    return _obj(
+        "Where the sandbox may connect.",
+        {
+            "ports": {
+                "$ref": "#/$defs/ports",
+                "description": "Ports for addresses learned from DNS. Default [80, 443].",
+            },
+            "allow": {"type": "array", "items": cidr_rule},
+        },
+    )
+
+
+def _violations() -> Schema:
+    return _obj(
+        "What happens on each class of violation: freeze the sandbox, block, or only log.",
+        {cls.value: {"$ref": "#/$defs/action"} for cls in ViolationClass},
+    )
+
+
+def policy_json_schema() -> dict[str, Any]:
+    """The schema as a JSON-ready dict."""
+    spec = _obj(
+        "The policy itself.",
+        {
+            "mode": {"enum": ["enforce", "audit"], "description": "Default enforce."},
+            "dns": _dns(),
+            "connect": _connect(),
+            "tunnel": _obj(
+                "DNS tunnel detection.", {"enabled": {"type": "boolean", "default": True}}
+            ),
+            "violations": _violations(),
+        },
+        ["dns"],
+    )
+    metadata = _obj(
+        "Identity of the policy.",
+        {"name": {"type": "string", "pattern": r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"}},
+        ["name"],
+    )
+    top = _obj(
+        "An egress policy: which DNS names a sandbox may resolve and where it may connect.",
+        {
+            "apiVersion": {"const": "egress/v1"},
+            "kind": {"const": "Policy"},
+            "metadata": metadata,
+            "spec": spec,
+        },
+        ["apiVersion", "kind", "metadata", "spec"],
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "egress policy v1",
+        **top,
+        "$defs": _defs(),
+    }
