@@ -79,7 +79,7 @@ def raw(step):
 
 def run(step):
     done = subprocess.run(step["argv"], capture_output=True, text=True, timeout=10)
-    return {"rc": done.returncode, "stderr": done.stderr[-500:]}
+    return {"rc": done.returncode, "stderr": done.stderr[-500:], "stdout": done.stdout[-4000:]}
 
 
 def unshare_net(step):
@@ -107,6 +107,18 @@ def repeat_fetch(step):
             fetch(step)
         except OSError as exc:
             failures.append((i, errno.errorcode.get(exc.errno or 0, str(exc))))
+    return {"failures": failures[:20], "failed": len(failures)}
+
+
+def fetch_series(step):
+    """Resolve a new name (a new IP) and connect to it at once, ``count`` times in a row."""
+    failures = []
+    for i in range(step["count"]):
+        name = step["template"].format(a=i // 250, b=i % 250 + 1)
+        try:
+            fetch({"name": name, "port": step["port"], "timeout": 2})
+        except OSError as exc:
+            failures.append([name, errno.errorcode.get(exc.errno or 0, str(exc))])
     return {"failures": failures[:20], "failed": len(failures)}
 
 
@@ -174,6 +186,7 @@ OPS = {
         unshare_net,
         listen,
         myaddr,
+        fetch_series,
         wait_count,
     )
 }

@@ -1,0 +1,222 @@
+"""Issue 4: the filtering resolver inside a real sandbox, against the lab's DNS server.
+
+The workload uses real `dig` and the system resolver (getaddrinfo) through the sandbox's
+resolv.conf; the lab's query log is the proof of what reached "upstream".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+from egress.runtime.lab import Lab
+from tests.privileged.sandboxes import (
+    EGRESSCTL,
+    SYSTEM_PYTHON,
+    env,
+    policy_file,
+    run_probe,
+    workdir,
+)
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: resolver}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    ttl: {min: 1s, max: 1h}
+    allow:
+      - allowed.lab.test
+      - "*.cdn.lab.test"
+      - alias-ok.lab.test
+      - alias-bad.lab.test
+      - alias-chain.lab.test
+      - big.lab.test
+      - short-ttl.lab.test
+      - slow.lab.test
+      - {name: meta.lab.test, types: [A]}
+      - {name: loop.lab.test, types: [A]}
+      - {name: ten.lab.test, types: [A]}
+      - {name: ll6.lab.test, types: [AAAA]}
+      - {name: mapped.lab.test, types: [AAAA]}
+  connect:
+    ports: [80]
+"""
+DIG = "/usr/bin/dig"
+
+
+def dig(*args: str) -> dict:
+    return {"op": "run", "argv": [DIG, "+tries=1", "+time=5", "@127.0.0.53", *args]}
+
+
+def status(step: dict) -> str:
+    m = re.search(r"status: (\w+)", step.get("stdout", ""))
+    return m.group(1) if m else f"no status (rc {step.get('rc')}): {step.get('stderr')}"
+
+
+def answers(step: dict) -> list[str]:
+    out = step.get("stdout", "")
+    section = (
+        out.split(";; ANSWER SECTION:")[1].split("\n\n")[0] if ";; ANSWER SECTION:" in out else ""
+    )
+    return [line.split()[-1] for line in section.strip().splitlines() if line]
+
+
+def test_denied_names_and_types_are_refused_and_never_sent_upstream(lab: Lab) -> None:
+    long_name = ".".join(["a" * 63] * 3) + ".allowed.lab.test"  # over 253 characters
+    queries = [
+        ("denied.lab.test", "A", "NXDOMAIN"),
+        ("DeNiEd.LaB.TeSt.", "A", "NXDOMAIN"),
+        ("evil-allowed.lab.test", "A", "NXDOMAIN"),
+        ("allowed.lab.test.evil.test", "A", "NXDOMAIN"),
+        ("a.b.cdn.lab.test", "A", "NXDOMAIN"),
+        ("cdn.lab.test", "A", "NXDOMAIN"),
+        (long_name, "A", None),
+        ("allowed.lab.test", "TXT", "REFUSED"),
+        ("allowed.lab.test", "NULL", "REFUSED"),
+        ("allowed.lab.test", "ANY", "REFUSED"),
+        ("allowed.lab.test", "TYPE65280", "REFUSED"),
+    ]
+    lab.clear_queries()
+    steps = [dig(name, qtype) for name, qtype, _ in queries]
+    steps += [dig("AlLoWeD.LaB.TeSt.", "A"), dig("a1.cdn.lab.test", "A")]
+    out = run_probe(POLICY, steps, lab.uplink_netns)
+    assert out.rc == 0, out.stderr
+    for (name, qtype, expected), step in zip(queries, out.steps, strict=False):
+        if expected:
+            assert status(step) == expected, (name, qtype, step)
+        else:  # dig itself may refuse to send a name this long; either way, nothing leaves
+            assert status(step) in ("FORMERR", "NXDOMAIN") or step["rc"] != 0, step
+    mixed, cdn = out.steps[-2:]
+    assert status(mixed) == "NOERROR" and answers(mixed) == ["203.0.113.10"]
+    assert status(cdn) == "NOERROR" and answers(cdn) == ["203.0.113.13"]
+    arrived = [(q["qname"].rstrip("."), q.get("qtype")) for q in lab.queries() if q.get("qname")]
+    names = [n for n, _ in arrived]
+    assert "allowed.lab.test" in names and "a1.cdn.lab.test" in names  # lowercased: ours
+    for name, _, expected in queries:
+        if expected != "REFUSED":  # denied names: the name itself never arrives
+            assert not any(n.lower() == name.lower().rstrip(".") for n in names), name
+    assert not any("evil" in n or "denied" in n for n in names), names
+    assert {t for _, t in arrived} <= {"A", 1}, arrived  # denied types never arrive
+    classes = {v["class"] for v in out.violations()}
+    assert classes == {"denied_name", "denied_type"}, classes
+
+
+def test_cname_chains(lab: Lab) -> None:
+    out = run_probe(POLICY, [dig("alias-bad.lab.test"), dig("alias-ok.lab.test"),
+                             dig("alias-chain.lab.test")], lab.uplink_netns)  # fmt: skip
+    bad, ok, chain = out.steps
+    assert status(bad) == "NXDOMAIN" and answers(bad) == []
+    assert status(ok) == "NOERROR" and answers(ok) == ["allowed.lab.test.", "203.0.113.10"]
+    # alias-chain -> alias-ok -> allowed: every name on the chain is allowlisted.
+    assert answers(chain)[-1] == "203.0.113.10"
+    [v] = out.violations("denied_name")
+    assert "denied.lab.test" in v["detail"]
+
+
+def test_rebinding_answers_are_dropped(lab: Lab) -> None:
+    names = [("meta", "A"), ("loop", "A"), ("ten", "A"), ("ll6", "AAAA"), ("mapped", "AAAA")]
+    out = run_probe(POLICY, [dig(f"{n}.lab.test", t) for n, t in names], lab.uplink_netns)
+    for step in out.steps:
+        assert status(step) == "NOERROR" and answers(step) == [], step
+    dropped = [v["detail"] for v in out.violations("rebinding")]
+    for needle in ("169.254.169.254", "127.0.0.1", "10.1.2.3", "fe80::1", "::ffff:"):
+        assert any(needle in d for d in dropped), (needle, dropped)
+
+
+def test_dns_over_tcp_and_truncation_fallback(lab: Lab) -> None:
+    steps = [dig("+tcp", "allowed.lab.test"), dig("+noedns", "big.lab.test"),
+             dig("+noedns", "+ignore", "big.lab.test")]  # fmt: skip
+    out = run_probe(POLICY, steps, lab.uplink_netns)
+    tcp, big, truncated = out.steps
+    assert status(tcp) == "NOERROR" and answers(tcp) == ["203.0.113.10"]
+    assert status(big) == "NOERROR" and len(answers(big)) == 40, big["stdout"][-400:]
+    assert " tc " in truncated["stdout"].split("flags:")[1].split(";")[0] + " "
+
+
+def test_upstream_slow_or_down_gives_servfail_and_the_server_lives(lab: Lab) -> None:
+    out = run_probe(POLICY, [{**dig("slow.lab.test"), "t": 1}, dig("allowed.lab.test")],
+                    lab.uplink_netns)  # fmt: skip
+    slow, after = out.steps
+    assert status(slow) == "SERVFAIL" and slow["elapsed"] < 3.0, slow
+    assert status(after) == "NOERROR"
+    down = run_probe(POLICY, [dig("allowed.lab.test"), {"op": "tcp", "host": "203.0.113.10",
+                     "port": 80}], lab.uplink_netns, extra=["--upstream", "198.51.100.99"])  # fmt: skip
+    servfail, connect = down.steps
+    assert status(servfail) == "SERVFAIL" and servfail["elapsed"] < 3.0
+    assert not connect["ok"]  # nothing was allowed
+
+
+def test_an_ip_is_forgotten_after_its_clamped_ttl(lab: Lab) -> None:
+    with workdir() as d:
+        go = d / "go"
+        steps = [
+            {"op": "fetch", "name": "short-ttl.lab.test"},
+            {"op": "wait_file", "path": str(go)},
+            {"op": "tcp", "host": "203.0.113.11", "port": 80, "http": False},
+        ]
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)), "--uplink-netns",
+                lab.uplink_netns, "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
+        try:
+            assert proc.stdout is not None
+            first = json.loads(proc.stdout.readline())
+            assert first["ok"] and first["address"] == "203.0.113.11", first
+            netns = _sandbox_netns(proc.pid)
+            _wait_until_set_forgets(netns, "203.0.113.11", deadline_s=10)
+        finally:
+            go.touch()
+        rest = [json.loads(line) for line in proc.stdout]
+        proc.wait(timeout=30)
+    assert not rest[-1]["ok"], rest
+
+
+def _sandbox_netns(pid: int) -> str:
+    from egress.runtime import claims
+
+    [claim] = [c for c in claims.load_all() if c.owner_pid == pid]
+    return claim.netns
+
+
+def _wait_until_set_forgets(netns: str, ip: str, deadline_s: float) -> None:
+    """Watch the kernel's set until the element times out (the TTL is 2 s)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        listing = subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "set", "inet",
+                                  "egress", "allow4"], capture_output=True, text=True).stdout  # fmt: skip
+        if ip not in listing:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{ip} still in allow4 after {deadline_s} s")
+
+
+SERIES_POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: series}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: ["*.any.lab.test"]
+  connect:
+    ports: [8081]
+"""
+
+
+def test_allowed_answer_then_immediate_connect_1000_times(lab: Lab) -> None:
+    """Every name answers a new IP, so every connect proves the set was updated first."""
+    step = {"op": "fetch_series", "count": 1000, "port": 8081,
+            "template": "ip-198-19-{a}-{b}.any.lab.test"}  # fmt: skip
+    out = run_probe(SERIES_POLICY, [step], lab.uplink_netns, timeout=300)
+    [result] = out.steps
+    assert result["ok"] and result["failed"] == 0, result
+    assert out.report["counters"]["set_updates"] == 1000
+    assert out.violations() == []
