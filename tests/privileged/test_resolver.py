@@ -148,8 +148,8 @@ def test_upstream_slow_or_down_gives_servfail_and_the_server_lives(lab: Lab) -> 
     slow, after = out.steps
     assert status(slow) == "SERVFAIL" and slow["elapsed"] < 3.0, slow
     assert status(after) == "NOERROR"
-    down = run_probe(POLICY, [dig("allowed.lab.test"), {"op": "tcp", "host": "203.0.113.10",
-                     "port": 80}], lab.uplink_netns, extra=["--upstream", "198.51.100.99"])  # fmt: skip
+    steps = [dig("allowed.lab.test"), {"op": "tcp", "host": "203.0.113.10", "port": 80}]
+    down = run_probe(POLICY, steps, lab.uplink_netns, extra=["--upstream", "198.51.100.99"])
     servfail, connect = down.steps
     assert status(servfail) == "SERVFAIL" and servfail["elapsed"] < 3.0
     assert not connect["ok"]  # nothing was allowed
@@ -163,8 +163,9 @@ def test_an_ip_is_forgotten_after_its_clamped_ttl(lab: Lab) -> None:
             {"op": "wait_file", "path": str(go)},
             {"op": "tcp", "host": "203.0.113.11", "port": 80, "http": False},
         ]
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)), "--uplink-netns",
-                lab.uplink_netns, "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]  # fmt: skip
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns,
+                "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
         try:
             assert proc.stdout is not None
@@ -190,8 +191,8 @@ def _wait_until_set_forgets(netns: str, ip: str, deadline_s: float) -> None:
     """Watch the kernel's set until the element times out (the TTL is 2 s)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        listing = subprocess.run(["ip", "netns", "exec", netns, "nft", "list", "set", "inet",
-                                  "egress", "allow4"], capture_output=True, text=True).stdout  # fmt: skip
+        argv = ["ip", "netns", "exec", netns, "nft", "list", "set", "inet", "egress", "allow4"]
+        listing = subprocess.run(argv, capture_output=True, text=True).stdout
         if ip not in listing:
             return
         time.sleep(0.05)
