@@ -157,8 +157,35 @@ class ConnectSpec:
 
 
 @dataclass(frozen=True)
+class TunnelZoneOverride:
+    """Per-zone tuning of the tunnel scorer; ``zone`` is a registered domain or a parent of one."""
+
+    zone: str  # lowercase, no trailing dot: "mcafee.com" also covers "gti.mcafee.com"
+    exempt: bool = False  # never score this zone (e.g. an AV vendor's DNS hash lookups)
+    limit_scale: float = 1.0  # multiply every zone limit by this (raised limits: > 1)
+
+
+@dataclass(frozen=True)
 class TunnelSpec:
+    """DNS-tunnel scorer thresholds (``egress.tunnel``); defaults catch iodine/dns2tcp early."""
+
     enabled: bool = True
+    window_s: float = 30.0  # fast sliding window
+    slow_window_s: float = 3600.0  # slow-channel window
+    name_score: float = 3.0  # a query name scoring at least this is "tunnel-shaped"
+    shaped_names: int = 3  # tunnel-shaped unique names per zone per window
+    long_text_bytes: int = 768  # unique text of long names (label >= 40 or subdomain >= 64)
+    info_bytes: int = 512  # information estimate of unique subdomain text per window
+    text_bytes: int = 1536  # raw unique subdomain text per window
+    data_type_names: int = 4  # unique names asked with data-only types (TXT counts 1/4)
+    slow_names: int = 256  # unique subdomains per slow window
+    slow_info_bytes: int = 1024  # information estimate per slow window
+    slow_text_bytes: int = 3072  # raw unique subdomain text per slow window
+    nx_ratio: float = 0.5  # NXDOMAIN/REFUSED share that halves the information limits ...
+    nx_min_responses: int = 16  # ... once the zone has had this many responses
+    sandbox_scale: float = 2.0  # limits for the sum over all zones, relative to one zone's
+    max_zones: int = 256  # zones tracked per sandbox (bounded memory)
+    zones: tuple[TunnelZoneOverride, ...] = ()
 
 
 @dataclass(frozen=True)

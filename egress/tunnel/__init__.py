@@ -1,0 +1,44 @@
+"""DNS-tunnel scoring: pure code, clock injected, memory bounded per sandbox.
+
+Its part of the flow (see DESIGN.md: the resolver calls it for every query the policy
+allows, BEFORE forwarding it; a verdict means "don't forward, freeze")::
+
+    query name, qtype
+        │  names.split_name: PSL registered domain (zone) + subdomain labels
+        ▼
+    features.score_name ──▶ NameScore: lengths, character mix, entropy normalised by
+        │                   length and alphabet, word-likeness, raw bytes, case flips,
+        │                   data-only types ──▶ score, information estimate
+        ▼
+    scorer.TunnelScorer: exempt zones (overrides, special-use TLDs) stop here
+        │
+        ▼
+    zone.ZoneState per (sandbox, zone), LRU-capped, and one over all zones:
+        fast window: tunnel-shaped names, long-name text, information, text, data types
+        slow window: unique names, information, text, NXDOMAIN/REFUSED share
+        │  any limit crossed (TunnelSpec, per-zone overrides)
+        ▼
+    verdict.TunnelVerdict(zone, score, crossings, bytes/queries before) ── idempotent
+        ▲
+    observe_response(name, rcode) feeds the NXDOMAIN/REFUSED share
+
+Entry points: ``TunnelScorer(config, clock)`` (``observe_query``, ``observe_response``,
+``explain``), ``score_name(name, qtype)``. Names are ``str``: raw (one char per byte) or
+presentation form with ``\\DDD`` escapes; ``name_from_labels`` makes the latter from wire
+labels, which keeps a raw '.' inside a label apart from a label boundary.
+"""
+
+from egress.tunnel.features import NameScore, score_name
+from egress.tunnel.names import name_from_labels
+from egress.tunnel.scorer import MEMORY_BOUND, TunnelScorer
+from egress.tunnel.verdict import Crossing, TunnelVerdict
+
+__all__ = [
+    "MEMORY_BOUND",
+    "Crossing",
+    "NameScore",
+    "TunnelScorer",
+    "TunnelVerdict",
+    "name_from_labels",
+    "score_name",
+]

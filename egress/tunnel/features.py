@@ -1,0 +1,211 @@
+"""Per-query features and score: what one name looks like, before any window sees it.
+
+The score adds points for what encoders leave and real names lack; benign names top out
+near 2, a tunnel's data query scores 4 or more:
+
+- length of the subdomain (iodine and dns2tcp fill names to 190-254 bytes) and of its
+  longest label (57-63 characters);
+- randomness of long labels (normalised entropy x not-word-like, see ``entropy``);
+- bytes outside LDH/underscore (base128, raw, dns2tcp's '+', '/', '=');
+- case flips inside a label (base64/base128: clients send names lowercase);
+- record types that only carry data (NULL, KEY, private 65280-65534; TXT a little).
+
+``name_features`` (everything but the type) is memoised per name, since A, AAAA and
+HTTPS lookups of one name are the common repeat; ``score_name`` adds the type.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from egress.tunnel import entropy
+from egress.tunnel.names import split_name
+
+LONG_SUB = 64  # a subdomain this long, or a label of LONG_LABEL, makes a "long name"
+LONG_LABEL = 40
+FEATURE_CACHE = 2048  # names
+
+# Types whose answers carry bytes but no address: tunnels' favourites, rare in real use.
+DATA_TYPES = {10: "NULL", 11: "WKS", 13: "HINFO", 14: "MINFO", 17: "RP", 19: "X25", 20: "ISDN"}
+DATA_TYPES |= {21: "RT", 22: "NSAP", 24: "SIG", 25: "KEY", 249: "TKEY"}
+TXT = 16
+
+_HEX_RUN = re.compile(r"[0-9a-fA-F]+")
+_B32_RUN = re.compile(r"[a-z2-7]+|[A-Z2-7]+")
+_B64_RUN = re.compile(r"[A-Za-z0-9+/=_-]+")
+_FLIP = re.compile(r"(?=[a-z][A-Z]|[A-Z][a-z])")
+
+
+def data_type_name(qtype: int) -> str | None:
+    """The name of a data-only record type (TXT included), None for ordinary types."""
+    if 65280 <= qtype <= 65534:
+        return f"PRIVATE({qtype})"
+    if qtype == TXT:
+        return "TXT"
+    return DATA_TYPES.get(qtype)
+
+
+def type_points(qtype: int) -> float:
+    if qtype == TXT:
+        return 0.5
+    return 1.5 if qtype in DATA_TYPES or 65280 <= qtype <= 65534 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NameFeatures:
+    """Everything about a name that does not depend on the record type."""
+
+    name: str
+    zone: str  # registered domain
+    subdomain: str  # labels left of the zone, as sent
+    labels: int
+    sub_len: int  # bytes of subdomain text, dots included
+    max_label: int
+    randomness: float  # 0..1, of the most random long label
+    non_hostname: int  # bytes outside LDH and underscore
+    case_flips: int  # upper/lower switches in the label that has most
+    info_bytes: float  # sum over labels of length x log2(alphabet) x randomness / 8
+    parts: tuple[str, ...]  # the subdomain labels
+    part_info: tuple[float, ...]  # information estimate of each label
+    points: tuple[tuple[float, str], ...]  # score contributions, type aside
+    base_score: float
+
+    @property
+    def long(self) -> bool:
+        return self.sub_len >= LONG_SUB or self.max_label >= LONG_LABEL
+
+
+def _points(f: dict[str, float]) -> list[tuple[float, str]]:
+    pts: list[tuple[float, str]] = []
+    if f["sub_len"] >= LONG_SUB:
+        pts.append((min(2.0, (f["sub_len"] - 48) / 48), f"subdomain {f['sub_len']:.0f} B"))
+    if f["max_label"] >= LONG_LABEL:
+        size = f["max_label"]
+        pts.append((1.5 if size >= 56 else 0.75, f"label of {size:.0f} chars"))
+    if f["randomness"] >= 0.05:
+        pts.append((1.5 * f["randomness"], f"random-looking label ({f['randomness']:.2f})"))
+    if f["non_hostname"]:
+        pts.append((3.0, f"{f['non_hostname']:.0f} non-hostname bytes"))
+    if f["case_flips"] >= 4:
+        pts.append((1.5, f"mixed case ({f['case_flips']:.0f} flips in a label)"))
+    return pts
+
+
+def _labels(labels: tuple[str, ...]) -> tuple[tuple[float, ...], float, int]:
+    """(information estimate in bytes per label, randomness of the most random, case flips)."""
+    info: list[float] = []
+    best, flips = 0.0, 0
+    for label in labels:
+        if len(label) < entropy.MIN_LEN:
+            info.append(0.0)
+        else:
+            r, k = entropy.randomness(label)
+            info.append(len(label) * math.log2(k) * r / 8)
+            best = max(best, r * min(1.0, len(label) / 24))
+        if label.lower() != label and label.upper() != label:
+            flips = max(flips, len(_FLIP.findall(label)))
+    return tuple(info), best, flips
+
+
+@functools.lru_cache(maxsize=FEATURE_CACHE)
+def name_features(name: str) -> NameFeatures:
+    split = split_name(name)
+    info, rand, flips = _labels(split.labels)
+    text = "".join(split.labels)
+    f = {
+        "sub_len": float(split.sub_len),
+        "max_label": float(max(map(len, split.labels), default=0)),
+        "randomness": rand,
+        "non_hostname": float(len(entropy.NON_HOSTNAME.findall(text))),
+        "case_flips": float(flips),
+    }
+    pts = _points(f)
+    return NameFeatures(
+        name=name,
+        zone=split.zone,
+        subdomain=split.subdomain,
+        labels=len(split.labels),
+        sub_len=split.sub_len,
+        max_label=int(f["max_label"]),
+        randomness=rand,
+        non_hostname=int(f["non_hostname"]),
+        case_flips=flips,
+        info_bytes=sum(info),
+        parts=split.labels,
+        part_info=info,
+        points=tuple(pts),
+        base_score=sum(p for p, _ in pts),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NameScore:
+    """Features and score of one query, as ``egressctl check`` prints them."""
+
+    name: str
+    qtype: int
+    zone: str
+    subdomain: str
+    labels: int
+    sub_len: int
+    max_label: int
+    alphabet: int  # symbols of the smallest usual encoding holding the subdomain text
+    entropy: float  # bits per symbol of the subdomain text (dots removed)
+    norm_entropy: float  # entropy / expected entropy of random text, same length and alphabet
+    randomness: float
+    hex_run: int  # longest runs of hex, RFC 4648 base32 and (mixed-case) base64 characters
+    b32_run: int
+    b64_run: int
+    non_hostname: int
+    case_flips: int
+    data_type: str | None
+    info_bytes: float
+    score: float
+    reasons: tuple[str, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        why = "; ".join(self.reasons) if self.reasons else "nothing unusual"
+        return f"{self.name} score {self.score:.2f} (zone {self.zone or '-'}): {why}"
+
+
+def _run(pattern: re.Pattern[str], text: str) -> int:
+    return max(map(len, pattern.findall(text)), default=0)
+
+
+def score_name(name: str, qtype: int = 1) -> NameScore:
+    """Features and score of one query name (pure; the type-free part is memoised)."""
+    f = name_features(name)
+    pts = list(f.points)
+    kind = data_type_name(qtype)
+    if kind is not None and f.labels:
+        pts.append((type_points(qtype), f"data-only type {kind}"))
+    text = f.subdomain.replace(".", "")
+    k = entropy.alphabet_size(text) if text else 0
+    return NameScore(
+        name=name,
+        qtype=qtype,
+        zone=f.zone,
+        subdomain=f.subdomain,
+        labels=f.labels,
+        sub_len=f.sub_len,
+        max_label=f.max_label,
+        alphabet=k,
+        entropy=entropy.entropy_bits(text),
+        norm_entropy=entropy.normalised_entropy(text, k) if k else 0.0,
+        randomness=f.randomness,
+        hex_run=_run(_HEX_RUN, f.subdomain),
+        b32_run=_run(_B32_RUN, f.subdomain),
+        b64_run=_run(_B64_RUN, f.subdomain) if f.case_flips else 0,
+        non_hostname=f.non_hostname,
+        case_flips=f.case_flips,
+        data_type=kind,
+        info_bytes=f.info_bytes,
+        score=round(sum(p for p, _ in pts), 3),
+        reasons=tuple(f"{why} +{p:.2f}" for p, why in pts),
+    )

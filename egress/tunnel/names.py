@@ -1,0 +1,92 @@
+"""Query name -> (subdomain labels, registered domain).
+
+A tunnel can only carry data in the labels its operator's nameserver gets to see, that is
+left of a registered domain it controls. The registered domain comes from the Public Suffix
+List (``publicsuffixlist`` ships the list in the wheel and never fetches it at run time). The
+private section counts too: ``bucket.s3.amazonaws.com`` is its own zone, because the bucket
+label goes to AWS's nameservers, not to whoever named the bucket.
+
+Names arrive as ``str``: either raw (one character per byte, latin-1 style) or in DNS
+presentation form with ``\\DDD`` and ``\\X`` escapes. Both give the same labels.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from publicsuffixlist import PublicSuffixList
+
+_CACHE = 1024  # split results memoised: benign traffic repeats a few hundred names
+
+
+@dataclass(frozen=True, slots=True)
+class SplitName:
+    labels: tuple[str, ...]  # subdomain labels as sent (case kept), left to right
+    zone: str  # registered domain, lowercase; the whole name when it is a public suffix
+
+    @property
+    def subdomain(self) -> str:
+        return ".".join(self.labels)
+
+    @property
+    def sub_len(self) -> int:
+        """Bytes of subdomain text on the wire, dots included (escapes decoded)."""
+        return sum(len(label) for label in self.labels) + max(0, len(self.labels) - 1)
+
+
+@functools.cache
+def _psl() -> PublicSuffixList:
+    # Loaded on first use (about 25 ms) from the file inside the package: no network I/O.
+    return PublicSuffixList()
+
+
+def unescape_labels(name: str) -> list[str]:
+    """Split a name into labels, decoding presentation-form escapes when there are any."""
+    name = name[:-1] if name.endswith(".") and not name.endswith("\\.") else name
+    if "\\" not in name:
+        return name.split(".") if name else []
+    labels: list[str] = []
+    current: list[str] = []
+    i = 0
+    while i < len(name):
+        ch = name[i]
+        if ch == "\\" and name[i + 1 : i + 4].isdigit() and len(name[i + 1 : i + 4]) == 3:
+            current.append(chr(int(name[i + 1 : i + 4]) & 0xFF))
+            i += 4
+            continue
+        if ch == "\\" and i + 1 < len(name):
+            current.append(name[i + 1])
+            i += 2
+            continue
+        if ch == ".":
+            labels.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+        i += 1
+    labels.append("".join(current))
+    return labels
+
+
+_LDH = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def name_from_labels(labels: tuple[bytes, ...]) -> str:
+    """Presentation form of wire labels, bytes outside LDH/underscore as ``\\DDD``."""
+    return ".".join(
+        "".join(chr(b) if b in _LDH else f"\\{b:03d}" for b in label) for label in labels
+    )
+
+
+@functools.lru_cache(maxsize=_CACHE)
+def split_name(name: str) -> SplitName:
+    """Subdomain labels and registered domain of ``name``."""
+    labels = unescape_labels(name)
+    # PSL rules are lowercase LDH; a label holding a raw dot must not shift the split.
+    lowered = [label.lower().replace(".", "_") for label in labels if label]
+    if not lowered:
+        return SplitName((), "")
+    zone = _psl().privatesuffix(".".join(lowered)) or ".".join(lowered)
+    keep = len(labels) - (zone.count(".") + 1)
+    return SplitName(tuple(labels[: max(0, keep)]), zone)

@@ -1,0 +1,177 @@
+"""Per-zone windows and the rules that turn them into crossings.
+
+One ``ZoneState`` per (sandbox, registered domain), plus one for the sum over all zones.
+Only queries with a subdomain reach it: a name that IS a registered domain carries nothing
+its owner's nameserver could read. A unique subdomain adds to:
+
+  fast window (``window_s``, 10 buckets)   slow window (``slow_window_s``, 30 buckets)
+  - tunnel-shaped names (score >= limit)   - unique subdomains
+  - text of long names                     - information estimate
+  - information estimate                   - unique subdomain text
+  - unique subdomain text                  - responses, NXDOMAIN/REFUSED responses
+  - names asked with data-only types
+
+Text and information count per new LABEL (``ZoneState.new_parts``), so the same name under
+several search suffixes, or labels every name shares, count once.
+
+A zone whose NXDOMAIN/REFUSED share is high (exfiltration needs no answer) has its
+information limits halved; not its plain-text limits, because search-domain expansion
+(``pypi.org.svc.cluster.local``) is plain text that always gets NXDOMAIN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from egress.model import TunnelSpec
+from egress.tunnel.features import TXT, NameFeatures, data_type_name
+from egress.tunnel.verdict import Crossing
+from egress.tunnel.window import Ring, Seen
+
+# Fast-window metrics
+SHAPED, LONG_TEXT, INFO, TEXT, DATA = range(5)
+# Slow-window metrics
+NAMES, SLOW_INFO, SLOW_TEXT, RESPONSES, FAILS = range(5)
+FAST_BUCKETS, SLOW_BUCKETS = 10, 30
+MAX_TYPES = 8  # distinct record types remembered per zone for the verdict's type mix
+NX_RCODES = frozenset({3, 5})  # NXDOMAIN, REFUSED
+ALL_ZONES = ""  # zone name of the state that sums every zone of a sandbox
+_LABEL_SALT = 0x5BD1E995  # keeps a label's hash apart from a one-label subdomain's
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    field: str  # TunnelSpec attribute holding the limit
+    slow: bool
+    metric: int
+    what: str
+    count: bool  # counts fire at >= limit; byte volumes above it
+    nx: bool  # halved when the zone's NXDOMAIN share is high
+
+
+RULES = (
+    Rule("shaped_names", False, SHAPED, "tunnel-shaped names", True, False),
+    Rule("long_text_bytes", False, LONG_TEXT, "unique text of long names", False, False),
+    Rule("info_bytes", False, INFO, "information in unique subdomain text", False, True),
+    Rule("text_bytes", False, TEXT, "unique subdomain text", False, False),
+    Rule("data_type_names", False, DATA, "unique names asked with data-only types", True, False),
+    Rule("slow_names", True, NAMES, "unique subdomains", True, False),
+    Rule("slow_info_bytes", True, SLOW_INFO, "information in unique subdomain text", False, True),
+    Rule("slow_text_bytes", True, SLOW_TEXT, "unique subdomain text", False, False),
+)
+# Over all zones only what random or tunnel-shaped text adds up to: plain names from many
+# zones (a crawler, a big `npm install`) are not a channel to anyone.
+SANDBOX_RULES = tuple(
+    r for r in RULES if r.field not in ("text_bytes", "slow_names", "slow_text_bytes")
+)
+
+
+def limits(spec: TunnelSpec, rules: tuple[Rule, ...], scale: float) -> tuple[float, ...]:
+    return tuple(float(getattr(spec, rule.field)) * scale for rule in rules)
+
+
+def span(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
+
+
+class ZoneState:
+    __slots__ = ("bytes", "fast", "queries", "scale", "seen", "slow", "types", "unique", "zone")
+
+    def __init__(self, zone: str, spec: TunnelSpec, scale: float) -> None:
+        self.zone = zone
+        self.scale = scale
+        self.fast = Ring(spec.window_s, FAST_BUCKETS, 5)
+        self.slow = Ring(spec.slow_window_s, SLOW_BUCKETS, 5)
+        self.seen = Seen()
+        self.queries = 0  # forwarded queries (not the one a verdict stopped)
+        self.bytes = 0  # their subdomain text, repeats included
+        self.unique = 0
+        self.types: dict[int, int] = {}
+
+    def advance(self, now: float) -> None:
+        self.fast.advance(now)
+        self.slow.advance(now)
+
+    def new_parts(self, f: NameFeatures) -> tuple[int, float]:
+        """(bytes, information) of the labels of ``f`` this zone has not seen yet.
+
+        Text and information count per label, so that one name asked under several
+        suffixes (search-domain expansion) or labels that every name shares ("api",
+        "us-east-1") count once; a tunnel's data labels are all new.
+        """
+        text, info = 0, 0.0
+        for part, bits in zip(f.parts, f.part_info, strict=True):
+            if self.seen.add(hash(part) ^ _LABEL_SALT):
+                text += len(part) + 1
+                info += bits
+        return text, info
+
+    def add_unique(self, f: NameFeatures, qtype: int, shaped: bool) -> None:
+        """Count a subdomain seen for the first time in this zone."""
+        fast, slow = self.fast, self.slow
+        text, info = self.new_parts(f)
+        if text:  # known labels in a new order are expansions of names counted before
+            fast.add(TEXT, text)
+            fast.add(INFO, info)
+            slow.add(NAMES, 1)
+            slow.add(SLOW_TEXT, text)
+            slow.add(SLOW_INFO, info)
+        if shaped:
+            fast.add(SHAPED, 1)
+        if f.long:
+            fast.add(LONG_TEXT, f.sub_len)
+        if data_type_name(qtype) is not None:
+            fast.add(DATA, 0.25 if qtype == TXT else 1.0)
+
+    def forwarded(self, f: NameFeatures, qtype: int, new: bool) -> None:
+        self.queries += 1
+        self.bytes += f.sub_len
+        self.unique += new
+        if qtype in self.types or len(self.types) < MAX_TYPES:
+            self.types[qtype] = self.types.get(qtype, 0) + 1
+
+    def response(self, rcode: int) -> None:
+        self.slow.add(RESPONSES, 1)
+        if rcode in NX_RCODES:
+            self.slow.add(FAILS, 1)
+
+    def weight(self) -> float:
+        """How much this zone has to lose if evicted; the lightest of the oldest goes first."""
+        return self.slow.total(SLOW_INFO) + self.fast.total(SHAPED) * 64 + self.queries / 1024
+
+    def nx_note(self, spec: TunnelSpec) -> str | None:
+        """Why the information limits are halved, or None when they are not."""
+        responses, fails = self.slow.total(RESPONSES), self.slow.total(FAILS)
+        if responses < spec.nx_min_responses or fails < spec.nx_ratio * responses:
+            return None
+        return f"NXDOMAIN/REFUSED {fails:,.0f} of {responses:,.0f} responses: limit halved"
+
+    def crossings(
+        self, spec: TunnelSpec, rules: tuple[Rule, ...], limits: tuple[float, ...]
+    ) -> list[Crossing]:
+        """The rules whose limit (from ``limits``, already scaled) this zone crossed."""
+        nx = self.nx_note(spec) if self.slow.totals[RESPONSES] >= spec.nx_min_responses else None
+        fast, slow = self.fast.totals, self.slow.totals
+        out = []
+        for rule, limit in zip(rules, limits, strict=True):
+            halved = nx if rule.nx else None
+            if halved:
+                limit /= 2
+            value = max(0.0, (slow if rule.slow else fast)[rule.metric])
+            if value >= limit if rule.count else value > limit:
+                text = self._text(rule, value, limit, spec.name_score)
+                out.append(
+                    Crossing(rule.field, value, limit, f"{text} ({halved})" if halved else text)
+                )
+        return out
+
+    def _text(self, rule: Rule, value: float, limit: float, name_score: float) -> str:
+        window = span(self.slow.seconds if rule.slow else self.fast.seconds)
+        where = " over all zones" if self.zone == ALL_ZONES else ""
+        unit, op = ("", ">=") if rule.count else (" B", ">")
+        text = f"{rule.what}{where} {value:,.0f}{unit} in {window} {op} {limit:,.0f}{unit}"
+        return f"{text} (name score >= {name_score:g})" if rule.field == "shaped_names" else text

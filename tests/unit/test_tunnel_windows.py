@@ -1,0 +1,205 @@
+"""Zone windows of egress.tunnel with an injected clock: expiry, verdicts, overrides, NX."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import FrozenInstanceError
+
+import pytest
+from test_tunnel_samples import ALPHABETS, ZONE, encode, iodine
+
+from egress.model import TunnelSpec, TunnelZoneOverride
+from egress.tunnel import TunnelScorer, TunnelVerdict
+from egress.tunnel.window import SEEN_ROTATE, Ring, Seen
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def shaped(n: int, seed: int = 0, zone: str = ZONE) -> list[str]:
+    """``n`` tunnel-shaped names (iodine data queries) under ``zone``."""
+    names = iodine("base32", seed=seed, data=n, handshake=False)
+    return [name.replace(ZONE, zone) for name in names]
+
+
+def hex_names(n: int, length: int = 24, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"{encode(rng.randbytes(length), ALPHABETS['hex'])[:length]}.{ZONE}" for _ in range(n)]
+
+
+def feed(scorer: TunnelScorer, names: list[str], qtype: int = 1) -> TunnelVerdict | None:
+    for name in names:
+        verdict = scorer.observe_query(name, qtype)
+        if verdict is not None:
+            return verdict
+    return None
+
+
+# --- building blocks ----------------------------------------------------------------------
+
+
+def test_ring_slides_and_expires() -> None:
+    ring = Ring(10.0, 10, 2)
+    ring.advance(100.0)
+    ring.add(0, 5)
+    ring.advance(105.5)
+    ring.add(0, 3)
+    assert ring.total(0) == 8
+    ring.advance(110.2)  # the bucket of t=100 has left the 10 s window
+    assert ring.total(0) == 3
+    ring.advance(109.0)  # a clock going back changes nothing
+    assert ring.total(0) == 3
+    ring.advance(500.0)
+    assert ring.total(0) == 0
+
+
+def test_seen_set_dedupes_and_forgets_after_two_generations() -> None:
+    seen = Seen()
+    hashes = [hash(f"name-{i}") for i in range(3 * SEEN_ROTATE)]
+    fresh = sum(seen.add(h) for h in hashes)
+    assert fresh >= 3 * SEEN_ROTATE * 0.98  # few false "seen"
+    assert not any(seen.add(h) for h in hashes[-SEEN_ROTATE:])  # the recent ones are known
+    assert sum(seen.add(h) for h in hashes[:SEEN_ROTATE]) > SEEN_ROTATE * 0.9  # long gone
+
+
+# --- windows with an injected clock --------------------------------------------------------
+
+
+def test_shaped_names_spread_beyond_the_fast_window_do_not_add_up() -> None:
+    clock = Clock()
+    scorer = TunnelScorer(TunnelSpec(), clock)
+    for name in shaped(6):
+        assert scorer.observe_query(name, 1) is None
+        clock.now += 16  # two per 30 s window at most
+    clock.now += 100
+    assert feed(scorer, shaped(3, seed=1)) is not None  # three within the window do
+
+
+def test_slow_window_expires_after_an_hour() -> None:
+    clock = Clock()
+    spec = TunnelSpec()
+    scorer = TunnelScorer(spec, clock)
+    names = hex_names(400)
+    for name in names[:60]:  # about 9 B of information each: ~540 B, under 1,024 B
+        assert scorer.observe_query(name, 1) is None
+        clock.now += 30
+    clock.now += spec.slow_window_s
+    for name in names[60:120]:
+        assert scorer.observe_query(name, 1) is None
+        clock.now += 30
+    verdict = feed(scorer, names[120:])
+    assert verdict is not None and verdict.reasons[0].rule == "slow_info_bytes"
+    assert "in 1 h" in verdict.reasons[0].text
+
+
+def test_repeated_names_count_once() -> None:
+    scorer = TunnelScorer(TunnelSpec(), Clock())
+    name = shaped(1)[0]
+    assert all(scorer.observe_query(name, 1) is None for _ in range(1_000))
+
+
+def test_names_without_subdomain_are_not_tracked() -> None:
+    scorer = TunnelScorer(TunnelSpec(), Clock())
+    assert all(scorer.observe_query("evil-tunnel.com", 10) is None for _ in range(100))
+
+
+# --- verdicts -----------------------------------------------------------------------------
+
+
+def test_verdict_is_idempotent_and_carries_its_figures() -> None:
+    clock = Clock()
+    scorer = TunnelScorer(TunnelSpec(), clock)
+    names = shaped(3)
+    verdict = feed(scorer, names)
+    assert verdict is not None
+    assert verdict.zone == "evil-tunnel.com" and verdict.name == names[2]
+    assert verdict.queries_before == 2 == verdict.unique_before
+    assert verdict.bytes_before == sum(len(n) - len(".evil-tunnel.com") for n in names[:2])
+    assert verdict.score >= 1.0 and verdict.at == clock.now
+    assert verdict.reasons[0].text == ("tunnel-shaped names 3 in 30 s >= 3 (name score >= 3)")
+    clock.now += 10_000
+    assert scorer.observe_query("www.evil-tunnel.com", 1) is verdict
+    assert scorer.observe_query(names[0], 1) is verdict
+    assert scorer.observe_query("pypi.org", 1) is None
+    assert scorer.verdicts == (verdict,)
+    json.dumps(verdict.to_json())
+    assert "3 in 30 s" in verdict.describe()
+    with pytest.raises(FrozenInstanceError):
+        verdict.zone = "x"  # type: ignore[misc]
+
+
+def test_nxdomain_share_halves_the_volume_limits() -> None:
+    names = hex_names(200, length=32)
+
+    def run(rcode: int) -> TunnelVerdict | None:
+        clock = Clock()
+        scorer = TunnelScorer(TunnelSpec(), clock)
+        for i, name in enumerate(names):
+            if scorer.observe_query(name, 1) is not None:
+                return scorer.verdicts[0]
+            scorer.observe_response(name, rcode)
+            clock.now += 5 if i < 40 else 0  # slow, then a burst
+        return None
+
+    plain, nx = run(0), run(3)
+    assert plain is not None and nx is not None
+    assert nx.queries_before < plain.queries_before
+    assert "NXDOMAIN/REFUSED" in nx.reasons[0].text and "limit halved" in nx.reasons[0].text
+
+
+def test_observe_response_for_unknown_names_is_harmless() -> None:
+    scorer = TunnelScorer(TunnelSpec(), Clock())
+    scorer.observe_response("never.asked.example.com", 3)
+    scorer.observe_response("example.com", 5)
+
+
+# --- configuration --------------------------------------------------------------------------
+
+
+def test_exempt_zone_and_disabled_scorer_never_decide() -> None:
+    exempt = TunnelSpec(zones=(TunnelZoneOverride("evil-tunnel.com", exempt=True),))
+    assert feed(TunnelScorer(exempt, Clock()), shaped(50)) is None
+    assert feed(TunnelScorer(TunnelSpec(enabled=False), Clock()), shaped(50)) is None
+
+
+def test_raised_limits_apply_to_the_zone_and_its_children() -> None:
+    raised = TunnelSpec(zones=(TunnelZoneOverride("com", limit_scale=3.0),))
+    verdict = feed(TunnelScorer(raised, Clock()), shaped(20))
+    assert verdict is not None and verdict.queries_before == 8  # 9 shaped names, not 3
+
+
+def test_custom_thresholds_are_used() -> None:
+    spec = TunnelSpec(shaped_names=5, info_bytes=10_000, long_text_bytes=10_000)
+    verdict = feed(TunnelScorer(spec, Clock()), shaped(20))
+    assert verdict is not None and verdict.queries_before == 4
+
+
+def test_a_flood_of_fresh_zones_cannot_evict_a_suspicious_one() -> None:
+    scorer = TunnelScorer(TunnelSpec(max_zones=16), Clock())
+    names = shaped(3)
+    assert feed(scorer, names[:2]) is None
+    for i in range(1_000):
+        assert scorer.observe_query(f"www.site{i}.com", 1) is None
+    assert scorer.observe_query(names[2], 1) is not None
+
+
+def test_tunnel_spread_over_many_zones_is_caught_over_all_zones() -> None:
+    scorer = TunnelScorer(TunnelSpec(), Clock())
+    # two tunnel-shaped names per zone stay under every zone's limits; their sum does not
+    names = [n for i in range(10) for n in shaped(2, seed=i, zone=f"t.zone{i}.com")]
+    verdict = feed(scorer, names)
+    assert verdict is not None and verdict.unique_before == 1
+    assert verdict.reasons[0].text.startswith("tunnel-shaped names over all zones 6 in 30 s")
+
+
+def test_special_use_zones_are_exempt_unless_a_policy_says_otherwise() -> None:
+    local = shaped(10, zone="t.cluster.local")
+    assert feed(TunnelScorer(TunnelSpec(), Clock()), local) is None
+    spec = TunnelSpec(zones=(TunnelZoneOverride("cluster.local"),))
+    assert feed(TunnelScorer(spec, Clock()), local) is not None
