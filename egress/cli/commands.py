@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from egress.cli import demo_cmds, lab_cmds, policy_cmds, run_cmds
+from egress.cli import demo_cmds, lab_cmds, observe_cmds, policy_cmds, review_cmds, run_cmds
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     policy_cmds.register,
     run_cmds.register,
+    review_cmds.register,
     lab_cmds.register,
     demo_cmds.register,
+    observe_cmds.register,
 ]

@@ -13,7 +13,11 @@ RUN_EPILOG = f"""\
 The command runs in a new network namespace whose nftables rules allow only what the
 policy names, inside its own cgroup, as an unprivileged user with no capabilities.
 Everything egress created is removed when it exits (unless --keep). Exit status is the
-command's own; 127 when it does not exist.
+command's own; 127 when it does not exist; 137 when it was killed after a freeze.
+
+A violation whose policy action is `freeze` stops every process of the sandbox at once
+(cgroup freezer), records it in the journal with the process behind it, prints what
+happened and waits: `egressctl resume ID` lets it go on, `egressctl kill ID` ends it.
 
 examples:
   sudo egressctl run --policy policies/python-dev.yaml -- pip download requests
@@ -47,6 +51,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--report", metavar="FILE", help="write a JSON report of the run to FILE")
     p.add_argument("--keep", action="store_true", help="leave the sandbox in place afterwards")
     p.add_argument("--subnet-pool", metavar="CIDR[,CIDR6]", help="address pools for sandboxes")
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="journal directory (default: $EGRESS_STATE_DIR or /var/lib/egress)",
+    )
+    p.add_argument(
+        "--decision-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="after a freeze, kill the sandbox if nobody resumes it this soon",
+    )
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     p.set_defaults(func=cmd_run)
 
@@ -100,5 +115,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         report=args.report,
         keep=args.keep,
         upstream=args.upstream,
+        policy_path=args.policy,
+        state_dir=args.state_dir,
+        decision_timeout=args.decision_timeout,
     )
     return run(policy, opts)

@@ -20,7 +20,7 @@ def drop_class(prefix: str) -> ViolationClass | None:
 def drop_violation(
     policy: Policy, cls: ViolationClass, flow: Flow | None, uid: int | None, at: float, layer: str
 ) -> Violation:
-    verb = "allowed (audit)" if policy.mode is Mode.AUDIT else "rejected"
+    verb = "allowed (audit)" if policy.mode is Mode.AUDIT else "blocked"
     if cls is ViolationClass.FOREIGN_DNS:
         rule = "DNS goes only to the sandbox's resolver"
     else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.errors import DatapathError
-from egress.model import CidrRule, IPNetwork, Mode, Policy, PortRange
+from egress.model import Action, CidrRule, IPNetwork, Mode, Policy, PortRange, ViolationClass
 
 _SLOT = re.compile(r"\{\{(\w+)\}\}")
 
@@ -56,6 +56,7 @@ def render_sandbox(template: str, policy: Policy) -> str:
             "defines": "\n".join(d.line() for d in sandbox_defines()),
             "static_rules": _static_rules(policy.connect.allow),
             "verdict": _verdict(audit),
+            "connect_verdict": _verdict(audit, _holds_connects(policy)),
             # nft takes no variables in limit and log statements, so these are written out.
             "inline_group": str(c.INLINE_GROUP),
             "observer_group": str(c.OBSERVER_GROUP),
@@ -70,9 +71,18 @@ def _mode_note(policy: Policy) -> str:
     return f"policy {policy.name!r} (mode: enforce): violations are logged, then rejected."
 
 
-def _verdict(audit: bool) -> str:
+def _holds_connects(policy: Policy) -> bool:
+    """When a blocked connect freezes the sandbox, its SYN is dropped, not reset: the
+    connect stays pending, so the frozen process is caught inside it and its socket can
+    still be found (a reset closes it before the freeze lands)."""
+    return policy.action(ViolationClass.BLOCKED_CONNECT) is Action.FREEZE
+
+
+def _verdict(audit: bool, hold_tcp: bool = False) -> str:
     if audit:
         return "\t\taccept"
+    if hold_tcp:
+        return "\t\tmeta l4proto tcp drop\n\t\treject with icmpx admin-prohibited"
     # A reset or an ICMP error makes a connect fail at once instead of timing out.
     return "\t\tmeta l4proto tcp reject with tcp reset\n\t\treject with icmpx admin-prohibited"
 

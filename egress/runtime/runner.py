@@ -1,9 +1,10 @@
 """`egressctl run`: one sandbox, served in-process, for the life of one command.
 
-    create sandbox ─▶ NFLOG (inline group) ─▶ spawn CMD ─▶ wait (pidfd) ─▶ teardown ─▶ report
+    journal ─▶ create sandbox ─▶ observer process (its own NFLOG group) ─▶ resolver + inline
+    NFLOG ─▶ spawn CMD ─▶ wait ─▶ stop observer ─▶ teardown ─▶ report
 
-The loop reads the kernel's drop evidence while the command runs and forwards signals to
-it. Teardown runs on every path out, Ctrl-C included, unless ``keep`` is set.
+Teardown runs on every path out, Ctrl-C included, unless ``keep`` is set. The sandbox is
+created and destroyed outside the event loop: pyroute2's synchronous API runs its own.
 """
 
 from __future__ import annotations
@@ -13,49 +14,57 @@ import contextlib
 import json
 import os
 import secrets
-import signal
+import select
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
-from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError, SandboxError
-from egress.model import Policy, Violation
+from egress.model import Policy
 from egress.resolver.core import ResolverCore
+from egress.runtime import claims, workload
 from egress.runtime import sandbox as sbx
-from egress.runtime import workload
 from egress.runtime.dns_server import ResolverServer, parse_upstream, resolve_upstreams
-from egress.runtime.nflog import NflogEvent, NflogListener
+from egress.runtime.enforcer import Enforcer
+from egress.runtime.journal import Journal, default_state_dir
+from egress.runtime.session import Session, wait_for_exit
 
-# Signals a user sends to "the command"; SIGINT/SIGQUIT come from the terminal to the whole
-# foreground process group already, so they are forwarded only when they did not.
-FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
-TERMINAL = (signal.SIGINT, signal.SIGQUIT)
+OBSERVER_READY_S = 10.0
 
 
 @dataclass
 class RunOptions:
     argv: Sequence[str]
+    policy_path: str = ""
     uplink_netns: str | None = None
     pools: Pools = field(default_factory=lambda: Pools.parse(None))
     user: str | None = None
     report: str | None = None
     keep: bool = False
     upstream: str | None = None  # --upstream IP[:PORT], instead of the policy's upstreams
+    state_dir: str | None = None
+    decision_timeout: float | None = None
 
 
 @dataclass
 class RunResult:
     sandbox: str
-    exit_code: int
-    violations: list[Violation] = field(default_factory=list)
+    exit_code: int = 1
     counters: dict[str, int] = field(default_factory=dict)
     timings_ms: dict[str, float] = field(default_factory=dict)
     kept: bool = False
+    session: Session | None = None
+    journaled: list[dict[str, Any]] = field(default_factory=list)
+    outcome: str | None = None
+    frozen: bool = False
+    freeze_latency_ms: float | None = None
 
     def to_json(self, policy: Policy, opts: RunOptions, user: str) -> dict[str, object]:
         return {
@@ -65,12 +74,21 @@ class RunResult:
             "command": list(opts.argv),
             "user": user,
             "exit_code": self.exit_code,
-            "frozen": False,
+            "frozen": self.frozen,
+            "outcome": self.outcome,
+            "freeze_latency_ms": self.freeze_latency_ms,
             "kept": self.kept,
-            "violations": [v.to_json() for v in self.violations],
+            "violations": self._violations(),
             "counters": self.counters,
             "timings_ms": self.timings_ms,
         }
+
+    def _violations(self) -> list[dict[str, Any]]:
+        """The journal's records (both layers, deduplicated), else what inline saw."""
+        if self.journaled:
+            return self.journaled
+        seen = self.session.state.violations if self.session else []
+        return [v.to_json() for v in seen]
 
 
 def run(policy: Policy, opts: RunOptions) -> int:
@@ -78,18 +96,204 @@ def run(policy: Policy, opts: RunOptions) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressctl run needs root (it creates a network namespace); use sudo")
     user = workload.resolve_user(opts.user)
-    # Created and destroyed outside the event loop: pyroute2's synchronous API runs its own.
-    sb = sbx.create(policy, opts.pools, opts.uplink_netns)
-    result = RunResult(sb.id, exit_code=1, kept=opts.keep)
-    result.timings_ms["create"] = round(sb.created_s * 1000, 2)
+    journal = Journal.open(opts.state_dir or default_state_dir())
     try:
-        asyncio.run(_serve(sb, opts, user, result))
+        return _run(policy, opts, user, journal)
     finally:
-        _collect_counters(sb, result)
+        journal.close()
+
+
+def _run(policy: Policy, opts: RunOptions, user: workload.User, journal: Journal) -> int:
+    sb = sbx.create(policy, opts.pools, opts.uplink_netns)
+    result = RunResult(sb.id, kept=opts.keep)
+    result.timings_ms["create"] = round(sb.created_s * 1000, 2)
+    observer = None
+    try:
+        journal.record_sandbox(
+            sb.id,
+            policy.name,
+            netns=sb.netns,
+            cgroup=sb.cgroup.v2_path,
+            inline_pid=os.getpid(),
+            owner_pid=os.getpid(),
+        )
+        observer = start_observer(sb, opts, journal)
+        asyncio.run(_serve(sb, opts, user, journal, observer, result))
+    finally:
+        if observer is not None:
+            stop_observer(observer)
+        _collect(sb, journal, result)
         _finish(sb, opts, result)
+        with contextlib.suppress(EgressError):
+            journal.set_sandbox_state(sb.id, "exited")
         if opts.report:
             _write_report(opts.report, result.to_json(policy, opts, user.name))
     return result.exit_code
+
+
+# -- the observer layer ------------------------------------------------------------------
+
+
+def start_observer(sb: sbx.Sandbox, opts: RunOptions, journal: Journal) -> subprocess.Popen[str]:
+    """The observer runs as its own process, in its own session: Ctrl-C and a dying
+    inline layer don't take it along. It says "ready" once its NFLOG group is bound."""
+    policy_copy = claims.sandboxes_dir() / f"{sb.id}.policy.yaml"
+    shutil.copy(opts.policy_path, policy_copy)
+    sb.add_undo(f"{policy_copy}", lambda: policy_copy.unlink(missing_ok=True))
+    argv = [
+        sys.executable,
+        "-m",
+        "egress.cli.main",
+        "observe",
+        "--sandbox",
+        sb.id,
+        "--netns",
+        sb.netns,
+        "--policy",
+        str(policy_copy),
+        "--state-dir",
+        str(journal.path.parent),
+        "--watch-pid",
+        str(os.getpid()),
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True
+    )
+    ready = _read_line(proc, OBSERVER_READY_S)
+    if ready.strip() != "ready":
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        raise SandboxError(f"the observer layer did not start ({ready.strip() or 'no output'})")
+    journal.set_sandbox_state(sb.id, "running", observer_pid=proc.pid)
+    return proc
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else ""
+
+
+def stop_observer(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+# -- serving -----------------------------------------------------------------------------
+
+
+def _resolver(sb: sbx.Sandbox, opts: RunOptions, session: Session) -> ResolverServer:
+    upstreams = resolve_upstreams(sb.policy.dns.upstreams)
+    if opts.upstream:
+        upstreams = [parse_upstream(opts.upstream)]
+    core = ResolverCore(sb.policy, len(upstreams), secrets.randbits)
+    return ResolverServer(
+        core, upstreams, sb.nft, session.on_violation, sb.netns, opts.uplink_netns
+    )
+
+
+def _review_hint(opts: RunOptions) -> str:
+    return f" --state-dir {opts.state_dir}" if opts.state_dir else ""
+
+
+async def _serve(
+    sb: sbx.Sandbox,
+    opts: RunOptions,
+    user: workload.User,
+    journal: Journal,
+    observer: subprocess.Popen[str],
+    result: RunResult,
+) -> None:
+    loop = asyncio.get_running_loop()
+    enforcer = Enforcer(sb.id, sb.policy, "inline", journal, sb.cgroup)
+    session = Session(sb, enforcer, opts.decision_timeout, _review_hint(opts))
+    result.session = session
+    loop.add_reader(session.listener.fileno(), session.on_nflog)
+    observer_fd = os.pidfd_open(observer.pid)
+
+    def observer_gone() -> None:
+        loop.remove_reader(observer_fd)
+        session.observer_died()
+
+    loop.add_reader(observer_fd, observer_gone)
+    resolver = _resolver(sb, opts, session)
+    await resolver.start()
+    try:
+        procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
+        proc = workload.spawn(sb.netns, user, opts.argv, procs)
+        result.exit_code = await wait_for_exit(proc.pid, session)
+        proc.returncode = result.exit_code  # reaped already; keep Popen from reaping again
+    finally:
+        session.stopping = True
+        await resolver.close()
+        loop.remove_reader(session.listener.fileno())
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(observer_fd)
+        os.close(observer_fd)
+        session.close()
+        _resolver_counters(resolver, result)
+
+
+# -- the end -----------------------------------------------------------------------------
+
+
+def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
+    with contextlib.suppress(EgressError):
+        packets, nbytes = sb.nft.counter("inet", c.TABLE, "dropped")
+        dns_packets, _ = sb.nft.counter("inet", c.TABLE, "dns_queries")
+        result.counters.update(
+            dropped_packets=packets, dropped_bytes=nbytes, dns_packets=dns_packets
+        )
+    with contextlib.suppress(EgressError):
+        rows = journal.violations(sb.id, limit=10_000)
+        result.journaled = [_violation_json(r) for r in reversed(rows)]
+        freezes = journal.freezes(sb.id, limit=10_000)
+        result.frozen = bool(freezes)
+        if freezes:
+            first = freezes[-1]  # newest first: the last row is the first freeze
+            result.freeze_latency_ms = first.get("latency_ms")
+            decisions = journal.decisions(sb.id, limit=1)
+            if decisions:
+                result.outcome = {"resume": "resumed", "kill": "killed"}[decisions[0]["action"]]
+    if result.session:
+        result.counters["violations"] = len(result.session.state.violations)
+        result.counters["nflog_overruns"] = result.session.state.overruns
+
+
+def _violation_json(row: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "class": row["class"],
+        "layer": row["layer"],
+        "rule": row["rule"],
+        "detail": row["detail"],
+        "at": row["at"],
+        "action": row["action"],
+    }
+    evidence = row.get("evidence") or {}
+    for key in ("flow", "uid", "qname", "qtype"):
+        if evidence.get(key) is not None:
+            out[key] = evidence[key]
+    if row.get("process"):
+        out["process"] = row["process"]
+    out["detected_by"] = row.get("detected_by") or []
+    out["id"] = row["id"]
+    return out
+
+
+def _resolver_counters(resolver: ResolverServer, result: RunResult) -> None:
+    stats = resolver.core.stats
+    result.counters.update({f"dns_{k}": v for k, v in stats.items()})
+    result.counters["set_updates"] = resolver.sets.updates
+    result.counters["set_update_failures"] = resolver.sets.failures + resolver.sets.slow
+    result.counters["resolver_internal_errors"] = resolver.internal_errors
 
 
 def _finish(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> None:
@@ -109,131 +313,3 @@ def _write_report(path: str, data: dict[str, object]) -> None:
         os.replace(tmp, target)
     except OSError as exc:
         raise EgressError(f"--report {path}: {exc.strerror}") from None
-
-
-class _Session:
-    """The live part of a run: evidence in, signals out."""
-
-    def __init__(self, sb: sbx.Sandbox, result: RunResult) -> None:
-        self.sb = sb
-        self.result = result
-        self.listener = NflogListener.open(sb.netns, c.INLINE_GROUP)
-
-    def on_nflog(self) -> None:
-        for event in self.listener.read_events():
-            self.record(event)
-
-    def record(self, event: NflogEvent) -> None:
-        cls = drop_class(event.prefix)
-        if cls is None:
-            return
-        v = drop_violation(self.sb.policy, cls, event.flow, event.uid, event.timestamp, "inline")
-        self.result.violations.append(v)
-
-    def close(self) -> None:
-        self.on_nflog()  # evidence that arrived while the command was exiting
-        self.result.counters["nflog_overruns"] = self.listener.overruns
-        self.listener.close()
-
-
-def _resolver(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> ResolverServer:
-    upstreams = resolve_upstreams(sb.policy.dns.upstreams)
-    if opts.upstream:
-        upstreams = [parse_upstream(opts.upstream)]
-    core = ResolverCore(sb.policy, len(upstreams), secrets.randbits)
-    return ResolverServer(
-        core, upstreams, sb.nft, result.violations.append, sb.netns, opts.uplink_netns
-    )
-
-
-async def _serve(sb: sbx.Sandbox, opts: RunOptions, user: workload.User, result: RunResult) -> None:
-    loop = asyncio.get_running_loop()
-    session = _Session(sb, result)
-    loop.add_reader(session.listener.fileno(), session.on_nflog)
-    resolver = _resolver(sb, opts, result)
-    await resolver.start()
-    try:
-        procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
-        proc = workload.spawn(sb.netns, user, opts.argv, procs)
-        result.exit_code = await _wait(loop, proc.pid, sb)
-        proc.returncode = result.exit_code  # reaped by _wait; keep Popen from reaping again
-    finally:
-        await resolver.close()
-        loop.remove_reader(session.listener.fileno())
-        session.close()
-        _resolver_counters(resolver, result)
-
-
-async def _wait(loop: asyncio.AbstractEventLoop, pid: int, sb: sbx.Sandbox) -> int:
-    pidfd = os.pidfd_open(pid)
-    done = loop.create_future()
-
-    def exited() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    loop.add_reader(pidfd, exited)
-    _install_signals(loop, pid, sb)
-    try:
-        await done
-        _, status = os.waitpid(pid, 0)
-    finally:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-        for sig in FORWARDED + TERMINAL:
-            loop.remove_signal_handler(sig)
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
-
-
-def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, sb: sbx.Sandbox) -> None:
-    state = {"interrupts": 0}
-
-    def forward(sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-    def terminal(sig: signal.Signals) -> None:
-        state["interrupts"] += 1
-        if state["interrupts"] > 1:
-            # A second Ctrl-C: the command did not stop; end everything in the sandbox.
-            with contextlib.suppress(EgressError, OSError):
-                sb.cgroup.kill()
-            return
-        if not _from_terminal():
-            forward(sig)
-
-    for sig in FORWARDED:
-        loop.add_signal_handler(sig, forward, sig)
-    for sig in TERMINAL:
-        loop.add_signal_handler(sig, terminal, sig)
-
-
-def _from_terminal() -> bool:
-    """Did the terminal deliver this to the command too (we are its foreground group)?"""
-    try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError):
-        return False
-
-
-def _resolver_counters(resolver: ResolverServer, result: RunResult) -> None:
-    stats = resolver.core.stats
-    result.counters.update({f"dns_{k}": v for k, v in stats.items()})
-    result.counters["set_updates"] = resolver.sets.updates
-    result.counters["set_update_failures"] = resolver.sets.failures + resolver.sets.slow
-    result.counters["resolver_internal_errors"] = resolver.internal_errors
-
-
-def _collect_counters(sb: sbx.Sandbox, result: RunResult) -> None:
-    try:
-        packets, nbytes = sb.nft.counter("inet", c.TABLE, "dropped")
-        dns_packets, _ = sb.nft.counter("inet", c.TABLE, "dns_queries")
-    except EgressError:
-        return
-    result.counters.update(
-        dropped_packets=packets,
-        dropped_bytes=nbytes,
-        dns_packets=dns_packets,
-        violations=len(result.violations),
-    )

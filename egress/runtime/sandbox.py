@@ -46,6 +46,10 @@ class Sandbox:
     created_s: float = 0.0  # create-to-ready time
     _undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
 
+    def add_undo(self, what: str, step: Callable[[], None]) -> None:
+        """Something made for this sandbox after creation, removed with it."""
+        self._undo.append((what, step))
+
     @property
     def resolv_conf(self) -> Path:
         return ETC_NETNS / self.netns / "resolv.conf"

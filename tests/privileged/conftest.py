@@ -95,3 +95,18 @@ def make_lab(require_root: None) -> Iterator[Callable[..., Lab]]:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every egress command the tests run journals here, never in /var/lib/egress."""
+    path = tmp_path_factory.mktemp("egress-state")
+    old = os.environ.get("EGRESS_STATE_DIR")
+    os.environ["EGRESS_STATE_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("EGRESS_STATE_DIR", None)
+        else:
+            os.environ["EGRESS_STATE_DIR"] = old

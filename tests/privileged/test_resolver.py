@@ -49,6 +49,7 @@ spec:
       - {name: mapped.lab.test, types: [AAAA]}
   connect:
     ports: [80]
+  violations: {blocked_connect: block}
 """
 DIG = "/usr/bin/dig"
 
@@ -209,6 +210,7 @@ spec:
     allow: ["*.any.lab.test"]
   connect:
     ports: [8081]
+  violations: {blocked_connect: block}
 """
 
 

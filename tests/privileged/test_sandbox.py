@@ -41,6 +41,7 @@ spec:
     allow:
       - {cidr: 203.0.113.10/32, ports: [80], proto: tcp}
       - {cidr: "2001:db8:80::10/128", ports: [80], proto: tcp}
+  violations: {blocked_connect: block, foreign_dns: block}  # these tests look, not freeze
 """
 
 
@@ -79,7 +80,8 @@ def test_static_allow_reachable_and_everything_else_blocked_fast(lab: Lab) -> No
     ]:
         assert key in seen, (key, list(seen))
         v = seen[key]
-        assert v["layer"] == "inline" and v["uid"] == NOBODY
+        assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}, v
+        assert v["uid"] == NOBODY
         assert v["flow"]["src"] and v["flow"]["sport"]
     assert any(k[0] == "icmp" and k[1] == "203.0.113.10" for k in seen), list(seen)
     [dns] = [v for v in out.violations("foreign_dns") if v["flow"]["dst"] == lab.dns4]
@@ -111,6 +113,15 @@ def test_workload_cannot_touch_the_rules(lab: Lab) -> None:
     assert allowed["ok"], allowed
 
 
+def _observer_of(sandbox_id: str) -> int:
+    from egress.runtime.journal import Journal
+
+    with Journal.open(os.environ["EGRESS_STATE_DIR"]) as journal:
+        row = journal.sandbox(sandbox_id)
+    assert row is not None and row["observer_pid"]
+    return int(row["observer_pid"])
+
+
 def _sandbox_of(pid: int) -> str:
     [claim] = [c for c in claims.load_all() if c.owner_pid == pid]
     return claim.id
@@ -136,7 +147,9 @@ def test_rules_hold_with_no_egress_process_alive(lab: Lab) -> None:
             first = json.loads(proc.stdout.readline())
             assert first["ok"], first
             sandbox_id = _sandbox_of(proc.pid)
-            os.kill(proc.pid, signal.SIGKILL)  # egress is gone; the workload is not
+            observer = _observer_of(sandbox_id)
+            os.kill(proc.pid, signal.SIGKILL)  # the inline layer
+            os.kill(observer, signal.SIGKILL)  # and the observer: no egress process is left
             proc.wait()
             go.touch()
             rest = [json.loads(line) for line in proc.stdout]

@@ -1,0 +1,210 @@
+"""The review loop: `ps`, `journal`, `resume`, `kill`, with or without a daemon.
+
+Everything here reads and writes the journal under the state dir and the sandbox's cgroup
+directly, so a person can act on a frozen sandbox from any shell on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from egress.errors import EgressError, SandboxError
+
+FMT = argparse.RawDescriptionHelpFormatter
+
+
+def _state_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="journal directory (default: $EGRESS_STATE_DIR or /var/lib/egress)",
+    )
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "ps",
+        help="list sandboxes and their state",
+        formatter_class=FMT,
+        description="Sandboxes in the journal: running, frozen or exited.",
+        epilog="example:\n  egressctl ps --json",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON array, for scripts")
+    p.add_argument("--all", action="store_true", help="include exited sandboxes")
+    _state_dir_arg(p)
+    p.set_defaults(func=cmd_ps)
+
+    j = sub.add_parser(
+        "journal",
+        help="violations, freezes and decisions, newest first",
+        formatter_class=FMT,
+        description="Read the violation journal.",
+        epilog="example:\n  egressctl journal --sandbox 3f2a1c",
+    )
+    j.add_argument("--sandbox", metavar="ID", help="only this sandbox")
+    j.add_argument("--limit", type=int, default=50, metavar="N", help="at most N events (50)")
+    j.add_argument("--json", action="store_true", help="one JSON array, for scripts")
+    _state_dir_arg(j)
+    j.set_defaults(func=cmd_journal)
+
+    for name, verb in (
+        ("resume", "thaw a frozen sandbox; it goes on where it stopped"),
+        ("kill", "kill every process of a sandbox"),
+    ):
+        r = sub.add_parser(
+            name,
+            help=verb,
+            description=verb.capitalize() + ".",
+            formatter_class=FMT,
+            epilog=f"example:\n  egressctl {name} 3f2a1c",
+        )
+        r.add_argument("sandbox", metavar="ID")
+        r.add_argument("--note", default="", help="why, for the journal")
+        _state_dir_arg(r)
+        r.set_defaults(func=cmd_decide, action=name)
+
+
+def _journal(args: argparse.Namespace) -> Any:
+    from egress.runtime.journal import Journal, state_dir
+
+    return Journal.open(state_dir(args.state_dir))
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    with _journal(args) as journal:
+        rows = [_live_state(r) for r in journal.sandboxes()]
+    if not args.all:
+        rows = [r for r in rows if r["state"] != "exited"]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no sandboxes" + ("" if args.all else " running (--all shows exited ones)"))
+        return 0
+    print(f"{'SANDBOX':<8} {'STATE':<8} {'POLICY':<20} {'INLINE':>7} {'OBSERVER':>8}  CREATED")
+    for r in rows:
+        print(
+            f"{r['id']:<8} {r['state']:<8} {r['policy'][:20]:<20} {r['inline_pid'] or '-':>7} "
+            f"{r['observer_pid'] or '-':>8}  {_when(r['created_at'])}"
+        )
+    return 0
+
+
+def _live_state(row: dict[str, Any]) -> dict[str, Any]:
+    """The journal's state, corrected by what the machine shows now."""
+    from egress.runtime.cgroup import Cgroup
+
+    out = {
+        k: row.get(k)
+        for k in (
+            "id",
+            "policy",
+            "state",
+            "netns",
+            "cgroup",
+            "created_at",
+            "ended_at",
+            "inline_pid",
+            "observer_pid",
+        )
+    }
+    if out["state"] == "exited":
+        return out
+    try:
+        frozen = Cgroup.open(row["id"]).is_frozen()
+    except EgressError:
+        out["state"] = "exited"  # its cgroup is gone: whatever ran it died without saying so
+        return out
+    out["state"] = "frozen" if frozen else "running"
+    for key in ("inline_pid", "observer_pid"):
+        pid = out[key]
+        if isinstance(pid, int) and not _alive(pid):
+            out[key] = None
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _when(at: float | None) -> str:
+    if not at:
+        return "-"
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def cmd_journal(args: argparse.Namespace) -> int:
+    with _journal(args) as journal:
+        if args.sandbox and journal.sandbox(args.sandbox) is None:
+            raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path}")
+        events = journal.events(args.sandbox, limit=args.limit)
+    if args.json:
+        print(json.dumps(events, indent=2, default=str))
+        return 0
+    for e in events:
+        print(f"{_when(e['at'])}  {e['sandbox_id']:<7} {_describe(e)}")
+    if not events:
+        print("the journal is empty")
+    return 0
+
+
+def _describe(event: dict[str, Any]) -> str:
+    kind, r = event["kind"], event["record"]
+    if kind == "violation":
+        layers = ", ".join(d["layer"] for d in r.get("detected_by") or []) or r["layer"]
+        text = f"violation {r['class']} ({r['action']}; seen by {layers}): {r['detail']}"
+        proc = r.get("process") or {}
+        if proc.get("pid"):
+            text += f"\n{'':31}process: pid {proc['pid']} {proc.get('cmdline', '')}"
+            if proc.get("cwd"):
+                text += f" (cwd {proc['cwd']})"
+        elif proc.get("note"):
+            text += f"\n{'':31}process: {proc['note']}"
+        return text
+    if kind == "freeze_requested":
+        return f"freeze requested by {r['layer']}"
+    if kind == "frozen":
+        return f"frozen ({r.get('latency_ms', 0):.2f} ms after detection)"
+    if kind == "decision":
+        note = f" ({r['note']})" if r.get("note") else ""
+        return f"{r['action']} by uid {r['uid']}{note}"
+    return str(kind).replace("_", " ")
+
+
+def cmd_decide(args: argparse.Namespace) -> int:
+    from egress.runtime.cgroup import Cgroup
+
+    with _journal(args) as journal:
+        if journal.sandbox(args.sandbox) is None:
+            raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path} (see egressctl ps)")
+        try:
+            cgroup = Cgroup.open(args.sandbox)
+        except EgressError:
+            raise SandboxError(
+                f"sandbox {args.sandbox} has ended; nothing to {args.action}"
+            ) from None
+        note = args.note or _who()
+        journal.record_decision(args.sandbox, args.action, os.getuid(), time.time(), note)
+        if args.action == "resume":
+            cgroup.thaw()
+            print(f"sandbox {args.sandbox} resumed")
+        else:
+            cgroup.kill()
+            print(f"sandbox {args.sandbox} killed")
+    return 0
+
+
+def _who() -> str:
+    sudo = os.environ.get("SUDO_USER")
+    return f"via sudo by {sudo}" if sudo else ""

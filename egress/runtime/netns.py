@@ -1,0 +1,316 @@
+"""Network namespaces and their links, in-process.
+
+Every sandbox lives in a named netns (bind-mounted at /run/netns/NAME exactly like
+``ip netns add``, so ``ip netns exec`` works on it) wired to an uplink by a veth pair.
+Creating one must stay well under 100 ms, so nothing here forks: namespaces are made
+with unshare+bind-mount on the calling thread, and links are set up over rtnetlink
+(pyroute2) from a socket opened while the thread is switched into the target netns.
+
+Namespace switches apply to the calling thread only (setns(2) semantics), so these
+helpers are safe to call from any thread, but a thread must not run unrelated network
+code while it sits inside ``in_netns``; in asyncio code never ``await`` inside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from egress.errors import SandboxError
+
+NETNS_RUN_DIR = "/run/netns"
+CLONE_NEWNET = 0x40000000
+_MS_BIND = 4096
+_MS_REC = 16384
+_MS_SHARED = 1 << 20
+_MNT_DETACH = 2
+# /proc/self/ns/net names the thread-group leader's netns; after setns in another
+# thread only thread-self tells the truth.
+_SELF_NS = "/proc/thread-self/ns/net"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_run_dir_ready = False
+
+
+def _os_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def netns_path(name_or_path: str) -> str:
+    """The file that pins a netns: /run/netns/NAME for a name, else the path itself."""
+    if "/" in name_or_path:
+        return name_or_path
+    if name_or_path in ("", ".", ".."):
+        raise SandboxError(f"invalid netns name {name_or_path!r}")
+    return os.path.join(NETNS_RUN_DIR, name_or_path)
+
+
+def netns_exists(name: str) -> bool:
+    return os.path.exists(netns_path(name))
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        raise _os_error("setns")
+
+
+@contextmanager
+def in_netns(name_or_path: str | None) -> Iterator[None]:
+    """Run the body with the current thread in that netns (None: stay where we are).
+
+    Sockets and handles opened inside keep acting on that netns after the block ends.
+    """
+    if name_or_path is None:
+        yield
+        return
+    try:
+        target = os.open(netns_path(name_or_path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxError(f"netns {name_or_path}: {exc.strerror}") from exc
+    saved = os.open(_SELF_NS, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            _setns(target)
+        except OSError as exc:
+            raise SandboxError(f"cannot enter netns {name_or_path}: {exc}") from exc
+        try:
+            yield
+        finally:
+            _restore(saved)
+    finally:
+        os.close(target)
+        os.close(saved)
+
+
+def _restore(saved_fd: int) -> None:
+    try:
+        _setns(saved_fd)
+    except OSError as exc:
+        # Leaving a thread in the wrong netns would silently misroute everything after.
+        raise SandboxError(f"cannot return to the original netns: {exc}") from exc
+
+
+def _prepare_run_dir() -> None:
+    """Make /run/netns a shared mount point, as iproute2 does, so the bind mounts of
+    namespaces propagate into other mount namespaces (containers, ip netns exec)."""
+    global _run_dir_ready
+    if _run_dir_ready:
+        return
+    os.makedirs(NETNS_RUN_DIR, mode=0o755, exist_ok=True)
+    d = NETNS_RUN_DIR.encode()
+    if _libc.mount(b"", d, b"none", _MS_SHARED | _MS_REC, None) != 0:
+        # EINVAL: not a mount point yet. Bind it onto itself, then share it.
+        if _libc.mount(d, d, b"none", _MS_BIND | _MS_REC, None) != 0:
+            raise _os_error(f"bind mount {NETNS_RUN_DIR}")
+        if _libc.mount(b"", d, b"none", _MS_SHARED | _MS_REC, None) != 0:
+            raise _os_error(f"share {NETNS_RUN_DIR}")
+    _run_dir_ready = True
+
+
+def create_netns(name: str) -> None:
+    """Create a new, empty netns pinned at /run/netns/NAME; SandboxError if it exists."""
+    path = netns_path(name)
+    if "/" in name:
+        raise SandboxError(f"netns name must not contain '/': {name!r}")
+    try:
+        _prepare_run_dir()
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
+    except FileExistsError as exc:
+        raise SandboxError(f"netns {name} already exists") from exc
+    except OSError as exc:
+        raise SandboxError(f"cannot create netns {name}: {exc}") from exc
+    try:
+        _unshare_and_pin(path)
+    except OSError as exc:
+        _unlink_quietly(path)
+        raise SandboxError(f"cannot create netns {name}: {exc}") from exc
+
+
+def _unshare_and_pin(path: str) -> None:
+    """unshare(CLONE_NEWNET) on this thread, bind the new netns to path, switch back."""
+    saved = os.open(_SELF_NS, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            raise _os_error("unshare(CLONE_NEWNET)")
+        try:
+            if _libc.mount(_SELF_NS.encode(), path.encode(), b"none", _MS_BIND, None) != 0:
+                raise _os_error(f"bind mount {path}")
+        finally:
+            _restore(saved)
+    finally:
+        os.close(saved)
+
+
+def _unlink_quietly(path: str) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def remove_netns(name: str) -> None:
+    """Unpin a netns (idempotent). The kernel frees it once no process or socket uses it."""
+    path = netns_path(name)
+    # EINVAL (not mounted) and ENOENT (gone) are both "already removed".
+    if _libc.umount2(path.encode(), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):
+            raise SandboxError(f"cannot unmount {path}: {os.strerror(err)}")
+    try:
+        _unlink_quietly(path)
+    except OSError as exc:
+        raise SandboxError(f"cannot remove {path}: {exc.strerror}") from exc
+
+
+# ---- links (rtnetlink through pyroute2) -------------------------------------------
+
+
+@contextmanager
+def _rtnl(netns: str | None, what: str) -> Iterator[Any]:
+    """An IPRoute bound to netns; netlink errors become SandboxError naming the step."""
+    try:
+        with in_netns(netns):
+            ipr = IPRoute(groups=0)
+    except OSError as exc:
+        raise SandboxError(f"{what}: cannot open rtnetlink: {exc}") from exc
+    try:
+        yield ipr
+    except NetlinkError as exc:
+        where = netns or "host netns"
+        raise SandboxError(f"{what} in {where}: {exc.args[-1]} (errno {exc.code})") from exc
+    finally:
+        ipr.close()
+
+
+def _index(ipr: Any, ifname: str, netns: str | None) -> int:
+    found = ipr.link_lookup(ifname=ifname)
+    if not found:
+        raise SandboxError(f"no link {ifname} in {netns or 'host netns'}")
+    return int(found[0])
+
+
+def create_veth_pair(
+    host_if: str, peer_if: str, peer_netns: str, host_netns: str | None = None
+) -> None:
+    """A veth pair with host_if in host_netns (None: current) and peer_if in peer_netns."""
+    fd = os.open(netns_path(peer_netns), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with _rtnl(host_netns, f"create veth {host_if}/{peer_if}") as ipr:
+            ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": peer_if, "net_ns_fd": fd})
+    finally:
+        os.close(fd)
+
+
+def set_up(ifname: str, netns: str | None) -> None:
+    with _rtnl(netns, f"set {ifname} up") as ipr:
+        ipr.link("set", index=_index(ipr, ifname, netns), state="up")
+
+
+def loopback_up(netns: str | None) -> None:
+    set_up("lo", netns)
+
+
+def add_address(ifname: str, addr_with_prefix: str, netns: str | None, nodad: bool = True) -> None:
+    """Add an address like 10.0.0.1/30 or fd00::1/64; v6 skips DAD so it is usable at once."""
+    addr, _, prefix = addr_with_prefix.partition("/")
+    v6 = ":" in addr
+    if not prefix:
+        prefix = "128" if v6 else "32"
+    extra: dict[str, Any] = {}
+    if v6 and nodad:
+        extra["flags"] = 0x02  # IFA_F_NODAD
+    with _rtnl(netns, f"add address {addr_with_prefix} to {ifname}") as ipr:
+        idx = _index(ipr, ifname, netns)
+        ipr.addr("add", index=idx, address=addr, prefixlen=int(prefix), **extra)
+
+
+def add_default_route(gateway: str, netns: str | None, ifname: str | None = None) -> None:
+    """Default route via gateway (family from the address); ifname pins the device."""
+    v6 = ":" in gateway
+    spec: dict[str, Any] = {"dst": "::/0" if v6 else "0.0.0.0/0", "gateway": gateway}
+    with _rtnl(netns, f"add default route via {gateway}") as ipr:
+        if ifname is not None:
+            spec["oif"] = _index(ipr, ifname, netns)
+        ipr.route("add", **spec)
+
+
+def delete_link(ifname: str, netns: str | None) -> None:
+    """Delete a link (and a veth's peer with it); nothing to do if it is gone."""
+    if netns is not None and not netns_exists(netns):
+        return
+    with _rtnl(netns, f"delete link {ifname}") as ipr:
+        found = ipr.link_lookup(ifname=ifname)
+        if found:
+            try:
+                ipr.link("del", index=found[0])
+            except NetlinkError as exc:
+                if exc.code != errno.ENODEV:  # lost a race with another deleter
+                    raise
+
+
+def link_exists(ifname: str, netns: str | None) -> bool:
+    with _rtnl(netns, f"look up {ifname}") as ipr:
+        return bool(ipr.link_lookup(ifname=ifname))
+
+
+def default_route_ifname(netns: str | None) -> str | None:
+    """The device of the default route (IPv4 first, then IPv6), or None if there is none."""
+    with _rtnl(netns, "read default route") as ipr:
+        for family in (2, 10):  # AF_INET, AF_INET6
+            for route in ipr.route("dump", family=family, table=254):
+                oif = _oif(route) if route["dst_len"] == 0 else None
+                if oif is not None:
+                    return _ifname(ipr, oif)
+    return None
+
+
+def _oif(route: Any) -> int | None:
+    """The output device of a route; for a multipath route, its first next hop's."""
+    oif = route.get_attr("RTA_OIF")
+    if oif is None:
+        hops = route.get_attr("RTA_MULTIPATH") or []
+        oif = hops[0]["oif"] if hops else None
+    return None if oif is None else int(oif)
+
+
+def _ifname(ipr: Any, index: int) -> str | None:
+    links = ipr.link("get", index=index)
+    return str(links[0].get_attr("IFLA_IFNAME")) if links else None
+
+
+def set_sysctl(netns: str | None, key: str, value: str | int) -> None:
+    """Write a sysctl such as net.ipv4.ip_forward inside netns.
+
+    /proc/sys/net resolves against the netns of the thread that opens the file, so the
+    open must happen under in_netns (verified in tests/privileged/test_netns.py).
+    """
+    path = _sysctl_path(key)
+    try:
+        with in_netns(netns), open(path, "w") as f:
+            f.write(f"{value}\n")
+    except OSError as exc:
+        raise SandboxError(f"sysctl {key}={value} in {netns or 'host netns'}: {exc}") from exc
+
+
+def get_sysctl(netns: str | None, key: str) -> str:
+    path = _sysctl_path(key)
+    try:
+        with in_netns(netns), open(path) as f:
+            return f.read().strip()
+    except OSError as exc:
+        raise SandboxError(f"sysctl {key} in {netns or 'host netns'}: {exc}") from exc
+
+
+def _sysctl_path(key: str) -> str:
+    """net.ipv4.ip_forward -> /proc/sys/net/ipv4/ip_forward. A key written with slashes
+    (net/ipv4/conf/eth0.100/forwarding) is taken as a path, for names that contain dots."""
+    rel = key if "/" in key else key.replace(".", "/")
+    if not rel or ".." in rel.split("/") or rel.startswith("/"):
+        raise SandboxError(f"invalid sysctl key {key!r}")
+    return "/proc/sys/" + rel

@@ -1,0 +1,182 @@
+"""The observer layer: a separate process that trusts nothing the inline layer says.
+
+It reads the kernel's own evidence from the sandbox netns (its own NFLOG group, which gets
+a copy of every DNS packet sent to the resolver and of every dropped packet, and the drop
+rule's counter), parses the DNS queries itself, applies the same policy, and freezes
+through its own Enforcer. If the inline layer's process dies, that is a ``layer_loss``
+violation. It exits when the sandbox's netns is gone or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from egress.datapath import constants as c
+from egress.datapath.evidence import drop_class, drop_violation
+from egress.errors import EgressError
+from egress.model import Policy, Violation, ViolationClass
+from egress.policy.matcher import Matcher
+from egress.policy.rrtypes import type_name
+from egress.resolver import wire
+from egress.runtime.cgroup import Cgroup
+from egress.runtime.enforcer import Enforcer
+from egress.runtime.journal import Journal
+from egress.runtime.netns import netns_exists
+from egress.runtime.nflog import NflogEvent, NflogListener
+from egress.runtime.nft import NftHandle
+
+TICK_S = 0.1
+LAYER = "observer"
+
+
+@dataclass
+class ObserverConfig:
+    sandbox_id: str
+    netns: str
+    policy: Policy
+    state_dir: str
+    watch_pid: int | None  # the inline layer's process
+
+
+class Observer:
+    def __init__(self, cfg: ObserverConfig) -> None:
+        self.cfg = cfg
+        self.policy = cfg.policy
+        self.matcher = Matcher(cfg.policy)
+        self.journal = Journal.open(cfg.state_dir)
+        self.enforcer = Enforcer(
+            cfg.sandbox_id, cfg.policy, LAYER, self.journal, Cgroup.open(cfg.sandbox_id)
+        )
+        self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP)
+        self.nft = NftHandle.open(cfg.netns)
+        self.drops_seen = 0
+        self.unlogged_last = 0
+        self.inline_fd = _pidfd(cfg.watch_pid)
+        self.stopping = False
+
+    def start(self) -> None:
+        """Serve until the sandbox is gone; an inline layer already dead is a loss now."""
+        if self.cfg.watch_pid is not None and self.inline_fd is None:
+            self._inline_lost()
+        self.run()
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        poll = select.poll()
+        poll.register(self.listener.fileno(), select.POLLIN)
+        if self.inline_fd is not None:
+            poll.register(self.inline_fd, select.POLLIN)
+        while not self.stopping and netns_exists(self.cfg.netns):
+            for fd, _ in poll.poll(TICK_S * 1000):
+                if fd == self.inline_fd:
+                    poll.unregister(fd)
+                    self._inline_lost()
+                else:
+                    self._drain()
+            self._check_counter()
+        with contextlib.suppress(EgressError, OSError):
+            self._drain()  # evidence still queued when told to stop is still evidence
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(EgressError, OSError):
+            self.listener.close()
+            self.nft.close()
+            self.journal.close()
+
+    def _drain(self) -> None:
+        for event in self.listener.read_events():
+            v = self.judge(event)
+            if v is not None:
+                self._act(v)
+
+    def _act(self, v: Violation) -> None:
+        """Act on one verdict; a failure is reported and the watch goes on."""
+        try:
+            self.enforcer.handle(v)
+        except EgressError as exc:
+            print(f"egress observer: could not act on {v.cls.value}: {exc}", file=sys.stderr)
+
+    def judge(self, event: NflogEvent) -> Violation | None:
+        """The observer's own verdict on one copied packet."""
+        cls = drop_class(event.prefix)
+        if cls is not None:
+            self.drops_seen += 1
+            return drop_violation(self.policy, cls, event.flow, event.uid, event.timestamp, LAYER)
+        if event.prefix == c.DNS_LOG_PREFIX and event.packet is not None:
+            return self._judge_query(event)
+        return None
+
+    def _judge_query(self, event: NflogEvent) -> Violation | None:
+        assert event.packet is not None
+        try:
+            q = wire.parse_query(event.packet.payload)
+        except wire.WireError:
+            return None  # the resolver answers FORMERR; nothing leaves
+        decision = self.matcher.decide(q.qname, q.qtype)
+        if decision.allowed:
+            return None
+        cls = ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
+        qtype = type_name(q.qtype)
+        detail = f"query {q.qname or '.'} {qtype} (seen by the observer)"
+        return Violation(
+            cls,
+            LAYER,
+            decision.reason,
+            detail,
+            event.timestamp,
+            self.policy.action(cls),
+            event.flow,
+            event.uid,
+            q.qname or ".",
+            qtype,
+        )
+
+    def _check_counter(self) -> None:
+        """Drops the rate-limited log did not carry still show in the counter."""
+        try:
+            packets, _ = self.nft.counter("inet", c.TABLE, "dropped")
+        except EgressError:
+            return
+        unlogged = packets - self.drops_seen
+        if unlogged > 0 and unlogged == self.unlogged_last:  # stable over a tick: not lag
+            v = Violation(
+                ViolationClass.BLOCKED_CONNECT,
+                LAYER,
+                "default deny",
+                f"{unlogged} dropped packets beyond the log's rate limit",
+                time.time(),
+                self.policy.action(ViolationClass.BLOCKED_CONNECT),
+            )
+            self.drops_seen = packets
+            self._act(v)
+        self.unlogged_last = unlogged
+
+    def _inline_lost(self) -> None:
+        if not netns_exists(self.cfg.netns):
+            return  # the sandbox ended with its inline layer: not a loss
+        cls = ViolationClass.LAYER_LOSS
+        v = Violation(
+            cls,
+            LAYER,
+            "spec.violations.layer_loss",
+            f"the inline layer (pid {self.cfg.watch_pid}) died; DNS is no longer answered",
+            time.time(),
+            self.policy.action(cls),
+        )
+        self._act(v)
+
+
+def _pidfd(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None  # already gone: the first poll can't report it, so say so at start

@@ -1,0 +1,218 @@
+"""The live part of `egressctl run`: evidence in, verdicts acted on, signals forwarded.
+
+NFLOG (inline group) ─┐
+resolver verdicts ────┴▶ Enforcer(inline) ─▶ journal, freeze, attribution
+observer process dies ─▶ layer_loss
+frozen ─▶ the review block on stderr ─▶ wait for resume/kill (or --decision-timeout)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from egress.datapath import constants as c
+from egress.datapath.evidence import drop_class, drop_violation
+from egress.errors import EgressError
+from egress.model import Violation, ViolationClass
+from egress.runtime.enforcer import Enforcer, FreezeEvent
+from egress.runtime.nflog import NflogListener
+from egress.runtime.sandbox import Sandbox
+
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
+TERMINAL = (signal.SIGINT, signal.SIGQUIT)
+FROZEN_POLL_S = 0.05
+
+
+@dataclass
+class SessionState:
+    violations: list[Violation] = field(default_factory=list)
+    freezes: list[FreezeEvent] = field(default_factory=list)
+    timed_out: bool = False  # the decision timeout killed it
+    overruns: int = 0
+
+
+class Session:
+    def __init__(
+        self,
+        sb: Sandbox,
+        enforcer: Enforcer,
+        decision_timeout: float | None,
+        review_hint: str,
+    ) -> None:
+        self.sb = sb
+        self.enforcer = enforcer
+        self.decision_timeout = decision_timeout
+        self.review_hint = review_hint
+        self.state = SessionState()
+        self.listener = NflogListener.open(sb.netns, c.INLINE_GROUP)
+        self._monitor: asyncio.Task[None] | None = None
+        self.stopping = False
+        enforcer.on_freeze = self._frozen
+
+    # -- evidence ------------------------------------------------------------------------
+
+    def on_nflog(self) -> None:
+        for event in self.listener.read_events():
+            cls = drop_class(event.prefix)
+            if cls is not None:
+                pol = self.sb.policy
+                self.on_violation(
+                    drop_violation(pol, cls, event.flow, event.uid, event.timestamp, "inline")
+                )
+
+    def on_violation(self, v: Violation) -> None:
+        self.state.violations.append(v)
+        try:
+            self.enforcer.handle(v)
+        except EgressError as exc:  # a failed freeze is reported, never swallowed
+            print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
+
+    def observer_died(self) -> None:
+        if self.stopping:
+            return
+        cls = ViolationClass.LAYER_LOSS
+        self.on_violation(
+            Violation(
+                cls,
+                "inline",
+                "spec.violations.layer_loss",
+                "the observer layer died",
+                time.time(),
+                self.sb.policy.action(cls),
+            )
+        )
+
+    def close(self) -> None:
+        with contextlib.suppress(EgressError):
+            self.on_nflog()  # evidence that arrived while the command was exiting
+        self.state.overruns = self.listener.overruns
+        self.listener.close()
+        if self._monitor is not None:
+            self._monitor.cancel()
+
+    # -- freezes -------------------------------------------------------------------------
+
+    def _frozen(self, event: FreezeEvent) -> None:
+        self.state.freezes.append(event)
+        if self._monitor is None or self._monitor.done():
+            print(
+                review_block(self.sb.id, event, self.review_hint, self.decision_timeout),
+                file=sys.stderr,
+                flush=True,
+            )
+            self._monitor = asyncio.get_running_loop().create_task(self._await_decision())
+
+    async def _await_decision(self) -> None:
+        """Hold until a person thaws or kills it, or the decision timeout kills it."""
+        deadline = (
+            None if self.decision_timeout is None else time.monotonic() + self.decision_timeout
+        )
+        while self.sb.cgroup.is_frozen():
+            if deadline is not None and time.monotonic() >= deadline:
+                self.state.timed_out = True
+                with contextlib.suppress(EgressError):
+                    self.enforcer.journal.record_decision(
+                        self.sb.id,
+                        "kill",
+                        os.getuid(),
+                        time.time(),
+                        f"--decision-timeout {self.decision_timeout:g} s passed",
+                    )
+                self.sb.cgroup.kill()
+                return
+            await asyncio.sleep(FROZEN_POLL_S)
+
+
+def review_block(sandbox_id: str, event: FreezeEvent, hint: str, timeout: float | None) -> str:
+    v, p = event.violation, event.process
+    process = "not found"
+    if p.get("pid"):
+        cmdline = str(p.get("cmdline", "")).replace("\n", "\\n")
+        process = f"pid {p['pid']} {cmdline}"[:200]
+        if p.get("cwd"):
+            process += f" (cwd {p['cwd']})"
+        if p.get("method") == "uid":
+            process += " [by uid: its socket was already closed]"
+    elif p.get("note"):
+        process = str(p["note"])
+    wait = (
+        f"kills it in {timeout:g} s unless resumed"
+        if timeout is not None
+        else "waiting for a decision"
+    )
+    return "\n".join(
+        [
+            f"egress: sandbox {sandbox_id} is FROZEN "
+            f"(the {v.layer} layer saw it; frozen {event.latency_ms:.1f} ms later)",
+            f"  what:    {v.cls.value}: {v.detail}",
+            f"  rule:    {v.rule}",
+            f"  process: {process}",
+            f"  resume:  egressctl{hint} resume {sandbox_id}",
+            f"  kill:    egressctl{hint} kill {sandbox_id}",
+            f"  ({wait})",
+        ]
+    )
+
+
+# -- the command's life ------------------------------------------------------------------
+
+
+async def wait_for_exit(pid: int, session: Session) -> int:
+    """The command's exit status (128+N if killed by signal N), forwarding signals."""
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    done = loop.create_future()
+
+    def exited() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, exited)
+    _install_signals(loop, pid, session)
+    try:
+        await done
+        _, status = os.waitpid(pid, 0)
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        for sig in FORWARDED + TERMINAL:
+            loop.remove_signal_handler(sig)
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
+
+
+def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, session: Session) -> None:
+    interrupts = [0]
+
+    def forward(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    def terminal(sig: signal.Signals) -> None:
+        interrupts[0] += 1
+        if interrupts[0] > 1 or session.sb.cgroup.is_frozen():
+            # A second Ctrl-C, or one while frozen (a frozen task can't take it): end it all.
+            with contextlib.suppress(EgressError, OSError):
+                session.sb.cgroup.kill()
+            return
+        if not _from_terminal():
+            forward(sig)
+
+    for sig in FORWARDED:
+        loop.add_signal_handler(sig, forward, sig)
+    for sig in TERMINAL:
+        loop.add_signal_handler(sig, terminal, sig)
+
+
+def _from_terminal() -> bool:
+    """Did the terminal deliver this to the command too (we are its foreground group)?"""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False

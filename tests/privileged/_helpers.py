@@ -1,0 +1,102 @@
+"""Helpers for the privileged tests of the runtime shells (netns, nft, NFLOG, cgroup).
+
+Other test sessions may run on the same machine at the same time, so every namespace,
+interface and cgroup name carries this process's pid and a counter. Everything made here
+is removed in ``finally`` blocks, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+
+from egress.runtime import netns
+
+NOBODY = 65534
+_counter = itertools.count(1)
+# stdlib-only code runs under Debian's python3 as nobody, who cannot read the venv.
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def unique(tag: str) -> str:
+    """A netns-safe name unique to this test process."""
+    return f"egt-{os.getpid()}-{tag}-{next(_counter)}"
+
+
+def ifname(tag: str) -> str:
+    """An interface name (at most 15 characters) unique to this test process."""
+    return f"e{os.getpid() % 100000}{tag}{next(_counter)}"[:15]
+
+
+@cache
+def skip_reason() -> str | None:
+    """Why the privileged tests cannot run here, or None if they can."""
+    if os.geteuid() != 0:
+        return "needs root: creates network namespaces, nftables rulesets and cgroups"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = unique("probe")
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"`ip netns add` is impossible here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@contextmanager
+def scratch_netns(tag: str = "ns") -> Iterator[str]:
+    name = unique(tag)
+    netns.create_netns(name)
+    try:
+        yield name
+    finally:
+        netns.remove_netns(name)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A sandbox netns wired to an uplink netns by a veth; neither routes anywhere else."""
+
+    sandbox: str
+    uplink: str
+    sandbox_if: str
+    uplink_if: str
+    sandbox4: str = "10.201.0.2"
+    uplink4: str = "10.201.0.1"
+    sandbox6: str = "fd00:201::2"
+    uplink6: str = "fd00:201::1"
+
+
+@contextmanager
+def sandbox_pair() -> Iterator[Pair]:
+    with scratch_netns("up") as up, scratch_netns("sb") as sb:
+        pair = Pair(sb, up, ifname("s"), ifname("u"))
+        netns.create_veth_pair(pair.uplink_if, pair.sandbox_if, sb, up)
+        for ns, dev, a4, a6 in (
+            (up, pair.uplink_if, pair.uplink4, pair.uplink6),
+            (sb, pair.sandbox_if, pair.sandbox4, pair.sandbox6),
+        ):
+            netns.loopback_up(ns)
+            netns.add_address(dev, f"{a4}/24", ns)
+            netns.add_address(dev, f"{a6}/64", ns)
+            netns.set_up(dev, ns)
+        netns.add_default_route(pair.uplink4, sb)
+        netns.add_default_route(pair.uplink6, sb)
+        yield pair
+
+
+def run_as_nobody(ns: str, code: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    """Run Python code inside ns as nobody:nogroup without capabilities."""
+    argv = ["ip", "netns", "exec", ns, "setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY)]
+    argv += ["--clear-groups", "--inh-caps=-all", SYSTEM_PYTHON, "-c", code]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def ns_inode(path: str) -> int:
+    return os.stat(path).st_ino

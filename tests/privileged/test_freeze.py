@@ -1,0 +1,322 @@
+"""Issue 5: freeze on violation through two independent layers, with a durable journal.
+
+Each test runs `egressctl run` for real and acts on it from outside, as a person (or a
+crash) would: `egressctl resume/kill`, SIGKILL of a layer's process by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from egress.runtime import claims
+from egress.runtime.cgroup import Cgroup
+from egress.runtime.journal import Journal
+from egress.runtime.lab import Lab
+from tests.privileged.sandboxes import (
+    EGRESSCTL,
+    SYSTEM_PYTHON,
+    cleanup,
+    env,
+    leftovers,
+    policy_file,
+    workdir,
+)
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+BASE = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: freeze}}
+spec:
+  mode: {mode}
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [allowed.lab.test]
+  connect:
+    allow:
+      - {{cidr: 203.0.113.10/32, ports: [80], proto: tcp}}
+  violations: {{blocked_connect: {connect}, denied_name: {name}, layer_loss: {loss}}}
+"""
+
+# The workload: a thread bumps a counter file as fast as it can; the main thread waits for
+# the test's "go" and then does what the test asks (a blocked connect, a raw DNS query...).
+AGENT = r"""
+import os, socket, struct, sys, threading, time
+d = sys.argv[1]
+def tick():
+    n = 0
+    while True:
+        n += 1
+        with open(os.path.join(d, "counter.tmp"), "w") as f:
+            f.write(str(n))
+        os.replace(os.path.join(d, "counter.tmp"), os.path.join(d, "counter"))
+        time.sleep(0.001)
+threading.Thread(target=tick, daemon=True).start()
+print("started", flush=True)
+while not os.path.exists(os.path.join(d, "go")):
+    time.sleep(0.005)
+what, _, count = sys.argv[2].partition(":")
+if what == "connect":
+    s = socket.socket(); s.settimeout(30)
+    try: s.connect(("203.0.113.11", 80))
+    except OSError as e: print("connect failed:", e, flush=True)
+elif what == "udp-burst":
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(int(count)):
+        try: s.sendto(b"x", ("203.0.113.11", 10000 + i % 1000))
+        except OSError: pass
+elif what == "dns":
+    name = b"".join(bytes([len(p)]) + p for p in b"denied.lab.test".split(b".")) + b"\0"
+    q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0) + name + struct.pack("!HH", 1, 1)
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(q, ("127.0.0.53", 53))
+print("done", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def policy(mode: str = "enforce", connect: str = "freeze", name: str = "block",
+           loss: str = "freeze") -> str:  # fmt: skip
+    return BASE.format(mode=mode, connect=connect, name=name, loss=loss)
+
+
+class Run:
+    """`egressctl run` of the agent in the background, with handles on both layers."""
+
+    def __init__(self, lab: Lab, d: Path, text: str, what: str, *extra: str) -> None:
+        self.dir = d
+        board = d / "board"
+        board.mkdir()
+        board.chmod(0o777)
+        self.board = board
+        (d / "agent.py").write_text(AGENT)
+        self.report = d / "report.json"
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, text)), "--uplink-netns",
+                lab.uplink_netns, "--report", str(self.report), *extra, "--",
+                SYSTEM_PYTHON, str(d / "agent.py"), str(board), what]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env())  # fmt: skip
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "started"
+        [claim] = [c for c in claims.load_all() if c.owner_pid == self.proc.pid]
+        self.id = claim.id
+        self.cgroup = Cgroup.open(self.id)
+
+    def journal(self) -> Journal:
+        return Journal.open(os.environ["EGRESS_STATE_DIR"])
+
+    def observer_pid(self) -> int:
+        with self.journal() as j:
+            row = j.sandbox(self.id)
+        assert row and row["observer_pid"]
+        return int(row["observer_pid"])
+
+    def go(self) -> None:
+        (self.board / "go").touch()
+
+    def counter(self) -> int:
+        try:
+            return int((self.board / "counter").read_text() or 0)
+        except FileNotFoundError:
+            return 0  # the agent's thread has not written it yet
+
+    def wait_frozen(self, timeout: float = 10) -> dict[str, Any]:
+        """Until the journal shows a confirmed freeze and the kernel agrees."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.journal() as j:
+                freezes = j.freezes(self.id)
+            if freezes and freezes[0].get("confirmed_at") and self.cgroup.is_frozen():
+                return freezes[0]
+            time.sleep(0.01)
+        raise AssertionError(f"sandbox {self.id} not frozen after {timeout} s")
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*EGRESSCTL, *args], capture_output=True, text=True, env=env())
+
+    def finish(self, timeout: float = 30) -> tuple[int, dict[str, Any], str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        data = json.loads(self.report.read_text()) if self.report.exists() else {}
+        return self.proc.returncode, data, err
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        cleanup(self.id)
+
+
+@contextmanager
+def agent_run(lab: Lab, text: str, what: str, *extra: str) -> Iterator[Run]:
+    with workdir() as d:
+        run = Run(lab, d, text, what, *extra)
+        try:
+            yield run
+        finally:
+            run.cleanup()
+
+
+def still(run: Run) -> None:
+    """The counter does not move while frozen (read, wait 300 ms, read)."""
+    before = run.counter()
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        assert run.counter() == before
+        time.sleep(0.02)
+
+
+def moves(run: Run) -> None:
+    before = run.counter()
+    deadline = time.monotonic() + 5
+    while run.counter() == before:
+        assert time.monotonic() < deadline, "the counter did not advance"
+        time.sleep(0.01)
+
+
+def test_blocked_connect_freezes_and_resume_goes_on(lab: Lab) -> None:
+    with agent_run(lab, policy(), "connect") as run:
+        moves(run)
+        run.go()
+        freeze = run.wait_frozen()
+        still(run)
+        with run.journal() as j:
+            [v] = [v for v in j.violations(run.id) if v["class"] == "blocked_connect"]
+        assert v["evidence"]["flow"]["dst"] == "203.0.113.11"
+        assert v["process"]["method"] == "socket"
+        assert "agent.py" in v["process"]["cmdline"]
+        assert freeze["latency_ms"] < 1000
+        resumed = run.ctl("resume", run.id)
+        assert resumed.returncode == 0, resumed.stderr
+        moves(run)
+        assert not run.cgroup.is_frozen()
+        run.ctl("kill", run.id)
+        _, report, err = run.finish()
+        assert f"egressctl resume {run.id}" in err and "FROZEN" in err
+        assert report["frozen"] is True and report["outcome"] == "killed"
+        with run.journal() as j:
+            actions = [d["action"] for d in j.decisions(run.id)]
+        assert actions == ["kill", "resume"]  # newest first, both journaled with a uid
+    assert leftovers(run.id, lab.uplink_netns) == []
+
+
+def test_both_layers_alive_make_one_freeze_two_detections(lab: Lab) -> None:
+    with agent_run(lab, policy(), "connect", "--decision-timeout", "1") as run:
+        run.go()
+        run.wait_frozen()
+        rc, report, _ = run.finish()
+        assert rc == 137 and report["outcome"] == "killed"
+        with run.journal() as j:
+            freezes = j.freezes(run.id)
+            [v] = [v for v in j.violations(run.id) if v["class"] == "blocked_connect"]
+        assert len(freezes) == 1
+        assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}
+        assert {a["layer"] for a in freezes[0]["requested_by"]} <= {"inline", "observer"}
+
+
+def test_inline_layer_killed_observer_still_freezes(lab: Lab) -> None:
+    with agent_run(lab, policy(loss="log"), "connect") as run:
+        os.kill(run.proc.pid, signal.SIGKILL)  # egressctl run is the inline layer
+        run.proc.wait()
+        run.go()
+        run.wait_frozen()
+        still(run)
+        with run.journal() as j:
+            [v] = [v for v in j.violations(run.id) if v["class"] == "blocked_connect"]
+            freezes = j.freezes(run.id)
+        assert [d["layer"] for d in v["detected_by"]] == ["observer"]
+        assert freezes[0]["layer"] == "observer"
+
+
+def test_losing_the_inline_layer_freezes_by_default(lab: Lab) -> None:
+    with agent_run(lab, policy(), "connect") as run:
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+        run.wait_frozen()
+        with run.journal() as j:
+            classes = [v["class"] for v in j.violations(run.id)]
+        assert classes == ["layer_loss"]
+
+
+def test_observer_killed_inline_still_freezes(lab: Lab) -> None:
+    with agent_run(lab, policy(loss="log"), "connect", "--decision-timeout", "1") as run:
+        os.kill(run.observer_pid(), signal.SIGKILL)
+        run.go()
+        run.wait_frozen()
+        rc, report, _ = run.finish()
+        assert rc == 137
+        assert report["frozen"] and report["outcome"] == "killed"
+        by_class = {v["class"]: v for v in report["violations"]}
+        assert by_class["layer_loss"]["layer"] == "inline"
+        assert by_class["blocked_connect"]["layer"] == "inline"
+        assert [d["layer"] for d in by_class["blocked_connect"]["detected_by"]] == ["inline"]
+
+
+def test_denied_query_with_the_resolver_gone_is_seen_by_the_observer(lab: Lab) -> None:
+    text = policy(name="freeze", loss="log")
+    with agent_run(lab, text, "dns") as run:
+        os.kill(run.proc.pid, signal.SIGKILL)  # the resolver dies with the inline layer
+        run.proc.wait()
+        run.go()
+        run.wait_frozen()
+        with run.journal() as j:
+            [v] = [v for v in j.violations(run.id) if v["class"] == "denied_name"]
+        assert v["layer"] == "observer" and v["evidence"]["qname"] == "denied.lab.test"
+
+
+@pytest.mark.parametrize("action", ["log", "block"])
+def test_log_and_block_do_not_freeze(lab: Lab, action: str) -> None:
+    with agent_run(lab, policy(connect=action), "connect") as run:
+        run.go()
+        _wait_for(run, "done")
+        moves(run)
+        with run.journal() as j:
+            assert j.freezes(run.id) == []
+            assert [v["class"] for v in j.violations(run.id)] == ["blocked_connect"]
+
+
+def test_audit_mode_never_freezes_but_journals(lab: Lab) -> None:
+    with agent_run(lab, policy(mode="audit"), "connect") as run:
+        run.go()
+        _wait_for(run, "done")
+        moves(run)
+        with run.journal() as j:
+            assert j.freezes(run.id) == []
+            [v] = j.violations(run.id)
+        assert v["class"] == "blocked_connect" and v["action"] == "freeze"
+
+
+def test_kill_9_of_every_egress_process_in_a_burst_keeps_the_journal(lab: Lab) -> None:
+    with agent_run(lab, policy(connect="log"), "udp-burst:20000") as run:
+        observer = run.observer_pid()
+        run.go()
+        with run.journal() as j:  # wait until violations are being committed
+            end = time.monotonic() + 10
+            while len(j.violations(run.id, limit=10)) < 5 and time.monotonic() < end:
+                time.sleep(0.01)
+        os.kill(run.proc.pid, signal.SIGKILL)
+        os.kill(observer, signal.SIGKILL)
+        run.proc.wait()
+        with run.journal() as j:
+            assert j.check() == "ok"
+            rows = j.violations(run.id, limit=100_000)
+        assert len(rows) >= 5
+        assert all(r["class"] == "blocked_connect" and r["evidence"]["flow"] for r in rows)
+
+
+def _wait_for(run: Run, line: str) -> None:
+    assert run.proc.stdout is not None
+    for got in run.proc.stdout:
+        if got.strip() == line:
+            return
+    raise AssertionError(f"the agent never printed {line!r}")

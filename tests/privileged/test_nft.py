@@ -1,0 +1,218 @@
+"""egress.runtime.nft against the kernel: atomic loads, sets with timeouts, counters."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from egress.errors import DatapathError, SandboxError
+from egress.runtime import netns
+from egress.runtime.nft import NftHandle
+from tests.privileged._helpers import scratch_netns, skip_reason
+
+pytestmark = [
+    pytest.mark.privileged,
+    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+]
+
+TABLE = """
+table inet egress {
+    counter lo_udp { }
+    set allow4 {
+        type ipv4_addr . inet_proto . inet_service
+        flags timeout
+    }
+    set plain6 {
+        type ipv6_addr
+    }
+    set nets4 {
+        type ipv4_addr
+        flags interval
+    }
+    chain output {
+        type filter hook output priority 0; policy accept;
+        oif lo udp dport 9 counter name lo_udp
+    }
+}
+"""
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    with scratch_netns("nft") as name:
+        yield name
+
+
+@pytest.fixture
+def nft(ns: str) -> Iterator[NftHandle]:
+    handle = NftHandle.open(ns)
+    try:
+        handle.load(TABLE)
+        yield handle
+    finally:
+        handle.close()
+
+
+def _tables_via_cli(ns: str) -> str:
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, "nft", "list", "tables"], capture_output=True, text=True
+    ).stdout
+
+
+def _keys(nft: NftHandle, set_name: str = "allow4") -> set[str]:
+    return {e["key"] for e in nft.list_set("inet", "egress", set_name)}
+
+
+def test_handle_acts_on_its_netns_only(nft: NftHandle, ns: str) -> None:
+    assert nft.table_exists("inet", "egress")
+    assert "table inet egress" in _tables_via_cli(ns)
+    with scratch_netns("other") as other, NftHandle.open(other) as there:
+        assert not there.table_exists("inet", "egress")
+        assert "egress" not in _tables_via_cli(other)
+
+
+def test_load_is_atomic(ns: str) -> None:
+    # nft 1.0.6 one-liners need ";" or a newline after a nested block: "{ chain c {...}; }"
+    bad = "table inet half { chain c { type filter hook output priority 0; }; }\n"
+    bad += "add rule inet half c tcp dport 80 jump nowhere\n"
+    with NftHandle.open(ns) as nft:
+        with pytest.raises(DatapathError, match="No such file or directory") as err:
+            nft.load(bad)
+        assert "Error: Could not process rule" in str(err.value)  # nft's own text
+        assert not nft.table_exists("inet", "half")
+
+
+def test_check_validates_without_applying(ns: str) -> None:
+    with NftHandle.open(ns) as nft:
+        nft.check("table inet dry { }")
+        assert not nft.table_exists("inet", "dry")
+        with pytest.raises(DatapathError, match="syntax error"):
+            nft.check("table inet dry { bogus }")
+        nft.load("table inet dry { }")  # dry-run flag was reset
+        assert nft.table_exists("inet", "dry")
+
+
+def test_add_elements_batch_with_timeout(nft: NftHandle) -> None:
+    elems = ["192.0.2.1 . tcp . 443", "192.0.2.2 . udp . 53", "198.51.100.7 . tcp . 8443"]
+    nft.add_elements("inet", "egress", "allow4", elems, timeout_s=60)
+    listed = nft.list_set("inet", "egress", "allow4")
+    assert {e["key"] for e in listed} == set(elems)
+    for e in listed:
+        assert e["timeout"] == 60
+        assert 55 <= e["expires"] <= 60
+    assert listed[0]["value"]["concat"][1] in ("tcp", "udp")
+
+
+def test_readd_replaces_the_timeout(nft: NftHandle) -> None:
+    """Re-adding refreshes an element, and takes the NEW timeout, even a shorter one."""
+    elem = ["192.0.2.1 . tcp . 443"]
+    nft.add_elements("inet", "egress", "allow4", elem, timeout_s=5)
+    nft.add_elements("inet", "egress", "allow4", elem, timeout_s=60)
+    assert nft.list_set("inet", "egress", "allow4")[0]["timeout"] == 60
+    nft.add_elements("inet", "egress", "allow4", elem, timeout_s=10)
+    assert nft.list_set("inet", "egress", "allow4")[0]["timeout"] == 10
+
+
+def test_elements_expire(nft: NftHandle) -> None:
+    nft.add_elements("inet", "egress", "allow4", ["192.0.2.9 . tcp . 443"], timeout_s=0.2)
+    deadline = time.monotonic() + 5
+    while _keys(nft):
+        assert time.monotonic() < deadline, "element did not expire"
+        time.sleep(0.05)
+
+
+def test_plain_and_interval_sets(nft: NftHandle) -> None:
+    nft.add_elements("inet", "egress", "plain6", ["2001:db8::1", "2001:db8::2"])
+    assert _keys(nft, "plain6") == {"2001:db8::1", "2001:db8::2"}
+    assert nft.list_set("inet", "egress", "plain6")[0]["timeout"] is None
+    nft.add_elements("inet", "egress", "nets4", ["10.0.0.0/8", "192.0.2.10-192.0.2.20"])
+    assert _keys(nft, "nets4") == {"10.0.0.0/8", "192.0.2.10-192.0.2.20"}
+
+
+def test_delete_elements(nft: NftHandle) -> None:
+    elems = ["192.0.2.1 . tcp . 443", "192.0.2.2 . tcp . 443"]
+    nft.add_elements("inet", "egress", "allow4", elems, timeout_s=60)
+    nft.delete_elements("inet", "egress", "allow4", elems[:1])
+    assert _keys(nft) == {elems[1]}
+    absent = "203.0.113.1 . tcp . 1"
+    with pytest.raises(DatapathError, match="No such file"):
+        nft.delete_elements("inet", "egress", "allow4", [elems[1], absent])
+    assert _keys(nft) == {elems[1]}  # the failed batch changed nothing
+    nft.delete_elements("inet", "egress", "allow4", [elems[1], absent], missing_ok=True)
+    assert _keys(nft) == set()
+
+
+@pytest.mark.parametrize(
+    "element",
+    [
+        "192.0.2.1 . tcp . 443 } ; flush ruleset ; add element inet egress allow4 { 1.1.1.1",
+        '192.0.2.1 . tcp . 443 comment "x"',
+        "192.0.2.1\n. tcp . 443",
+        "",
+    ],
+)
+def test_hostile_element_text_is_refused(nft: NftHandle, element: str) -> None:
+    with pytest.raises(DatapathError, match="invalid set element"):
+        nft.add_elements("inet", "egress", "allow4", [element], timeout_s=60)
+    assert nft.table_exists("inet", "egress")
+    assert _keys(nft) == set()
+
+
+def test_bad_names_and_kernel_errors(nft: NftHandle) -> None:
+    with pytest.raises(DatapathError, match="invalid nft set name"):
+        nft.add_elements("inet", "egress", "allow4; flush ruleset", ["192.0.2.1 . tcp . 1"])
+    with pytest.raises(DatapathError, match="invalid nft family"):
+        nft.table_exists("inet6", "egress")
+    with pytest.raises(DatapathError, match="mismatch"):
+        nft.add_elements("inet", "egress", "allow4", ["192.0.2.1 . tcp"], timeout_s=60)
+    with pytest.raises(DatapathError, match="timeout must be positive"):
+        nft.add_elements("inet", "egress", "allow4", ["192.0.2.1 . tcp . 1"], timeout_s=0)
+
+
+def test_counter_counts(nft: NftHandle, ns: str) -> None:
+    assert nft.counter("inet", "egress", "lo_udp") == (0, 0)
+    netns.loopback_up(ns)
+    with netns.in_netns(ns):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with sock:
+        for _ in range(3):
+            sock.sendto(b"x" * 10, ("127.0.0.1", 9))
+    packets, nbytes = nft.counter("inet", "egress", "lo_udp")
+    assert packets == 3
+    assert nbytes == 3 * (20 + 8 + 10)
+    with pytest.raises(DatapathError):
+        nft.counter("inet", "egress", "nosuch")
+
+
+def test_delete_table_is_idempotent(nft: NftHandle) -> None:
+    nft.delete_table("inet", "egress")
+    assert not nft.table_exists("inet", "egress")
+    nft.delete_table("inet", "egress")
+
+
+def test_closed_handle_raises(ns: str) -> None:
+    nft = NftHandle.open(ns)
+    nft.close()
+    nft.close()
+    with pytest.raises(DatapathError, match="closed"):
+        nft.table_exists("inet", "egress")
+
+
+def test_open_in_missing_netns_raises() -> None:
+    with pytest.raises(SandboxError):
+        NftHandle.open("egt-no-such-netns")
+
+
+def test_handle_keeps_its_netns_after_it_is_gone_from_run(ns: str) -> None:
+    """The handle's socket pins the netns: removing /run/netns/NAME does not break it."""
+    nft = NftHandle.open(ns)
+    try:
+        netns.remove_netns(ns)
+        nft.load("table inet pinned { }")
+        assert nft.table_exists("inet", "pinned")
+    finally:
+        nft.close()
