@@ -57,12 +57,6 @@ def join(procs: list[str]) -> None:
             f.write(str(os.getpid()))
 
 
-def join(procs: list[str]) -> None:
-    for path in procs:
-        with open(path, "w") as f:
-            f.write(str(os.getpid()))
-
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]

@@ -1,0 +1,15 @@
+"""The filtering resolver, sans I/O: bytes and ``now`` in, actions out (core.py).
+
+Its part of the flow (DESIGN.md)::
+
+    query bytes ─ core.replay: the same bytes answered within the last second? ─▶ reply bytes
+        │ (no)
+        ▼ wire.parse_query (header + question by hand) ─▶ cache hit? ─▶ Reply (cache.render)
+        ▼ miss: matcher (+ tunnel scorer) ─ denied ─▶ Report + NXDOMAIN/REFUSED, never forwarded
+        ▼ allowed ─▶ Forward (our ID, lowercased name, our EDNS)
+    upstream bytes ─ message.parse (dnslib only for rare types) ─▶ answer.filter_answer
+        (CNAME chain, types, rebinding) ─▶ message.build ─▶ AllowThenReply (sets, then reply)
+
+The shells (egress.runtime.dns_server, egressd) perform the actions: send, forward, add
+the set elements and wait for the kernel's ack, journal the reports.
+"""

@@ -11,14 +11,13 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from dnslib import QTYPE, RR, DNSRecord
+from dnslib import QTYPE
 
 from egress.model import DnsRule, IPAddress, Policy, ViolationClass
 from egress.policy.matcher import Matcher
+from egress.resolver.message import AAAA, CNAME, SOA, A, Record, Response
 from egress.resolver.rebinding import rebinding_reason
 from egress.resolver.wire import NOERROR, NXDOMAIN, SERVFAIL
-
-A, CNAME, SOA, AAAA = 1, 5, 6, 28
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,8 @@ class Finding:
 @dataclass
 class Filtered:
     rcode: int
-    answers: list[RR] = field(default_factory=list)
-    authority: list[RR] = field(default_factory=list)
+    answers: list[Record] = field(default_factory=list)
+    authority: list[Record] = field(default_factory=list)
     ips: list[tuple[IPAddress, int]] = field(default_factory=list)  # (address, ttl)
     findings: list[Finding] = field(default_factory=list)
     refused: bool = False  # the whole answer is withheld (denied CNAME target)
@@ -47,42 +46,37 @@ class Filtered:
         """RFC 2308: a negative answer lives min(SOA TTL, SOA MINIMUM); no SOA, no caching."""
         for rr in self.authority:
             if rr.rtype == SOA:
-                return int(min(rr.ttl, rr.rdata.times[-1]))
+                return min(rr.ttl, rr.soa_minimum())
         return None
 
 
 def filter_answer(
-    response: DNSRecord, qname: str, qtype: int, rule: DnsRule, matcher: Matcher, policy: Policy
+    response: Response, qname: str, qtype: int, rule: DnsRule, matcher: Matcher, policy: Policy
 ) -> Filtered:
-    rcode = response.header.rcode
+    rcode = response.rcode
     if rcode not in (NOERROR, NXDOMAIN):
         return Filtered(SERVFAIL if rcode != 5 else rcode)
     out = Filtered(rcode)
-    chain = _follow_chain(response.rr, qname, rule, matcher, out)
+    chain = _follow_chain(response.answers, qname, rule, matcher, out)
     if out.refused:
         return out
-    for rr in response.rr:
-        owner = _name(rr.rname)
-        if owner not in chain or rr.rtype == CNAME:
+    for rr in response.answers:
+        if rr.name not in chain or rr.rtype == CNAME:
             continue  # outside the chain: not an answer to this question
         _keep_record(rr, qtype, rule, policy, out)
-    out.authority = [rr for rr in response.auth if rr.rtype == SOA]
+    out.authority = [rr for rr in response.authority if rr.rtype == SOA]
     return out
 
 
-def _name(label: object) -> str:
-    return str(label).rstrip(".").lower()
-
-
 def _follow_chain(
-    records: list[RR], qname: str, rule: DnsRule, matcher: Matcher, out: Filtered
+    records: list[Record], qname: str, rule: DnsRule, matcher: Matcher, out: Filtered
 ) -> set[str]:
     """Names on the CNAME chain from qname, within this answer only."""
-    cnames = {_name(rr.rname): rr for rr in records if rr.rtype == CNAME}
+    cnames = {rr.name: rr for rr in records if rr.rtype == CNAME}
     chain, current = [qname], qname
     while current in cnames and len(chain) <= 16:
         rr = cnames[current]
-        target = _name(rr.rdata.label)
+        target = rr.target
         if target in chain:
             break  # a loop: stop where it closes
         if not matcher.rule_for(target):
@@ -105,24 +99,30 @@ def _follow_chain(
     return set(chain)
 
 
-def _keep_record(rr: RR, qtype: int, rule: DnsRule, policy: Policy, out: Filtered) -> None:
+def record_ip(rr: Record) -> IPAddress:
+    if rr.rtype == A:
+        return ipaddress.IPv4Address(rr.rdata)
+    return ipaddress.IPv6Address(rr.rdata)
+
+
+def _keep_record(rr: Record, qtype: int, rule: DnsRule, policy: Policy, out: Filtered) -> None:
     if rr.rtype != qtype and qtype != 255:
         return  # an extra the question did not ask for
     if rr.rtype not in rule.types:
         out.findings.append(Finding(
             ViolationClass.DENIED_TYPE, rule.describe(),
-            f"removed {QTYPE.get(rr.rtype, rr.rtype)} record of {_name(rr.rname)}",
+            f"removed {QTYPE.get(rr.rtype, rr.rtype)} record of {rr.name}",
         ))  # fmt: skip
         return
     if rr.rtype in (A, AAAA):
-        ip = ipaddress.ip_address(str(rr.rdata))
+        ip = record_ip(rr)
         why = (
             rebinding_reason(ip, policy.dns.rebinding_exempt) if policy.dns.rebinding_deny else None
         )
         if why:
             out.findings.append(Finding(
                 ViolationClass.REBINDING, "dns.rebinding: deny",
-                f"dropped {_name(rr.rname)} -> {ip}: {why}",
+                f"dropped {rr.name} -> {ip}: {why}",
             ))  # fmt: skip
             return
         out.ips.append((ip, rr.ttl))

@@ -66,11 +66,16 @@ class Cache:
 
 
 def make_entry(
-    message: bytes, ttl: int, now: float, update: SetUpdate | None, allowed_s: int
+    message: bytes,
+    offsets: list[int],
+    ttl: int,
+    now: float,
+    update: SetUpdate | None,
+    allowed_s: int,
 ) -> Entry:
-    offsets = tuple(wire.ttl_offsets(message))
+    """``offsets``: where the message's TTLs are (``wire.ttl_offsets`` finds them)."""
     ttls = tuple(_TTL.unpack_from(message, off)[0] for off in offsets)
-    return Entry(message, offsets, ttls, now, now + ttl, update, now + allowed_s)
+    return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s)
 
 
 def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:

@@ -11,19 +11,19 @@ perform the actions and call back with upstream replies and failures.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from dnslib import QTYPE, DNSHeader, DNSQuestion, DNSRecord
+from dnslib import QTYPE
 
 from egress.datapath.elements import SetUpdate, clamp_ttl, plan_update
 from egress.model import DeniedResponse, DnsRule, Mode, Policy, Ports, Violation, ViolationClass
 from egress.policy.matcher import Matcher
 from egress.resolver import cache as cache_mod
-from egress.resolver import wire
+from egress.resolver import message, wire
 from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
-from egress.resolver.answer import AAAA, A, Filtered, Finding, filter_answer
+from egress.resolver.answer import Filtered, Finding, filter_answer, record_ip
 from egress.resolver.cache import Cache, Entry
 
 
@@ -46,6 +46,22 @@ class Pending:
     tcp: bool = False
 
 
+REPLAY_MAX = 4096
+
+
+class TunnelFinding(Protocol):
+    def describe(self) -> str: ...
+
+
+class QueryScorer(Protocol):
+    """What the core needs of a tunnel scorer (``egress.tunnel.TunnelScorer`` fits): it
+    sees every allowed query before it is forwarded, and the upstream's rcode after."""
+
+    def observe_query(self, name: str, qtype: int) -> TunnelFinding | None: ...
+
+    def observe_response(self, name: str, rcode: int) -> None: ...
+
+
 class ResolverCore:
     def __init__(
         self,
@@ -53,18 +69,31 @@ class ResolverCore:
         n_upstreams: int,
         randbits: Callable[[int], int],
         cache_size: int = 10_000,
+        scorer: QueryScorer | None = None,
     ) -> None:
         self.n_upstreams = n_upstreams
         self.randbits = randbits
+        # Cache hits skip the scorer: nothing leaves the host, and a repeat adds nothing.
+        self.scorer = scorer
         self.cache = Cache(cache_size)
         self.pending: dict[int, Pending] = {}
         self.inflight: dict[bytes, int] = {}
-        self.stats: dict[str, int] = dict.fromkeys(
+        self._stats: dict[str, int] = dict.fromkeys(
             ("queries", "allowed", "denied", "cache_hits", "forwarded", "servfail", "malformed"),
             0,
         )
+        # Replies to UDP queries seen before, keyed by the query's bytes after its ID.
+        self._replay: dict[bytes, tuple[float, bytes]] = {}
+        self._replays = 0
         self._next_token = 0
         self.set_policy(policy)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        out = dict(self._stats)
+        for key in ("queries", "allowed", "cache_hits"):
+            out[key] += self._replays
+        return out
 
     def set_policy(self, policy: Policy) -> None:
         """Swap the policy; cached answers were decided under the old one, so they go."""
@@ -72,11 +101,34 @@ class ResolverCore:
         self.matcher = Matcher(policy)
         self.audit = policy.mode is Mode.AUDIT
         self.cache.clear()
+        self._replay.clear()
+
+    # -- the hot path --------------------------------------------------------------------
+
+    def replay(self, data: bytes, now: float) -> bytes | None:
+        """The reply to a UDP query whose bytes after the ID were answered from the cache
+        within the last second (or None: call ``on_query``). The same bytes mean the same
+        question, flags and EDNS, so the same reply but for the ID: no parsing, no
+        policy, no objects. Entries live until their TTLs would tick down, their cache
+        entry expires or the policy changes, so a replay is what ``on_query`` would send."""
+        hit = self._replay.get(data[2:])
+        if hit is None or hit[0] <= now:
+            return None
+        self._replays += 1
+        return data[:2] + hit[1]
+
+    def _remember(self, data: bytes, reply: bytes, entry: Entry, now: float) -> None:
+        if entry.update is not None and entry.allowed_until < entry.expires_at:
+            return  # a later hit may have to refresh the sets first: keep it on on_query
+        until = min(entry.stored_at + int(now - entry.stored_at) + 1, entry.expires_at)
+        if len(self._replay) >= REPLAY_MAX:
+            self._replay.clear()  # bounded; a client varying its bytes only slows itself
+        self._replay[bytes(data[2:])] = (until, bytes(reply[2:]))
 
     # -- queries -------------------------------------------------------------------------
 
     def on_query(self, data: bytes, client: object, tcp: bool, now: float) -> list[Action]:
-        self.stats["queries"] += 1
+        self._stats["queries"] += 1
         try:
             q = wire.parse_query(data)
         except wire.WireError as exc:
@@ -84,13 +136,16 @@ class ResolverCore:
         max_size = 65535 if tcp else (q.edns_size or wire.MAX_UDP_NO_EDNS)
         entry = self.cache.get(q.key, now)
         if entry is not None:
-            self.stats["cache_hits"] += 1
-            self.stats["allowed"] += 1
-            return self._from_cache(entry, q, client, now, max_size)
+            self._stats["cache_hits"] += 1
+            self._stats["allowed"] += 1
+            actions = self._from_cache(entry, q, client, now, max_size)
+            if not tcp and type(actions[0]) is Reply:
+                self._remember(data, actions[0].data, entry, now)
+            return actions
         return self._decide(q, Waiter(client, q, max_size), now)
 
     def _malformed(self, data: bytes, client: object, exc: wire.WireError) -> list[Action]:
-        self.stats["malformed"] += 1
+        self._stats["malformed"] += 1
         if exc.rcode is None:
             return []
         reply = wire.header_error(data, exc.rcode)
@@ -113,9 +168,15 @@ class ResolverCore:
         if q.qclass != wire.CLASS_IN:
             return self._deny(q, waiter, now, ViolationClass.DENIED_TYPE,
                               "only class IN is answered", f"class {q.qclass}")  # fmt: skip
+        if not wire.is_hostname(q.qname):  # binary labels: no rule names them, tunnels do
+            why = "a name is letters, digits, '-' and '_'"
+            return self._deny(q, waiter, now, ViolationClass.DENIED_NAME, why, "not a hostname")
         decision = self.matcher.decide(q.qname, q.qtype)
         if decision.allowed:
-            self.stats["allowed"] += 1
+            finding = self.scorer.observe_query(q.qname, q.qtype) if self.scorer else None
+            if finding is not None:
+                return self._tunnel(q, waiter, now, finding, decision.rule)
+            self._stats["allowed"] += 1
             return self._forward(q, waiter, decision.rule)
         cls = ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
         return self._deny(q, waiter, now, cls, decision.reason, "")
@@ -123,7 +184,7 @@ class ResolverCore:
     def _deny(
         self, q: wire.Query, waiter: Waiter, now: float, cls: ViolationClass, why: str, extra: str
     ) -> list[Action]:
-        self.stats["denied"] += 1
+        self._stats["denied"] += 1
         detail = f"query {q.qname or '.'} {_type_name(q.qtype)}" + (f" ({extra})" if extra else "")
         report = Report(self._violation(cls, why, detail, now, q.qname, q.qtype))
         if self.audit and q.qclass == wire.CLASS_IN:
@@ -132,6 +193,23 @@ class ResolverCore:
             self.policy.dns.denied_response is DeniedResponse.NXDOMAIN
         ):
             return [report, Reply(waiter.client, wire.error_reply(q, wire.NXDOMAIN))]
+        return [report, Reply(waiter.client, wire.error_reply(q, wire.REFUSED))]
+
+    def _tunnel(
+        self,
+        q: wire.Query,
+        waiter: Waiter,
+        now: float,
+        finding: TunnelFinding,
+        rule: DnsRule | None,
+    ) -> list[Action]:
+        """Not forwarded (the name is the data); audit mode reports and forwards."""
+        self._stats["denied"] += 1
+        detail = f"query {q.qname} {_type_name(q.qtype)}: {finding.describe()}"
+        cls = ViolationClass.TUNNEL
+        report = Report(self._violation(cls, "spec.tunnel", detail, now, q.qname, q.qtype))
+        if self.audit:
+            return [report, *self._forward(q, waiter, rule)]
         return [report, Reply(waiter.client, wire.error_reply(q, wire.REFUSED))]
 
     def _forward(self, q: wire.Query, waiter: Waiter, rule: DnsRule | None) -> list[Action]:
@@ -144,7 +222,7 @@ class ResolverCore:
         p = Pending(token, self.randbits(16), q.qname, q.qtype, rule, [waiter])
         self.pending[token] = p
         self.inflight[q.key] = token
-        self.stats["forwarded"] += 1
+        self._stats["forwarded"] += 1
         return [Forward(token, 0, wire.build_query(p.qid, p.qname, p.qtype), False)]
 
     # -- upstream ------------------------------------------------------------------------
@@ -154,16 +232,18 @@ class ResolverCore:
         if p is None:
             return []  # late or duplicate: already answered
         try:
-            response = DNSRecord.parse(data)
-        except Exception:  # dnslib raises many types on garbage; all mean "unusable"
+            response = _parse_response(data)
+        except Exception:  # garbage (WireError, or any of dnslib's many errors): unusable
             return self.on_upstream_failure(token, now)
         if not _matches(response, p):
             return []  # not the answer to our question: ignore it (spoofing, stale reply)
-        if response.header.tc and not p.tcp:
+        if response.truncated and not p.tcp:
             p.tcp = True
             p.qid = self.randbits(16)
             return [Forward(token, p.upstream, wire.build_query(p.qid, p.qname, p.qtype), True)]
         self._finish(p)
+        if self.scorer is not None:
+            self.scorer.observe_response(p.qname, response.rcode)
         return self._answer(p, response, now)
 
     def on_upstream_failure(self, token: int, now: float) -> list[Action]:
@@ -177,7 +257,7 @@ class ResolverCore:
             p.qid = self.randbits(16)
             return [Forward(token, p.upstream, wire.build_query(p.qid, p.qname, p.qtype), False)]
         self._finish(p)
-        self.stats["servfail"] += len(p.waiters)
+        self._stats["servfail"] += len(p.waiters)
         return [Reply(w.client, self._servfail(w.query)) for w in p.waiters]
 
     def _finish(self, p: Pending) -> None:
@@ -186,7 +266,7 @@ class ResolverCore:
         if self.inflight.get(key) == p.token:
             del self.inflight[key]
 
-    def _answer(self, p: Pending, response: DNSRecord, now: float) -> list[Action]:
+    def _answer(self, p: Pending, response: message.Response, now: float) -> list[Action]:
         if p.rule is None:
             filtered = _unfiltered(response)
         else:
@@ -211,17 +291,16 @@ class ResolverCore:
         cap = self.policy.dns.ttl_max
         for rr in filtered.answers:
             rr.ttl = min(rr.ttl, cap)  # a client must not keep an IP longer than the kernel
-        header = DNSHeader(id=0, qr=1, rd=1, ra=1, rcode=filtered.rcode)
-        msg = DNSRecord(header, q=DNSQuestion(p.qname, p.qtype), rr=filtered.answers,
-                        auth=filtered.authority)  # fmt: skip
-        message = msg.pack()
+        msg, offsets = message.build(
+            p.qname, p.qtype, filtered.rcode, filtered.answers, filtered.authority
+        )
         ttl = filtered.min_ttl() if filtered.answers else filtered.negative_ttl() or 0
         ip_ttl = min((t for _, t in filtered.ips), default=0)
         timeout = clamp_ttl(min(ip_ttl, cap), self.policy)
         update = None
         if filtered.ips:
             update = plan_update([ip for ip, _ in filtered.ips], self._ports(p.rule), timeout)
-        return cache_mod.make_entry(message, ttl, now, update, timeout)
+        return cache_mod.make_entry(msg, offsets, ttl, now, update, timeout)
 
     def _ports(self, rule: DnsRule | None) -> Ports:
         if rule is None or rule.ports.is_empty():
@@ -256,18 +335,25 @@ def plan_update_refresh(entry: Entry, timeout: int) -> SetUpdate:
     return SetUpdate(entry.update.elements4, entry.update.elements6, timeout)
 
 
-def _matches(response: DNSRecord, p: Pending) -> bool:
-    if response.header.id != p.qid or not response.header.qr or len(response.questions) != 1:
+def _parse_response(data: bytes) -> message.Response:
+    try:
+        return message.parse(data)
+    except message.Unsupported:
+        return message.from_dnslib(data)
+
+
+def _matches(response: message.Response, p: Pending) -> bool:
+    if response.id != p.qid or not response.flags & wire.QR or len(response.questions) != 1:
         return False
-    q = response.questions[0]
-    return bool(q.qtype == p.qtype and str(q.qname).rstrip(".").lower() == p.qname)
+    name, qtype, _ = response.questions[0]
+    return qtype == p.qtype and name == p.qname
 
 
-def _unfiltered(response: DNSRecord) -> Filtered:
-    out = Filtered(response.header.rcode, list(response.rr), list(response.auth))
-    for rr in response.rr:
-        if rr.rtype in (A, AAAA):
-            out.ips.append((ipaddress.ip_address(str(rr.rdata)), rr.ttl))
+def _unfiltered(response: message.Response) -> Filtered:
+    out = Filtered(response.rcode, list(response.answers), list(response.authority))
+    for rr in response.answers:
+        if rr.rtype in (message.A, message.AAAA):
+            out.ips.append((record_ip(rr), rr.ttl))
     return out
 
 

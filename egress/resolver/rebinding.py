@@ -35,6 +35,11 @@ _V6 = [
     ("multicast", "ff00::/8"),
 ]
 BLOCKED: list[tuple[str, IPNetwork]] = [(why, ipaddress.ip_network(n)) for why, n in _V4 + _V6]
+# The same as (reason, network, first address, mask) integers per version: every allowed
+# answer's addresses go through this before the client may see them.
+_BY_VERSION: dict[int, list[tuple[str, IPNetwork, int, int]]] = {4: [], 6: []}
+for _why, _net in BLOCKED:
+    _BY_VERSION[_net.version].append((_why, _net, int(_net.network_address), int(_net.netmask)))
 _MAPPED = ipaddress.ip_network("::ffff:0:0/96")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
@@ -57,7 +62,8 @@ def rebinding_reason(ip: IPAddress, exempt: Iterable[IPNetwork] = ()) -> str | N
         if inner is not None:
             why = rebinding_reason(inner, exempt)
             return f"{why} (embedded in {ip})" if why else None
-    for why, net in BLOCKED:
-        if ip.version == net.version and ip in net:
+    value = int(ip)
+    for why, net, first, mask in _BY_VERSION[ip.version]:
+        if value & mask == first:
             return f"{why} {net}"
     return None

@@ -24,6 +24,9 @@ NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 2, 3, 4, 5
 TYPE_OPT = 41
 CLASS_IN = 1
 MAX_UDP_NO_EDNS = 512
+_PLAIN_BYTES = b"abcdefghijklmnopqrstuvwxyz0123456789-_*"
+_PLAIN = frozenset(_PLAIN_BYTES)
+_LOWER = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
 OUR_EDNS_SIZE = 1232  # the DNS flag day 2020 size: no IP fragmentation
 
 
@@ -73,10 +76,27 @@ def parse_query(data: bytes) -> Query:
     qtype, qclass = struct.unpack_from("!HH", data, end)
     question = bytes(data[HEADER.size : end + 4])
     edns = _read_edns(data, end + 4, ar)
-    lower = tuple(label.lower() for label in labels)
-    qname = ".".join(label.decode("ascii", "replace") for label in lower)
+    qname = name_text(labels)
     key = question.lower()
     return Query(qid, flags, qname, qtype, qclass, question, key, edns, labels)
+
+
+def label_text(label: bytes) -> str:
+    """A label as lowercase text; a byte outside letters, digits, ``-``, ``_`` and ``*``
+    becomes ``\\DDD`` (a dot inside a label too), so no label can pose as two."""
+    label = label.translate(_LOWER)
+    if not label.translate(None, _PLAIN_BYTES):
+        return label.decode("ascii")
+    return "".join(chr(b) if b in _PLAIN else f"\\{b:03d}" for b in label)
+
+
+def name_text(labels: list[bytes] | tuple[bytes, ...]) -> str:
+    return ".".join([label_text(label) for label in labels])
+
+
+def is_hostname(name: str) -> bool:
+    """Only letters, digits, ``-`` and ``_`` in its labels (what name_text left plain)."""
+    return "\\" not in name and "*" not in name
 
 
 def _read_labels(data: bytes, pos: int) -> tuple[tuple[bytes, ...], int]:
@@ -145,14 +165,28 @@ def build_query(qid: int, qname: str, qtype: int) -> bytes:
 
 
 def encode_name(name: str) -> bytes:
+    """Wire form of a name as name_text wrote it (``\\DDD`` escapes undone)."""
     if not name:
         return b"\x00"
     out = bytearray()
     for label in name.split("."):
-        raw = label.encode("ascii")
+        raw = _unescape(label) if "\\" in label else label.encode("ascii")
         out.append(len(raw))
         out += raw
     out.append(0)
+    return bytes(out)
+
+
+def _unescape(label: str) -> bytes:
+    out = bytearray()
+    i = 0
+    while i < len(label):
+        if label[i] == "\\":
+            out.append(int(label[i + 1 : i + 4]))
+            i += 4
+        else:
+            out.append(ord(label[i]))
+            i += 1
     return bytes(out)
 
 

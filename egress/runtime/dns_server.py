@@ -3,7 +3,13 @@
 The listening sockets live in the sandbox's netns (on its loopback resolver address); the
 upstream sockets are opened in the uplink netns, where the sandbox's own rules don't
 apply and egress's traffic leaves. One fresh UDP socket per upstream query gives each a
-random source port as well as a random ID.
+random source port as well as a random ID; a few are made ahead of time (UpstreamPool), so
+making one is not on a query's critical path.
+
+Hot path (a repeated UDP query): one readiness callback drains the listening socket,
+``ResolverCore.replay`` maps the query's bytes to the reply's, ``sendto``. No transport,
+protocol, task or future objects per packet, so it runs the same on asyncio's loop and on
+uvloop. Everything else goes through ``ResolverCore.on_query`` and ``perform``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import os
 import socket
 import struct
 import time
@@ -28,17 +35,22 @@ from egress.runtime.nft import NftHandle
 
 SET_UPDATE_DEADLINE_S = 0.100  # slower than this and the answer becomes SERVFAIL
 TCP_IDLE_S = 10.0
+MAX_QUERY = 4096  # bytes read per datagram: a longer "query" is cut short and refused
+BATCH = 64  # datagrams per readiness callback, so TCP and upstream replies get turns
+POOL_SIZE = 4  # fresh upstream sockets kept ready per upstream
 
 
 class UdpClient:
-    __slots__ = ("addr", "transport")
+    __slots__ = ("addr", "sock")
 
-    def __init__(self, transport: asyncio.DatagramTransport, addr: tuple[str, int]) -> None:
-        self.transport = transport
+    def __init__(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        self.sock = sock
         self.addr = addr
 
     def send(self, data: bytes) -> None:
-        self.transport.sendto(data, self.addr)
+        # A full socket buffer or an ICMP error loses this one reply, as UDP may.
+        with contextlib.suppress(OSError):
+            self.sock.sendto(data, self.addr)
 
 
 class TcpClient:
@@ -101,6 +113,142 @@ class SetStats:
     last_ms: float = 0.0
 
 
+class NetlinkSets:
+    """Set-element adds as one raw nf_tables netlink batch, acked by the kernel.
+
+    libnftables parses text and re-reads the table from the kernel on every command (the
+    ruleset generation changes with each add): ~120 µs per answer in a sandbox. The same
+    batch built here costs a few µs. Elements come as ``SetUpdate`` text
+    (``IP . tcp|udp . PORT``); anything else is refused with ValueError, and the caller
+    falls back to libnftables. The socket is opened in the sandbox's netns and keeps
+    acting there. The kernel commits the batch within ``send``; the ack only reports it.
+    """
+
+    def __init__(self, netns: str | None, table: str = c.TABLE) -> None:
+        with in_netns(netns):
+            self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+        try:
+            self._sock.bind((0, 0))
+            self._sock.settimeout(SET_UPDATE_DEADLINE_S)
+        except OSError:
+            self._sock.close()
+            raise
+        self._table = _nla(_LIST_TABLE, table.encode() + b"\0")
+        self._seq = 0
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def add(self, set_name: str, elements: tuple[str, ...], timeout_s: int) -> None:
+        """Add (or refresh) the elements; returns once the kernel acked, else OSError."""
+        timeout = _nla(_ELEM_TIMEOUT, struct.pack("!Q", timeout_s * 1000))
+        items = b"".join(
+            _nla(_LIST_ELEM | _NESTED, _nla(_ELEM_KEY | _NESTED, _nla(1, _key(e))) + timeout)
+            for e in elements
+        )
+        body = self._table + _nla(_LIST_SET, set_name.encode() + b"\0")
+        body += _nla(_LIST_ELEMENTS | _NESTED, items)
+        seq = self._seq = (self._seq + 3) & 0x7FFFFFFF
+        batch = _nlmsg(_BATCH_BEGIN, 1, seq, 0, _SUBSYS_NFTABLES, b"")
+        batch += _nlmsg(_NEWSETELEM, _NEWSETELEM_FLAGS, seq + 1, _NFPROTO_INET, 0, body)
+        batch += _nlmsg(_BATCH_END, 1, seq + 2, 0, _SUBSYS_NFTABLES, b"")
+        self._sock.send(batch)
+        self._await_ack(seq + 1)
+
+    def _await_ack(self, seq: int) -> None:
+        while True:  # skip acks of earlier batches whose wait timed out
+            reply = self._sock.recv(65536)
+            pos = 0
+            while pos + 20 <= len(reply):
+                length, kind, _, got = struct.unpack_from("=IHHI", reply, pos)
+                if kind == _NLMSG_ERROR and got == seq:
+                    err = struct.unpack_from("=i", reply, pos + 16)[0]
+                    if err:
+                        raise OSError(-err, os.strerror(-err))
+                    return
+                pos += max(length, 20) + (-length % 4)
+
+
+_NETLINK_NETFILTER = 12
+_SUBSYS_NFTABLES = 10
+_NEWSETELEM = (_SUBSYS_NFTABLES << 8) | 12  # NFT_MSG_NEWSETELEM
+_NEWSETELEM_FLAGS = 0x1 | 0x4 | 0x400  # REQUEST | ACK | CREATE (re-adding refreshes)
+_BATCH_BEGIN, _BATCH_END, _NLMSG_ERROR = 0x10, 0x11, 2
+_NFPROTO_INET = 1
+_NESTED = 0x8000
+_LIST_TABLE, _LIST_SET, _LIST_ELEMENTS, _LIST_ELEM = 1, 2, 3, 1
+_ELEM_KEY, _ELEM_TIMEOUT = 1, 4
+_PROTOS = {"tcp": 6, "udp": 17}
+
+
+def _nla(kind: int, payload: bytes) -> bytes:
+    n = 4 + len(payload)
+    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n % 4)
+
+
+def _nlmsg(kind: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
+    body = struct.pack("=BBH", family, 0, socket.htons(res_id)) + body
+    return struct.pack("=IHHII", 16 + len(body), kind, flags, seq, 0) + body
+
+
+def _key(element: str) -> bytes:
+    """``IP . PROTO . PORT`` as nft lays out a concatenation: each part in 4-byte words."""
+    ip, proto, port = element.split(" . ")
+    return (
+        ipaddress.ip_address(ip).packed
+        + bytes((_PROTOS[proto], 0, 0, 0))
+        + struct.pack("!HH", int(port), 0)
+    )
+
+
+class UpstreamPool:
+    """Fresh, connected, non-blocking UDP sockets in the uplink netns, one per query.
+
+    Each is used once and closed, so every upstream query still gets its own random source
+    port; making them (setns, socket, connect) happens between queries, not during one.
+    """
+
+    def __init__(self, upstreams: list[tuple[str, int]], netns: str | None) -> None:
+        self.upstreams = upstreams
+        self.netns = netns
+        self._ready: list[list[socket.socket]] = [[] for _ in upstreams]
+
+    def take(self, index: int) -> socket.socket:
+        ready = self._ready[index]
+        if not ready:
+            self._make(index, 1)
+        return ready.pop()
+
+    def refill(self) -> None:
+        for index, ready in enumerate(self._ready):
+            if len(ready) < POOL_SIZE:
+                with contextlib.suppress(OSError, EgressError):
+                    self._make(index, POOL_SIZE - len(ready))
+
+    def _make(self, index: int, count: int) -> None:
+        host, port = self.upstreams[index]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        made = []
+        try:
+            with in_netns(self.netns):
+                for _ in range(count):
+                    sock = socket.socket(family, socket.SOCK_DGRAM)
+                    made.append(sock)
+                    sock.setblocking(False)
+                    sock.connect((host, port))  # binds a random port; ICMP errors reach us
+        except BaseException:
+            for sock in made:
+                sock.close()
+            raise
+        self._ready[index].extend(made)
+
+    def close(self) -> None:
+        for ready in self._ready:
+            for sock in ready:
+                sock.close()
+            ready.clear()
+
+
 class ResolverServer:
     """Serves one sandbox. ``on_violation`` receives each inline verdict as it happens."""
 
@@ -128,33 +276,90 @@ class ResolverServer:
         self.sets = SetStats()
         self.internal_errors = 0
         self.last_internal_error = ""
-        self._udp: asyncio.DatagramTransport | None = None
+        self.dropped_replies = 0
+        self.pool = UpstreamPool(upstreams, upstream_netns)
+        self._sets: NetlinkSets | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._udp: socket.socket | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._waiting: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
+        self._refill: asyncio.Handle | None = None
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         with in_netns(self.listen_netns):
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        for s in (udp, tcp):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((self.listen_addr, self.port))
-            s.setblocking(False)
-        udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        tcp.listen(128)
-        self._udp, _ = await loop.create_datagram_endpoint(lambda: _UdpProtocol(self), sock=udp)
-        self._tcp = await asyncio.start_server(self._serve_tcp, sock=tcp)
+        try:
+            for s in (udp, tcp):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((self.listen_addr, self.port))
+                s.setblocking(False)
+            udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            tcp.listen(128)
+            self.pool.refill()
+            self._sets = _open_sets(self.nft)
+            self._tcp = await asyncio.start_server(self._serve_tcp, sock=tcp)
+        except BaseException:
+            udp.close()
+            tcp.close()
+            self.pool.close()
+            raise
+        self._udp = udp
+        loop.add_reader(udp.fileno(), self._udp_readable)
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        """(UDP, TCP) addresses listened on: with port 0 the kernel picks them apart."""
+        assert self._udp is not None and self._tcp is not None
+        return self._udp.getsockname(), self._tcp.sockets[0].getsockname()
 
     async def close(self) -> None:
-        if self._udp is not None:
+        if self._udp is not None and self._loop is not None:
+            self._loop.remove_reader(self._udp.fileno())
             self._udp.close()
+            self._udp = None
         if self._tcp is not None:
             self._tcp.close()
+        for token in list(self._waiting):
+            self._forget(token)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._refill is not None:
+            self._refill.cancel()
+        self.pool.close()
+        if self._sets is not None:
+            self._sets.close()
+            self._sets = None
+
+    # -- the listening UDP socket --------------------------------------------------------
+
+    def _udp_readable(self) -> None:
+        sock = self._udp
+        if sock is None:
+            return
+        replay = self.core.replay
+        now = time.time()
+        for _ in range(BATCH):
+            try:
+                data, addr = sock.recvfrom(MAX_QUERY)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                continue  # e.g. an ICMP error queued for an earlier reply
+            try:
+                reply = replay(data, now)
+                if reply is None:
+                    self.handle_query(data, UdpClient(sock, addr), False)
+                else:
+                    sock.sendto(reply, addr)
+            except OSError:
+                self.dropped_replies += 1  # the client's socket is full or gone
+            except Exception as exc:  # the server outlives any single packet
+                self._internal(exc)
 
     # -- actions -------------------------------------------------------------------------
 
@@ -167,7 +372,7 @@ class ResolverServer:
                 for client, data, fallback in action.replies:
                     client.send(data if ok else fallback)  # type: ignore[attr-defined]
             elif isinstance(action, Forward):
-                self._spawn(self._forward(action))
+                self._forward(action)
             elif isinstance(action, Report):
                 self.on_violation(action.violation)
 
@@ -180,10 +385,8 @@ class ResolverServer:
                 ("allow6", update.elements6),
             ):
                 if elements:
-                    self.nft.add_elements(
-                        "inet", c.TABLE, family_set, list(elements), update.timeout_s
-                    )
-        except EgressError:
+                    self._add(family_set, elements, update.timeout_s)
+        except (EgressError, OSError):
             self.sets.failures += 1
             return False
         elapsed = time.monotonic() - start
@@ -197,6 +400,15 @@ class ResolverServer:
             return False
         return True
 
+    def _add(self, family_set: str, elements: tuple[str, ...], timeout_s: int) -> None:
+        if self._sets is not None:
+            try:
+                self._sets.add(family_set, elements, timeout_s)
+                return
+            except (ValueError, KeyError):
+                pass  # not elements this writer understands: libnftables knows more
+        self.nft.add_elements("inet", c.TABLE, family_set, list(elements), timeout_s)
+
     def _revoke(self, update: SetUpdate) -> None:
         for family_set, elements in (("allow4", update.elements4), ("allow6", update.elements6)):
             if elements:
@@ -207,35 +419,105 @@ class ResolverServer:
         try:
             self.perform(self.core.on_query(data, client, tcp, time.time()))
         except Exception as exc:  # the server outlives any single packet
-            self.internal_errors += 1
-            self.last_internal_error = f"{type(exc).__name__}: {exc}"
+            self._internal(exc)
+
+    def _internal(self, exc: Exception) -> None:
+        self.internal_errors += 1
+        self.last_internal_error = f"{type(exc).__name__}: {exc}"
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _forward(self, fwd: Forward) -> None:
+    # -- upstream ------------------------------------------------------------------------
+
+    def _forward(self, fwd: Forward) -> None:
+        self._forget(fwd.token)  # a retry (TCP, next upstream) replaces the last attempt
+        if fwd.tcp:
+            self._spawn(self._forward_tcp(fwd))
+            return
+        loop = self._loop
+        assert loop is not None
+        try:
+            sock = self.pool.take(fwd.upstream)
+        except (OSError, EgressError):
+            loop.call_soon(self._upstream_failed, fwd.token)
+            return
+        try:
+            sock.send(fwd.data)
+        except OSError:
+            sock.close()
+            loop.call_soon(self._upstream_failed, fwd.token)
+            return
+        timer = loop.call_later(self.timeout_s, self._upstream_failed, fwd.token)
+        self._waiting[fwd.token] = (sock, timer)
+        loop.add_reader(sock.fileno(), self._upstream_readable, fwd.token)
+        if self._refill is None:
+            self._refill = loop.call_soon(self._refill_pool)
+
+    def _refill_pool(self) -> None:
+        self._refill = None
+        self.pool.refill()
+
+    def _upstream_readable(self, token: int) -> None:
+        waiting = self._waiting.get(token)
+        if waiting is None:
+            return
+        try:
+            data = waiting[0].recv(65535)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # ECONNREFUSED: nothing listens there
+            self._upstream_failed(token)
+            return
+        try:
+            actions = self.core.on_upstream_reply(token, data, time.time())
+            if token not in self.core.pending or actions:
+                self._forget(token)  # answered, or retried (the retry made a new socket)
+            # else: not the answer to our question (spoofed, stale): keep listening
+            self.perform(actions)
+        except Exception as exc:
+            self._forget(token)
+            self._internal(exc)
+
+    def _upstream_failed(self, token: int) -> None:
+        self._forget(token)
+        try:
+            self.perform(self.core.on_upstream_failure(token, time.time()))
+        except Exception as exc:
+            self._internal(exc)
+
+    def _forget(self, token: int) -> None:
+        waiting = self._waiting.pop(token, None)
+        if waiting is None:
+            return
+        sock, timer = waiting
+        timer.cancel()
+        if self._loop is not None:
+            self._loop.remove_reader(sock.fileno())
+        sock.close()
+
+    async def _forward_tcp(self, fwd: Forward) -> None:
         host, port = self.upstreams[fwd.upstream]
         try:
-            data = await asyncio.wait_for(self._exchange(host, port, fwd), self.timeout_s)
+            data = await asyncio.wait_for(self._exchange_tcp(host, port, fwd), self.timeout_s)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, EgressError):
-            self.perform(self.core.on_upstream_failure(fwd.token, time.time()))
+            self._upstream_failed(fwd.token)
             return
-        self.perform(self.core.on_upstream_reply(fwd.token, data, time.time()))
+        try:
+            self.perform(self.core.on_upstream_reply(fwd.token, data, time.time()))
+        except Exception as exc:
+            self._internal(exc)
 
-    async def _exchange(self, host: str, port: int, fwd: Forward) -> bytes:
+    async def _exchange_tcp(self, host: str, port: int, fwd: Forward) -> bytes:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        kind = socket.SOCK_STREAM if fwd.tcp else socket.SOCK_DGRAM
         with in_netns(self.upstream_netns):
-            sock = socket.socket(family, kind)
+            sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
             await loop.sock_connect(sock, (host, port))
-            if not fwd.tcp:
-                await loop.sock_sendall(sock, fwd.data)
-                return await loop.sock_recv(sock, 65535)
             await loop.sock_sendall(sock, struct.pack("!H", len(fwd.data)) + fwd.data)
             return await _recv_frame(loop, sock)
         finally:
@@ -259,6 +541,14 @@ class ResolverServer:
                 writer.close()
 
 
+def _open_sets(nft: NftHandle) -> NetlinkSets | None:
+    """A netlink writer in the netns of the sandbox's nft handle (None: use libnftables)."""
+    try:
+        return NetlinkSets(nft.netns)
+    except (OSError, EgressError, AttributeError):
+        return None
+
+
 async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
     buf = b""
     while len(buf) < 2 or len(buf) < 2 + struct.unpack("!H", buf[:2])[0]:
@@ -267,19 +557,3 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> b
             raise asyncio.IncompleteReadError(buf, None)
         buf += chunk
     return buf[2 : 2 + struct.unpack("!H", buf[:2])[0]]
-
-
-class _UdpProtocol(asyncio.DatagramProtocol):
-    def __init__(self, server: ResolverServer) -> None:
-        self.server = server
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        assert self.transport is not None
-        self.server.handle_query(data, UdpClient(self.transport, addr), False)
-
-    def error_received(self, exc: Exception) -> None:
-        pass  # an ICMP error for one client must not stop the server

@@ -311,3 +311,98 @@ def test_audit_mode_forwards_denied_names_and_reports_them() -> None:
     rr = RR("denied.test", QTYPE.A, rdata=A("127.0.0.1"), ttl=60)
     [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
     assert isinstance(act, AllowThenReply)  # answered as a plain forwarder would
+
+
+def _cached(c: ResolverCore, name: str = "allowed.test", ttl: int = 60) -> None:
+    [fwd] = c.on_query(query(name), "c", False, 0.0)
+    rr = RR(name, QTYPE.A, rdata=A("203.0.113.10"), ttl=ttl)
+    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+
+
+def test_a_repeated_udp_query_is_replayed_byte_for_byte_but_its_id() -> None:
+    c = core()
+    _cached(c)
+    first = bytes(query("AlLoWeD.test", qid=1, edns=True))
+    assert c.replay(first, 10.2) is None  # not seen yet: the full path, which remembers it
+    [hit] = c.on_query(first, "c", False, 10.2)
+    again = bytes(query("AlLoWeD.test", qid=2, edns=True))
+    replayed = c.replay(again, 10.9)
+    assert replayed is not None and replayed[:2] == again[:2]
+    assert replayed[2:] == hit.data[2:]
+    assert DNSRecord.parse(replayed).rr[0].ttl == 50
+    assert c.replay(again, 11.0) is None  # the TTL ticks down: render it again
+    assert c.stats["cache_hits"] == 2 and c.stats["queries"] == 3
+
+
+def test_replays_end_with_the_policy_and_never_cover_tcp_or_other_bytes() -> None:
+    c = core()
+    _cached(c)
+    q = bytes(query("allowed.test", qid=1))
+    c.on_query(q, "c", True, 1.0)  # TCP: answered, not remembered
+    assert c.replay(q, 1.0) is None
+    c.on_query(q, "c", False, 1.0)
+    assert c.replay(q, 1.5) is not None
+    assert c.replay(q[:-1] + b"\x02", 1.5) is None  # class 2: other bytes, other question
+    c.set_policy(c.policy)
+    assert c.replay(q, 1.5) is None
+
+
+def test_no_replay_while_the_sets_may_need_a_refresh() -> None:
+    c = core()
+    _cached(c, ttl=600)
+    [entry] = c.cache._entries.values()
+    entry.allowed_until = 100.0
+    q = bytes(query("allowed.test"))
+    [refresh] = c.on_query(q, "c", False, 50.0)
+    assert isinstance(refresh, AllowThenReply)
+    assert c.replay(q, 50.5) is None  # a refresh goes through the shell's set update
+    [plain] = c.on_query(q, "c", False, 51.0)
+    assert isinstance(plain, Reply) and c.replay(q, 51.5) is not None
+
+
+@pytest.mark.parametrize("label", [b"a\x00b", b"x.y", b"\xff", b"*"])
+def test_names_with_binary_labels_are_denied_and_never_forwarded(label: bytes) -> None:
+    c = core()
+    name = bytes([len(label)]) + label + b"\x04wild\x03cdn\x04test\x00"
+    data = wire.HEADER.pack(9, wire.RD, 1, 0, 0, 0) + name + b"\x00\x01\x00\x01"
+    actions = c.on_query(data, "c", False, 0.0)
+    assert not only(actions, Forward)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.DENIED_NAME
+
+
+class FakeScorer:
+    """Flags names under tunnel.cdn.test; records what it saw."""
+
+    def __init__(self) -> None:
+        self.queries: list[tuple[str, int]] = []
+        self.responses: list[tuple[str, int]] = []
+
+    def observe_query(self, name: str, qtype: int) -> object | None:
+        self.queries.append((name, qtype))
+        return Verdict() if name.endswith("tunnel.cdn.test") else None
+
+    def observe_response(self, name: str, rcode: int) -> None:
+        self.responses.append((name, rcode))
+
+
+class Verdict:
+    def describe(self) -> str:
+        return "DNS tunnel suspected under cdn.test"
+
+
+def test_the_scorer_sees_allowed_misses_only_and_its_verdict_stops_the_query() -> None:
+    c = core()
+    scorer = FakeScorer()
+    c.scorer = scorer  # type: ignore[assignment]
+    assert only(c.on_query(query("denied.test"), "c", False, 0.0), Report)
+    _cached(c)
+    c.on_query(query("allowed.test"), "c", False, 1.0)  # a hit
+    assert scorer.queries == [("allowed.test", 1)] and scorer.responses == [("allowed.test", 0)]
+    actions = c.on_query(query("tunnel.cdn.test"), "c", False, 2.0)
+    assert not only(actions, Forward)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.TUNNEL
+    assert "tunnel suspected" in report.violation.detail
+    [reply] = only(actions, Reply)
+    assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
