@@ -50,8 +50,8 @@ def main() -> None:
     allowed, denied, rebind, direct = sys.argv[1:5]
     step("fetch-allowed", lambda: fetch(allowed))
     step("resolve-denied", lambda: {"addresses": resolve(denied)})
-    step("connect-direct", lambda: {"body": http_get(direct)})
     step("resolve-rebinding", lambda: {"addresses": resolve(rebind)})
+    step("connect-direct", lambda: {"body": http_get(direct)})
 
 
 if __name__ == "__main__":

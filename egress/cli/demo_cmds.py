@@ -35,7 +35,7 @@ spec:
   connect:
     ports: [80]
   violations:
-    blocked_connect: block
+    blocked_connect: freeze          # the default, spelled out: stop everything, keep it
 """
 
 ALLOWED, DENIED, REBIND, DIRECT = (
@@ -81,60 +81,149 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run_agent(lab: Any) -> int:
-    policy, _ = parse_policy(DEMO_POLICY, "<embedded demo policy>")
-    say("policy   demo: resolve allowed.lab.test, *.cdn.lab.test, meta.lab.test; connect port 80")
+    _policy, _ = parse_policy(DEMO_POLICY, "<embedded demo policy>")
+    say(
+        "policy   demo: resolve allowed.lab.test, *.cdn.lab.test, meta.lab.test; connect port 80;"
+        " a blocked connect freezes the sandbox"
+    )
     workdir = Path(tempfile.mkdtemp(prefix="egress-demo-"))
     try:
         workdir.chmod(0o755)  # the agent runs as nobody and must read its script
         agent = workdir / "agent.py"
         shutil.copy(Path(__file__).with_name("demo_agent.py"), agent)
-        report = workdir / "report.json"
+        report, state = workdir / "report.json", workdir / "state"
         policy_path = workdir / "demo.yaml"
         policy_path.write_text(DEMO_POLICY)
-        argv = [sys.executable, "-m", "egress.cli.main", "run", "--policy", str(policy_path),
-                "--uplink-netns", lab.uplink_netns, "--report", str(report), "--user", "nobody",
-                "--", "/usr/bin/python3", str(agent), ALLOWED, DENIED, REBIND, DIRECT]  # fmt: skip
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        ctl = [sys.executable, "-m", "egress.cli.main"]
+        argv = [
+            *ctl,
+            "run",
+            "--policy",
+            str(policy_path),
+            "--state-dir",
+            str(state),
+            "--uplink-netns",
+            lab.uplink_netns,
+            "--report",
+            str(report),
+            "--user",
+            "nobody",
+            "--",
+            "/usr/bin/python3",
+            str(agent),
+            ALLOWED,
+            DENIED,
+            REBIND,
+            DIRECT,
+        ]
+        run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _review(ctl, state)
+            out, err = run.communicate(timeout=60)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
         if not report.exists():
-            say(f"egressctl run failed ({done.returncode}):\n{done.stderr}")
+            say(f"egressctl run failed ({run.returncode}):\n{err}")
             return 1
-        steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-        _narrate(steps, json.loads(report.read_text()), lab, policy.name)
+        steps = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        _narrate(steps, json.loads(report.read_text()), lab, err)
         return 0
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _narrate(steps: list[dict[str, Any]], report: dict[str, Any], lab: Any, name: str) -> None:
+def _review(ctl: list[str], state: Path) -> None:
+    """Play the person: wait for the freeze, read the journal, kill the sandbox."""
+    from egress.runtime.journal import Journal
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (state / "journal.db").exists():
+            with Journal.open(state) as journal:
+                frozen = [f for f in journal.freezes() if f.get("confirmed_at")]
+            if frozen:
+                sandbox = frozen[0]["sandbox_id"]
+                break
+        time.sleep(0.05)
+    else:
+        say("the sandbox never froze")
+        return
+    say(f"\n$ egressctl journal --sandbox {sandbox}")
+    shown = subprocess.run(
+        [*ctl, "journal", "--state-dir", str(state), "--sandbox", sandbox],
+        capture_output=True,
+        text=True,
+    )
+    say(shown.stdout.rstrip())
+    say(f"\n$ egressctl kill {sandbox}")
+    killed = subprocess.run(
+        [*ctl, "kill", "--state-dir", str(state), sandbox, "--note", "the demo's reviewer"],
+        capture_output=True,
+        text=True,
+    )
+    say((killed.stdout or killed.stderr).rstrip())
+
+
+def _narrate(steps: list[dict[str, Any]], report: dict[str, Any], lab: Any, err: str) -> None:
     by = {s["step"]: s for s in steps}
-    say(f"sandbox  {report['sandbox']} ready in {report['timings_ms']['create']:.0f} ms; "
-        f"the agent runs as {report['user']} with no capabilities\n")  # fmt: skip
-    say("what the agent tried:")
-    _line(by.get("fetch-allowed"), f"resolve {ALLOWED} and fetch it over HTTP",
-          lambda s: f"{s['addresses'][0]}, got {s['body']!r}")  # fmt: skip
+    say(
+        f"\nsandbox  {report['sandbox']} was ready in {report['timings_ms']['create']:.0f} ms; "
+        f"the agent ran as {report['user']} with no capabilities"
+    )
+    say("\nwhat the agent tried:")
+    _line(
+        by.get("fetch-allowed"),
+        f"resolve {ALLOWED} and fetch it over HTTP",
+        lambda s: f"{s['addresses'][0]}, got {s['body']!r}",
+    )
     upstream = "it reached the lab's DNS server!" if lab.saw(DENIED) else "never sent upstream"
-    _line(by.get("resolve-denied"), f"resolve {DENIED}",
-          lambda s: f"answered {s['addresses']}", f"refused ({{error}}); {upstream}")  # fmt: skip
-    _line(by.get("connect-direct"), f"connect to {DIRECT}:80 by IP, no DNS",
-          lambda s: "connected", "rejected by the kernel in {ms} ms ({error})")  # fmt: skip
-    _line(by.get("resolve-rebinding"), f"resolve {REBIND} (its answer is 169.254.169.254)",
-          lambda s: f"answered {s['addresses']}",
-          "no address: the answer was dropped ({error})")  # fmt: skip
-    say("\nviolations egress recorded (report: class, layer, what):")
+    _line(
+        by.get("resolve-denied"),
+        f"resolve {DENIED}",
+        lambda s: f"answered {s['addresses']}",
+        f"refused ({{error}}); {upstream}",
+    )
+    _line(
+        by.get("resolve-rebinding"),
+        f"resolve {REBIND} (its answer is 169.254.169.254)",
+        lambda s: f"answered {s['addresses']}",
+        "no address: the answer was dropped ({error})",
+    )
+    _line(
+        by.get("connect-direct"),
+        f"connect to {DIRECT}:80 by IP, no DNS",
+        lambda s: "connected",
+        "failed ({error})",
+        missing="frozen inside connect(), then killed: it never ran another instruction",
+    )
+    say("\nwhat egress printed when it froze the sandbox:")
+    block = [line for line in err.splitlines() if line.startswith(("egress:", "  "))]
+    say("\n".join("  | " + line for line in block[:8]))
+    say("\nviolations in the report (class, layer, what):")
     for v in report["violations"]:
         say(f"  {v['class']:<16} {v['layer']:<8} {v['detail']}")
     c = report["counters"]
-    say(f"\ncounters: {c.get('dns_queries', 0)} DNS queries ({c.get('dns_allowed', 0)} allowed, "
+    say(
+        f"\ncounters: {c.get('dns_queries', 0)} DNS queries ({c.get('dns_allowed', 0)} allowed, "
         f"{c.get('dns_denied', 0)} denied), {c.get('set_updates', 0)} set updates, "
-        f"{c.get('dropped_packets', 0)} packets dropped; "
-        f"agent exit status {report['exit_code']}")  # fmt: skip
+        f"{c.get('dropped_packets', 0)} packets dropped; frozen: {report['frozen']} "
+        f"({report['freeze_latency_ms'] or 0:.2f} ms after detection), "
+        f"outcome: {report['outcome']}, "
+        f"exit status {report['exit_code']}"
+    )
 
 
 def _line(
-    step: dict[str, Any] | None, what: str, ok: Any, failed: str = "failed ({error})"
+    step: dict[str, Any] | None,
+    what: str,
+    ok: Any,
+    failed: str = "failed ({error})",
+    missing: str = "the agent did not get this far",
 ) -> None:
     if step is None:
-        say(f"  ?  {what}: the agent did not get this far")
+        say(f"  --  {what}: {missing}")
         return
     mark = "ok " if step["ok"] else "no "
     text = ok(step) if step["ok"] else failed.format(**step)

@@ -117,16 +117,18 @@ def current_version(conn: sqlite3.Connection) -> int:
 
 
 def violation_key(violation: Violation) -> str:
-    """The cross-layer dedup key: the flow's 5-tuple, or ``qname/qtype``, or ``""``.
+    """The cross-layer dedup key: ``qname/qtype`` for a DNS verdict, else the flow's
+    5-tuple, else ``""``, plus the class when there is neither.
 
-    Both layers must derive it the same way, so the name is folded to lowercase without
-    its trailing dot.
+    Both layers must derive it the same way: a DNS verdict is keyed by the question
+    (the observer also knows the query's packet, the resolver only its question), and
+    the name is folded to lowercase without its trailing dot.
     """
-    if violation.flow is not None:
-        return str(violation.flow)
     if violation.qname is not None:
         return f"{violation.qname.rstrip('.').lower()}/{violation.qtype or ''}"
-    return ""
+    if violation.flow is not None:
+        return str(violation.flow)
+    return violation.cls.value
 
 
 def evidence(violation: Violation) -> dict[str, object]:

@@ -153,8 +153,8 @@ def review_block(sandbox_id: str, event: FreezeEvent, hint: str, timeout: float 
             f"  what:    {v.cls.value}: {v.detail}",
             f"  rule:    {v.rule}",
             f"  process: {process}",
-            f"  resume:  egressctl{hint} resume {sandbox_id}",
-            f"  kill:    egressctl{hint} kill {sandbox_id}",
+            f"  resume:  egressctl resume{hint} {sandbox_id}",
+            f"  kill:    egressctl kill{hint} {sandbox_id}",
             f"  ({wait})",
         ]
     )
