@@ -7,6 +7,7 @@ directly, so a person can act on a frozen sandbox from any shell on the host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -67,6 +68,53 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         r.add_argument("--note", default="", help="why, for the journal")
         _state_dir_arg(r)
         r.set_defaults(func=cmd_decide, action=name)
+    register_gc(sub)
+
+
+def register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    g = sub.add_parser(
+        "gc",
+        help="remove sandboxes whose egressctl run is gone",
+        formatter_class=FMT,
+        description=(
+            "Tear down every sandbox whose `egressctl run` process has died (killed, "
+            "crashed, or the host's egress was stopped): kill its processes, remove its "
+            "netns, veth, uplink rules, cgroup and address claim. A sandbox kept with "
+            "--keep is only removed when named."
+        ),
+        epilog="examples:\n  egressctl gc\n  egressctl gc 3f2a1c",
+    )
+    g.add_argument("sandbox", nargs="*", metavar="ID", help="only these (also --keep ones)")
+    _state_dir_arg(g)
+    g.set_defaults(func=cmd_gc)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from egress.runtime import claims
+    from egress.runtime.sandbox import teardown_claim
+
+    wanted = set(args.sandbox)
+    removed, failed = [], 0
+    for claim in claims.load_all():
+        named = claim.id in wanted
+        if wanted and not named:
+            continue
+        if not named and _alive(claim.owner_pid):
+            continue
+        problems = teardown_claim(claim)
+        if problems:
+            failed += 1
+            print(f"sandbox {claim.id}: could not remove: {'; '.join(problems)}")
+            continue
+        removed.append(claim.id)
+        with contextlib.suppress(EgressError), _journal(args) as journal:
+            if journal.sandbox(claim.id) is not None:
+                journal.set_sandbox_state(claim.id, "exited")
+    for sandbox_id in removed:
+        print(f"sandbox {sandbox_id} removed")
+    if not removed and not failed:
+        print("nothing to remove")
+    return 1 if failed else 0
 
 
 def _journal(args: argparse.Namespace) -> Any:

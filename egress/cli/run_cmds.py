@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from egress.datapath.addressing import DEFAULT_POOL4, DEFAULT_POOL6, Pools
-from egress.datapath.render import PLACEHOLDER_UPLINK, UplinkValues, render_sandbox, render_uplink
+from egress.datapath.render import PLACEHOLDER_UPLINK, render_sandbox, render_uplink
 from egress.policy import load_policy_with_warnings
 
 RUN_EPILOG = f"""\
@@ -81,12 +81,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     for w in warnings:
         print(w, file=sys.stderr)
     print(render_sandbox(read_template("sandbox.nft"), policy))
-    pools = Pools.parse(None)
-    example = pools.network(0)
-    uplink = render_uplink(
-        read_template("uplink.nft"),
-        UplinkValues("egress_<id>", "eg-<id>", PLACEHOLDER_UPLINK, example.net4, example.net6),
-    )
+    uplink = render_uplink(read_template("uplink.nft"), PLACEHOLDER_UPLINK)
     print("# --- uplink netns (per sandbox; shown for reference, loaded separately) ---")
     print("\n".join("# " + line if line else "#" for line in uplink.splitlines()))
     return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.errors import DatapathError
-from egress.model import Action, CidrRule, IPNetwork, Mode, Policy, PortRange, ViolationClass
+from egress.model import Action, CidrRule, Mode, Policy, PortRange, ViolationClass
 
 _SLOT = re.compile(r"\{\{(\w+)\}\}")
 
@@ -111,26 +111,15 @@ def port_set(ranges: tuple[PortRange, ...]) -> str:
     return "{ " + ", ".join(str(r) for r in ranges) + " }"
 
 
-@dataclass(frozen=True)
-class UplinkValues:
-    """What the uplink table of one sandbox needs; ``None`` renders placeholders."""
-
-    table: str
-    sandbox_if: str
-    uplink_if: str
-    net4: IPNetwork
-    net6: IPNetwork
-
-
 PLACEHOLDER_UPLINK = "<uplink-if>"
 
 
-def render_uplink(template: str, values: UplinkValues) -> str:
+def render_uplink(template: str, uplink_if: str) -> str:
+    """The shared uplink table, forwarding and masquerading out of ``uplink_if``."""
     defines = [
-        Define("SANDBOX_IF", f'"{values.sandbox_if}"', "per sandbox: host end of its veth"),
-        Define("UPLINK_IF", f'"{values.uplink_if}"', "the uplink's default-route device"),
-        Define("SANDBOX_NET4", str(values.net4), "per sandbox: its IPv4 link network"),
-        Define("SANDBOX_NET6", str(values.net6), "per sandbox: its IPv6 link network"),
+        Define("UPLINK_IF", f'"{uplink_if}"', "the uplink's default-route device"),
+        Define("SANDBOX_MARK", hex(c.SANDBOX_CT_MARK), "conntrack mark of sandbox traffic"),
     ]
     # Table names can't be nft variables, so the name is written out.
-    return fill(template, {"defines": "\n".join(d.line() for d in defines), "table": values.table})
+    lines = "\n".join(d.line() for d in defines)
+    return fill(template, {"defines": lines, "table": c.UPLINK_TABLE})

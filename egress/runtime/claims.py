@@ -37,7 +37,7 @@ def sandboxes_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _locked() -> Iterator[None]:
+def locked() -> Iterator[None]:
     directory = sandboxes_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -71,16 +71,16 @@ def load_all() -> list[Claim]:
     return claims
 
 
-def _stale(claim: Claim) -> bool:
+def is_stale(claim: Claim) -> bool:
     return not _alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
 
 
 def claim(sandbox_id: str, capacity: int, uplink_netns: str | None) -> Claim:
     """Atomically take the lowest free address block for a new sandbox."""
-    with _locked():
+    with locked():
         used = set()
         for existing in load_all():
-            if _stale(existing):
+            if is_stale(existing):
                 release(existing.id)
             else:
                 used.add(existing.index)

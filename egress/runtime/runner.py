@@ -14,9 +14,6 @@ import contextlib
 import json
 import os
 import secrets
-import select
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -29,14 +26,14 @@ from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError
 from egress.model import Policy
 from egress.resolver.core import ResolverCore
-from egress.runtime import claims, workload
 from egress.runtime import sandbox as sbx
+from egress.runtime import workload
 from egress.runtime.dns_server import ResolverServer, parse_upstream, resolve_upstreams
 from egress.runtime.enforcer import Enforcer
 from egress.runtime.journal import Journal, default_state_dir
+from egress.runtime.observer_process import ObserverProcess
 from egress.runtime.session import Session, wait_for_exit
 
-OBSERVER_READY_S = 10.0
 
 
 @dataclass
@@ -96,18 +93,30 @@ def run(policy: Policy, opts: RunOptions) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressctl run needs root (it creates a network namespace); use sudo")
     user = workload.resolve_user(opts.user)
-    journal = Journal.open(opts.state_dir or default_state_dir())
+    state = Path(opts.state_dir) if opts.state_dir else default_state_dir()
+    observer = ObserverProcess.fork(policy, state)  # before any SQLite connection exists
     try:
-        return _run(policy, opts, user, journal)
+        journal = Journal.open(state)
+    except BaseException:
+        observer.stop(timeout=0)
+        raise
+    try:
+        return _run(policy, opts, user, journal, observer)
     finally:
+        observer.stop()
         journal.close()
 
 
-def _run(policy: Policy, opts: RunOptions, user: workload.User, journal: Journal) -> int:
+def _run(
+    policy: Policy,
+    opts: RunOptions,
+    user: workload.User,
+    journal: Journal,
+    observer: ObserverProcess,
+) -> int:
     sb = sbx.create(policy, opts.pools, opts.uplink_netns)
     result = RunResult(sb.id, kept=opts.keep)
     result.timings_ms["create"] = round(sb.created_s * 1000, 2)
-    observer = None
     try:
         journal.record_sandbox(
             sb.id,
@@ -117,11 +126,11 @@ def _run(policy: Policy, opts: RunOptions, user: workload.User, journal: Journal
             inline_pid=os.getpid(),
             owner_pid=os.getpid(),
         )
-        observer = start_observer(sb, opts, journal)
+        observer.begin(sb.id, sb.netns)
+        journal.set_sandbox_state(sb.id, "running", observer_pid=observer.pid)
         asyncio.run(_serve(sb, opts, user, journal, observer, result))
     finally:
-        if observer is not None:
-            stop_observer(observer)
+        observer.stop()
         _collect(sb, journal, result)
         _finish(sb, opts, result)
         with contextlib.suppress(EgressError):
@@ -132,59 +141,6 @@ def _run(policy: Policy, opts: RunOptions, user: workload.User, journal: Journal
 
 
 # -- the observer layer ------------------------------------------------------------------
-
-
-def start_observer(sb: sbx.Sandbox, opts: RunOptions, journal: Journal) -> subprocess.Popen[str]:
-    """The observer runs as its own process, in its own session: Ctrl-C and a dying
-    inline layer don't take it along. It says "ready" once its NFLOG group is bound."""
-    policy_copy = claims.sandboxes_dir() / f"{sb.id}.policy.yaml"
-    shutil.copy(opts.policy_path, policy_copy)
-    sb.add_undo(f"{policy_copy}", lambda: policy_copy.unlink(missing_ok=True))
-    argv = [
-        sys.executable,
-        "-m",
-        "egress.cli.main",
-        "observe",
-        "--sandbox",
-        sb.id,
-        "--netns",
-        sb.netns,
-        "--policy",
-        str(policy_copy),
-        "--state-dir",
-        str(journal.path.parent),
-        "--watch-pid",
-        str(os.getpid()),
-    ]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True
-    )
-    ready = _read_line(proc, OBSERVER_READY_S)
-    if ready.strip() != "ready":
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
-        raise SandboxError(f"the observer layer did not start ({ready.strip() or 'no output'})")
-    journal.set_sandbox_state(sb.id, "running", observer_pid=proc.pid)
-    return proc
-
-
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    return proc.stdout.readline() if ready else ""
-
-
-def stop_observer(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 # -- serving -----------------------------------------------------------------------------
@@ -209,7 +165,7 @@ async def _serve(
     opts: RunOptions,
     user: workload.User,
     journal: Journal,
-    observer: subprocess.Popen[str],
+    observer: ObserverProcess,
     result: RunResult,
 ) -> None:
     loop = asyncio.get_running_loop()

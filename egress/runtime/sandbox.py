@@ -17,10 +17,11 @@ from pathlib import Path
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
-from egress.datapath.render import UplinkValues, render_sandbox, render_uplink
+from egress.datapath.render import render_sandbox
 from egress.errors import EgressError, SandboxError
 from egress.model import Policy
 from egress.runtime import claims, netns
+from egress.runtime import uplink as uplink_mod
 from egress.runtime.cgroup import Cgroup
 from egress.runtime.nft import NftHandle
 from egress.runtime.paths import read_template
@@ -110,8 +111,9 @@ def _build(
     nft = NftHandle.open(name)
     undo.append(("nft handle", nft.close))
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
-    table = f"egress_{claim.id}"
-    _uplink_rules(net, host_if, uplink, table, undo)
+    uplink_mod.attach(uplink)
+    undo.append(("uplink table", lambda: uplink_mod.detach(uplink, claim.id)))
+    table = c.UPLINK_TABLE
     cgroup = Cgroup.create(claim.id)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
     _write_resolv_conf(name, undo)
@@ -131,38 +133,6 @@ def _addresses(net: SandboxNet, name: str, host_if: str, uplink: str | None) -> 
     netns.set_up(c.SANDBOX_IF, name)
     netns.add_default_route(str(net.gateway4), name, c.SANDBOX_IF)
     netns.add_default_route(str(net.gateway6), name, c.SANDBOX_IF)
-
-
-def _uplink_rules(
-    net: SandboxNet,
-    host_if: str,
-    uplink: str | None,
-    table: str,
-    undo: list[tuple[str, Callable[[], None]]],
-) -> None:
-    uplink_if = netns.default_route_ifname(uplink)
-    if uplink_if is None:
-        where = f"uplink netns {uplink!r}" if uplink else "the host"
-        raise SandboxError(f"{where} has no default route: the sandbox's traffic can't leave")
-    netns.set_sysctl(uplink, "net.ipv4.ip_forward", 1)
-    netns.set_sysctl(uplink, "net.ipv6.conf.all.forwarding", 1)
-    values = UplinkValues(table, host_if, uplink_if, net.net4, net.net6)
-    handle = NftHandle.open(uplink)
-    try:
-        handle.load(render_uplink(read_template("uplink.nft"), values))
-    finally:
-        handle.close()
-    undo.append((f"uplink table {table}", lambda: _delete_uplink_table(uplink, table)))
-
-
-def _delete_uplink_table(uplink: str | None, table: str) -> None:
-    if uplink is not None and not netns.netns_exists(uplink):
-        return
-    handle = NftHandle.open(uplink)
-    try:
-        handle.delete_table("inet", table)
-    finally:
-        handle.close()
 
 
 def _remove_cgroup(cgroup: Cgroup) -> None:
@@ -190,10 +160,7 @@ def teardown_claim(claim: claims.Claim) -> list[str]:
         ("address claim", lambda: claims.release(claim.id)),
         (f"netns {claim.netns}", lambda: netns.remove_netns(claim.netns)),
         (f"veth {claim.host_if}", lambda: netns.delete_link(claim.host_if, claim.uplink_netns)),
-        (
-            f"uplink table egress_{claim.id}",
-            lambda: _delete_uplink_table(claim.uplink_netns, f"egress_{claim.id}"),
-        ),
+        ("uplink table", lambda: uplink_mod.detach(claim.uplink_netns, claim.id)),
         (f"cgroup {claim.id}", lambda: _remove_cgroup_by_name(claim.id)),
         (
             f"{ETC_NETNS / claim.netns}",

@@ -98,8 +98,9 @@ def leftovers(sandbox_id: str, uplink: str | None) -> list[str]:
     tables = subprocess.run(
         [*in_uplink, "nft", "list", "tables"], capture_output=True, text=True
     ).stdout
-    if f"egress_{sandbox_id}" in tables:
-        found.append(f"nft table egress_{sandbox_id}")
+    others = [c for c in claims.load_all() if c.id != sandbox_id and c.uplink_netns == uplink]
+    if "egress_uplink" in tables and not others:  # the last sandbox takes the table along
+        found.append("nft table egress_uplink")
     mounts = find_mounts()
     for root in (mounts.v2, mounts.freezer):
         if root and os.path.exists(os.path.join(root, "egress", sandbox_id)):

@@ -108,7 +108,11 @@ class Run:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env())  # fmt: skip
         assert self.proc.stdout is not None
-        assert self.proc.stdout.readline().strip() == "started"
+        first = self.proc.stdout.readline().strip()
+        if first != "started":
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise AssertionError(f"the agent did not start: {first!r}; egressctl said: {err}")
         [claim] = [c for c in claims.load_all() if c.owner_pid == self.proc.pid]
         self.id = claim.id
         self.cgroup = Cgroup.open(self.id)
@@ -140,7 +144,11 @@ class Run:
             if freezes and freezes[0].get("confirmed_at") and self.cgroup.is_frozen():
                 return freezes[0]
             time.sleep(0.01)
-        raise AssertionError(f"sandbox {self.id} not frozen after {timeout} s")
+        with self.journal() as j:
+            events = [(e["kind"], e["record"].get("detail")) for e in j.events(self.id)]
+        log = Path(os.environ["EGRESS_STATE_DIR"], f"observer-{self.id}.log")
+        said = log.read_text() if log.exists() else "(no observer log)"
+        raise AssertionError(f"sandbox {self.id} not frozen after {timeout} s: {events}; {said}")
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*EGRESSCTL, *args], capture_output=True, text=True, env=env())

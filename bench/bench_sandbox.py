@@ -1,0 +1,115 @@
+"""Sandbox create-to-ready and teardown times, and how creation grows with sandboxes alive.
+
+"Ready" is what `egressctl run` waits for before it starts the command's datapath: netns,
+veth, addresses, routes, the sandbox and uplink nft rulesets (one atomic load each) and
+the cgroup. Runs against a throwaway lab uplink; prints figures, asserts nothing.
+
+    .venv/bin/python bench/bench_sandbox.py [-n 50] [--max 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+from egress.datapath.addressing import Pools
+from egress.policy import load_policy
+from egress.runtime import sandbox as sbx
+from egress.runtime.lab import Lab
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def line(label: str, xs: list[float]) -> str:
+    return f"  {label:<34} median {statistics.median(xs):7.2f} ms   p95 {pct(xs, 0.95):7.2f} ms"
+
+
+def create_teardown(n: int, uplink: str) -> tuple[list[float], list[float]]:
+    policy = load_policy("policies/python-dev.yaml")
+    creates, teardowns = [], []
+    for _ in range(n):
+        sb = sbx.create(policy, Pools.parse(None), uplink)
+        creates.append(sb.created_s * 1000)
+        t0 = time.perf_counter()
+        sb.destroy()
+        teardowns.append((time.perf_counter() - t0) * 1000)
+    return creates, teardowns
+
+
+def growth(max_alive: int, uplink: str, probes: int = 10) -> list[tuple[int, list[float]]]:
+    """Create time for a new sandbox while k others are alive, k = 0 .. max_alive."""
+    policy = load_policy("policies/python-dev.yaml")
+    alive: list[sbx.Sandbox] = []
+    out = []
+    try:
+        for k in sorted({0, 1, 10, 25, 50, max_alive}):
+            while len(alive) < k:
+                alive.append(sbx.create(policy, Pools.parse(None), uplink))
+            times = []
+            for _ in range(probes):
+                sb = sbx.create(policy, Pools.parse(None), uplink)
+                times.append(sb.created_s * 1000)
+                sb.destroy()
+            out.append((k, times))
+    finally:
+        for sb in alive:
+            sb.destroy()
+    return out
+
+
+def egressctl_run(n: int, uplink: str) -> list[float]:
+    """Whole `egressctl run -- /bin/true`: sandbox, observer process, resolver, teardown."""
+    times = []
+    argv = [
+        sys.executable,
+        "-m",
+        "egress.cli.main",
+        "run",
+        "--policy",
+        "policies/python-dev.yaml",
+        "--uplink-netns",
+        uplink,
+        "--state-dir",
+        "/tmp/egress-bench-state",
+        "--",
+        "/bin/true",
+    ]
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(argv, check=True)
+        times.append((time.perf_counter() - t0) * 1000)
+    subprocess.run(["rm", "-rf", "/tmp/egress-bench-state"], check=True)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("-n", type=int, default=50, help="sandboxes per figure (50)")
+    ap.add_argument("--max", type=int, default=100, help="most sandboxes alive at once (100)")
+    args = ap.parse_args()
+    lab = Lab.up(name="egbs")
+    try:
+        creates, teardowns = create_teardown(args.n, lab.uplink_netns)
+        print(f"sandbox lifecycle over {args.n} (policy python-dev, uplink {lab.uplink_netns})")
+        print(line("create-to-ready", creates))
+        print(line("teardown", teardowns))
+        print("create time with k sandboxes already alive (10 new ones each):")
+        for k, times in growth(args.max, lab.uplink_netns):
+            print(line(f"k = {k}", times))
+        runs = egressctl_run(10, lab.uplink_netns)
+        print(line("egressctl run -- /bin/true (whole)", runs))
+    finally:
+        lab.down()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
