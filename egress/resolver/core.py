@@ -46,7 +46,9 @@ class Pending:
     tcp: bool = False
 
 
-REPLAY_MAX = 4096
+REPLAY_MAX = 4096  # remembered queries (see replay)
+REPLAY_MAX_QUERY = 512
+REPLAY_MAX_REPLY = 1500
 
 
 class TunnelFinding(Protocol):
@@ -120,6 +122,8 @@ class ResolverCore:
     def _remember(self, data: bytes, reply: bytes, entry: Entry, now: float) -> None:
         if entry.update is not None and entry.allowed_until < entry.expires_at:
             return  # a later hit may have to refresh the sets first: keep it on on_query
+        if len(data) > REPLAY_MAX_QUERY or len(reply) > REPLAY_MAX_REPLY:
+            return  # bounded memory: 4,096 x (512 + 1,500) bytes at most
         until = min(entry.stored_at + int(now - entry.stored_at) + 1, entry.expires_at)
         if len(self._replay) >= REPLAY_MAX:
             self._replay.clear()  # bounded; a client varying its bytes only slows itself

@@ -305,6 +305,9 @@ class ResolverServer:
             udp.close()
             tcp.close()
             self.pool.close()
+            if self._sets is not None:
+                self._sets.close()
+                self._sets = None
             raise
         self._udp = udp
         loop.add_reader(udp.fileno(), self._udp_readable)

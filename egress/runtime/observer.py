@@ -30,6 +30,7 @@ from egress.runtime.journal import Journal
 from egress.runtime.netns import netns_exists
 from egress.runtime.nflog import NflogEvent, NflogListener
 from egress.runtime.nft import NftHandle
+from egress.tunnel import TunnelScorer
 
 TICK_S = 0.1
 LAYER = "observer"
@@ -49,6 +50,8 @@ class Observer:
         self.cfg = cfg
         self.policy = cfg.policy
         self.matcher = Matcher(cfg.policy)
+        tunnel = cfg.policy.tunnel
+        self.scorer = TunnelScorer(tunnel, time.time) if tunnel.enabled else None
         self.journal = Journal.open(cfg.state_dir)
         self.enforcer = Enforcer(
             cfg.sandbox_id, cfg.policy, LAYER, self.journal, Cgroup.open(cfg.sandbox_id)
@@ -126,22 +129,50 @@ class Observer:
             q = wire.parse_query(event.packet.payload)
         except wire.WireError:
             return None  # the resolver answers FORMERR; nothing leaves
-        decision = self.matcher.decide(q.qname, q.qtype)
-        if decision.allowed:
-            return None
-        cls = ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
         qtype = type_name(q.qtype)
+        if not wire.is_hostname(q.qname):  # binary labels: no rule names them, tunnels do
+            cls, reason = ViolationClass.DENIED_NAME, "a name is letters, digits, '-' and '_'"
+        else:
+            decision = self.matcher.decide(q.qname, q.qtype)
+            if decision.allowed:
+                return self._score(event, q)
+            cls = (
+                ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
+            )
+            reason = decision.reason
         detail = f"query {q.qname or '.'} {qtype} (seen by the observer)"
         return Violation(
             cls,
             LAYER,
-            decision.reason,
+            reason,
             detail,
             event.timestamp,
             self.policy.action(cls),
             event.flow,
             event.uid,
             q.qname or ".",
+            qtype,
+        )
+
+    def _score(self, event: NflogEvent, q: wire.Query) -> Violation | None:
+        """The observer's own tunnel scorer, on every allowed query it sees."""
+        if self.scorer is None:
+            return None
+        finding = self.scorer.observe_query(q.qname, q.qtype)
+        if finding is None:
+            return None
+        qtype = type_name(q.qtype)
+        cls = ViolationClass.TUNNEL
+        return Violation(
+            cls,
+            LAYER,
+            "spec.tunnel",
+            f"query {q.qname} {qtype}: {finding.describe()}",
+            event.timestamp,
+            self.policy.action(cls),
+            None,
+            event.uid,
+            q.qname,
             qtype,
         )
 

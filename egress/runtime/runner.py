@@ -33,7 +33,7 @@ from egress.runtime.enforcer import Enforcer
 from egress.runtime.journal import Journal, default_state_dir
 from egress.runtime.observer_process import ObserverProcess
 from egress.runtime.session import Session, wait_for_exit
-
+from egress.tunnel import TunnelScorer
 
 
 @dataclass
@@ -150,7 +150,8 @@ def _resolver(sb: sbx.Sandbox, opts: RunOptions, session: Session) -> ResolverSe
     upstreams = resolve_upstreams(sb.policy.dns.upstreams)
     if opts.upstream:
         upstreams = [parse_upstream(opts.upstream)]
-    core = ResolverCore(sb.policy, len(upstreams), secrets.randbits)
+    scorer = TunnelScorer(sb.policy.tunnel, time.time) if sb.policy.tunnel.enabled else None
+    core = ResolverCore(sb.policy, len(upstreams), secrets.randbits, scorer=scorer)
     return ResolverServer(
         core, upstreams, sb.nft, session.on_violation, sb.netns, opts.uplink_netns
     )
