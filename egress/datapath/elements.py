@@ -7,6 +7,7 @@ paired with the ports of the rule that allowed its name.
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -50,3 +51,40 @@ def plan_update(ips: Iterable[IPAddress], ports: Ports, timeout_s: int) -> SetUp
 
 def parse_ips(texts: Iterable[str]) -> list[IPAddress]:
     return [ipaddress.ip_address(t) for t in texts]
+
+
+class ExpiryBook:
+    """When each set element the resolver added will expire, so a later answer never
+    shortens it.
+
+    The kernel replaces an element's timeout when it is added again, also with a shorter
+    one: two names sharing an address with different TTLs would otherwise cut the first
+    client's connection short. Bounded: expired entries are dropped as it grows.
+    """
+
+    def __init__(self, max_entries: int = 200_000) -> None:
+        self.max_entries = max_entries
+        self._expiry: dict[str, float] = {}
+
+    def plan(self, elements: tuple[str, ...], timeout_s: int, now: float) -> dict[int, list[str]]:
+        """Group elements by the timeout each needs: the new one, or longer if an earlier
+        answer already allows it for longer."""
+        groups: dict[int, list[str]] = {}
+        for e in elements:
+            left = self._expiry.get(e, 0.0) - now
+            need = max(timeout_s, math.ceil(left)) if left > 0 else timeout_s
+            groups.setdefault(need, []).append(e)
+        return groups
+
+    def fresh(self, elements: tuple[str, ...], now: float) -> list[str]:
+        """The elements no earlier answer allows right now (the ones safe to take back)."""
+        return [e for e in elements if self._expiry.get(e, 0.0) <= now]
+
+    def record(self, elements: list[str], timeout_s: int, now: float) -> None:
+        for e in elements:
+            self._expiry[e] = max(self._expiry.get(e, 0.0), now + timeout_s)
+        if len(self._expiry) > self.max_entries:
+            self._expiry = {k: v for k, v in self._expiry.items() if v > now}
+
+    def __len__(self) -> int:
+        return len(self._expiry)

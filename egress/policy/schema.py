@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from egress.model import Action, ViolationClass
+from egress.model import Action, TunnelSpec, ViolationClass
+from egress.policy.tunnelspec import MAX_ZONES
 
 Schema = dict[str, Any]
 
@@ -172,6 +173,114 @@ def _connect() -> Schema:
     )
 
 
+_TUNNEL_LIMITS = {  # key: what one zone may send upstream before the verdict
+    "shaped_names": "Tunnel-shaped names (score >= name_score) per zone in one window.",
+    "long_text_bytes": "Bytes of unique text of long names (a label >= 40 or a subdomain"
+    " >= 64 characters) per zone in one window.",
+    "info_bytes": "Information estimate (bytes) of unique subdomain text per zone in one"
+    " window; halved when the zone's NXDOMAIN/REFUSED share reaches nx_ratio.",
+    "text_bytes": "Bytes of raw unique subdomain text per zone in one window.",
+    "data_type_names": "Unique names asked with data-only types (NULL, private use, ...;"
+    " TXT counts 1/4) per zone in one window.",
+    "slow_names": "Unique subdomains per zone in one slow_window.",
+    "slow_info_bytes": "Information estimate (bytes) per zone in one slow_window; halved"
+    " like info_bytes.",
+    "slow_text_bytes": "Bytes of raw unique subdomain text per zone in one slow_window.",
+}
+
+
+def _tunnel_zone() -> Schema:
+    zone = _obj(
+        "Tuning for one zone: a registered domain (example.com) or a parent of one. Names"
+        " below the registered domain never match: write mcafee.com, not gti.mcafee.com.",
+        {
+            "zone": {"type": "string", "description": "A DNS name, no wildcards."},
+            "exempt": {
+                "type": "boolean",
+                "description": "true: never score this zone (an AV vendor's hash lookups)."
+                " false: score even a special-use zone (.internal, .local).",
+            },
+            "scale": {
+                "type": "number",
+                "minimum": 1,
+                "description": "Multiply every limit of this zone by this; not with exempt: true.",
+            },
+        },
+        ["zone"],
+    )
+    exempt = {"properties": {"exempt": {"const": True}}, "required": ["exempt"]}
+    says = [{"required": ["exempt"]}, {"required": ["scale"]}]
+    return {**zone, "anyOf": says, "if": exempt, "then": {"not": {"required": ["scale"]}}}
+
+
+def _tunnel() -> Schema:
+    d = TunnelSpec()
+    count = {"type": "integer", "minimum": 1}
+    limits = {
+        key: {**count, "default": getattr(d, key), "description": text}
+        for key, text in _TUNNEL_LIMITS.items()
+    }
+    return _obj(
+        "DNS tunnel detection: every query the rules allow is scored before it is forwarded;"
+        " a zone crossing a limit gets a verdict (see violations.tunnel). Leave a key out"
+        " for its default.",
+        {
+            "enabled": {
+                "type": "boolean",
+                "default": d.enabled,
+                "description": "Score queries at all. Default true.",
+            },
+            "window": {
+                "$ref": "#/$defs/duration",
+                "description": f"The fast sliding window, 1s-24h. Default {d.window_s:g}s.",
+            },
+            "slow_window": {
+                "$ref": "#/$defs/duration",
+                "description": "The slow-channel window, 1s-24h, at least window."
+                f" Default {d.slow_window_s / 3600:g}h.",
+            },
+            "name_score": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "default": d.name_score,
+                "description": "A query name scoring at least this is tunnel-shaped"
+                " (egressctl check prints a name's score).",
+            },
+            **limits,
+            "nx_ratio": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "maximum": 1,
+                "default": d.nx_ratio,
+                "description": "NXDOMAIN/REFUSED share of a zone's responses that halves"
+                " its information limits (exfiltration needs no answer).",
+            },
+            "nx_min_responses": {
+                **count,
+                "default": d.nx_min_responses,
+                "description": "Responses a zone needs in one slow_window before nx_ratio applies.",
+            },
+            "sandbox_scale": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "default": d.sandbox_scale,
+                "description": "Limits for the sum over all zones, relative to one zone's.",
+            },
+            "max_zones": {
+                **count,
+                "maximum": MAX_ZONES,
+                "default": d.max_zones,
+                "description": "Zones tracked per sandbox (about 3.4 KiB each).",
+            },
+            "zones": {
+                "type": "array",
+                "items": _tunnel_zone(),
+                "description": "Per-zone exemptions and raised limits, one entry per zone.",
+            },
+        },
+    )
+
+
 def _violations() -> Schema:
     return _obj(
         "What happens on each class of violation: freeze the sandbox, block, or only log.",
@@ -187,9 +296,7 @@ def policy_json_schema() -> dict[str, Any]:
             "mode": {"enum": ["enforce", "audit"], "description": "Default enforce."},
             "dns": _dns(),
             "connect": _connect(),
-            "tunnel": _obj(
-                "DNS tunnel detection.", {"enabled": {"type": "boolean", "default": True}}
-            ),
+            "tunnel": _tunnel(),
             "violations": _violations(),
         },
         ["dns"],

@@ -23,13 +23,14 @@ from egress.model import (
     Policy,
     PortRange,
     Ports,
-    TunnelSpec,
     ViolationClass,
 )
-from egress.policy.checks import Report, entry, get_bool, get_choice, get_list, get_map, get_str
+from egress.policy.checks import Report, entry, get_choice, get_list, get_map, get_str
 from egress.policy.dnsspec import build_dns
 from egress.policy.ports import ALL_PORTS, PROTOCOLS, build_ports, for_proto
 from egress.policy.tree import Map, Node
+from egress.policy.tunnelspec import TUNNEL_KEYS as TUNNEL_KEYS  # the vocabulary, in one place
+from egress.policy.tunnelspec import build_tunnel
 from egress.policy.values import parse_cidr
 
 API_VERSION = "egress/v1"
@@ -39,7 +40,6 @@ METADATA_KEYS = ("name",)
 SPEC_KEYS = ("mode", "dns", "connect", "tunnel", "violations")
 CONNECT_KEYS = ("ports", "allow")
 CIDR_RULE_KEYS = ("cidr", "ports", "proto")
-TUNNEL_KEYS = ("enabled",)
 VIOLATION_KEYS = tuple(cls.value for cls in ViolationClass)
 ACTIONS = tuple(action.value for action in Action)
 MODES = tuple(mode.value for mode in Mode)
@@ -97,7 +97,7 @@ def _spec(node: Node | None, name: str, source: str, report: Report) -> Policy:
         mode=Mode(mode or "enforce"),
         dns=dns,
         connect=connect,
-        tunnel=_tunnel(entry(spec, "tunnel"), report),
+        tunnel=build_tunnel(entry(spec, "tunnel"), report),
         violations=_violations(entry(spec, "violations"), report),
     )
 
@@ -143,17 +143,6 @@ def _cidr_rule(index: int, node: Node, report: Report) -> CidrRule | None:
             cidr_node.where, f"{path}.cidr: {network} is every IPv{network.version} address"
         )
     return CidrRule(index=index, network=network, ports=ports, where=node.where)
-
-
-def _tunnel(node: Node | None, report: Report) -> TunnelSpec:
-    if node is None:
-        return TunnelSpec()
-    tunnel = get_map(node, "spec.tunnel", report, TUNNEL_KEYS)
-    enabled_node = entry(tunnel, "enabled")
-    if enabled_node is None:
-        return TunnelSpec()
-    enabled = get_bool(enabled_node, "spec.tunnel.enabled", report)
-    return TunnelSpec(enabled=True if enabled is None else enabled)
 
 
 def _violations(node: Node | None, report: Report) -> dict[ViolationClass, Action]:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from egress.datapath import constants as c
-from egress.datapath.elements import SetUpdate
+from egress.datapath.elements import ExpiryBook, SetUpdate
 from egress.errors import EgressError, UpstreamError
 from egress.model import Upstream, Violation
 from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
@@ -274,6 +274,7 @@ class ResolverServer:
         self.port = port
         self.timeout_s = timeout_s
         self.sets = SetStats()
+        self.expiry = ExpiryBook()  # no answer may shorten what an earlier one allowed
         self.internal_errors = 0
         self.last_internal_error = ""
         self.dropped_replies = 0
@@ -382,13 +383,18 @@ class ResolverServer:
     def allow(self, update: SetUpdate) -> bool:
         """Put the addresses in the kernel's sets; True only once the kernel has them."""
         start = time.monotonic()
+        fresh = {
+            "allow4": self.expiry.fresh(update.elements4, start),
+            "allow6": self.expiry.fresh(update.elements6, start),
+        }
         try:
             for family_set, elements in (
                 ("allow4", update.elements4),
                 ("allow6", update.elements6),
             ):
-                if elements:
-                    self._add(family_set, elements, update.timeout_s)
+                for timeout, group in self.expiry.plan(elements, update.timeout_s, start).items():
+                    self._add(family_set, tuple(group), timeout)
+                    self.expiry.record(group, timeout, start)
         except (EgressError, OSError):
             self.sets.failures += 1
             return False
@@ -399,7 +405,8 @@ class ResolverServer:
             # Too late to trust: the client gets SERVFAIL, so take the addresses back too.
             self.sets.slow += 1
             with contextlib.suppress(EgressError):
-                self._revoke(update)
+                # Only what this answer added: an earlier answer's elements stay allowed.
+                self._revoke(SetUpdate(tuple(fresh["allow4"]), tuple(fresh["allow6"]), 0))
             return False
         return True
 
