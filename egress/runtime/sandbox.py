@@ -85,7 +85,9 @@ def create(policy: Policy, pools: Pools, uplink_netns: str | None) -> Sandbox:
     undo: list[tuple[str, Callable[[], None]]] = []
     try:
         claim = claims.claim(sandbox_id, pools.capacity, uplink_netns)
-        undo.append(("address claim", lambda: claims.release(sandbox_id)))
+        # Last out: the claim goes with the uplink table check, under one lock, so of
+        # sandboxes ending together exactly the last one removes the shared table.
+        undo.append(("address claim", lambda: uplink_mod.detach(uplink_netns, sandbox_id)))
         sb = _build(policy, pools.network(claim.index), claim, undo)
     except BaseException:
         _unwind(undo)
@@ -112,7 +114,6 @@ def _build(
     undo.append(("nft handle", nft.close))
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
     uplink_mod.attach(uplink)
-    undo.append(("uplink table", lambda: uplink_mod.detach(uplink, claim.id)))
     table = c.UPLINK_TABLE
     cgroup = Cgroup.create(claim.id)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
@@ -157,10 +158,9 @@ def teardown_claim(claim: claims.Claim) -> list[str]:
     could not be removed.
     """
     undo: list[tuple[str, Callable[[], None]]] = [
-        ("address claim", lambda: claims.release(claim.id)),
+        ("address claim", lambda: uplink_mod.detach(claim.uplink_netns, claim.id)),
         (f"netns {claim.netns}", lambda: netns.remove_netns(claim.netns)),
         (f"veth {claim.host_if}", lambda: netns.delete_link(claim.host_if, claim.uplink_netns)),
-        ("uplink table", lambda: uplink_mod.detach(claim.uplink_netns, claim.id)),
         (f"cgroup {claim.id}", lambda: _remove_cgroup_by_name(claim.id)),
         (
             f"{ETC_NETNS / claim.netns}",

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +54,9 @@ class Session:
         self.state = SessionState()
         self.listener = NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
+        self._journal_queue: queue.SimpleQueue[Violation | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
+        self._writer.start()
         self.stopping = False
         enforcer.on_freeze = self._frozen
 
@@ -67,11 +72,24 @@ class Session:
                 )
 
     def on_violation(self, v: Violation) -> None:
+        """Freeze-worthy verdicts are acted on here and now (journal, then freeze); the
+        rest are journaled by a writer thread, so a burst of denied queries never holds
+        up the DNS answers behind it on an fsync."""
         self.state.violations.append(v)
+        if self.enforcer.wants_freeze(v):
+            self._act(v)
+        else:
+            self._journal_queue.put(v)
+
+    def _act(self, v: Violation) -> None:
         try:
             self.enforcer.handle(v)
         except EgressError as exc:  # a failed freeze is reported, never swallowed
             print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
+
+    def _journal_writer(self) -> None:
+        while (v := self._journal_queue.get()) is not None:
+            self._act(v)
 
     def observer_died(self) -> None:
         if self.stopping:
@@ -91,6 +109,8 @@ class Session:
     def close(self) -> None:
         with contextlib.suppress(EgressError):
             self.on_nflog()  # evidence that arrived while the command was exiting
+        self._journal_queue.put(None)
+        self._writer.join()  # everything seen is in the journal before the report is made
         self.state.overruns = self.listener.overruns
         self.listener.close()
         if self._monitor is not None:
@@ -203,6 +223,11 @@ def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, session: Session
             return
         if not _from_terminal():
             forward(sig)
+        print(
+            f"egressctl: {sig.name} passed to the command; again to kill the sandbox",
+            file=sys.stderr,
+            flush=True,
+        )
 
     for sig in FORWARDED:
         loop.add_signal_handler(sig, forward, sig)

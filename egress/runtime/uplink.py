@@ -31,10 +31,13 @@ def attach(uplink: str | None) -> None:
 
 
 def detach(uplink: str | None, sandbox_id: str) -> None:
-    """Remove the shared table if no other live sandbox uses this uplink."""
-    if uplink is not None and not netns.netns_exists(uplink):
-        return
+    """Give up the sandbox's address claim; remove the shared table if no other live
+    sandbox uses this uplink. Both under the claims lock: of sandboxes ending at once,
+    the last one sees no other claim and takes the table along."""
     with claims.locked():
+        claims.release(sandbox_id)
+        if uplink is not None and not netns.netns_exists(uplink):
+            return
         others = [
             other
             for other in claims.load_all()

@@ -223,3 +223,24 @@ def test_allowed_answer_then_immediate_connect_1000_times(lab: Lab) -> None:
     assert result["ok"] and result["failed"] == 0, result
     assert out.report["counters"]["set_updates"] == 1000
     assert out.violations() == []
+
+
+AUDIT_POLICY = POLICY.replace(
+    "metadata: {name: resolver}\nspec:\n", "metadata: {name: audit}\nspec:\n  mode: audit\n"
+)
+
+
+def test_audit_mode_resolves_everything_and_records_what_enforce_would_do(lab: Lab) -> None:
+    steps = [dig("denied.lab.test"), dig("meta.lab.test"), dig("txt.lab.test", "TXT"),
+             dig("allowed.lab.test", "MX"),
+             {"op": "tcp", "host": "198.51.100.11", "port": 80}]  # fmt: skip
+    out = run_probe(AUDIT_POLICY, steps, lab.uplink_netns)
+    denied, meta, txt, mx, connect = out.steps
+    assert status(denied) == "NOERROR" and answers(denied) == ["198.51.100.12"]
+    assert answers(meta) == ["169.254.169.254"]
+    assert status(txt) == "NOERROR" and "v=egresslab1" in txt["stdout"]
+    assert status(mx) == "NOERROR"  # forwarded: the lab has no MX there (NODATA)
+    assert connect["ok"], connect  # the kernel logs and accepts
+    classes = {v["class"] for v in out.violations()}
+    assert {"denied_name", "rebinding", "denied_type", "blocked_connect"} <= classes
+    assert out.report["frozen"] is False

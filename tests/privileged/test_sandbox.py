@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from egress.runtime import claims
+from egress.runtime import claims, netns
 from egress.runtime.lab import Lab
 from tests.privileged.sandboxes import (
     EGRESSCTL,
@@ -320,3 +320,60 @@ def netns_list() -> list[str]:
     """Sandbox namespaces only: other tests may make labs meanwhile."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in listing.splitlines() if line.startswith("egress-")]
+
+
+def test_sigterm_is_forwarded_and_everything_is_removed(lab: Lab) -> None:
+    """A signal to egressctl reaches the command; the command's status is the run's."""
+    with workdir() as d:
+        report = d / "r.json"
+        script = "trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.1; done"
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--report", str(report),
+                "--", "/bin/sh", "-c", script]  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert "got-term" in out
+        assert proc.returncode == 42
+        assert leftovers(json.loads(report.read_text())["sandbox"], lab.uplink_netns) == []
+
+
+def test_interrupt_twice_ends_a_command_that_ignores_it(lab: Lab) -> None:
+    with workdir() as d:
+        report = d / "r.json"
+        script = "trap '' INT; echo ready; while :; do sleep 0.1; done"
+        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--report", str(report),
+                "--", "/bin/sh", "-c", script]  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env())  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)  # forwarded; the command ignores it
+        assert "again to kill the sandbox" in proc.stderr.readline()
+        proc.send_signal(signal.SIGINT)  # a second one ends everything in the sandbox
+        proc.communicate(timeout=30)
+        assert proc.returncode == 137
+        assert leftovers(json.loads(report.read_text())["sandbox"], lab.uplink_netns) == []
+
+
+def test_keep_leaves_the_sandbox_and_gc_removes_it(lab: Lab) -> None:
+    with workdir() as d:
+        report = d / "r.json"
+        argv = [*EGRESSCTL, "run", "--keep", "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--report", str(report),
+                "--", "true"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=60)
+        assert done.returncode == 0, done.stderr
+        sandbox_id = json.loads(report.read_text())["sandbox"]
+        try:
+            assert f"kept sandbox {sandbox_id}" in done.stderr
+            assert netns.netns_exists(f"egress-{sandbox_id}")
+            gc = subprocess.run([*EGRESSCTL, "gc", sandbox_id], capture_output=True, text=True,
+                                env=env())  # fmt: skip
+            assert gc.returncode == 0 and f"sandbox {sandbox_id} removed" in gc.stdout
+            assert leftovers(sandbox_id, lab.uplink_netns) == []
+        finally:
+            cleanup(sandbox_id)
