@@ -96,12 +96,15 @@ def _check_size(net: _N, prefix: int) -> _N:
     return net
 
 
-def first_free(used: set[int], capacity: int) -> int:
-    """Lowest index not in ``used``; the caller holds the allocation lock."""
-    for i in range(capacity):
-        if i not in used:
-            return i
+def first_free(
+    pools: Pools, used: list[ipaddress.IPv4Network | ipaddress.IPv6Network]
+) -> SandboxNet:
+    """The lowest sandbox network of ``pools`` that overlaps nothing in ``used``."""
+    for i in range(pools.capacity):
+        net = pools.network(i)
+        if not any(net.net4.overlaps(u) if u.version == 4 else net.net6.overlaps(u) for u in used):
+            return net
     raise SandboxError(
-        f"subnet pool exhausted: all {capacity} sandbox networks are in use; "
-        "end some or pass a larger --subnet-pool"
+        f"subnet pool exhausted: all {pools.capacity} sandbox networks of {pools.v4} and "
+        f"{pools.v6} are in use; end some or pass a larger --subnet-pool"
     )

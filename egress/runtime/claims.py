@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from egress.datapath.addressing import first_free
+from egress.datapath.addressing import Pools, first_free
 from egress.errors import SandboxError
 from egress.runtime.paths import run_dir
 
@@ -28,6 +29,8 @@ class Claim:
     host_if: str
     uplink_netns: str | None
     owner_pid: int
+    net4: str = ""
+    net6: str = ""
     cgroup: str = ""
     keep: bool = False
 
@@ -75,19 +78,22 @@ def is_stale(claim: Claim) -> bool:
     return not _alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
 
 
-def claim(sandbox_id: str, capacity: int, uplink_netns: str | None) -> Claim:
-    """Atomically take the lowest free address block for a new sandbox."""
+def claim(sandbox_id: str, pools: Pools, uplink_netns: str | None) -> Claim:
+    """Atomically take the lowest address block of ``pools`` that overlaps no live
+    sandbox's (sandboxes started with other --subnet-pool values included)."""
     with locked():
-        used = set()
+        used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
         for existing in load_all():
             if is_stale(existing):
                 release(existing.id)
-            else:
-                used.add(existing.index)
-        index = first_free(used, capacity)
+            elif existing.net4 and existing.net6:
+                used += [ipaddress.ip_network(existing.net4), ipaddress.ip_network(existing.net6)]
+        net = first_free(pools, used)
         new = Claim(
             id=sandbox_id,
-            index=index,
+            index=net.index,
+            net4=str(net.net4),
+            net6=str(net.net6),
             netns=f"egress-{sandbox_id}",
             host_if=f"eg-{sandbox_id}",
             uplink_netns=uplink_netns,

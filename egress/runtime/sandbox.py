@@ -84,7 +84,7 @@ def create(policy: Policy, pools: Pools, uplink_netns: str | None) -> Sandbox:
     sandbox_id = new_id()
     undo: list[tuple[str, Callable[[], None]]] = []
     try:
-        claim = claims.claim(sandbox_id, pools.capacity, uplink_netns)
+        claim = claims.claim(sandbox_id, pools, uplink_netns)
         # Last out: the claim goes with the uplink table check, under one lock, so of
         # sandboxes ending together exactly the last one removes the shared table.
         undo.append(("address claim", lambda: uplink_mod.detach(uplink_netns, sandbox_id)))

@@ -285,7 +285,7 @@ def test_missing_command_exits_127(lab: Lab) -> None:
 
 
 def test_exhausted_subnet_pool(lab: Lab) -> None:
-    pool = ["--subnet-pool", "10.99.0.0/30"]  # room for exactly one sandbox
+    pool = ["--subnet-pool", "10.99.0.0/30,fd00:99::/64"]  # room for exactly one sandbox
     with workdir() as d:
         go = d / "go"
         steps = [{"op": "myaddr"}, {"op": "wait_file", "path": str(go)}]
