@@ -29,7 +29,7 @@ def test_first_free_skips_blocks_other_sandboxes_hold_even_from_another_pool() -
 
 def test_an_exhausted_pool_says_what_to_do() -> None:
     pools = Pools.parse("10.99.0.0/30")
-    with pytest.raises(SandboxError, match="subnet pool exhausted.*--subnet-pool"):
+    with pytest.raises(SandboxError, match=r"subnet pool exhausted.*--subnet-pool"):
         first_free(pools, [ipaddress.ip_network("10.99.0.0/30")])
 
 
