@@ -45,8 +45,10 @@ WORKLOAD = (
     "import socket,sys\n"
     "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
     "print('ready', flush=True)\n"
+    "port=1000\n"
     "while sys.stdin.buffer.read(1):\n"
-    "    try: s.sendto(b'x',('203.0.113.99',9))\n"
+    "    port+=1\n"  # a new flow each time: a layer freezes once per flow
+    "    try: s.sendto(b'x',('203.0.113.99',port))\n"
     "    except OSError: pass\n"
 )
 

@@ -331,10 +331,13 @@ def test_sigterm_is_forwarded_and_everything_is_removed(lab: Lab) -> None:
                 "--uplink-netns", lab.uplink_netns, "--report", str(report),
                 "--", "/bin/sh", "-c", script]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready"
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            _end(proc)
         assert "got-term" in out
         assert proc.returncode == 42
         assert leftovers(json.loads(report.read_text())["sandbox"], lab.uplink_netns) == []
@@ -349,12 +352,15 @@ def test_interrupt_twice_ends_a_command_that_ignores_it(lab: Lab) -> None:
                 "--", "/bin/sh", "-c", script]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env())  # fmt: skip
-        assert proc.stdout is not None and proc.stderr is not None
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGINT)  # forwarded; the command ignores it
-        assert "again to kill the sandbox" in proc.stderr.readline()
-        proc.send_signal(signal.SIGINT)  # a second one ends everything in the sandbox
-        proc.communicate(timeout=30)
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            assert proc.stdout.readline().strip() == "ready"
+            proc.send_signal(signal.SIGINT)  # forwarded; the command ignores it
+            assert "again to kill the sandbox" in proc.stderr.readline()
+            proc.send_signal(signal.SIGINT)  # a second one ends everything in the sandbox
+            proc.communicate(timeout=30)
+        finally:
+            _end(proc)
         assert proc.returncode == 137
         assert leftovers(json.loads(report.read_text())["sandbox"], lab.uplink_netns) == []
 
@@ -377,3 +383,13 @@ def test_keep_leaves_the_sandbox_and_gc_removes_it(lab: Lab) -> None:
             assert leftovers(sandbox_id, lab.uplink_netns) == []
         finally:
             cleanup(sandbox_id)
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    """On a failed test: end egressctl and remove its sandbox (it would run on)."""
+    if proc.poll() is None:
+        [claim] = [c for c in claims.load_all() if c.owner_pid == proc.pid] or [None]
+        proc.kill()
+        proc.wait()
+        if claim is not None:
+            cleanup(claim.id)
