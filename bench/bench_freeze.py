@@ -50,6 +50,7 @@ WORKLOAD = (
     "    port+=1\n"  # a new flow each time: a layer freezes once per flow
     "    try: s.sendto(b'x',('203.0.113.99',port))\n"
     "    except OSError: pass\n"
+    "    print('sent', flush=True)\n"
 )
 
 
@@ -155,8 +156,11 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
                     lat.append((rows[0]["confirmed_at"] - t0) * 1000)
                     break
                 time.sleep(0.0005)
+            if mode == "both":  # resume only once both layers have seen it
+                _await_two_sightings(journal, sb.id)
             journal.record_decision(sb.id, "resume", 0, time.time(), "bench")
             sb.cgroup.thaw()
+            work.stdout.readline()  # it finished that round and waits for the next byte
         work.stdin.close()
         sb.cgroup.kill()
         work.wait()
@@ -170,6 +174,15 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
             observer.wait()
         journal.close()
         sb.destroy()
+
+
+def _await_two_sightings(journal: Journal, sandbox_id: str) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        newest = journal.violations(sandbox_id, limit=1)
+        if newest and len(newest[0]["detected_by"]) >= 2:
+            return
+        time.sleep(0.0005)
 
 
 def journal_throughput(state: Path, n: int = 2000) -> float:

@@ -180,12 +180,22 @@ class Cgroup:
         if not (v2 or use_v1):
             raise SandboxError("freeze: no freezer selected")
         start = time.monotonic()
-        # v2 first: a task v1 catches first never reaches the v2 trap (see module doc).
-        if v2:
-            _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
-        if use_v1:
-            _write(self._state_path(), "FROZEN")
-        self._wait(start + timeout, v2, use_v1, frozen=True, need_all=False)
+        deadline = start + timeout
+        # A thaw racing this freeze (a person resuming while a layer freezes again) can
+        # undo the write; ask again, a few times, before giving up.
+        for attempt in range(3):
+            # v2 first: a task v1 catches first never reaches the v2 trap (see module doc).
+            if v2:
+                _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
+            if use_v1:
+                _write(self._state_path(), "FROZEN")
+            step = start + timeout * (attempt + 1) / 3
+            try:
+                self._wait(min(step, deadline), v2, use_v1, frozen=True, need_all=False)
+                break
+            except SandboxError:
+                if attempt == 2:
+                    raise
         return time.monotonic() - start
 
     def thaw(self, timeout: float = 2.0) -> None:

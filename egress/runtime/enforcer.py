@@ -61,9 +61,11 @@ class Enforcer:
 
     def handle(self, v: Violation) -> FreezeEvent | None:
         """Journal ``v`` and act on it; returns the freeze it caused, if any."""
-        vid = self._journal(v)
+        vid, first = self._journal(v)
         if not self.wants_freeze(v):
             return None
+        if not first and vid is not None and self._try(lambda: self.journal.decided(vid)):
+            return None  # the other layer froze for it and a person has already decided
         key = violation_key(v)
         if key in self.frozen_keys:
             # The same flow again (a SYN retransmit, a retried query): it already froze the
@@ -72,15 +74,15 @@ class Enforcer:
         self.frozen_keys.add(key)
         return self.freeze(v, vid)
 
-    def _journal(self, v: Violation) -> int | None:
+    def _journal(self, v: Violation) -> tuple[int | None, bool]:
+        """(violation id, whether this layer saw it first); (None, True) if unwritable."""
         try:
-            vid, _ = self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S)
-            return vid
+            return self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S)
         except EgressError as exc:
             # Fail closed: a journal that can't write must not stop the freeze.
             self.journal_errors += 1
             print(f"egress {self.layer}: journal: {exc}", file=sys.stderr)
-            return None
+            return None, True
 
     def freeze(self, v: Violation, vid: int | None) -> FreezeEvent:
         fid = self._try(

@@ -296,6 +296,23 @@ class Journal:
             )
             return decision_id
 
+    def decided(self, violation_id: int) -> bool:
+        """Has a person already resumed or killed a freeze this violation caused?
+
+        A layer that sees a violation after the other one froze for it, and after someone
+        decided, must not freeze again for the same thing.
+        """
+        rows = self._select(
+            "SELECT first_violation, requested_by FROM freezes WHERE decision_id IS NOT NULL "
+            "AND sandbox_id = (SELECT sandbox_id FROM violations WHERE id = ?)",
+            (violation_id,),
+        )
+        return any(
+            r["first_violation"] == violation_id
+            or any(a.get("violation_id") == violation_id for a in r["requested_by"] or [])
+            for r in rows
+        )
+
     def freezes(self, sandbox_id: str | None = None, limit: int = 100) -> list[Row]:
         return self._newest("freezes", "requested_at", sandbox_id, limit)
 

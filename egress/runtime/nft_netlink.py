@@ -107,5 +107,3 @@ def _key(element: str) -> bytes:
         + bytes((_PROTOS[proto], 0, 0, 0))
         + struct.pack("!HH", int(port), 0)
     )
-
-

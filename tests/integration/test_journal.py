@@ -477,3 +477,17 @@ def test_layers_racing_to_freeze_share_one_freeze(tmp_path: Path) -> None:
             j.record_decision("sb1", "resume", 0, time.time())
     with Journal.open(tmp_path) as j:
         assert len(j.freezes()) == 5
+
+
+def test_decided_says_whether_a_person_already_ruled_on_a_violation(tmp_path: Path) -> None:
+    with Journal.open(tmp_path) as j:
+        j.record_sandbox("sb1", "p")
+        vid = j.record_violation("sb1", _violation())
+        assert not j.decided(vid)
+        fid = j.record_freeze_request("sb1", "inline", vid, time.time())
+        j.confirm_freeze(fid, time.time(), 0.5)
+        assert not j.decided(vid)  # frozen, nobody has decided yet
+        j.record_decision("sb1", "resume", 0, time.time())
+        assert j.decided(vid)
+        other = j.record_violation("sb1", _violation())
+        assert not j.decided(other)
