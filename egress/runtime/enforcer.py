@@ -61,35 +61,27 @@ class Enforcer:
 
     def handle(self, v: Violation) -> FreezeEvent | None:
         """Journal ``v`` and act on it; returns the freeze it caused, if any."""
-        vid, first = self._journal(v)
         if not self.wants_freeze(v):
+            self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
             return None
-        if not first and vid is not None and self._try(lambda: self.journal.decided(vid)):
-            return None  # the other layer froze for it and a person has already decided
         key = violation_key(v)
         if key in self.frozen_keys:
             # The same flow again (a SYN retransmit, a retried query): it already froze the
-            # sandbox once, and a person has seen it or is about to.
+            # sandbox once, and a person has seen it or is about to. Journal the sighting.
+            self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
             return None
-        self.frozen_keys.add(key)
-        return self.freeze(v, vid)
-
-    def _journal(self, v: Violation) -> tuple[int | None, bool]:
-        """(violation id, whether this layer saw it first); (None, True) if unwritable."""
-        try:
-            return self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S)
-        except EgressError as exc:
-            # Fail closed: a journal that can't write must not stop the freeze.
-            self.journal_errors += 1
-            print(f"egress {self.layer}: journal: {exc}", file=sys.stderr)
-            return None, True
-
-    def freeze(self, v: Violation, vid: int | None) -> FreezeEvent:
-        fid = self._try(
-            lambda: self.journal.record_freeze_request(
-                self.sandbox_id, self.layer, vid, time.time()
-            )
+        # Journal before act: the violation and the freeze request, in one durable commit.
+        recorded = self._try(
+            lambda: self.journal.record_for_freeze(self.sandbox_id, v, DEDUP_WINDOW_S, time.time())
         )
+        if recorded is not None and recorded[2] is None:
+            return None  # the other layer froze for it and a person has already decided
+        # A journal that can't write must not stop the freeze (fail closed).
+        vid, fid = (recorded[0], recorded[2]) if recorded is not None else (None, None)
+        self.frozen_keys.add(key)
+        return self.freeze(v, vid, fid)
+
+    def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent:
         self.cgroup.freeze()
         latency_ms = (time.time() - v.at) * 1000
         if fid is not None:

@@ -185,15 +185,36 @@ class Journal:
         Two layers seeing the same packet race; done in two calls, both may insert.
         Returns (violation id, whether this call created the row).
         """
+        with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
+            return self._record_or_detect(conn, sandbox_id, violation, within_s)
+
+    def _record_or_detect(
+        self, conn: sqlite3.Connection, sandbox_id: str, violation: Violation, within_s: float
+    ) -> tuple[int, bool]:
         key = schema.violation_key(violation)
         args = (sandbox_id, violation.cls.value, key,
                 violation.at - within_s, violation.at + within_s)  # fmt: skip
+        row = conn.execute(schema.FIND_SQL + " AND at <= ?" + schema.NEWEST, args).fetchone()
+        if row is None:
+            return self._insert_violation(conn, sandbox_id, violation), True
+        self._add_detection(conn, int(row[0]), violation.layer, violation.at)
+        return int(row[0]), False
+
+    def record_for_freeze(
+        self, sandbox_id: str, violation: Violation, within_s: float, at: float
+    ) -> tuple[int, bool, int | None]:
+        """``record_or_detect`` and ``record_freeze_request`` as ONE durable commit: the
+        freeze path pays one fsync before the freeze instead of two.
+
+        Returns (violation id, whether this layer saw it first, freeze id). The freeze id
+        is None when the violation already caused a freeze a person has decided on: the
+        caller must not freeze again for it.
+        """
         with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
-            row = conn.execute(schema.FIND_SQL + " AND at <= ?" + schema.NEWEST, args).fetchone()
-            if row is None:
-                return self._insert_violation(conn, sandbox_id, violation), True
-            self._add_detection(conn, int(row[0]), violation.layer, violation.at)
-            return int(row[0]), False
+            vid, first = self._record_or_detect(conn, sandbox_id, violation, within_s)
+            if not first and self._decided(conn, vid):
+                return vid, first, None
+            return vid, first, self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
 
     def record_detection(self, violation_id: int, layer: str, at: float) -> None:
         """Note that ``layer`` also saw violation ``violation_id`` at ``at`` (first sighting)."""
@@ -247,20 +268,30 @@ class Journal:
         While a freeze is open (no decision yet) every layer's request joins it, so the
         row names the first layer and ``requested_by`` lists when each one asked.
         """
-        ask = {"layer": layer, "at": at, "violation_id": violation_id}
         with self._write(f"record freeze of sandbox {sandbox_id!r}") as conn:
-            self._require(conn, "sandboxes", sandbox_id, "sandbox")
-            row = conn.execute(schema.OPEN_FREEZE_SQL, (sandbox_id,)).fetchone()
-            if row is None:
-                first = (sandbox_id, at, layer, violation_id, schema.dumps([ask]))
-                return schema.insert(conn, schema.NEW_FREEZE_SQL, first)
-            asks = schema.as_dict(row)["requested_by"]
-            if all(a["layer"] != layer for a in asks):
-                conn.execute(
-                    "UPDATE freezes SET requested_by = ? WHERE id = ?",
-                    (schema.dumps([*asks, ask]), row["id"]),
-                )
-            return int(row["id"])
+            return self._freeze_request(conn, sandbox_id, layer, violation_id, at)
+
+    def _freeze_request(
+        self,
+        conn: sqlite3.Connection,
+        sandbox_id: str,
+        layer: str,
+        violation_id: int | None,
+        at: float,
+    ) -> int:
+        ask = {"layer": layer, "at": at, "violation_id": violation_id}
+        self._require(conn, "sandboxes", sandbox_id, "sandbox")
+        row = conn.execute(schema.OPEN_FREEZE_SQL, (sandbox_id,)).fetchone()
+        if row is None:
+            first = (sandbox_id, at, layer, violation_id, schema.dumps([ask]))
+            return schema.insert(conn, schema.NEW_FREEZE_SQL, first)
+        asks = schema.as_dict(row)["requested_by"]
+        if all(a["layer"] != layer for a in asks):
+            conn.execute(
+                "UPDATE freezes SET requested_by = ? WHERE id = ?",
+                (schema.dumps([*asks, ask]), row["id"]),
+            )
+        return int(row["id"])
 
     def confirm_freeze(self, freeze_id: int, confirmed_at: float, latency_ms: float) -> None:
         """Journal that the cgroup reports frozen; the first confirmation wins."""
@@ -302,14 +333,21 @@ class Journal:
         A layer that sees a violation after the other one froze for it, and after someone
         decided, must not freeze again for the same thing.
         """
-        rows = self._select(
+        with self._read(f"read freezes of violation {violation_id}") as conn:
+            return self._decided(conn, violation_id)
+
+    def _decided(self, conn: sqlite3.Connection, violation_id: int) -> bool:
+        rows = conn.execute(
             "SELECT first_violation, requested_by FROM freezes WHERE decision_id IS NOT NULL "
             "AND sandbox_id = (SELECT sandbox_id FROM violations WHERE id = ?)",
             (violation_id,),
-        )
+        ).fetchall()
         return any(
             r["first_violation"] == violation_id
-            or any(a.get("violation_id") == violation_id for a in r["requested_by"] or [])
+            or any(
+                a.get("violation_id") == violation_id
+                for a in schema.as_dict(r)["requested_by"] or []
+            )
             for r in rows
         )
 

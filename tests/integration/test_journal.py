@@ -8,6 +8,7 @@ committed is in the journal after a SIGKILL, and the file is intact.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -491,3 +492,20 @@ def test_decided_says_whether_a_person_already_ruled_on_a_violation(tmp_path: Pa
         assert j.decided(vid)
         other = j.record_violation("sb1", _violation())
         assert not j.decided(other)
+
+
+def test_record_for_freeze_is_one_commit_and_honours_decisions(tmp_path: Path) -> None:
+    with Journal.open(tmp_path) as j:
+        j.record_sandbox("sb1", "p")
+        v = _violation()
+        vid, first, fid = j.record_for_freeze("sb1", v, 2.0, time.time())
+        assert first and fid is not None
+        assert j.freezes("sb1")[0]["first_violation"] == vid
+        # The other layer, same violation, before any decision: it joins the same freeze.
+        other = dataclasses.replace(v, layer="observer")
+        assert j.record_for_freeze("sb1", other, 2.0, time.time()) == (vid, False, fid)
+        j.record_decision("sb1", "resume", 0, time.time())
+        # After the decision, a late sighting of it must not ask for a freeze again.
+        late = dataclasses.replace(v, layer="observer", at=v.at + 0.5)
+        assert j.record_for_freeze("sb1", late, 2.0, time.time()) == (vid, False, None)
+        assert len(j.freezes("sb1")) == 1
