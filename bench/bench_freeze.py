@@ -13,21 +13,23 @@ Also prints journal write throughput (violations committed per second).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.datapath.evidence import drop_class, drop_violation
 from egress.policy import parse_policy
 from egress.runtime import sandbox as sbx
+from egress.runtime.cgroup import Cgroup
 from egress.runtime.enforcer import Enforcer
 from egress.runtime.journal import Journal
 from egress.runtime.lab import Lab
@@ -65,20 +67,24 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def inline_loop(sb: sbx.Sandbox, enforcer: Enforcer, stop: threading.Event) -> None:
-    listener = NflogListener.open(sb.netns, c.INLINE_GROUP)
+def inline_process(sandbox_id: str, netns: str, state: str, ready: Any, stop: Any) -> None:
+    """The inline layer's NFLOG reader and Enforcer, in a process of its own (as in
+    `egressctl run`), so the bench's own polling does not share its interpreter."""
     import select
 
+    policy, _ = parse_policy(POLICY, "<bench>")
+    enforcer = Enforcer(sandbox_id, policy, "inline", Journal.open(state), Cgroup.open(sandbox_id))
+    listener = NflogListener.open(netns, c.INLINE_GROUP)
     poll = select.poll()
     poll.register(listener.fileno(), select.POLLIN)
+    ready.set()
     while not stop.is_set():
         if poll.poll(50):
             for e in listener.read_events():
                 cls = drop_class(e.prefix)
                 if cls:
-                    enforcer.handle(
-                        drop_violation(sb.policy, cls, e.flow, e.uid, e.timestamp, "inline")
-                    )
+                    v = drop_violation(policy, cls, e.flow, e.uid, e.timestamp, "inline")
+                    enforcer.handle(v)
     listener.close()
 
 
@@ -87,14 +93,18 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
     sb = sbx.create(policy, Pools.parse(None), lab.uplink_netns)
     journal = Journal.open(state)
     journal.record_sandbox(sb.id, policy.name, netns=sb.netns)
-    stop = threading.Event()
-    threads, observer = [], None
+    stops: list[tuple[Any, Any]] = []
+    observer = None
     try:
         if mode in ("inline", "both"):
-            enf = Enforcer(sb.id, policy, "inline", Journal.open(state), sb.cgroup)
-            t = threading.Thread(target=inline_loop, args=(sb, enf, stop), daemon=True)
-            t.start()
-            threads.append(t)
+            ctx = multiprocessing.get_context("spawn")  # no SQLite state across a fork
+            ready, stop_evt = ctx.Event(), ctx.Event()
+            inline = ctx.Process(
+                target=inline_process, args=(sb.id, sb.netns, str(state), ready, stop_evt)
+            )
+            inline.start()
+            ready.wait(30)
+            stops.append((inline, stop_evt))
         if mode in ("observer", "both"):
             pfile = state / f"{sb.id}.yaml"
             pfile.write_text(POLICY)
@@ -166,9 +176,9 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
         work.wait()
         return lat
     finally:
-        stop.set()
-        for t in threads:
-            t.join()
+        for proc, evt in stops:
+            evt.set()
+            proc.join(10)
         if observer:
             observer.terminate()
             observer.wait()
