@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from egress.cli import demo_cmds, lab_cmds, observe_cmds, policy_cmds, review_cmds, run_cmds
+from egress.cli import (
+    daemon_cmds,
+    demo_cmds,
+    lab_cmds,
+    observe_cmds,
+    policy_cmds,
+    review_cmds,
+    run_cmds,
+)
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     policy_cmds.register,
@@ -14,4 +22,5 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     lab_cmds.register,
     demo_cmds.register,
     observe_cmds.register,
+    daemon_cmds.register,
 ]

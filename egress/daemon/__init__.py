@@ -1,5 +1,12 @@
-"""egressd: the host-wide daemon (serves many sandboxes from one process).
+"""egressd: the host-wide daemon, serving many sandboxes from one process.
 
-Not built yet: until it is, `egressd` says so and points at `egressctl run`, which serves
-one sandbox with the same core.
+    orchestrator ─HTTP over /run/egress/egressd.sock─▶ api ─▶ registry
+    registry ─ create: sandbox.create (netns, veth, cgroup) ┐
+             ─ attach: runtime.attach (foreign netns+cgroup) ┴▶ Session + resolver per sandbox
+    set-policy ─▶ swap: one nft transaction (rules + stale elements out) ─▶ core.set_policy
+    run dir (/run/egress/daemon/ID.json) ─▶ adoption by the next egressd, `egressd observer`
+    /metrics ◀─ resolver cores, sessions, nft counters and sets
+
+The same inline layer as `egressctl run` (``runtime.session``, ``runtime.dns_server``);
+only the wiring is here.
 """

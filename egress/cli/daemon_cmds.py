@@ -1,0 +1,223 @@
+"""`egressctl sandbox create|attach|list|show|delete|set-policy`: egressd's API, from a shell.
+
+These talk to egressd over its unix socket (``--daemon PATH``, default
+/run/egress/egressd.sock). The review commands (`ps`, `journal`, `resume`, `kill`) work
+without a daemon: they read the same journal and act on the same cgroups egressd's
+sandboxes use, so they see and act on daemon-served sandboxes too (a resume or kill made
+that way is journaled with the uid of the shell; through the API, `POST
+/v1/sandboxes/ID/resume|kill`, with the uid of the socket's peer).
+
+The client lives here rather than in egress.daemon: the entry points are independent
+layers (pyproject's import-linter contract), and a stdlib HTTP connection over AF_UNIX is
+all it takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from egress.errors import EgressError
+from egress.runtime.paths import run_dir
+
+FMT = argparse.RawDescriptionHelpFormatter
+TIMEOUT_S = 120.0
+
+
+def default_socket() -> str:
+    return str(run_dir() / "egressd.sock")
+
+
+class DaemonError(EgressError):
+    """egressd could not be reached, or refused the request (with its JSON error)."""
+
+    def __init__(self, message: str, status: int = 0, data: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.data = data
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("egressd", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class Client:
+    """egressd's API over its unix socket; ``call`` returns the decoded JSON."""
+
+    def __init__(self, path: str | None = None, timeout: float = TIMEOUT_S) -> None:
+        self.path = path or default_socket()
+        self.timeout = timeout
+
+    def call(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+        status, data = self.request(method, url, body)
+        if status >= 400:
+            message = data.get("error") if isinstance(data, dict) else str(data)
+            raise DaemonError(f"egressd: {message}", status, data)
+        return data
+
+    def request(self, method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        conn = _UnixConnection(self.path, self.timeout)
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            conn.request(method, url, payload, headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except PermissionError:
+            raise DaemonError(f"{self.path}: permission denied (not in egressd's group?)") from None
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonError(f"{self.path}: egressd is not running (no socket)") from None
+        except OSError as exc:
+            raise DaemonError(f"{self.path}: {exc}") from None
+        finally:
+            conn.close()
+        ctype = resp.getheader("Content-Type", "")
+        return resp.status, json.loads(raw) if "json" in ctype else raw.decode()
+
+
+def _daemon_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--daemon", metavar="PATH", help="egressd's socket (default: %(default)s)",
+                   default=default_socket())  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the API's JSON answer")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    top = sub.add_parser(
+        "sandbox",
+        help="create, attach, list, delete sandboxes and swap policies through egressd",
+        formatter_class=FMT,
+        description="Manage the sandboxes egressd serves, through its API socket.",
+        epilog=(
+            "examples:\n"
+            "  egressctl sandbox create --policy policies/pypi.yaml\n"
+            "  egressctl sandbox attach --netns agent1 --cgroup "
+            "/sys/fs/cgroup/unified/agent1 --policy p.yaml\n"
+            "  egressctl sandbox set-policy 3f2a1c --policy p2.yaml\n"
+            "  egressctl sandbox delete 3f2a1c\n"
+            "resume, kill, ps and journal work on daemon sandboxes as on any other."
+        ),
+    )
+    cmds = top.add_subparsers(dest="sandbox_cmd", metavar="COMMAND", required=True)
+    c = _sub(cmds, "create", "create a sandbox (egressd makes netns, veth, cgroup)",
+             "egressctl sandbox create --policy p.yaml --uplink-netns lab-up")  # fmt: skip
+    c.add_argument("--policy", required=True, metavar="FILE")
+    c.add_argument("--uplink-netns", metavar="NS", help="netns its traffic leaves through")
+    c.add_argument("--upstream", metavar="IP[:PORT]", help="instead of the policy's upstreams")
+    c.set_defaults(func=cmd_create)
+    a = _sub(cmds, "attach", "enforce a policy in a netns and cgroup you made",
+             "egressctl sandbox attach --netns agent1 --cgroup /sys/fs/cgroup/agent1 "
+             "--policy p.yaml")  # fmt: skip
+    a.add_argument("--netns", required=True, metavar="NAME|PATH")
+    a.add_argument("--cgroup", required=True, metavar="DIR", help="cgroup v2 directory")
+    a.add_argument("--freezer", metavar="DIR", help="v1 freezer cgroup directory, if any")
+    a.add_argument("--policy", required=True, metavar="FILE")
+    a.add_argument("--uplink-netns", metavar="NS", help="netns upstream DNS queries leave from")
+    a.add_argument("--upstream", metavar="IP[:PORT]")
+    a.add_argument("--id", metavar="ID", help="the sandbox id to use")
+    a.set_defaults(func=cmd_attach)
+    ls = _sub(cmds, "list", "sandboxes egressd serves", "egressctl sandbox list --json")
+    ls.set_defaults(func=cmd_list)
+    for name, verb, func in (
+        ("show", "one sandbox, as JSON", cmd_show),
+        ("delete", "tear down (or detach from) a sandbox", cmd_delete),
+    ):
+        d = _sub(cmds, name, verb, f"egressctl sandbox {name} 3f2a1c")
+        d.add_argument("sandbox", metavar="ID")
+        d.set_defaults(func=func)
+    s = _sub(cmds, "set-policy", "replace a sandbox's policy live",
+             "egressctl sandbox set-policy 3f2a1c --policy p2.yaml")  # fmt: skip
+    s.add_argument("sandbox", metavar="ID")
+    s.add_argument("--policy", required=True, metavar="FILE")
+    s.set_defaults(func=cmd_set_policy)
+
+
+def _sub(cmds: Any, name: str, text: str, example: str) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = cmds.add_parser(
+        name, help=text, description=text[0].upper() + text[1:] + ".",
+        formatter_class=FMT, epilog=f"example:\n  {example}",
+    )  # fmt: skip
+    _daemon_arg(p)
+    return p
+
+
+def _policy_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EgressError(f"--policy {path}: {exc}") from None
+
+
+def _run(args: argparse.Namespace, method: str, url: str, body: dict[str, Any] | None) -> Any:
+    try:
+        return Client(args.daemon).call(method, url, body)
+    except DaemonError as exc:
+        data = exc.data if isinstance(exc.data, dict) else {}
+        for problem in data.get("problems") or []:
+            print(problem.replace("<api>", getattr(args, "policy", None) or "<api>"),
+                  file=sys.stderr)  # fmt: skip
+        raise
+
+
+def _print(args: argparse.Namespace, data: Any, line: str) -> int:
+    print(json.dumps(data, indent=2) if args.json else line)
+    return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    body = {"policy": _policy_text(args.policy), "uplink_netns": args.uplink_netns,
+            "upstream": args.upstream}  # fmt: skip
+    data = _run(args, "POST", "/v1/sandboxes", body)
+    return _print(args, data, f"sandbox {data['id']} created (netns {data['netns']})")
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    body = {"netns": args.netns, "cgroup": args.cgroup, "freezer": args.freezer,
+            "policy": _policy_text(args.policy), "uplink_netns": args.uplink_netns,
+            "upstream": args.upstream, "id": args.id}  # fmt: skip
+    data = _run(args, "POST", "/v1/sandboxes/attach", body)
+    return _print(args, data, f"sandbox {data['id']} attached to netns {data['netns']}")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = _run(args, "GET", "/v1/sandboxes", None)
+    if args.json:
+        return _print(args, rows, "")
+    if not rows:
+        print("egressd serves no sandboxes")
+    for r in rows:
+        print(f"{r['id']:<8} {r['state']:<8} {r['kind']:<9} {r['policy'][:20]:<20} {r['netns']}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    print(json.dumps(_run(args, "GET", f"/v1/sandboxes/{args.sandbox}", None), indent=2))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    data = _run(args, "DELETE", f"/v1/sandboxes/{args.sandbox}", None)
+    return _print(args, data, f"sandbox {args.sandbox} deleted")
+
+
+def cmd_set_policy(args: argparse.Namespace) -> int:
+    body = {"policy": _policy_text(args.policy)}
+    data = _run(args, "PUT", f"/v1/sandboxes/{args.sandbox}/policy", body)
+    line = f"sandbox {args.sandbox}: policy swapped ({data['removed_elements']} elements removed)"
+    return _print(args, data, line)

@@ -1,0 +1,205 @@
+"""egressd's HTTP API (aiohttp), served on a unix socket only; see openapi.yaml.
+
+Who may call it is decided by the socket file's owner, group and mode (root, --group,
+0660): a client that cannot open the file never reaches a handler. The caller's uid, read
+from the connection (SO_PEERCRED), goes into every journaled decision.
+
+Every refusal is a 4xx with ``{"error": "...", "where": ...}``: malformed JSON (400, with
+line and column), a missing or mistyped field (400, the field), an unknown id (404), a
+collision with what is served (409), a policy that does not validate (422, with every
+problem as FILE:LINE:COL). A request that fails changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from egress.errors import DatapathError, EgressError, JournalError, PolicyError, UpstreamError
+
+from . import metrics
+from .registry import Conflict, NotFound, Registry
+
+REGISTRY: web.AppKey[Registry] = web.AppKey("registry", Registry)
+OPENAPI = Path(__file__).with_name("openapi.yaml")
+MAX_BODY = 1 << 20  # a policy is a few KB; a MB is generous
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BadRequest(EgressError):
+    def __init__(self, message: str, where: object = None) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def error(status: int, message: str, where: object = None, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, "where": where, **extra}, status=status)
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error(400, str(exc), exc.where)
+    except PolicyError as exc:
+        problems = [str(p) for p in exc.problems]
+        return error(422, "the policy is invalid", "policy", problems=problems)
+    except UpstreamError as exc:
+        return error(422, str(exc), "upstream")
+    except NotFound as exc:
+        return error(404, str(exc), request.match_info.get("id"))
+    except Conflict as exc:
+        return error(409, str(exc))
+    except (DatapathError, JournalError) as exc:
+        return error(500, str(exc))
+    except EgressError as exc:  # SandboxError: a netns, cgroup or uplink that won't do
+        return error(422, str(exc))
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error(exc.status, exc.reason, request.path)
+        raise
+
+
+def peer_uid(request: web.Request) -> int:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        raise BadRequest("the caller's uid is unknown (egressd serves unix sockets only)")
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", raw)[1])
+
+
+async def body(request: web.Request, fields: dict[str, bool]) -> dict[str, Any]:
+    """The JSON object, with ``fields`` (name -> required) as strings and nothing else."""
+    raw = await request.read()
+    try:
+        data = json.loads(raw or b"null")
+    except json.JSONDecodeError as exc:
+        where = {"line": exc.lineno, "column": exc.colno}
+        raise BadRequest(f"malformed JSON: {exc.msg}", where) from None
+    except UnicodeDecodeError:
+        raise BadRequest("the body is not UTF-8", "body") from None
+    if not isinstance(data, dict):
+        raise BadRequest("expected a JSON object", "body")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r} (known: {', '.join(fields)})", unknown[0])
+    for name, required in fields.items():
+        if name not in data or data[name] is None:
+            if required:
+                raise BadRequest(f"missing field {name!r}", name)
+            data[name] = None
+        elif not isinstance(data[name], str) or not data[name]:
+            raise BadRequest(f"field {name!r} must be a non-empty string", name)
+    return data
+
+
+def _registry(request: web.Request) -> Registry:
+    return request.app[REGISTRY]
+
+
+async def create(request: web.Request) -> web.Response:
+    data = await body(request, {"policy": True, "uplink_netns": False, "upstream": False})
+    served = await _registry(request).create(data["policy"], data["uplink_netns"], data["upstream"])
+    return web.json_response(served.to_json(), status=201)
+
+
+async def attach(request: web.Request) -> web.Response:
+    fields = {"netns": True, "cgroup": True, "policy": True, "freezer": False,
+              "uplink_netns": False, "upstream": False, "id": False}  # fmt: skip
+    data = await body(request, fields)
+    served = await _registry(request).attach(
+        data["netns"], data["cgroup"], data["policy"], freezer=data["freezer"],
+        uplink_netns=data["uplink_netns"], upstream=data["upstream"], sandbox_id=data["id"],
+    )  # fmt: skip
+    return web.json_response(served.to_json(), status=201)
+
+
+async def list_sandboxes(request: web.Request) -> web.Response:
+    return web.json_response([s.to_json() for s in _registry(request).list()])
+
+
+async def show(request: web.Request) -> web.Response:
+    return web.json_response(_registry(request).get(request.match_info["id"]).to_json())
+
+
+async def resume(request: web.Request) -> web.Response:
+    return await _decide(request, "resume")
+
+
+async def kill(request: web.Request) -> web.Response:
+    return await _decide(request, "kill")
+
+
+async def _decide(request: web.Request, action: str) -> web.Response:
+    data = await body(request, {"note": False})
+    sid = request.match_info["id"]
+    uid = peer_uid(request)
+    await _registry(request).decide(sid, action, uid, data["note"] or "")
+    return web.json_response({"id": sid, "action": action, "uid": uid})
+
+
+async def delete(request: web.Request) -> web.Response:
+    sid = request.match_info["id"]
+    await _registry(request).delete(sid)
+    return web.json_response({"id": sid, "deleted": True})
+
+
+async def set_policy(request: web.Request) -> web.Response:
+    data = await body(request, {"policy": True})
+    sid = request.match_info["id"]
+    result = _registry(request).set_policy(sid, data["policy"])
+    return web.json_response({"id": sid, **result})
+
+
+async def journal(request: web.Request) -> web.Response:
+    registry = _registry(request)
+    sid = request.query.get("sandbox")
+    text = request.query.get("limit", "100")
+    if not text.isdigit() or not 1 <= int(text) <= 10_000:
+        raise BadRequest(f"limit must be an integer from 1 to 10000, not {text!r}", "limit")
+    if sid is not None and registry.journal.sandbox(sid) is None:
+        raise NotFound(f"no sandbox {sid!r} in the journal")
+    events = registry.journal.events(sid, limit=int(text))
+    return web.json_response(json.loads(json.dumps(events, default=str)))
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    text = metrics.render(_registry(request))
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    doc = yaml.safe_load(OPENAPI.read_text(encoding="utf-8"))
+    assert isinstance(doc, dict)
+    return doc
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+def make_app(registry: Registry) -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
+    app[REGISTRY] = registry
+    app.router.add_post("/v1/sandboxes", create)
+    app.router.add_post("/v1/sandboxes/attach", attach)
+    app.router.add_get("/v1/sandboxes", list_sandboxes)
+    app.router.add_get("/v1/sandboxes/{id}", show)
+    app.router.add_post("/v1/sandboxes/{id}/resume", resume)
+    app.router.add_post("/v1/sandboxes/{id}/kill", kill)
+    app.router.add_delete("/v1/sandboxes/{id}", delete)
+    app.router.add_put("/v1/sandboxes/{id}/policy", set_policy)
+    app.router.add_get("/v1/journal", journal)
+    app.router.add_get("/metrics", prometheus)
+    app.router.add_get("/openapi.json", openapi)
+    return app

@@ -1,0 +1,363 @@
+"""The sandboxes one egressd serves, all on one event loop.
+
+Each served sandbox is the same inline layer `egressctl run` wires (``Session``: NFLOG
+reader, Enforcer, journal writer; ``ResolverServer`` on 127.0.0.53 in its netns), so the
+daemon and the embedded mode share every line of enforcement. Netns, veth and cgroup are
+made (``sandbox.create``) or attached (``attach.attach``) in a worker thread: pyroute2's
+synchronous API runs an event loop of its own, which a thread may do and this one may not.
+
+    create ─▶ [thread] sandbox.create ─▶ journal ─▶ Session + resolver ─▶ run-dir record
+    attach ─▶ [thread] attach.attach  ─▶ journal ─▶ Session + resolver ─▶ run-dir record
+    delete ─▶ stop serving ─▶ [thread] Sandbox.destroy (teardown or detach) ─▶ journal
+    stop (SIGTERM) ─▶ stop serving; the kernel keeps enforcing; records stay for adoption
+
+Any failure half-way undoes what that request made, so nothing is left half-created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from egress.datapath.addressing import Pools
+from egress.errors import EgressError, SandboxError, UpstreamError
+from egress.model import Policy
+from egress.policy import parse_policy
+from egress.resolver.core import ResolverCore
+from egress.runtime import attach as attach_mod
+from egress.runtime import sandbox as sbx
+from egress.runtime.dns_server import parse_upstream, resolve_upstreams
+from egress.runtime.enforcer import Enforcer
+from egress.runtime.journal import Journal
+from egress.runtime.session import Session
+from egress.tunnel import TunnelScorer
+
+from . import rundir
+from .swap import TrackingResolver, swap
+
+_T = TypeVar("_T")
+_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")
+
+
+class NotFound(SandboxError):
+    """No served sandbox has this id."""
+
+
+class Conflict(SandboxError):
+    """The request collides with what is already served."""
+
+
+@dataclass
+class Served:
+    record: rundir.Record
+    sb: sbx.Sandbox
+    session: Session
+    resolver: TrackingResolver
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def id(self) -> str:
+        return self.sb.id
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.record
+        frozen = False
+        with contextlib.suppress(EgressError, OSError):
+            frozen = self.sb.cgroup.is_frozen()
+        return {
+            "id": self.id,
+            "kind": r.kind,
+            "policy": self.sb.policy.name,
+            "policy_sha256": r.policy_sha256,
+            "mode": self.sb.policy.mode.value,
+            "state": "frozen" if frozen else "running",
+            "netns": r.netns,
+            "cgroup": r.cgroup,
+            "freezer": r.freezer,
+            "uplink_netns": r.uplink_netns,
+            "upstream": r.upstream,
+            "address4": None if r.kind == "attached" else str(self.sb.net.address4),
+            "created_at": r.created_at,
+            "violations": len(self.session.state.violations),
+            "dns": self.resolver.core.stats,
+        }
+
+
+class Registry:
+    def __init__(
+        self,
+        journal: Journal,
+        run_dir: Path,
+        pools: Pools | None = None,
+        review_hint: str = "",
+    ) -> None:
+        self.journal = journal
+        self.run_dir = run_dir
+        self.pools = pools or Pools.parse(None)
+        self.review_hint = review_hint
+        self.served: dict[str, Served] = {}
+        self._claimed: set[str] = set()  # ids being made right now
+        self.created_total = 0
+
+    # -- reading -------------------------------------------------------------------------
+
+    def list(self) -> list[Served]:
+        return sorted(self.served.values(), key=lambda s: s.record.created_at)
+
+    def get(self, sandbox_id: str) -> Served:
+        try:
+            return self.served[sandbox_id]
+        except KeyError:
+            raise NotFound(f"no sandbox {sandbox_id!r} is served by this egressd") from None
+
+    # -- making --------------------------------------------------------------------------
+
+    async def create(
+        self, policy_text: str, uplink_netns: str | None = None, upstream: str | None = None
+    ) -> Served:
+        policy = parse(policy_text)
+        upstreams = _upstreams(policy, upstream)
+        sb = await _in_thread(sbx.create, policy, self.pools, uplink_netns)
+        record = rundir.Record(
+            sb.id, "created", sb.netns, sb.cgroup.v2_path, policy_text, sb.cgroup.freezer_path,
+            uplink_netns, upstream, created_at=time.time(), daemon_pid=os.getpid(),
+        )  # fmt: skip
+        return await self._serve(sb, record, upstreams, fresh=True)
+
+    async def attach(
+        self,
+        netns_ref: str,
+        cgroup: str,
+        policy_text: str,
+        *,
+        freezer: str | None = None,
+        uplink_netns: str | None = None,
+        upstream: str | None = None,
+        sandbox_id: str | None = None,
+    ) -> Served:
+        policy = parse(policy_text)
+        upstreams = _upstreams(policy, upstream)
+        sid = self._claim_id(sandbox_id)
+        try:
+            self._check_netns_free(netns_ref)
+            try:
+                sb, lo_raised = await _in_thread(
+                    attach_mod.attach, sid, policy, netns_ref, cgroup, freezer
+                )
+            except attach_mod.AlreadyAttached as exc:
+                raise Conflict(str(exc)) from None
+            record = rundir.Record(
+                sid, "attached", netns_ref, cgroup, policy_text, freezer, uplink_netns,
+                upstream, lo_raised, time.time(), os.getpid(),
+            )  # fmt: skip
+            return await self._serve(sb, record, upstreams, fresh=True)
+        finally:
+            self._claimed.discard(sid)
+
+    def _claim_id(self, wanted: str | None) -> str:
+        if wanted is None:
+            wanted = sbx.new_id()
+        elif not _ID.match(wanted):
+            raise SandboxError(f"sandbox id {wanted!r}: use 1-32 of a-z 0-9 _ - (first a-z0-9)")
+        if wanted in self.served or wanted in self._claimed or self.journal.sandbox(wanted):
+            raise Conflict(f"sandbox id {wanted!r} is already in use")
+        self._claimed.add(wanted)
+        return wanted
+
+    def _check_netns_free(self, netns_ref: str) -> None:
+        try:
+            target = _inode(netns_ref)
+        except OSError:
+            return  # attach reports the missing netns precisely
+        for s in self.served.values():
+            with contextlib.suppress(OSError):
+                if _inode(s.sb.netns) == target:
+                    raise Conflict(f"netns {netns_ref} is already served as sandbox {s.id}")
+
+    async def _serve(
+        self,
+        sb: sbx.Sandbox,
+        record: rundir.Record,
+        upstreams: builtins.list[tuple[str, int]],
+        fresh: bool,
+    ) -> Served:
+        """Serve a made (or adopted) sandbox; on failure a fresh one is torn down again."""
+        session: Session | None = None
+        resolver: TrackingResolver | None = None
+        try:
+            if fresh:
+                self.journal.record_sandbox(
+                    sb.id, sb.policy.name, netns=sb.netns, cgroup=sb.cgroup.v2_path,
+                    inline_pid=os.getpid(), owner_pid=os.getpid(),
+                )  # fmt: skip
+            session, resolver = await self._start(sb, record, upstreams)
+            rundir.save(self.run_dir, record)
+        except BaseException:
+            await self._stop(session, resolver)
+            if fresh:
+                await _in_thread(_destroy_quietly, sb)
+                with contextlib.suppress(EgressError):
+                    self.journal.set_sandbox_state(sb.id, "exited")
+            raise
+        served = self.served[sb.id] = Served(record, sb, session, resolver)
+        self.created_total += fresh
+        return served
+
+    async def _start(
+        self, sb: sbx.Sandbox, record: rundir.Record, upstreams: builtins.list[tuple[str, int]]
+    ) -> tuple[Session, TrackingResolver]:
+        loop = asyncio.get_running_loop()
+        enforcer = Enforcer(sb.id, sb.policy, "inline", self.journal, sb.cgroup)
+        session = Session(sb, enforcer, None, self.review_hint)
+        try:
+            loop.add_reader(session.listener.fileno(), session.on_nflog)
+            pol = sb.policy
+            scorer = TunnelScorer(pol.tunnel, time.time) if pol.tunnel.enabled else None
+            core = ResolverCore(pol, len(upstreams), secrets.randbits, scorer=scorer)
+            resolver = TrackingResolver(
+                core, upstreams, sb.nft, session.on_violation, sb.netns, record.uplink_netns
+            )
+            await resolver.start()
+        except BaseException:
+            await self._stop(session, None)
+            raise
+        return session, resolver
+
+    async def _stop(self, session: Session | None, resolver: TrackingResolver | None) -> None:
+        if resolver is not None:
+            await resolver.close()
+        if session is not None:
+            session.stopping = True
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(session.listener.fileno())
+            session.close()
+
+    # -- adoption ------------------------------------------------------------------------
+
+    async def adopt(self) -> builtins.list[str]:
+        """Serve every sandbox a previous egressd left in the run dir; returns problems."""
+        problems = []
+        for record in rundir.load_all(self.run_dir):
+            if record.id in self.served:
+                continue
+            try:
+                await self._adopt(record)
+            except EgressError as exc:
+                problems.append(f"sandbox {record.id}: not adopted: {exc}")
+        return problems
+
+    async def _adopt(self, record: rundir.Record) -> None:
+        policy = parse(record.policy)
+        upstreams = _upstreams(policy, record.upstream)
+        if record.kind == "created":
+            sb = await _in_thread(rundir.adopt_created, record, policy)
+        else:
+            sb = await _in_thread(
+                attach_mod.adopt, record.id, policy, record.netns, record.cgroup,
+                record.freezer, record.lo_raised,
+            )  # fmt: skip
+        record.daemon_pid = os.getpid()
+        try:
+            await self._serve(sb, record, upstreams, fresh=False)
+        except BaseException:
+            sb.nft.close()
+            raise
+        with contextlib.suppress(EgressError):
+            self.journal.set_sandbox_state(
+                record.id, "frozen" if sb.cgroup.is_frozen() else "running",
+                inline_pid=os.getpid(),
+            )  # fmt: skip
+
+    # -- acting --------------------------------------------------------------------------
+
+    async def decide(self, sandbox_id: str, action: str, uid: int, note: str = "") -> None:
+        """A person's resume or kill: journaled first (with the caller's uid), then done."""
+        served = self.get(sandbox_id)
+        cgroup = served.sb.cgroup
+        if action == "resume" and not cgroup.is_frozen():
+            raise Conflict(f"sandbox {sandbox_id} is not frozen; nothing to resume")
+        self.journal.record_decision(sandbox_id, action, uid, time.time(), note)
+        await _in_thread(cgroup.thaw if action == "resume" else cgroup.kill)
+        if action == "resume":
+            with contextlib.suppress(EgressError):
+                self.journal.set_sandbox_state(sandbox_id, "running")
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Tear down what egress made, or detach from what it didn't."""
+        served = self.get(sandbox_id)
+        del self.served[sandbox_id]
+        await self._stop(served.session, served.resolver)
+        try:
+            await _in_thread(served.sb.destroy)
+        finally:
+            rundir.remove(self.run_dir, sandbox_id)
+            with contextlib.suppress(EgressError):
+                self.journal.set_sandbox_state(sandbox_id, "exited")
+
+    def set_policy(self, sandbox_id: str, policy_text: str) -> dict[str, Any]:
+        """Swap the policy in one event-loop turn: nft rules, set elements, resolver."""
+        served = self.get(sandbox_id)
+        policy = parse(policy_text)
+        if served.record.upstream is None:
+            wanted = resolve_upstreams(policy.dns.upstreams)
+            if wanted != served.resolver.upstreams:
+                raise Conflict(
+                    "dns.upstreams differs from the served policy's; upstreams are not "
+                    "swapped live (delete and create the sandbox, or create it with upstream)"
+                )
+        start = time.monotonic()
+        removed = swap(served.sb, served.resolver, policy)
+        served.session.enforcer.policy = policy
+        served.record.policy = policy_text
+        with contextlib.suppress(OSError):
+            rundir.save(self.run_dir, served.record)
+        return {"removed_elements": removed, "swap_ms": round((time.monotonic() - start) * 1e3, 2)}
+
+    async def close(self) -> None:
+        """Stop serving; every sandbox's kernel rules and run-dir record stay."""
+        for served in list(self.served.values()):
+            await self._stop(served.session, served.resolver)
+            served.sb.nft.close()
+        self.served.clear()
+
+
+def parse(policy_text: str) -> Policy:
+    policy, _ = parse_policy(policy_text, "<api>")
+    return policy
+
+
+def _upstreams(policy: Policy, upstream: str | None) -> list[tuple[str, int]]:
+    if upstream is not None:
+        return [parse_upstream(upstream)]
+    found = resolve_upstreams(policy.dns.upstreams)
+    if not found:
+        raise UpstreamError("the policy names no upstream and none was given")
+    return found
+
+
+def _inode(netns_ref: str) -> tuple[int, int]:
+    from egress.runtime.netns import netns_path
+
+    st = os.stat(netns_path(netns_ref))
+    return st.st_dev, st.st_ino
+
+
+def _destroy_quietly(sb: sbx.Sandbox) -> None:
+    try:
+        sb.destroy()
+    except EgressError as exc:
+        print(f"egressd: {exc}", file=sys.stderr)
+
+
+async def _in_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -1,0 +1,342 @@
+"""Issue 7: a real egressd on a temporary socket, driven through its API.
+
+Every sandbox a test makes through the API is deleted through it in ``finally``; anything
+an egressd that was stopped on purpose left behind is torn down by its claim, and the
+hand-made netns and cgroup of the attach test are removed by the test itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from egress.cli.daemon_cmds import Client, DaemonError
+from egress.runtime import claims
+from egress.runtime.cgroup import Cgroup, find_mounts
+from egress.runtime.journal import Journal
+from egress.runtime.lab import Lab
+from egress.runtime.nft import NftHandle
+from egress.runtime.sandbox import teardown_claim
+from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON, unique
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: {name}}}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [{names}]
+  violations: {{blocked_connect: freeze, foreign_dns: freeze}}
+"""
+# name -> the address the lab's zone gives it (distinct, so sets can be told apart)
+NAMES = {
+    "allowed.lab.test": "203.0.113.10",
+    "mail.lab.test": "203.0.113.11",
+    "a1.cdn.lab.test": "203.0.113.13",
+    "a2.cdn.lab.test": "203.0.113.14",
+}
+
+
+def policy(name: str, *names: str) -> str:
+    return POLICY.format(name=name, names=", ".join(names))
+
+
+class Daemon:
+    def __init__(self, directory: Path, state: Path) -> None:
+        self.dir = directory
+        self.socket = str(directory / "egressd.sock")
+        self.run_dir = directory / "run"
+        self.state = state
+        self.made: list[str] = []
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "egress.daemon.main", "--socket", self.socket,
+                "--run-dir", str(self.run_dir), "--state-dir", str(self.state)]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "serving" in line, self.stop()
+
+    def stop(self, sig: int = signal.SIGTERM) -> str:
+        if self.proc is None or self.proc.poll() is not None:
+            return ""
+        self.proc.send_signal(sig)
+        _, err = self.proc.communicate(timeout=30)
+        return err
+
+    @property
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def create(self, text: str, uplink: str) -> dict[str, Any]:
+        data = self.client.call("POST", "/v1/sandboxes", {"policy": text, "uplink_netns": uplink})
+        self.made.append(data["id"])
+        return dict(data)
+
+    def cleanup(self) -> None:
+        """Delete what is still served, stop, tear down what a stopped egressd left."""
+        with suppress(DaemonError):
+            for row in self.client.call("GET", "/v1/sandboxes"):
+                with suppress(DaemonError):
+                    self.client.call("DELETE", f"/v1/sandboxes/{row['id']}")
+        self.stop()
+        for claim in claims.load_all():
+            if claim.id in self.made:
+                teardown_claim(claim)
+
+
+@contextmanager
+def egressd(state: Path) -> Iterator[Daemon]:
+    directory = Path(tempfile.mkdtemp(prefix="egressd-test-"))
+    daemon = Daemon(directory, state)
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        daemon.cleanup()
+        subprocess.run(["rm", "-rf", str(directory)], check=False)
+
+
+@pytest.fixture(scope="module")
+def daemon(lab: Lab, state_dir: Path) -> Iterator[Daemon]:
+    with egressd(state_dir) as d:
+        yield d
+
+
+def dig(netns: str, name: str, server: str = "127.0.0.53") -> str:
+    argv = ["ip", "netns", "exec", netns, "dig", "+short", "+tries=1", "+time=2", f"@{server}"]
+    done = subprocess.run([*argv, name], capture_output=True, text=True, timeout=20)
+    return "\n".join(x for x in done.stdout.splitlines() if not x.startswith(";;")).strip()
+
+
+def set_ips(netns: str) -> set[str]:
+    with NftHandle.open(netns) as nft:
+        return {e["key"].split(" . ")[0] for e in nft.list_set("inet", "egress", "allow4")}
+
+
+@contextmanager
+def sleeper(netns: str, cgroup: Cgroup) -> Iterator[int]:
+    """A process inside the sandbox (its netns and cgroup), killed afterwards."""
+    proc = subprocess.Popen(["ip", "netns", "exec", netns, "sleep", "300"])
+    try:
+        cgroup.add_pid(proc.pid)
+        yield proc.pid
+    finally:
+        with suppress(Exception):
+            cgroup.thaw()
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def connect(netns: str, ip: str) -> None:
+    code = (
+        "import socket; s=socket.socket(); s.settimeout(1)\n"
+        f"try: s.connect(('{ip}', 80))\nexcept OSError: pass"
+    )
+    subprocess.run(["ip", "netns", "exec", netns, SYSTEM_PYTHON, "-c", code], timeout=20)
+
+
+def wait_frozen(cgroup: Cgroup, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cgroup.is_frozen():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
+    daemon: Daemon, lab: Lab, state_dir: Path
+) -> None:
+    boxes = []
+    try:
+        start = time.monotonic()
+        for i, name in enumerate(NAMES):
+            boxes.append(daemon.create(policy(f"own{i}", name), lab.uplink_netns))
+        print(f"created {len(boxes)} in {time.monotonic() - start:.3f} s")
+        for box, own in zip(boxes, NAMES, strict=True):
+            for name, ip in NAMES.items():
+                got = dig(box["netns"], name)
+                assert (got == ip) == (name == own), (box["id"], name, got)
+        cgroups = [Cgroup.attach_existing(b["cgroup"], b["freezer"]) for b in boxes]
+        with sleeper(boxes[0]["netns"], cgroups[0]), sleeper(boxes[1]["netns"], cgroups[1]):
+            connect(boxes[0]["netns"], "198.51.100.12")  # not in its policy
+            assert wait_frozen(cgroups[0])
+            time.sleep(0.2)
+            assert not any(c.is_frozen() for c in cgroups[1:])
+            shown = daemon.client.call("GET", f"/v1/sandboxes/{boxes[0]['id']}")
+            assert shown["state"] == "frozen"
+            done = daemon.client.call("POST", f"/v1/sandboxes/{boxes[0]['id']}/resume", {})
+            assert done["uid"] == 0 and not cgroups[0].is_frozen()
+        with Journal.open(state_dir) as journal:
+            decision = journal.decisions(boxes[0]["id"], limit=1)[0]
+        assert decision["action"] == "resume" and decision["uid"] == 0
+        metrics = daemon.client.request("GET", "/metrics")[1]
+        assert (
+            f'egress_violations_total{{sandbox="{boxes[0]["id"]}",class="blocked_connect"}}'
+            in metrics
+        )
+        assert "egress_freeze_latency_ms_count 1" in metrics
+    finally:
+        for box in boxes:
+            daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+    for box in boxes:
+        assert not os.path.exists(f"/run/netns/{box['netns']}")
+
+
+def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Daemon, lab: Lab) -> None:
+    box = daemon.create(policy("swap", "allowed.lab.test", "mail.lab.test"), lab.uplink_netns)
+    try:
+        assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]
+        assert dig(box["netns"], "mail.lab.test") == NAMES["mail.lab.test"]
+        assert set_ips(box["netns"]) == {"203.0.113.10", "203.0.113.11"}
+        swapped = daemon.client.call(
+            "PUT", f"/v1/sandboxes/{box['id']}/policy",
+            {"policy": policy("swap2", "allowed.lab.test")},
+        )  # fmt: skip
+        assert swapped["removed_elements"] == 2  # mail's tcp/80 and tcp/443
+        assert set_ips(box["netns"]) == {"203.0.113.10"}  # kept, not re-learned
+        assert dig(box["netns"], "mail.lab.test") == ""
+        assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]
+        shown = daemon.client.call("GET", f"/v1/sandboxes/{box['id']}")
+        assert shown["policy"] == "swap2"
+        bad = daemon.client.request("PUT", f"/v1/sandboxes/{box['id']}/policy", {"policy": "x: ["})
+        assert bad[0] == 422 and bad[1]["problems"]
+        assert set_ips(box["netns"]) == {"203.0.113.10"}  # a refused swap changed nothing
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def _snapshot(netns: str) -> list[str]:
+    out = []
+    ip = ["ip", "-n", netns]
+    nft = ["ip", "netns", "exec", netns, "nft", "list", "ruleset"]
+    for argv in ([*ip, "link"], [*ip, "addr"], [*ip, "route"], nft):
+        out.append(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    return out
+
+
+@contextmanager
+def hand_made(tag: str) -> Iterator[tuple[str, Cgroup]]:
+    """A netns with a veth pair of its own (192.0.2.1/24 on one end, the peer in the same
+    netns: packets go nowhere) and a cgroup, made by hand as another runtime would.
+    lo is up, as every runtime leaves it (taking it down again after egress raised it
+    leaves the kernel's noqueue qdisc on it, a difference `ip link` shows)."""
+    name = unique(tag)
+    v2 = find_mounts().v2
+    assert v2 is not None
+    path = os.path.join(v2, name)
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        cmds = [
+            ["link", "add", "d0", "type", "veth", "peer", "name", "d1"],
+            ["addr", "add", "192.0.2.1/24", "dev", "d0"],
+            ["link", "set", "d0", "up"],
+            ["link", "set", "lo", "up"],
+        ]
+        for cmd in cmds:
+            subprocess.run(["ip", "-n", name, *cmd], check=True)
+        os.mkdir(path)
+        try:
+            yield name, Cgroup.attach_existing(path)
+        finally:
+            os.rmdir(path)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_attach_enforces_freezes_and_detaches_leaving_the_netns_as_it_was(
+    daemon: Daemon, lab: Lab, state_dir: Path
+) -> None:
+    with hand_made("att") as (ns, cgroup), sleeper(ns, cgroup):
+        before = _snapshot(ns)
+        body = {"netns": ns, "cgroup": cgroup.v2_path, "policy": policy("att", "allowed.lab.test"),
+                "uplink_netns": lab.uplink_netns, "id": ns[-20:].replace(".", "-")}  # fmt: skip
+        box = daemon.client.call("POST", "/v1/sandboxes/attach", body)
+        try:
+            assert box["kind"] == "attached"
+            again = daemon.client.request("POST", "/v1/sandboxes/attach", {**body, "id": None})
+            assert again[0] == 409, again
+            assert dig(ns, "allowed.lab.test") == NAMES["allowed.lab.test"]
+            assert dig(ns, "denied.lab.test") == ""
+            connect(ns, "192.0.2.7")  # through the dummy link: blocked, then frozen
+            assert wait_frozen(cgroup)
+            daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {"note": "test"})
+            assert not cgroup.is_frozen()
+        finally:
+            daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+        assert _snapshot(ns) == before
+        with Journal.open(state_dir) as journal:
+            kinds = [v["class"] for v in journal.violations(box["id"])]
+        assert "blocked_connect" in kinds and "denied_name" in kinds
+
+
+def test_clients_without_access_to_the_socket_are_refused(daemon: Daemon) -> None:
+    st = os.stat(daemon.socket)
+    assert (st.st_mode & 0o777, st.st_uid) == (0o660, 0)
+    os.chmod(daemon.dir, 0o755)  # nobody may reach the directory, not the socket
+    code = (
+        "import socket,sys\ns=socket.socket(socket.AF_UNIX)\n"
+        f"try: s.connect({daemon.socket!r})\nexcept PermissionError: sys.exit(13)\n"
+    )
+    argv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+            SYSTEM_PYTHON, "-c", code]  # fmt: skip
+    assert subprocess.run(argv, timeout=20).returncode == 13
+
+
+def test_sigterm_leaves_rules_and_a_new_egressd_adopts(lab: Lab, state_dir: Path) -> None:
+    with egressd(state_dir) as first:
+        box = first.create(policy("keep", "allowed.lab.test"), lab.uplink_netns)
+        assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]
+        first.stop()
+        with NftHandle.open(box["netns"]) as nft:
+            assert nft.table_exists("inet", "egress")
+        assert set_ips(box["netns"]) == {"203.0.113.10"}
+        assert dig(box["netns"], "allowed.lab.test") == ""  # nothing serves DNS now...
+        connect(box["netns"], "198.51.100.12")  # ...and the kernel still drops the rest
+        first.start()  # the same run dir: adopts
+        rows = first.client.call("GET", "/v1/sandboxes")
+        assert [r["id"] for r in rows] == [box["id"]]
+        assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]
+        first.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+        assert not os.path.exists(f"/run/netns/{box['netns']}")
+
+
+def test_observer_layer_freezes_with_egressd_killed(lab: Lab, state_dir: Path) -> None:
+    with egressd(state_dir) as d:
+        box = d.create(policy("obs", "allowed.lab.test"), lab.uplink_netns)
+        argv = [sys.executable, "-m", "egress.daemon.main", "observer",
+                "--run-dir", str(d.run_dir), "--state-dir", str(state_dir)]  # fmt: skip
+        observer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.5)  # its child binds the sandbox's observer NFLOG group
+            d.stop(signal.SIGKILL)
+            cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
+            with sleeper(box["netns"], cgroup):
+                connect(box["netns"], "198.51.100.12")
+                assert wait_frozen(cgroup)
+                cgroup.thaw()
+        finally:
+            observer.send_signal(signal.SIGTERM)
+            observer.communicate(timeout=20)
+        with Journal.open(state_dir) as journal:
+            v = journal.violations(box["id"])[0]
+        assert v["class"] == "blocked_connect" and v["layer"] == "observer"
+        d.start()  # adopts it, so cleanup deletes it through the API
