@@ -106,7 +106,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Manage the sandboxes egressd serves, through its API socket.",
         epilog=(
             "examples:\n"
-            "  egressctl sandbox create --policy policies/pypi.yaml\n"
+            "  egressctl sandbox create --policy policies/python-dev.yaml\n"
             "  egressctl sandbox attach --netns agent1 --cgroup "
             "/sys/fs/cgroup/unified/agent1 --policy p.yaml\n"
             "  egressctl sandbox set-policy 3f2a1c --policy p2.yaml\n"

@@ -35,7 +35,7 @@ examples:
   egressd --group egress                    # members of group egress may call the API
   egressd --socket /tmp/e.sock --run-dir /tmp/e-run --state-dir /tmp/e-state
   curl --unix-socket /run/egress/egressd.sock http://egressd/v1/sandboxes
-  egressctl sandbox create --policy policies/pypi.yaml
+  egressctl sandbox create --policy policies/python-dev.yaml
 
 SIGTERM (or Ctrl-C) stops serving; every sandbox's nft rules stay in the kernel, so
 enforcement never lapses, and the next egressd adopts the sandboxes in --run-dir.
