@@ -99,7 +99,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         named = claim.id in wanted
         if wanted and not named:
             continue
-        if not named and _alive(claim.owner_pid):
+        if not named and claims.alive(claim.owner_pid):
             continue
         problems = teardown_claim(claim)
         if problems:
@@ -146,6 +146,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 def _live_state(row: dict[str, Any]) -> dict[str, Any]:
     """The journal's state, corrected by what the machine shows now."""
     from egress.runtime.cgroup import Cgroup
+    from egress.runtime.claims import alive
 
     out = {
         k: row.get(k)
@@ -171,19 +172,9 @@ def _live_state(row: dict[str, Any]) -> dict[str, Any]:
     out["state"] = "frozen" if frozen else "running"
     for key in ("inline_pid", "observer_pid"):
         pid = out[key]
-        if isinstance(pid, int) and not _alive(pid):
+        if isinstance(pid, int) and not alive(pid):
             out[key] = None
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _when(at: float | None) -> str:

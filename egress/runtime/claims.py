@@ -54,7 +54,8 @@ def locked() -> Iterator[None]:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Is there a process with this pid (ours to signal or not)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -75,7 +76,7 @@ def load_all() -> list[Claim]:
 
 
 def is_stale(claim: Claim) -> bool:
-    return not _alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
+    return not alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
 
 
 def claim(sandbox_id: str, pools: Pools, uplink_netns: str | None) -> Claim:
