@@ -18,6 +18,7 @@ from egress.policy.matcher import Matcher
 from egress.resolver.message import AAAA, CNAME, SOA, A, Record, Response
 from egress.resolver.rebinding import rebinding_reason
 from egress.resolver.wire import NOERROR, NXDOMAIN, SERVFAIL
+from egress.tunnel.names import under_no_real_tld
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,17 @@ def filter_answer(
     return out
 
 
+def _cname_out(current: str, target: str) -> Finding:
+    """A CNAME leaving the allowlist: refused. Pointing under no real top-level domain,
+    it can only be data (a DNS tunnel's downstream), so it is a tunnel, not a typo."""
+    if under_no_real_tld(target):
+        return Finding(ViolationClass.TUNNEL, "spec.tunnel",
+                       f"CNAME {current} -> {target}: data in a CNAME target "
+                       "(no real top-level domain answers there)")  # fmt: skip
+    return Finding(ViolationClass.DENIED_NAME, f"no rule matches {target!r}",
+                   f"CNAME {current} -> {target}: the target is not allowlisted")  # fmt: skip
+
+
 def _follow_chain(
     records: list[Record], qname: str, rule: DnsRule, matcher: Matcher, out: Filtered
 ) -> set[str]:
@@ -81,10 +93,7 @@ def _follow_chain(
             break  # a loop: stop where it closes
         if not matcher.rule_for(target):
             out.refused = True
-            out.findings.append(Finding(
-                ViolationClass.DENIED_NAME, f"no rule matches {target!r}",
-                f"CNAME {current} -> {target}: the target is not allowlisted",
-            ))  # fmt: skip
+            out.findings.append(_cname_out(current, target))
             return set()
         if CNAME not in rule.types:
             out.refused = True

@@ -64,6 +64,9 @@ class QueryScorer(Protocol):
     def observe_response(self, name: str, rcode: int) -> None: ...
 
 
+REFUSAL_TTL_S = 60  # how long a withheld answer is answered from cache, not asked again
+
+
 class ResolverCore:
     def __init__(
         self,
@@ -173,6 +176,10 @@ class ResolverCore:
             return self._deny(q, waiter, now, ViolationClass.DENIED_TYPE,
                               "only class IN is answered", f"class {q.qclass}")  # fmt: skip
         if not wire.is_hostname(q.qname):  # binary labels: no rule names them, tunnels do
+            shaped = self.matcher.decide(wire.hostname_shape(q.qname), q.qtype)
+            if shaped.name_allowed and shaped.rule is not None:
+                found = wire.BinaryName(q.qname, shaped.rule.describe())
+                return self._tunnel(q, waiter, now, found, shaped.rule)
             why = "a name is letters, digits, '-' and '_'"
             return self._deny(q, waiter, now, ViolationClass.DENIED_NAME, why, "not a hostname")
         decision = self.matcher.decide(q.qname, q.qtype)
@@ -279,7 +286,7 @@ class ResolverCore:
         if self.audit and p.rule is not None and filtered.findings:
             filtered = _unfiltered(response)  # audit: record, then answer as a forwarder would
         if filtered.refused:
-            return actions + self._refuse_all(p)
+            return actions + self._refuse_all(p, now)
         entry = self._entry(p, filtered, now)
         if entry.expires_at > now:
             self.cache.put(p.waiters[0].query.key, entry)
@@ -311,11 +318,18 @@ class ResolverCore:
             return self.policy.connect.ports
         return rule.ports
 
-    def _refuse_all(self, p: Pending) -> list[Action]:
+    def _refuse_all(self, p: Pending, now: float) -> list[Action]:
+        """Refuse a withheld answer, and remember the refusal: asked again, the same
+        question must not go upstream again (a tunnel client retries, and restarted with
+        the same seed it repeats its names, each repeat carrying data out)."""
         rcode = wire.NXDOMAIN
         if self.policy.dns.denied_response is DeniedResponse.REFUSED:
             rcode = wire.REFUSED
-        return [Reply(w.client, wire.error_reply(w.query, rcode)) for w in p.waiters]
+        msg, offsets = message.build(p.qname, p.qtype, rcode, [], [])
+        entry = cache_mod.make_entry(msg, offsets, REFUSAL_TTL_S, now, None, 0)
+        self.cache.put(p.waiters[0].query.key, entry)
+        return [Reply(w.client, cache_mod.render(entry, w.query, now, w.max_size))
+                for w in p.waiters]  # fmt: skip
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -99,6 +99,24 @@ def is_hostname(name: str) -> bool:
     return "\\" not in name and "*" not in name
 
 
+def hostname_shape(name: str) -> str:
+    """``name`` with each label that is not a hostname label replaced by ``x``: where the
+    name falls in the allowlist, whatever bytes it carries."""
+    return ".".join("x" if ("\\" in lab or "*" in lab) else lab for lab in name.split("."))
+
+
+@dataclass(frozen=True, slots=True)
+class BinaryName:
+    """A name under an allowed rule that carries bytes no hostname has: only data does."""
+
+    name: str
+    rule: str
+
+    def describe(self) -> str:
+        return (f"non-hostname bytes in a name under {self.rule}: no host is named so, "
+                "a DNS tunnel's data is")  # fmt: skip
+
+
 def _read_labels(data: bytes, pos: int) -> tuple[tuple[bytes, ...], int]:
     labels: list[bytes] = []
     total = 0

@@ -131,6 +131,22 @@ class Observer:
             return None  # the resolver answers FORMERR; nothing leaves
         qtype = type_name(q.qtype)
         if not wire.is_hostname(q.qname):  # binary labels: no rule names them, tunnels do
+            shaped = self.matcher.decide(wire.hostname_shape(q.qname), q.qtype)
+            if shaped.name_allowed and shaped.rule is not None:
+                found = wire.BinaryName(q.qname, shaped.rule.describe())
+                cls = ViolationClass.TUNNEL
+                return Violation(
+                    cls,
+                    LAYER,
+                    "spec.tunnel",
+                    f"query {q.qname} {qtype}: {found.describe()}",
+                    event.timestamp,
+                    self.policy.action(cls),
+                    None,
+                    event.uid,
+                    q.qname,
+                    qtype,
+                )
             cls, reason = ViolationClass.DENIED_NAME, "a name is letters, digits, '-' and '_'"
         else:
             decision = self.matcher.decide(q.qname, q.qtype)

@@ -90,3 +90,21 @@ def split_name(name: str) -> SplitName:
     zone = _psl().privatesuffix(".".join(lowered)) or ".".join(lowered)
     keep = len(labels) - (zone.count(".") + 1)
     return SplitName(tuple(labels[: max(0, keep)]), zone)
+
+
+SPECIAL_USE_TLDS = frozenset(
+    {"local", "localhost", "invalid", "test", "internal", "alt", "example", "arpa"}
+)
+
+
+def under_no_real_tld(name: str) -> bool:
+    """True for a name whose top-level domain is neither in the Public Suffix List nor a
+    special-use one (RFC 6761/8375/9476): nothing on the public internet answers there.
+
+    iodine's A and CNAME modes send their downstream data as CNAME targets such as
+    ``hkzaugs0juqae4aa.dh``: a CNAME pointing there is data, not a redirect.
+    """
+    labels = [label for label in name.lower().rstrip(".").split(".") if label]
+    if not labels or labels[-1] in SPECIAL_USE_TLDS:
+        return False
+    return _psl().publicsuffix(name.lower().rstrip("."), accept_unknown=False) is None

@@ -406,3 +406,43 @@ def test_the_scorer_sees_allowed_misses_only_and_its_verdict_stops_the_query() -
     assert "tunnel suspected" in report.violation.detail
     [reply] = only(actions, Reply)
     assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
+
+
+def test_a_withheld_answer_is_not_asked_upstream_again() -> None:
+    c = core()
+    [fwd] = c.on_query(query("alias.test"), "c", False, 0.0)
+    records = (RR("alias.test", QTYPE.CNAME, rdata=CNAME("denied.test"), ttl=60),)
+    c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    again = c.on_query(query("alias.test", qid=9), "c", False, 1.0)
+    assert not only(again, Forward)
+    [reply] = only(again, Reply)
+    msg = DNSRecord.parse(reply.data)
+    assert msg.header.id == 9 and msg.header.rcode == wire.NXDOMAIN
+
+
+def test_a_cname_into_no_real_tld_is_a_tunnel() -> None:
+    c = core()
+    [fwd] = c.on_query(query("a.cdn.test"), "c", False, 0.0)
+    records = (RR("a.cdn.test", QTYPE.CNAME, rdata=CNAME("hkzaugs0juqae4aa.dh"), ttl=0),)
+    actions = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.TUNNEL
+    [reply] = only(actions, Reply)
+    assert DNSRecord.parse(reply.data).rr == []
+
+
+def test_binary_labels_under_an_allowed_wildcard_are_a_tunnel_and_not_forwarded() -> None:
+    c = core()
+    q = DNSRecord.question("placeholder.cdn.test", "TXT")
+    q.header.id = 5
+    raw = bytearray(q.pack())
+    raw[13:24] = b"aaaa=h1caa+"  # dns2tcp-style bytes in the first label
+    actions = c.on_query(bytes(raw), "c", False, 0.0)
+    assert not only(actions, Forward)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.TUNNEL
+    # Outside every rule it stays a denied name.
+    q2 = bytearray(DNSRecord.question("placeholder.elsewhere.test").pack())
+    q2[13:24] = b"aaaa=h1caa+"
+    [report2] = only(c.on_query(bytes(q2), "c", False, 0.0), Report)
+    assert report2.violation.cls is ViolationClass.DENIED_NAME
