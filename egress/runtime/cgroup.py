@@ -277,6 +277,10 @@ class Cgroup:
                     raise SandboxError(f"cgroup {self.v2_path} still has tasks after kill")
                 for pid in self.pids() if resend else []:
                     _sigkill(pid)  # without cgroup.kill, forks can race the first round
+                if self.freezer_path and self.v1_state() != "THAWED":
+                    # A layer froze it again meanwhile: a v1-frozen task never takes its
+                    # pending SIGKILL, so let it go once more.
+                    _write(self._state_path(), "THAWED")
                 watch.wait(min(remaining, _POLL_MAX))
 
     def remove(self) -> None:
