@@ -99,7 +99,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         named = claim.id in wanted
         if wanted and not named:
             continue
-        if not named and claims.alive(claim.owner_pid):
+        if not named and (claims.alive(claim.owner_pid) or claim.keep):
             continue
         problems = teardown_claim(claim)
         if problems:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from egress.datapath.elements import SetUpdate
@@ -19,12 +20,14 @@ class Reply:
 @dataclass(frozen=True, slots=True)
 class AllowThenReply:
     """Add ``update`` to the sandbox's sets and wait for the kernel's ack; then send each
-    ``(client, data, fallback)`` reply. If the update fails or takes longer than the
-    deadline, send each ``fallback`` (SERVFAIL) instead: nothing is released that the
-    kernel does not already allow."""
+    ``(client, data, fallback)`` reply and call ``on_allowed`` (which caches the answer).
+    If the update fails or takes longer than the deadline, send each ``fallback``
+    (SERVFAIL) instead and call nothing: nothing is released, or remembered as released,
+    that the kernel does not already allow."""
 
     update: SetUpdate
     replies: tuple[tuple[object, bytes, bytes], ...]
+    on_allowed: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

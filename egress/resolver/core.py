@@ -15,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dnslib import QTYPE
-
 from egress.datapath.elements import SetUpdate, clamp_ttl, plan_update
 from egress.model import DeniedResponse, DnsRule, Mode, Policy, Ports, Violation, ViolationClass
 from egress.policy.matcher import Matcher
+from egress.policy.rrtypes import type_name
 from egress.resolver import cache as cache_mod
 from egress.resolver import message, wire
 from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
@@ -64,6 +63,7 @@ class QueryScorer(Protocol):
     def observe_response(self, name: str, rcode: int) -> None: ...
 
 
+ADDRESS_TYPES = (1, 28)  # A, AAAA
 REFUSAL_TTL_S = 60  # how long a withheld answer is answered from cache, not asked again
 
 
@@ -167,9 +167,12 @@ class ResolverCore:
             return [Reply(client, data)]
         # The kernel would forget these addresses before the client stops using the answer.
         timeout = clamp_ttl(remaining, self.policy)
-        entry.allowed_until = now + timeout
         update = plan_update_refresh(entry, timeout)
-        return [AllowThenReply(update, ((client, data, self._servfail(q)),))]
+
+        def refreshed() -> None:
+            entry.allowed_until = now + timeout
+
+        return [AllowThenReply(update, ((client, data, self._servfail(q)),), refreshed)]
 
     def _decide(self, q: wire.Query, waiter: Waiter, now: float) -> list[Action]:
         if q.qclass != wire.CLASS_IN:
@@ -288,25 +291,36 @@ class ResolverCore:
         if filtered.refused:
             return actions + self._refuse_all(p, now)
         entry = self._entry(p, filtered, now)
-        if entry.expires_at > now:
-            self.cache.put(p.waiters[0].query.key, entry)
+        key = p.waiters[0].query.key
+
+        def remember() -> None:
+            if entry.expires_at > now:
+                self.cache.put(key, entry)
+
         replies = [
             (w.client, cache_mod.render(entry, w.query, now, w.max_size), self._servfail(w.query))
             for w in p.waiters
         ]
         if entry.update is None or entry.update.is_empty():
+            remember()
             return actions + [Reply(c, d) for c, d, _ in replies]
-        return [*actions, AllowThenReply(entry.update, tuple(replies))]
+        # Cached only once the kernel has the addresses: a SERVFAIL'd answer must not
+        # come back from the cache as if its addresses were allowed.
+        return [*actions, AllowThenReply(entry.update, tuple(replies), remember)]
 
     def _entry(self, p: Pending, filtered: Filtered, now: float) -> Entry:
         cap = self.policy.dns.ttl_max
+        ip_ttl = min((t for _, t in filtered.ips), default=0)
         for rr in filtered.answers:
             rr.ttl = min(rr.ttl, cap)  # a client must not keep an IP longer than the kernel
+            if rr.rtype in ADDRESS_TYPES:
+                # One kernel timeout covers the whole answer: no address may be shown to
+                # the client as valid for longer than the kernel will allow it.
+                rr.ttl = min(rr.ttl, max(ip_ttl, self.policy.dns.ttl_min))
         msg, offsets = message.build(
             p.qname, p.qtype, filtered.rcode, filtered.answers, filtered.authority
         )
         ttl = filtered.min_ttl() if filtered.answers else filtered.negative_ttl() or 0
-        ip_ttl = min((t for _, t in filtered.ips), default=0)
         timeout = clamp_ttl(min(ip_ttl, cap), self.policy)
         update = None
         if filtered.ips:
@@ -376,5 +390,6 @@ def _unfiltered(response: message.Response) -> Filtered:
 
 
 def _type_name(qtype: int) -> str:
-    name = QTYPE.get(qtype, None)
-    return str(name) if name is not None else f"TYPE{qtype}"
+    # The policy's spelling, the same one the observer uses: the layers' journal keys
+    # must match for unknown types too (TYPE65399, not "65399").
+    return type_name(qtype)

@@ -114,3 +114,12 @@ def save(c: Claim) -> None:
 def release(sandbox_id: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         (sandboxes_dir() / f"{sandbox_id}.json").unlink()
+
+
+def mark_kept(sandbox_id: str) -> None:
+    """Record that the sandbox was kept on purpose (`egressctl run --keep`)."""
+    with locked():
+        for c in load_all():
+            if c.id == sandbox_id:
+                c.keep = True
+                save(c)

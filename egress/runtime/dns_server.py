@@ -284,6 +284,8 @@ class ResolverServer:
                 action.client.send(action.data)  # type: ignore[attr-defined]
             elif isinstance(action, AllowThenReply):
                 ok = self.allow(action.update)
+                if ok and action.on_allowed is not None:
+                    action.on_allowed()
                 for client, data, fallback in action.replies:
                     client.send(data if ok else fallback)  # type: ignore[attr-defined]
             elif isinstance(action, Forward):
@@ -306,7 +308,7 @@ class ResolverServer:
                 for timeout, group in self.expiry.plan(elements, update.timeout_s, start).items():
                     self._add(family_set, tuple(group), timeout)
                     self.expiry.record(group, timeout, start)
-        except (EgressError, OSError):
+        except (EgressError, OSError, ValueError, struct.error):  # any failure: SERVFAIL
             self.sets.failures += 1
             return False
         elapsed = time.monotonic() - start

@@ -78,8 +78,9 @@ class Enforcer:
             return None  # the other layer froze for it and a person has already decided
         # A journal that can't write must not stop the freeze (fail closed).
         vid, fid = (recorded[0], recorded[2]) if recorded is not None else (None, None)
-        self.frozen_keys.add(key)
-        return self.freeze(v, vid, fid)
+        event = self.freeze(v, vid, fid)
+        self.frozen_keys.add(key)  # only once it froze: a failed freeze is tried again
+        return event
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent:
         self.cgroup.freeze()

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError
 from egress.model import Policy
 from egress.resolver.core import ResolverCore
+from egress.runtime import claims, workload
 from egress.runtime import sandbox as sbx
-from egress.runtime import workload
 from egress.runtime.dns_server import ResolverServer, parse_upstream, resolve_upstreams
 from egress.runtime.enforcer import Enforcer
 from egress.runtime.journal import Journal, default_state_dir
@@ -130,13 +131,19 @@ def _run(
         journal.set_sandbox_state(sb.id, "running", observer_pid=observer.pid)
         asyncio.run(_serve(sb, opts, user, journal, observer, result))
     finally:
-        observer.stop()
-        _collect(sb, journal, result)
-        _finish(sb, opts, result)
-        with contextlib.suppress(EgressError):
-            journal.set_sandbox_state(sb.id, "exited")
-        if opts.report:
-            _write_report(opts.report, result.to_json(policy, opts, user.name))
+        # Each step on its own: one failing must not skip the teardown or the report.
+        with contextlib.suppress(Exception):
+            observer.stop()
+        with contextlib.suppress(Exception):
+            _collect(sb, journal, result)
+        try:
+            _finish(sb, opts, result)
+        finally:
+            if not opts.keep:
+                with contextlib.suppress(EgressError):
+                    journal.set_sandbox_state(sb.id, "exited")
+            if opts.report:
+                _write_report(opts.report, result.to_json(policy, opts, user.name))
     return result.exit_code
 
 
@@ -180,6 +187,7 @@ async def _serve(
     loop.add_reader(observer_fd, observer_gone)
     resolver = _resolver(sb, opts, session)
     await resolver.start()
+    watcher = loop.create_task(session.watch_frozen())
     try:
         procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
         proc = workload.spawn(sb.netns, user, opts.argv, procs)
@@ -187,6 +195,7 @@ async def _serve(
         proc.returncode = result.exit_code  # reaped already; keep Popen from reaping again
     finally:
         session.stopping = True
+        watcher.cancel()
         await resolver.close()
         loop.remove_reader(session.listener.fileno())
         with contextlib.suppress(ValueError, OSError):
@@ -252,7 +261,9 @@ def _resolver_counters(resolver: ResolverServer, result: RunResult) -> None:
 
 def _finish(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> None:
     if opts.keep:
-        print(f"egressctl: kept sandbox {sb.id} (netns {sb.netns})", file=sys.stderr)
+        claims.mark_kept(sb.id)  # `egressctl gc` leaves it alone unless it is named
+        print(f"egressctl: kept sandbox {sb.id} (netns {sb.netns}); "
+              f"`egressctl gc {sb.id}` removes it", file=sys.stderr)  # fmt: skip
         return
     start = time.monotonic()
     sb.destroy()
@@ -260,10 +271,13 @@ def _finish(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> None:
 
 
 def _write_report(path: str, data: dict[str, object]) -> None:
+    """Written by root into a directory the workload's user may own: a fresh temp file
+    (O_EXCL, so no planted symlink is followed), then an atomic rename."""
     target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, target)
     except OSError as exc:
         raise EgressError(f"--report {path}: {exc.strerror}") from None

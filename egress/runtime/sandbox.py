@@ -149,6 +149,19 @@ def _write_resolv_conf(name: str, undo: list[tuple[str, Callable[[], None]]]) ->
     directory.mkdir(parents=True, exist_ok=True)
     undo.append((f"{directory}", lambda: shutil.rmtree(directory, ignore_errors=True)))
     (directory / "resolv.conf").write_text(f"nameserver {c.RESOLVER4}\noptions edns0\n")
+    # Names are looked up in /etc/hosts and DNS only: no nsswitch module that asks a
+    # host service (resolve, mdns, nis) behind the resolver's back.
+    (directory / "nsswitch.conf").write_text(nsswitch_for_sandbox())
+
+
+def nsswitch_for_sandbox(host_file: str = "/etc/nsswitch.conf") -> str:
+    """The host's nsswitch.conf with its ``hosts:`` line replaced by ``files dns``."""
+    try:
+        lines = Path(host_file).read_text().splitlines()
+    except OSError:
+        lines = ["passwd: files", "group: files", "shadow: files"]
+    kept = [line for line in lines if not line.strip().startswith("hosts:")]
+    return "\n".join([*kept, "hosts: files dns"]) + "\n"
 
 
 def teardown_claim(claim: claims.Claim) -> list[str]:

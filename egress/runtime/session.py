@@ -118,6 +118,34 @@ class Session:
 
     # -- freezes -------------------------------------------------------------------------
 
+    async def watch_frozen(self) -> None:
+        """A freeze made by the observer alone must also show the review block and start
+        the decision timeout: watch the cgroup, not only the inline layer's freezes."""
+        while not self.stopping:
+            if self.sb.cgroup.is_frozen() and (self._monitor is None or self._monitor.done()):
+                event = self._latest_freeze()
+                if event is not None:
+                    self._frozen(event)
+            await asyncio.sleep(FROZEN_POLL_S)
+
+    def _latest_freeze(self) -> FreezeEvent | None:
+        journal = self.enforcer.journal
+        try:
+            freezes = journal.freezes(self.sb.id, limit=1)
+            vid = freezes[0]["first_violation"] if freezes else None
+            row = journal.violation(vid) if vid is not None else None
+        except EgressError:
+            return None
+        if row is None:
+            return None
+        ev = row.get("evidence") or {}
+        cls = ViolationClass(row["class"])
+        v = Violation(cls, row["layer"], row["rule"], row["detail"], row["at"],
+                      self.sb.policy.action(cls), None, ev.get("uid"), ev.get("qname"),
+                      ev.get("qtype"))  # fmt: skip
+        latency = freezes[0].get("latency_ms") or 0.0
+        return FreezeEvent(v, vid, float(latency), row.get("process") or {})
+
     def _frozen(self, event: FreezeEvent) -> None:
         self.state.freezes.append(event)
         if self._monitor is None or self._monitor.done():
@@ -149,14 +177,19 @@ class Session:
             await asyncio.sleep(FROZEN_POLL_S)
 
 
+def printable(value: object) -> str:
+    """The workload chose this text (its cmdline, its cwd): show it, never let it steer
+    the terminal (escape sequences, carriage returns)."""
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in str(value))
+
+
 def review_block(sandbox_id: str, event: FreezeEvent, hint: str, timeout: float | None) -> str:
     v, p = event.violation, event.process
     process = "not found"
     if p.get("pid"):
-        cmdline = str(p.get("cmdline", "")).replace("\n", "\\n")
-        process = f"pid {p['pid']} {cmdline}"[:200]
+        process = f"pid {p['pid']} {printable(p.get('cmdline', ''))}"[:200]
         if p.get("cwd"):
-            process += f" (cwd {p['cwd']})"
+            process += f" (cwd {printable(p['cwd'])})"
         if p.get("method") == "uid":
             process += " [by uid: its socket was already closed]"
     elif p.get("note"):
@@ -170,7 +203,7 @@ def review_block(sandbox_id: str, event: FreezeEvent, hint: str, timeout: float 
         [
             f"egress: sandbox {sandbox_id} is FROZEN "
             f"(the {v.layer} layer saw it; frozen {event.latency_ms:.1f} ms later)",
-            f"  what:    {v.cls.value}: {v.detail}",
+            f"  what:    {v.cls.value}: {printable(v.detail)}",
             f"  rule:    {v.rule}",
             f"  process: {process}",
             f"  resume:  egressctl resume{hint} {sandbox_id}",
@@ -217,12 +250,18 @@ def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, session: Session
     def terminal(sig: signal.Signals) -> None:
         interrupts[0] += 1
         if interrupts[0] > 1 or session.sb.cgroup.is_frozen():
-            # A second Ctrl-C, or one while frozen (a frozen task can't take it): end it all.
+            # A second Ctrl-C, or one while frozen (a frozen task can't take it): end it
+            # all, journaled like any other kill.
             with contextlib.suppress(EgressError, OSError):
+                session.enforcer.journal.record_decision(
+                    session.sb.id, "kill", os.getuid(), time.time(), f"{sig.name} at egressctl run"
+                )
                 session.sb.cgroup.kill()
             return
-        if not _from_terminal():
-            forward(sig)
+        # The command has its own session (no controlling terminal: it can't inject
+        # input into ours or take it over), so the terminal's signals reach it only
+        # through us.
+        forward(sig)
         print(
             f"egressctl: {sig.name} passed to the command; again to kill the sandbox",
             file=sys.stderr,
@@ -233,11 +272,3 @@ def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, session: Session
         loop.add_signal_handler(sig, forward, sig)
     for sig in TERMINAL:
         loop.add_signal_handler(sig, terminal, sig)
-
-
-def _from_terminal() -> bool:
-    """Did the terminal deliver this to the command too (we are its foreground group)?"""
-    try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError):
-        return False

@@ -41,11 +41,28 @@ def resolve_user(spec: str | None) -> User:
     return User(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
 
 
+# A netns does not separate Unix sockets that live at filesystem paths: through them a
+# host service (systemd-resolved, nscd, avahi, D-Bus, a user's session bus) would resolve
+# names or open connections from the host's own network. Each of these directories, where
+# it exists, is covered by an empty read-only tmpfs in the workload's mount namespace.
+MASKED_DIRS = (
+    "/run/dbus", "/run/systemd/resolve", "/run/nscd", "/run/avahi-daemon", "/run/user",
+    "/var/run/dbus", "/var/run/nscd", "/var/run/avahi-daemon",
+)  # fmt: skip
+_MASK_SCRIPT = (
+    'while [ "$1" != -- ]; do '
+    'if [ -d "$1" ] && [ ! -L "$1" ]; then '
+    'mount -t tmpfs -o ro,nosuid,nodev,noexec,size=4k egress-masked "$1" || exit 126; fi; '
+    'shift; done; shift; exec "$@"'
+)
+
+
 def command_line(netns: str, user: User, argv: Sequence[str]) -> list[str]:
     ip = shutil.which("ip") or "/usr/sbin/ip"
     setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
     return [
         ip, "netns", "exec", netns,
+        "/bin/sh", "-c", _MASK_SCRIPT, "egress-mask", *MASKED_DIRS, "--",
         setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
         "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs",
         "--", *argv,
@@ -73,6 +90,9 @@ def spawn(
             command_line(netns, user, argv),
             env=env,
             preexec_fn=lambda: _join_cgroups(procs_files),
+            # Its own session: no controlling terminal, so it can neither push input into
+            # the shell egressctl was started from (TIOCSTI) nor take the terminal over.
+            start_new_session=True,
         )
     except OSError as exc:
         raise SandboxError(f"cannot start the workload: {exc}") from None

@@ -328,3 +328,21 @@ def _wait_for(run: Run, line: str) -> None:
         if got.strip() == line:
             return
     raise AssertionError(f"the agent never printed {line!r}")
+
+
+def test_a_freeze_by_the_observer_alone_still_gets_the_review_and_the_timeout(lab: Lab) -> None:
+    """The inline layer saw nothing; the sandbox froze anyway (here: a freeze made from
+    outside, as the observer makes it). `run` shows the review block and, after
+    --decision-timeout, kills it."""
+    from egress.model import Action, Violation, ViolationClass
+
+    with agent_run(lab, policy(), "connect", "--decision-timeout", "1") as run:
+        v = Violation(ViolationClass.BLOCKED_CONNECT, "observer", "default deny",
+                      "seen by the observer only", time.time(), Action.FREEZE)  # fmt: skip
+        with run.journal() as j:
+            j.record_for_freeze(run.id, v, 2.0, time.time())
+        run.cgroup.freeze()
+        rc, report, err = run.finish()
+        assert rc == 137
+        assert "is FROZEN" in err and "seen by the observer only" in err
+        assert report["outcome"] == "killed"

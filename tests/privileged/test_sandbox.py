@@ -393,3 +393,21 @@ def _end(proc: subprocess.Popen[str]) -> None:
         proc.wait()
         if claim is not None:
             cleanup(claim.id)
+
+
+def test_host_services_behind_unix_sockets_are_out_of_reach(lab: Lab) -> None:
+    """A netns leaves filesystem Unix sockets shared: the resolver-ish ones are masked
+    and name lookups go to files and DNS only."""
+    steps = [
+        {
+            "op": "run",
+            "argv": ["/bin/sh", "-c", "find /run/dbus /run/user -mindepth 1 2>/dev/null | wc -l"],
+        },
+        {"op": "run", "argv": ["/bin/grep", "^hosts:", "/etc/nsswitch.conf"]},
+        {"op": "run", "argv": ["/bin/sh", "-c", "touch /run/dbus/x"]},
+    ]
+    out = run_probe(POLICY, steps, lab.uplink_netns)
+    listing, hosts, write = out.steps
+    assert listing["stdout"].strip() == "0", listing
+    assert hosts["stdout"].strip() == "hosts: files dns"
+    assert write["rc"] != 0

@@ -31,6 +31,15 @@ spec:
 """
 
 
+def acked(c: ResolverCore, token: int, data: bytes, now: float) -> list:
+    """The shell's side of a successful set update: on_allowed runs after the ack."""
+    actions = c.on_upstream_reply(token, data, now)
+    for a in actions:
+        if isinstance(a, AllowThenReply) and a.on_allowed is not None:
+            a.on_allowed()
+    return actions
+
+
 def core(mode: str = "enforce", denied: str = "nxdomain") -> ResolverCore:
     policy, _ = parse_policy(POLICY.format(mode=mode, denied=denied), "t.yaml")
     rng = random.Random(7)
@@ -75,7 +84,7 @@ def test_answer_waits_for_the_set_update_and_carries_the_ip() -> None:
     c = core()
     [fwd] = c.on_query(query("allowed.test"), "client", False, 0.0)
     rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.1)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, rr), 0.1)
     assert isinstance(act, AllowThenReply)
     assert act.update.elements4 == ("203.0.113.10 . tcp . 80", "203.0.113.10 . tcp . 443")
     assert act.update.timeout_s == 60
@@ -89,7 +98,7 @@ def test_rule_ports_and_ttl_bounds() -> None:
     c = core()
     [fwd] = c.on_query(query("api.test"), "c", False, 0.0)
     rr = RR("api.test", QTYPE.A, rdata=A("203.0.113.11"), ttl=1)
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
     assert act.update.elements4 == ("203.0.113.11 . tcp . 443",)
     assert act.update.timeout_s == 5  # clamped up to ttl.min
 
@@ -132,7 +141,7 @@ def test_cname_to_a_denied_name_is_refused_whole() -> None:
         RR("alias.test", QTYPE.CNAME, rdata=CNAME("denied.test"), ttl=60),
         RR("denied.test", QTYPE.A, rdata=A("203.0.113.12"), ttl=60),
     )
-    actions = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    actions = acked(c, fwd.token, upstream_answer(fwd, *records), 0.0)
     assert not only(actions, AllowThenReply)
     [report] = only(actions, Report)
     assert report.violation.cls is ViolationClass.DENIED_NAME
@@ -148,7 +157,7 @@ def test_cname_to_an_allowed_name_is_answered() -> None:
         RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),
         RR("elsewhere.test", QTYPE.A, rdata=A("203.0.113.66"), ttl=60),  # off the chain
     )
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, *records), 0.0)
     assert act.update.elements4[0].startswith("203.0.113.10 ")
     answer = DNSRecord.parse(act.replies[0][1])
     assert [str(r.rdata) for r in answer.rr] == ["allowed.test.", "203.0.113.10"]
@@ -168,7 +177,7 @@ def test_rebinding_answers_are_dropped(qtype: str, rdata: object) -> None:
     c = core()
     [fwd] = c.on_query(query("allowed.test", qtype), "c", False, 0.0)
     rr = RR("allowed.test", getattr(QTYPE, qtype), rdata=rdata, ttl=60)
-    actions = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    actions = acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
     assert not only(actions, AllowThenReply)
     [report] = only(actions, Report)
     assert report.violation.cls is ViolationClass.REBINDING
@@ -180,7 +189,7 @@ def test_documentation_ranges_are_not_rebinding() -> None:
     c = core()
     [fwd] = c.on_query(query("allowed.test", "AAAA"), "c", False, 0.0)
     rr = RR("allowed.test", QTYPE.AAAA, rdata=AAAA("2001:db8::10"), ttl=60)
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
     assert act.update.elements6 == ("2001:db8::10 . tcp . 80", "2001:db8::10 . tcp . 443")
 
 
@@ -191,7 +200,7 @@ def test_records_of_unasked_or_unallowed_types_are_removed() -> None:
         RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),
         RR("allowed.test", QTYPE.TXT, rdata=TXT("smuggled"), ttl=60),
     )
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, *records), 0.0)
     assert [r.rtype for r in DNSRecord.parse(act.replies[0][1]).rr] == [QTYPE.A]
 
 
@@ -199,7 +208,7 @@ def test_cache_hit_patches_id_ttl_and_question_case() -> None:
     c = core()
     [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
     rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
-    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
     [hit] = c.on_query(query("ALLOWED.test", qid=7, edns=True), "c2", False, 10.0)
     assert isinstance(hit, Reply)
     msg = DNSRecord.parse(hit.data)
@@ -214,12 +223,16 @@ def test_cache_hit_refreshes_the_set_when_it_would_lapse_first() -> None:
     c = core()
     [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
     rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=600)
-    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
     [entry] = c.cache._entries.values()
     entry.allowed_until = 100.0  # e.g. the element was removed or set with a shorter timeout
     [hit] = c.on_query(query("allowed.test"), "c", False, 50.0)
     assert isinstance(hit, AllowThenReply)
     assert hit.update.timeout_s == 550
+    # Until the kernel acks the refresh, a hit asks for it again.
+    assert isinstance(c.on_query(query("allowed.test"), "c", False, 55.0)[0], AllowThenReply)
+    assert hit.on_allowed is not None
+    hit.on_allowed()
     [again] = c.on_query(query("allowed.test"), "c", False, 60.0)
     assert isinstance(again, Reply)
 
@@ -228,7 +241,7 @@ def test_negative_answers_are_cached_for_the_soa_minimum() -> None:
     c = core()
     [fwd] = c.on_query(query("allowed.test", "AAAA"), "c", False, 0.0)
     soa = RR("test", QTYPE.SOA, rdata=SOA("ns.test", "h.test", (1, 2, 3, 4, 30)), ttl=300)
-    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rcode=3, auth=(soa,)), 0.0)
+    acked(c, fwd.token, upstream_answer(fwd, rcode=3, auth=(soa,)), 0.0)
     [hit] = c.on_query(query("allowed.test", "AAAA"), "c", False, 29.0)
     assert DNSRecord.parse(hit.data).header.rcode == wire.NXDOMAIN
     assert only(c.on_query(query("allowed.test", "AAAA"), "c", False, 31.0), Forward)
@@ -239,7 +252,7 @@ def test_identical_questions_in_flight_share_one_upstream_query() -> None:
     [fwd] = c.on_query(query("allowed.test", qid=1), "a", False, 0.0)
     assert c.on_query(query("allowed.test", qid=2), "b", False, 0.0) == []
     rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
     assert [(cl, DNSRecord.parse(d).header.id) for cl, d, _ in act.replies] == [("a", 1), ("b", 2)]
 
 
@@ -258,7 +271,7 @@ def test_truncated_upstream_answer_is_retried_over_tcp() -> None:
     [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
     r = DNSRecord.parse(upstream_answer(fwd))
     r.header.tc = 1
-    [retry] = c.on_upstream_reply(fwd.token, r.pack(), 0.0)
+    [retry] = acked(c, fwd.token, r.pack(), 0.0)
     assert isinstance(retry, Forward) and retry.tcp
 
 
@@ -267,7 +280,7 @@ def test_spoofed_reply_with_another_id_is_ignored() -> None:
     [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
     r = DNSRecord.parse(upstream_answer(fwd))
     r.header.id ^= 0xFFFF
-    assert c.on_upstream_reply(fwd.token, r.pack(), 0.0) == []
+    assert acked(c, fwd.token, r.pack(), 0.0) == []
     assert fwd.token in c.pending
 
 
@@ -275,7 +288,7 @@ def test_udp_answer_too_big_for_the_client_is_truncated() -> None:
     c = core()
     [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
     records = [RR("allowed.test", QTYPE.A, rdata=A(f"203.0.113.{i}"), ttl=60) for i in range(1, 60)]
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, *records), 0.0)
     msg = DNSRecord.parse(act.replies[0][1])
     assert msg.header.tc == 1 and msg.rr == []
     [tcp] = c.on_query(query("allowed.test"), "c", True, 0.0)
@@ -309,14 +322,14 @@ def test_audit_mode_forwards_denied_names_and_reports_them() -> None:
     assert report.violation.cls is ViolationClass.DENIED_NAME
     [fwd] = only(actions, Forward)
     rr = RR("denied.test", QTYPE.A, rdata=A("127.0.0.1"), ttl=60)
-    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    [act] = acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
     assert isinstance(act, AllowThenReply)  # answered as a plain forwarder would
 
 
 def _cached(c: ResolverCore, name: str = "allowed.test", ttl: int = 60) -> None:
     [fwd] = c.on_query(query(name), "c", False, 0.0)
     rr = RR(name, QTYPE.A, rdata=A("203.0.113.10"), ttl=ttl)
-    c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
 
 
 def test_a_repeated_udp_query_is_replayed_byte_for_byte_but_its_id() -> None:
@@ -356,6 +369,8 @@ def test_no_replay_while_the_sets_may_need_a_refresh() -> None:
     [refresh] = c.on_query(q, "c", False, 50.0)
     assert isinstance(refresh, AllowThenReply)
     assert c.replay(q, 50.5) is None  # a refresh goes through the shell's set update
+    assert refresh.on_allowed is not None
+    refresh.on_allowed()
     [plain] = c.on_query(q, "c", False, 51.0)
     assert isinstance(plain, Reply) and c.replay(q, 51.5) is not None
 
@@ -412,7 +427,7 @@ def test_a_withheld_answer_is_not_asked_upstream_again() -> None:
     c = core()
     [fwd] = c.on_query(query("alias.test"), "c", False, 0.0)
     records = (RR("alias.test", QTYPE.CNAME, rdata=CNAME("denied.test"), ttl=60),)
-    c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    acked(c, fwd.token, upstream_answer(fwd, *records), 0.0)
     again = c.on_query(query("alias.test", qid=9), "c", False, 1.0)
     assert not only(again, Forward)
     [reply] = only(again, Reply)
@@ -424,7 +439,7 @@ def test_a_cname_into_no_real_tld_is_a_tunnel() -> None:
     c = core()
     [fwd] = c.on_query(query("a.cdn.test"), "c", False, 0.0)
     records = (RR("a.cdn.test", QTYPE.CNAME, rdata=CNAME("hkzaugs0juqae4aa.dh"), ttl=0),)
-    actions = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    actions = acked(c, fwd.token, upstream_answer(fwd, *records), 0.0)
     [report] = only(actions, Report)
     assert report.violation.cls is ViolationClass.TUNNEL
     [reply] = only(actions, Reply)
@@ -446,3 +461,26 @@ def test_binary_labels_under_an_allowed_wildcard_are_a_tunnel_and_not_forwarded(
     q2[13:24] = b"aaaa=h1caa+"
     [report2] = only(c.on_query(bytes(q2), "c", False, 0.0), Report)
     assert report2.violation.cls is ViolationClass.DENIED_NAME
+
+
+def test_an_answer_is_cached_only_once_the_kernel_has_its_addresses() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    assert isinstance(act, AllowThenReply)
+    # The set update failed (the shell sent SERVFAIL and did not call on_allowed):
+    # the retry must go upstream again, not come back from the cache.
+    assert only(c.on_query(query("allowed.test"), "c", False, 1.0), Forward)
+
+
+def test_address_ttls_never_outlive_the_kernels_timeout() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    records = (
+        RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=3000),
+        RR("allowed.test", QTYPE.A, rdata=A("203.0.113.11"), ttl=10),
+    )
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    assert act.update.timeout_s == 10
+    assert [r.ttl for r in DNSRecord.parse(act.replies[0][1]).rr] == [10, 10]
