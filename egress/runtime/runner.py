@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -95,6 +96,7 @@ def run(policy: Policy, opts: RunOptions) -> int:
         raise SandboxError("egressctl run needs root (it creates a network namespace); use sudo")
     user = workload.resolve_user(opts.user)
     state = Path(opts.state_dir) if opts.state_dir else default_state_dir()
+    _stop_on_signals()
     observer = ObserverProcess.fork(policy, state)  # before any SQLite connection exists
     try:
         journal = Journal.open(state)
@@ -131,6 +133,7 @@ def _run(
         journal.set_sandbox_state(sb.id, "running", observer_pid=observer.pid)
         asyncio.run(_serve(sb, opts, user, journal, observer, result))
     finally:
+        _shield_teardown()
         # Each step on its own: one failing must not skip the teardown or the report.
         with contextlib.suppress(Exception):
             observer.stop()
@@ -145,6 +148,32 @@ def _run(
             if opts.report:
                 _write_report(opts.report, result.to_json(policy, opts, user.name))
     return result.exit_code
+
+
+# -- signals outside the event loop -----------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(SandboxError):
+    """SIGTERM or SIGHUP before the command started: tear down and go."""
+
+
+def _stop_on_signals() -> None:
+    """Until the event loop forwards signals to the command, a SIGTERM or SIGHUP must
+    still tear down what was made, not kill egressctl where it stands."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise Stopped(f"stopped by {signal.Signals(signum).name}; the sandbox was removed")
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def _shield_teardown() -> None:
+    """Teardown runs to the end: the signals that could cut it short are ignored now."""
+    for sig in (*STOP_SIGNALS, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 # -- serving -----------------------------------------------------------------------------
