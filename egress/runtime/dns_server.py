@@ -429,9 +429,15 @@ class ResolverServer:
             self._upstream_failed(fwd.token)
             return
         try:
-            self.perform(self.core.on_upstream_reply(fwd.token, data, time.time()))
+            actions = self.core.on_upstream_reply(fwd.token, data, time.time())
+            self.perform(actions)
         except Exception as exc:
             self._internal(exc)
+            return
+        if not actions and fwd.token in self.core.pending:
+            # Not the answer to our question, and a TCP exchange carries one frame: no
+            # other answer is coming on it. Fail over (or SERVFAIL) instead of waiting.
+            self._upstream_failed(fwd.token)
 
     async def _exchange_tcp(self, host: str, port: int, fwd: Forward) -> bytes:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

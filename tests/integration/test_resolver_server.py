@@ -26,7 +26,7 @@ metadata: {name: t}
 spec:
   dns:
     upstreams: ["192.0.2.53"]
-    allow: [allowed.test, slow.test, spoofed.test]
+    allow: [allowed.test, slow.test, spoofed.test, truncated.test]
   connect:
     ports: [443]
 """
@@ -66,6 +66,11 @@ class Stub(asyncio.DatagramProtocol):
         q = DNSRecord.parse(data)
         name = str(q.q.qname).rstrip(".")
         if name == "slow.test":
+            return
+        if name == "truncated.test":  # "ask me over TCP"
+            r = q.reply()
+            r.header.tc = 1
+            self.transport.sendto(r.pack(), addr)
             return
         r = q.reply()
         r.add_answer(RR(name, QTYPE.A, rdata=A("203.0.113.10"), ttl=60))
@@ -201,6 +206,39 @@ def test_tcp_queries_and_broken_frames(loop_kind: str) -> None:
             assert (await ask(server.addresses[0], "allowed.test")).header.rcode == 0
             assert server.internal_errors == 0
         finally:
+            await server.close()
+            transport.close()
+
+    run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_a_tcp_upstream_answer_to_another_question_fails_over_at_once(loop_kind: str) -> None:
+    """A TCP exchange carries one answer: one with the wrong ID must not leave the query
+    waiting for another that never comes."""
+
+    async def wrong_id(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        size = int.from_bytes(await reader.readexactly(2), "big")
+        q = DNSRecord.parse(await reader.readexactly(size))
+        r = q.reply()
+        r.header.id ^= 0x5A5A
+        data = r.pack()
+        writer.write(len(data).to_bytes(2, "big") + data)
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server, _stub, transport = await serving(FakeNft())
+        host, port = transport.get_extra_info("sockname")
+        tcp = await asyncio.start_server(wrong_id, host, port)
+        try:
+            udp, _ = server.addresses
+            start = asyncio.get_running_loop().time()
+            answer = await ask(udp, "truncated.test")
+            assert answer.header.rcode == wire.SERVFAIL
+            assert asyncio.get_running_loop().time() - start < 1.0
+        finally:
+            tcp.close()
             await server.close()
             transport.close()
 
