@@ -256,7 +256,8 @@ def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
             if decisions:
                 result.outcome = {"resume": "resumed", "kill": "killed"}[decisions[0]["action"]]
     if result.session:
-        result.counters["violations"] = len(result.session.state.violations)
+        result.counters["violations"] = result.session.state.seen
+        result.counters["violations_not_journaled"] = result.session.state.unjournaled
         result.counters["nflog_overruns"] = result.session.state.overruns
 
 

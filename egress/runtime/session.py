@@ -29,11 +29,15 @@ from egress.runtime.sandbox import Sandbox
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
 TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 FROZEN_POLL_S = 0.05
+JOURNAL_BACKLOG = 10_000  # block/log verdicts waiting for their fsync
+MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps more)
 
 
 @dataclass
 class SessionState:
-    violations: list[Violation] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)  # the first MAX_KEPT
+    seen: int = 0  # every violation, kept or not
+    unjournaled: int = 0  # dropped because the journal fell this far behind
     freezes: list[FreezeEvent] = field(default_factory=list)
     timed_out: bool = False  # the decision timeout killed it
     overruns: int = 0
@@ -54,7 +58,8 @@ class Session:
         self.state = SessionState()
         self.listener = NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
-        self._journal_queue: queue.SimpleQueue[Violation | None] = queue.SimpleQueue()
+        # Bounded: a workload flooding denied queries must not grow egressctl without end.
+        self._journal_queue: queue.Queue[Violation | None] = queue.Queue(JOURNAL_BACKLOG)
         self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
         self._writer.start()
         self.stopping = False
@@ -75,11 +80,16 @@ class Session:
         """Freeze-worthy verdicts are acted on here and now (journal, then freeze); the
         rest are journaled by a writer thread, so a burst of denied queries never holds
         up the DNS answers behind it on an fsync."""
-        self.state.violations.append(v)
+        self.state.seen += 1
+        if len(self.state.violations) < MAX_KEPT:
+            self.state.violations.append(v)
         if self.enforcer.wants_freeze(v):
             self._act(v)
-        else:
-            self._journal_queue.put(v)
+            return
+        try:
+            self._journal_queue.put_nowait(v)
+        except queue.Full:
+            self.state.unjournaled += 1  # counted in the report; the kernel still blocked it
 
     def _act(self, v: Violation) -> None:
         try:
@@ -109,7 +119,7 @@ class Session:
     def close(self) -> None:
         with contextlib.suppress(EgressError):
             self.on_nflog()  # evidence that arrived while the command was exiting
-        self._journal_queue.put(None)
+        self._journal_queue.put(None)  # blocks until there is room: nothing queued is lost
         self._writer.join()  # everything seen is in the journal before the report is made
         self.state.overruns = self.listener.overruns
         self.listener.close()
