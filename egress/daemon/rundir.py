@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from egress.datapath import constants as c
 from egress.datapath.addressing import SandboxNet
 from egress.errors import SandboxError
 from egress.model import Policy
@@ -106,7 +105,7 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
     )
     sb = Sandbox(
         record.id, policy, net, claim.netns, claim.host_if, claim.uplink_netns,
-        c.UPLINK_TABLE, cgroup, nft,
+        cgroup, nft,
     )  # fmt: skip
 
     def teardown() -> None:

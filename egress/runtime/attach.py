@@ -60,7 +60,7 @@ def attach(
         )
     cgroup = Cgroup.attach_existing(cgroup_v2, freezer)
     nft = NftHandle.open(netns_ref)
-    sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, "", cgroup, nft)
+    sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
     try:
         if nft.table_exists("inet", c.TABLE):
@@ -93,7 +93,7 @@ def adopt(
         raise SandboxError(f"netns {netns_ref!r} is gone")
     cgroup = Cgroup.attach_existing(cgroup_v2, freezer)
     nft = NftHandle.open(netns_ref)
-    sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, "", cgroup, nft)
+    sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
     if not nft.table_exists("inet", c.TABLE):
         nft.close()

@@ -41,7 +41,6 @@ class Sandbox:
     netns: str
     host_if: str
     uplink_netns: str | None
-    uplink_table: str
     cgroup: Cgroup
     nft: NftHandle
     created_s: float = 0.0  # create-to-ready time
@@ -114,11 +113,10 @@ def _build(
     undo.append(("nft handle", nft.close))
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
     uplink_mod.attach(uplink)
-    table = c.UPLINK_TABLE
     cgroup = Cgroup.create(claim.id)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
     _write_resolv_conf(name, undo)
-    return Sandbox(claim.id, policy, net, name, host_if, uplink, table, cgroup, nft, 0.0, undo)
+    return Sandbox(claim.id, policy, net, name, host_if, uplink, cgroup, nft, 0.0, undo)
 
 
 def _addresses(net: SandboxNet, name: str, host_if: str, uplink: str | None) -> None:
