@@ -21,7 +21,6 @@ import builtins
 import contextlib
 import os
 import re
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -33,14 +32,12 @@ from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError, UpstreamError
 from egress.model import Policy
 from egress.policy import parse_policy
-from egress.resolver.core import ResolverCore
 from egress.runtime import attach as attach_mod
 from egress.runtime import sandbox as sbx
-from egress.runtime.dns_server import parse_upstream, resolve_upstreams
+from egress.runtime.dns_server import make_core, parse_upstream, resolve_upstreams
 from egress.runtime.enforcer import Enforcer
 from egress.runtime.journal import Journal
 from egress.runtime.session import Session
-from egress.tunnel import TunnelScorer
 
 from . import rundir
 from .swap import TrackingResolver, swap
@@ -221,11 +218,13 @@ class Registry:
         session = Session(sb, enforcer, None, self.review_hint)
         try:
             loop.add_reader(session.listener.fileno(), session.on_nflog)
-            pol = sb.policy
-            scorer = TunnelScorer(pol.tunnel, time.time) if pol.tunnel.enabled else None
-            core = ResolverCore(pol, len(upstreams), secrets.randbits, scorer=scorer)
             resolver = TrackingResolver(
-                core, upstreams, sb.nft, session.on_violation, sb.netns, record.uplink_netns
+                make_core(sb.policy, len(upstreams)),
+                upstreams,
+                sb.nft,
+                session.on_violation,
+                sb.netns,
+                record.uplink_netns,
             )
             await resolver.start()
         except BaseException:

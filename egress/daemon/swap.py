@@ -33,7 +33,7 @@ from egress.runtime.dns_server import ResolverServer
 from egress.runtime.nft import NftHandle
 from egress.runtime.paths import read_template
 from egress.runtime.sandbox import Sandbox
-from egress.tunnel import TunnelScorer
+from egress.tunnel import scorer_for
 
 CHAINS = ("output", "violation", "foreign_dns", "blocked_connect")
 MAX_TRACKED = 100_000
@@ -157,8 +157,7 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
                 if attempt == 2 or "No such file or directory" not in str(exc):
                     raise
     resolver.core.set_policy(policy)
-    tunnel = policy.tunnel
-    resolver.core.scorer = TunnelScorer(tunnel, time.time) if tunnel.enabled else None
+    resolver.core.scorer = scorer_for(policy.tunnel, time.time)
     resolver.forget_unjustified(resolver.core.matcher)
     sb.policy = policy
     return removed

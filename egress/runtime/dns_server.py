@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import secrets
 import socket
 import struct
 import time
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 from egress.datapath import constants as c
 from egress.datapath.elements import ExpiryBook, SetUpdate
 from egress.errors import EgressError, UpstreamError
-from egress.model import Upstream, Violation
+from egress.model import Policy, Upstream, Violation
 from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
 from egress.resolver.core import ResolverCore
 from egress.runtime.netns import in_netns
 from egress.runtime.nft import NftHandle
 from egress.runtime.nft_netlink import SET_UPDATE_DEADLINE_S, NetlinkSets
+from egress.tunnel import scorer_for
 
 TCP_IDLE_S = 10.0
 MAX_QUERY = 4096  # bytes read per datagram: a longer "query" is cut short and refused
@@ -95,6 +97,13 @@ def parse_upstream(text: str) -> tuple[str, int]:
     if not 0 < number < 65536:
         raise UpstreamError(f"upstream {text!r}: port {number} is out of range")
     return host, number
+
+
+def make_core(policy: Policy, upstream_count: int) -> ResolverCore:
+    """The resolver core one sandbox is served with, in every wiring (run, egressd):
+    random upstream IDs from the OS, and the policy's tunnel scorer on the wall clock."""
+    scorer = scorer_for(policy.tunnel, time.time)
+    return ResolverCore(policy, upstream_count, secrets.randbits, scorer=scorer)
 
 
 def resolve_upstreams(upstreams: tuple[Upstream, ...]) -> list[tuple[str, int]]:

@@ -30,7 +30,7 @@ from egress.runtime.journal import Journal
 from egress.runtime.netns import netns_exists
 from egress.runtime.nflog import NflogEvent, NflogListener
 from egress.runtime.nft import NftHandle
-from egress.tunnel import TunnelScorer
+from egress.tunnel import scorer_for
 
 TICK_S = 0.1
 LAYER = "observer"
@@ -50,8 +50,7 @@ class Observer:
         self.cfg = cfg
         self.policy = cfg.policy
         self.matcher = Matcher(cfg.policy)
-        tunnel = cfg.policy.tunnel
-        self.scorer = TunnelScorer(tunnel, time.time) if tunnel.enabled else None
+        self.scorer = scorer_for(cfg.policy.tunnel, time.time)
         self.journal = Journal.open(cfg.state_dir)
         self.enforcer = Enforcer(
             cfg.sandbox_id, cfg.policy, LAYER, self.journal, Cgroup.open(cfg.sandbox_id)

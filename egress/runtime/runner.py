@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -27,15 +26,13 @@ from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError
 from egress.model import Policy
-from egress.resolver.core import ResolverCore
 from egress.runtime import claims, workload
 from egress.runtime import sandbox as sbx
-from egress.runtime.dns_server import ResolverServer, parse_upstream, resolve_upstreams
+from egress.runtime.dns_server import ResolverServer, make_core, parse_upstream, resolve_upstreams
 from egress.runtime.enforcer import Enforcer
 from egress.runtime.journal import Journal, default_state_dir
 from egress.runtime.observer_process import ObserverProcess
 from egress.runtime.session import Session, wait_for_exit
-from egress.tunnel import TunnelScorer
 
 
 @dataclass
@@ -183,10 +180,13 @@ def _resolver(sb: sbx.Sandbox, opts: RunOptions, session: Session) -> ResolverSe
     upstreams = resolve_upstreams(sb.policy.dns.upstreams)
     if opts.upstream:
         upstreams = [parse_upstream(opts.upstream)]
-    scorer = TunnelScorer(sb.policy.tunnel, time.time) if sb.policy.tunnel.enabled else None
-    core = ResolverCore(sb.policy, len(upstreams), secrets.randbits, scorer=scorer)
     return ResolverServer(
-        core, upstreams, sb.nft, session.on_violation, sb.netns, opts.uplink_netns
+        make_core(sb.policy, len(upstreams)),
+        upstreams,
+        sb.nft,
+        session.on_violation,
+        sb.netns,
+        opts.uplink_netns,
     )
 
 

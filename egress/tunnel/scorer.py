@@ -162,3 +162,8 @@ class TunnelScorer:
         oldest = islice(self._zones.items(), EVICTION_SCAN)
         victim = min(oldest, key=lambda item: item[1].weight())[0]
         del self._zones[victim]
+
+
+def scorer_for(spec: TunnelSpec, clock: Callable[[], float]) -> TunnelScorer | None:
+    """The scorer ``spec.tunnel`` asks for: None when detection is switched off."""
+    return TunnelScorer(spec, clock) if spec.enabled else None
