@@ -98,9 +98,10 @@ def _events(text: str) -> dict[str, str]:
 class Cgroup:
     """One sandbox cgroup in the v2 hierarchy, mirrored in the v1 freezer if present."""
 
-    def __init__(self, v2_path: str, freezer_path: str | None) -> None:
+    def __init__(self, v2_path: str, freezer_path: str | None, ours: bool = False) -> None:
         self.v2_path = v2_path
         self.freezer_path = freezer_path
+        self.ours = ours  # under egress's own parent: the last one out removes the parent
 
     # ---- construction -------------------------------------------------------------
 
@@ -124,14 +125,14 @@ class Cgroup:
             except SandboxError:
                 _rmdir(v2)
                 raise
-        return cls(v2, freezer)
+        return cls(v2, freezer, ours=True)
 
     @classmethod
     def open(cls, name: str, parent: str = "egress") -> Cgroup:
         v2, freezer = cls._paths(name, parent)
         if not os.path.isdir(v2):
             raise SandboxError(f"no cgroup {v2}")
-        return cls(v2, freezer if freezer and os.path.isdir(freezer) else None)
+        return cls(v2, freezer if freezer and os.path.isdir(freezer) else None, ours=True)
 
     @classmethod
     def attach_existing(cls, v2_path: str, freezer_path: str | None = None) -> Cgroup:
@@ -289,6 +290,10 @@ class Cgroup:
             raise SandboxError(f"cgroup {self.v2_path} still has processes; kill it first")
         for d in reversed(self._dirs()):
             _rmdir(d)
+            if self.ours:
+                # Empty once the last sandbox is gone; busy or not empty while others live.
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(d))
 
 
 class _EventsWatch:
@@ -328,8 +333,14 @@ def _sigkill(pid: int) -> None:
 
 def _mkdir(path: str) -> None:
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.mkdir(path)
+        for attempt in range(3):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.mkdir(path)
+                break
+            except FileNotFoundError:
+                if attempt == 2:  # the last sandbox's teardown took the parent meanwhile
+                    raise
     except FileExistsError as exc:
         raise SandboxError(f"cgroup {path} already exists") from exc
     except OSError as exc:

@@ -105,6 +105,10 @@ def leftovers(sandbox_id: str, uplink: str | None) -> list[str]:
     for root in (mounts.v2, mounts.freezer):
         if root and os.path.exists(os.path.join(root, "egress", sandbox_id)):
             found.append(f"cgroup {root}/egress/{sandbox_id}")
+    if not claims.load_all():  # the last sandbox takes egress's parent cgroups along
+        for root in (mounts.v2, mounts.freezer):
+            if root and os.path.exists(os.path.join(root, "egress")):
+                found.append(f"cgroup {root}/egress")
     if (claims.sandboxes_dir() / f"{sandbox_id}.json").exists():
         found.append(f"claim {sandbox_id}")
     if Path("/etc/netns", f"egress-{sandbox_id}").exists():
