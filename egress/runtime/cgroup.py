@@ -296,6 +296,9 @@ class Cgroup:
                     os.rmdir(os.path.dirname(d))
 
 
+_FD_SETSIZE = 1024
+
+
 class _EventsWatch:
     """cgroup.events opened once; ``wait`` sleeps until the kernel changes it."""
 
@@ -313,7 +316,14 @@ class _EventsWatch:
     def wait(self, seconds: float) -> None:
         # kernfs signals a change as POLLPRI, which select() reports as an exceptional
         # condition; select (unlike poll) takes sub-millisecond timeouts for the v1 backoff.
-        select.select([], [], [self._fd], max(seconds, 0.0))
+        # But select() can't take a descriptor of 1024 or above (egressd serving hundreds
+        # of sandboxes holds thousands): poll then, its timeout rounded up to 1 ms.
+        if self._fd < _FD_SETSIZE:
+            select.select([], [], [self._fd], max(seconds, 0.0))
+            return
+        poller = select.poll()
+        poller.register(self._fd, select.POLLPRI)
+        poller.poll(max(seconds, 0.0) * 1000)
 
     def __enter__(self) -> _EventsWatch:
         return self

@@ -50,15 +50,24 @@ class NetlinkSets:
     def add(self, set_name: str, elements: tuple[str, ...], timeout_s: int) -> None:
         """Add (or refresh) the elements; returns once the kernel acked, else OSError."""
         timeout = _nla(_ELEM_TIMEOUT, struct.pack("!Q", timeout_s * 1000))
+        self._send(_NEWSETELEM, _NEWSETELEM_FLAGS, set_name, elements, timeout)
+
+    def delete(self, set_name: str, elements: tuple[str, ...]) -> None:
+        """Delete the elements (all present, or the kernel refuses the batch: ENOENT)."""
+        self._send(_DELSETELEM, _DELSETELEM_FLAGS, set_name, elements, b"")
+
+    def _send(
+        self, kind: int, flags: int, set_name: str, elements: tuple[str, ...], extra: bytes
+    ) -> None:
         items = b"".join(
-            _nla(_LIST_ELEM | _NESTED, _nla(_ELEM_KEY | _NESTED, _nla(1, _key(e))) + timeout)
+            _nla(_LIST_ELEM | _NESTED, _nla(_ELEM_KEY | _NESTED, _nla(1, _key(e))) + extra)
             for e in elements
         )
         body = self._table + _nla(_LIST_SET, set_name.encode() + b"\0")
         body += _nla(_LIST_ELEMENTS | _NESTED, items)
         seq = self._seq = (self._seq + 3) & 0x7FFFFFFF
         batch = _nlmsg(_BATCH_BEGIN, 1, seq, 0, _SUBSYS_NFTABLES, b"")
-        batch += _nlmsg(_NEWSETELEM, _NEWSETELEM_FLAGS, seq + 1, _NFPROTO_INET, 0, body)
+        batch += _nlmsg(kind, flags, seq + 1, _NFPROTO_INET, 0, body)
         batch += _nlmsg(_BATCH_END, 1, seq + 2, 0, _SUBSYS_NFTABLES, b"")
         self._sock.send(batch)
         self._await_ack(seq + 1)
@@ -81,6 +90,8 @@ _NETLINK_NETFILTER = 12
 _SUBSYS_NFTABLES = 10
 _NEWSETELEM = (_SUBSYS_NFTABLES << 8) | 12  # NFT_MSG_NEWSETELEM
 _NEWSETELEM_FLAGS = 0x1 | 0x4 | 0x400  # REQUEST | ACK | CREATE (re-adding refreshes)
+_DELSETELEM = (_SUBSYS_NFTABLES << 8) | 14  # NFT_MSG_DELSETELEM
+_DELSETELEM_FLAGS = 0x1 | 0x4  # REQUEST | ACK
 _BATCH_BEGIN, _BATCH_END, _NLMSG_ERROR = 0x10, 0x11, 2
 _NFPROTO_INET = 1
 _NESTED = 0x8000

@@ -337,3 +337,29 @@ def test_freeze_latency_is_printed(
     ticker.wait(timeout=5)
     lines.append(f"kill of a frozen cgroup until empty: {(time.monotonic() - start) * 1000:.2f} ms")
     print("\nfreeze latency (n=100): " + "; ".join(lines))
+
+
+def test_freeze_with_descriptors_past_fd_setsize(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """egressd serving hundreds of sandboxes holds thousands of descriptors: the freeze's
+    wait on cgroup.events must work when that file opens as descriptor 1024 or above."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(4096, soft), max(4096, hard)))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        cg = make_cgroup()
+        cg.add_pid(ticker.pid)
+        assert ticks_within(ticker, 2)
+        assert 0 <= cg.freeze() < 2
+        assert_stopped(ticker)
+        cg.thaw()
+        assert ticks_within(ticker, 2)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

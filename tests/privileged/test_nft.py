@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -12,6 +13,8 @@ import pytest
 from egress.errors import DatapathError, SandboxError
 from egress.runtime import netns
 from egress.runtime.nft import NftHandle
+from egress.runtime.nft_netlink import NetlinkSets
+from egress.runtime.nft_worker import NftWorker
 from tests.privileged._helpers import scratch_netns, skip_reason
 
 pytestmark = [
@@ -47,9 +50,20 @@ def ns() -> Iterator[str]:
         yield name
 
 
-@pytest.fixture
-def nft(ns: str) -> Iterator[NftHandle]:
-    handle = NftHandle.open(ns)
+@pytest.fixture(scope="module")
+def worker() -> Iterator[NftWorker]:
+    w = NftWorker()
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture(params=["in-process", "worker"])
+def nft(request: pytest.FixtureRequest, ns: str, worker: NftWorker) -> Iterator[NftHandle]:
+    """Every handle test runs twice: libnftables in this process, and in egressd's
+    worker process (same calls, carried over a pipe)."""
+    handle = NftHandle.open(ns, worker if request.param == "worker" else None)
     try:
         handle.load(TABLE)
         yield handle
@@ -216,3 +230,54 @@ def test_handle_keeps_its_netns_after_it_is_gone_from_run(ns: str) -> None:
         assert nft.table_exists("inet", "pinned")
     finally:
         nft.close()
+
+
+def test_netlink_sets_add_and_delete(nft: NftHandle, ns: str) -> None:
+    """The resolver's own netlink writer: add with a timeout, delete (its revocation of a
+    too-late answer), and a delete naming an absent element fails as a whole."""
+    sets = NetlinkSets(ns)
+    try:
+        elems = ("192.0.2.1 . tcp . 443", "192.0.2.2 . udp . 53")
+        sets.add("allow4", elems, 60)
+        assert _keys(nft) == set(elems)
+        sets.delete("allow4", elems[:1])
+        assert _keys(nft) == {elems[1]}
+        with pytest.raises(OSError):
+            sets.delete("allow4", (elems[1], "203.0.113.1 . tcp . 1"))
+        assert _keys(nft) == {elems[1]}
+    finally:
+        sets.close()
+
+
+def test_worker_handle_in_missing_netns_raises(worker: NftWorker) -> None:
+    with pytest.raises(SandboxError, match="egt-no-such-netns"):
+        NftHandle.open("egt-no-such-netns", worker)
+
+
+# A process holding descriptors past FD_SETSIZE, like egressd with ~120 sandboxes.
+_MANY_FDS = """
+import os, resource, sys
+from egress.runtime import nft
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(4096, soft), max(4096, hard)))
+held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+if sys.argv[1] == "worker":
+    nft.use_worker()
+handle = nft.NftHandle.open(sys.argv[2])
+handle.load("table inet manyfds { set s { type ipv4_addr; }; }")
+handle.add_elements("inet", "manyfds", "s", ["192.0.2.1"])
+print(len(handle.list_set("inet", "manyfds", "s")))
+"""
+
+
+@pytest.mark.parametrize("engine", ["in-process", "worker"])
+def test_many_descriptors(ns: str, engine: str) -> None:
+    """Why egressd uses the worker: with 1,100 descriptors open, libnftables in-process
+    aborts the process (select() on a descriptor >= 1024); through the worker it works."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MANY_FDS, engine, ns], capture_output=True, text=True, timeout=60
+    )
+    if engine == "worker":
+        assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+    else:
+        assert out.returncode < 0, (out.returncode, out.stdout, out.stderr)  # killed: SIGABRT
