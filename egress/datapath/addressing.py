@@ -8,7 +8,9 @@ index atomically.
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -99,12 +101,44 @@ def _check_size(net: _N, prefix: int) -> _N:
 def first_free(
     pools: Pools, used: list[ipaddress.IPv4Network | ipaddress.IPv6Network]
 ) -> SandboxNet:
-    """The lowest sandbox network of ``pools`` that overlaps nothing in ``used``."""
+    """The lowest sandbox network of ``pools`` that overlaps nothing in ``used``.
+
+    The used networks become sorted, merged integer ranges first: comparing every
+    candidate with every used network made a create with 200 sandboxes alive spend
+    30 ms here.
+    """
+    taken4 = _ranges(u for u in used if u.version == 4)
+    taken6 = _ranges(u for u in used if u.version == 6)
     for i in range(pools.capacity):
         net = pools.network(i)
-        if not any(net.net4.overlaps(u) if u.version == 4 else net.net6.overlaps(u) for u in used):
+        if not (_overlaps(taken4, net.net4) or _overlaps(taken6, net.net6)):
             return net
     raise SandboxError(
         f"subnet pool exhausted: all {pools.capacity} sandbox networks of {pools.v4} and "
         f"{pools.v6} are in use; end some or pass a larger --subnet-pool"
     )
+
+
+def _ranges(
+    nets: Iterable[ipaddress.IPv4Network | ipaddress.IPv6Network],
+) -> tuple[list[int], list[int]]:
+    """Sorted, merged [first, last] address ranges, as two lists (starts, ends)."""
+    spans = sorted((int(n.network_address), int(n.broadcast_address)) for n in nets)
+    starts: list[int] = []
+    ends: list[int] = []
+    for first, last in spans:
+        if ends and first <= ends[-1] + 1:
+            ends[-1] = max(ends[-1], last)
+        else:
+            starts.append(first)
+            ends.append(last)
+    return starts, ends
+
+
+def _overlaps(
+    taken: tuple[list[int], list[int]], net: ipaddress.IPv4Network | ipaddress.IPv6Network
+) -> bool:
+    starts, ends = taken
+    first, last = int(net.network_address), int(net.broadcast_address)
+    i = bisect.bisect_right(starts, last) - 1  # the last range starting at or before `last`
+    return i >= 0 and ends[i] >= first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import random
 
 import pytest
 
@@ -37,3 +38,37 @@ def test_an_exhausted_pool_says_what_to_do() -> None:
 def test_bad_pools_are_refused(spec: str) -> None:
     with pytest.raises(SandboxError, match="--subnet-pool"):
         Pools.parse(spec)
+
+
+def _brute_first_free(
+    pools: Pools, used: list[ipaddress.IPv4Network | ipaddress.IPv6Network]
+) -> int:
+    for i in range(pools.capacity):
+        net = pools.network(i)
+        if not any(net.net4.overlaps(u) if u.version == 4 else net.net6.overlaps(u) for u in used):
+            return i
+    return -1
+
+
+def test_first_free_agrees_with_checking_every_pair() -> None:
+    """Random used sets (neighbours, overlaps, supernets, other families, other pools):
+    the indexed search picks exactly the network the definition does."""
+    rng = random.Random(7)
+    pools = Pools.parse("10.99.0.0/26,fd00:1::/60")
+    for _ in range(500):
+        used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for _ in range(rng.randrange(0, 20)):
+            if rng.random() < 0.5:
+                prefix = rng.choice([24, 27, 29, 30, 31, 32])
+                base = ipaddress.ip_address("10.99.0.0") + rng.randrange(0, 96)
+                used.append(ipaddress.ip_network(f"{base}/{prefix}", strict=False))
+            else:
+                prefix = rng.choice([56, 60, 63, 64, 65, 128])
+                base = ipaddress.ip_address("fd00:1::") + (rng.randrange(0, 20) << 64)
+                used.append(ipaddress.ip_network(f"{base}/{prefix}", strict=False))
+        want = _brute_first_free(pools, used)
+        if want < 0:
+            with pytest.raises(SandboxError):
+                first_free(pools, used)
+        else:
+            assert first_free(pools, used) == pools.network(want), used
