@@ -12,9 +12,12 @@ import json
 import os
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egress.errors import EgressError, SandboxError
+
+if TYPE_CHECKING:
+    from egress.runtime.cgroup import Cgroup
 
 FMT = argparse.RawDescriptionHelpFormatter
 
@@ -145,7 +148,6 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 def _live_state(row: dict[str, Any]) -> dict[str, Any]:
     """The journal's state, corrected by what the machine shows now."""
-    from egress.runtime.cgroup import Cgroup
     from egress.runtime.claims import alive
 
     out = {
@@ -165,7 +167,7 @@ def _live_state(row: dict[str, Any]) -> dict[str, Any]:
     if out["state"] == "exited":
         return out
     try:
-        frozen = Cgroup.open(row["id"]).is_frozen()
+        frozen = sandbox_cgroup(row).is_frozen()
     except EgressError:
         out["state"] = "exited"  # its cgroup is gone: whatever ran it died without saying so
         return out
@@ -175,6 +177,19 @@ def _live_state(row: dict[str, Any]) -> dict[str, Any]:
         if isinstance(pid, int) and not alive(pid):
             out[key] = None
     return out
+
+
+def sandbox_cgroup(row: dict[str, Any]) -> Cgroup:
+    """The cgroup a journaled sandbox runs in: egress's own (by id), or the one it was
+    attached to (egressd attach, egressd sidecar), from the paths the journal keeps."""
+    from egress.runtime.cgroup import Cgroup
+
+    try:
+        return Cgroup.open(row["id"])
+    except EgressError:
+        if not row.get("cgroup"):
+            raise
+        return Cgroup.attach_existing(row["cgroup"], row.get("freezer"))
 
 
 def _when(at: float | None) -> str:
@@ -222,13 +237,14 @@ def _describe(event: dict[str, Any]) -> str:
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
-    from egress.runtime.cgroup import Cgroup
-
     with _journal(args) as journal:
-        if journal.sandbox(args.sandbox) is None:
+        row = journal.sandbox(args.sandbox)
+        if row is None:
             raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path} (see egressctl ps)")
         try:
-            cgroup = Cgroup.open(args.sandbox)
+            if row["state"] == "exited":
+                raise SandboxError("exited")
+            cgroup = sandbox_cgroup(row)
         except EgressError:
             raise SandboxError(
                 f"sandbox {args.sandbox} has ended; nothing to {args.action}"

@@ -129,17 +129,18 @@ class Journal:
         inline_pid: int | None = None,
         observer_pid: int | None = None,
         owner_pid: int | None = None,
+        freezer: str | None = None,
     ) -> None:
         self._check_state(state)
         at = time.time() if created_at is None else created_at
-        row = (sandbox_id, policy, netns, cgroup, at, state,
+        row = (sandbox_id, policy, netns, cgroup, freezer, at, state,
                inline_pid, observer_pid, owner_pid)  # fmt: skip
         with self._write(f"record sandbox {sandbox_id!r}") as conn:
             if schema.exists(conn, "sandboxes", sandbox_id):
                 raise JournalError(f"{self._path}: sandbox {sandbox_id!r} is already journaled")
             conn.execute(
-                "INSERT INTO sandboxes (id, policy, netns, cgroup, created_at, state, "
-                "inline_pid, observer_pid, owner_pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sandboxes (id, policy, netns, cgroup, freezer, created_at, state, "
+                "inline_pid, observer_pid, owner_pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
 

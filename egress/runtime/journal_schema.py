@@ -26,7 +26,9 @@ DECISION_ACTIONS = ("resume", "kill")
 
 # Columns ``set_sandbox_state`` may change besides ``state``. A closed list, because the
 # names are spliced into SQL.
-SANDBOX_FIELDS = ("netns", "cgroup", "ended_at", "inline_pid", "observer_pid", "owner_pid")
+SANDBOX_FIELDS = (
+    "netns", "cgroup", "freezer", "ended_at", "inline_pid", "observer_pid", "owner_pid"
+)  # fmt: skip
 
 _V1 = (
     """CREATE TABLE sandboxes (
@@ -79,7 +81,11 @@ _V1 = (
     "CREATE INDEX freezes_open ON freezes (sandbox_id, decision_id)",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)  # MIGRATIONS[n - 1] brings n - 1 to n
+# v2: the v1 freezer cgroup of a sandbox egress did not make (attach, sidecar), so that
+# `egressctl resume` can thaw both hierarchies without egressd.
+_V2 = ("ALTER TABLE sandboxes ADD COLUMN freezer TEXT",)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)  # MIGRATIONS[n - 1] brings n - 1 to n
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -146,7 +146,26 @@ def test_schema_version_recorded_once(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "journal.db")
     rows = conn.execute("SELECT version FROM schema_version").fetchall()
     conn.close()
-    assert rows == [(journal_schema.SCHEMA_VERSION,)] == [(1,)]
+    assert rows == [(1,), (journal_schema.SCHEMA_VERSION,)] == [(1,), (2,)]
+
+
+def test_a_version_1_journal_is_migrated_keeping_its_rows(tmp_path: Path) -> None:
+    """A journal an earlier egress wrote (schema 1) gains the freezer column, rows intact."""
+    conn = sqlite3.connect(tmp_path / "journal.db")
+    conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL)")
+    for statement in journal_schema.MIGRATIONS[0]:
+        conn.execute(statement)
+    conn.execute("INSERT INTO schema_version VALUES (1, 0)")
+    conn.execute("INSERT INTO sandboxes (id, policy, created_at, state) "
+                 "VALUES ('old1', 'p', 1.0, 'running')")  # fmt: skip
+    conn.commit()
+    conn.close()
+    with Journal.open(tmp_path) as journal:
+        row = journal.sandbox("old1")
+        assert row is not None and row["policy"] == "p" and row["freezer"] is None
+        journal.record_sandbox("new1", "p", cgroup="/sys/fs/cgroup/x", freezer="/f/x")
+        row = journal.sandbox("new1")
+        assert row is not None and row["freezer"] == "/f/x"
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
