@@ -49,6 +49,7 @@ metadata: {name: bench-dns}
 spec:
   dns:
     upstreams: ["198.51.100.53"]
+    rate_limit: {qps: 1000000, burst: 1000000}  # the resolver's own speed, limiter on
     allow:
       - allowed.lab.test
       - www.allowed.lab.test

@@ -139,6 +139,21 @@ class DeniedResponse(enum.Enum):
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """Queries per sandbox its resolver answers: ``qps`` sustained, ``burst`` at once.
+
+    The defaults leave any real workload alone: ``npm install`` or ``pip install`` of a
+    large project resolves a few hundred names within a second or two, each asked as A
+    and AAAA (and retried by stubs), so up to ~1,000 at once; no build tool keeps up 500
+    a second. A flood above it still gets 500 answers a second, a fraction of one core
+    (cache hits run at over 150,000 a second), and the rest costs one ``recvfrom`` each.
+    """
+
+    qps: int = 500  # tokens gained per second
+    burst: int = 1000  # most tokens saved up
+
+
+@dataclass(frozen=True)
 class DnsSpec:
     upstreams: tuple[Upstream, ...]
     types: frozenset[int]
@@ -148,6 +163,7 @@ class DnsSpec:
     rebinding_exempt: tuple[IPNetwork, ...]
     denied_response: DeniedResponse
     allow: tuple[DnsRule, ...]
+    rate_limit: RateLimit = RateLimit()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``spec.dns``: upstreams, record types, TTL bounds, rebinding, and the allow rules.
+"""``spec.dns``: upstreams, record types, TTL bounds, rebinding, rate limit, allow rules.
 
 Record types work in two layers. ``dns.types`` is the default list every rule inherits;
 a rule's own ``types`` replaces it for that rule. Data-only types (NULL, ANY, AXFR, IXFR,
@@ -18,6 +18,7 @@ from egress.model import (
     NamePattern,
     PatternKind,
     Ports,
+    RateLimit,
     Upstream,
 )
 from egress.policy.checks import Report, entry, get_choice, get_list, get_map, get_str, kind_of
@@ -34,10 +35,15 @@ DNS_KEYS = (
     "rebinding",
     "rebinding_exempt",
     "denied_response",
+    "rate_limit",
     "allow",
 )
 RULE_KEYS = ("name", "types", "ports")
 TTL_KEYS = ("min", "max")
+RATE_KEYS = ("qps", "burst")
+# Beyond what one resolver answers in a second (cache hits: ~200,000): a bigger number can
+# only be a typo, and this one already means "no limit".
+MAX_RATE = 1_000_000
 DEFAULT_TYPES = frozenset({1, 28, 5, 65})  # A, AAAA, CNAME, HTTPS
 DEFAULT_TTL = (5, 3600)
 MAX_TTL = 86400  # an address learned from DNS is re-checked at least daily
@@ -55,6 +61,7 @@ def build_dns(node: Node | None, report: Report, connect_ports: Ports) -> DnsSpe
     ttl_node = entry(dns, "ttl")
     ttl_min, ttl_max = _ttl(ttl_node, report) if ttl_node else DEFAULT_TTL
     allow_node = entry(dns, "allow")
+    rate_node = entry(dns, "rate_limit")
     return DnsSpec(
         upstreams=_upstreams(entry(dns, "upstreams"), report),
         types=defaults,
@@ -66,6 +73,7 @@ def build_dns(node: Node | None, report: Report, connect_ports: Ports) -> DnsSpe
             _choice(dns, "denied_response", ("nxdomain", "refused"), "nxdomain", report)
         ),
         allow=_rules(allow_node, report, defaults, connect_ports) if allow_node else (),
+        rate_limit=_rate_limit(rate_node, report) if rate_node else RateLimit(),
     )
 
 
@@ -144,6 +152,37 @@ def _duration(node: Node) -> int:
     if seconds > MAX_TTL:
         raise ValueError(f"{format_duration(seconds)} is longer than the limit of 24h")
     return seconds
+
+
+def _rate_limit(node: Node, report: Report) -> RateLimit:
+    """``{qps, burst}``, each a whole number in 1..MAX_RATE; a key left out keeps its default.
+
+    A burst below qps is allowed: the same sustained rate, delivered more smoothly (at most
+    ``burst`` at once). A bad value keeps its default, so one run reports every problem.
+    """
+    path = f"{PATH}.rate_limit"
+    fields = get_map(node, path, report, RATE_KEYS)
+    values = {"qps": RateLimit.qps, "burst": RateLimit.burst}
+    for key in RATE_KEYS:
+        value = entry(fields, key)
+        if value is None:
+            continue
+        try:
+            values[key] = _rate(value)
+        except ValueError as exc:
+            report.error(value.where, f"{path}.{key}: {exc}")
+    return RateLimit(qps=values["qps"], burst=values["burst"])
+
+
+def _rate(node: Node) -> int:
+    value = node.value if isinstance(node, Scalar) else None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected a whole number of queries, got {kind_of(node)}")
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    if value > MAX_RATE:
+        raise ValueError(f"{value} is more than the limit of {MAX_RATE:,}")
+    return value
 
 
 def _upstreams(node: Node | None, report: Report) -> tuple[Upstream, ...]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from egress.model import Action, TunnelSpec, ViolationClass
+from egress.model import Action, RateLimit, TunnelSpec, ViolationClass
+from egress.policy.dnsspec import MAX_RATE
 from egress.policy.tunnelspec import MAX_ZONES
 
 Schema = dict[str, Any]
@@ -141,6 +142,7 @@ def _dns() -> Schema:
                 "enum": ["nxdomain", "refused"],
                 "description": "What a denied query gets back. Default nxdomain.",
             },
+            "rate_limit": _rate_limit(),
             "allow": {
                 "type": "array",
                 "items": _dns_rule(),
@@ -148,6 +150,28 @@ def _dns() -> Schema:
             },
         },
         ["allow"],
+    )
+
+
+def _rate_limit() -> Schema:
+    d = RateLimit()
+    rate = {"type": "integer", "minimum": 1, "maximum": MAX_RATE}
+    return _obj(
+        "Queries the sandbox's resolver answers (a token bucket per sandbox); queries over"
+        " it are dropped without a reply, so a flood cannot slow other sandboxes down.",
+        {
+            "qps": {
+                **rate,
+                "default": d.qps,
+                "description": f"Queries per second, sustained. Default {d.qps}.",
+            },
+            "burst": {
+                **rate,
+                "default": d.burst,
+                "description": "Queries answered at once after a quiet spell (the bucket's"
+                f" size); may be below qps. Default {d.burst}.",
+            },
+        },
     )
 
 

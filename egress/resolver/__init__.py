@@ -2,6 +2,9 @@
 
 Its part of the flow (DESIGN.md)::
 
+    query ─ ratelimit.TokenBucket (per sandbox, spec.dns.rate_limit): over it? ─▶ dropped
+        │ (within it)
+        ▼
     query bytes ─ core.replay: the same bytes answered within the last second? ─▶ reply bytes
         │ (no)
         ▼ wire.parse_query (header + question by hand) ─▶ cache hit? ─▶ Reply (cache.render)

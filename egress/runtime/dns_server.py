@@ -30,6 +30,7 @@ from egress.errors import EgressError, UpstreamError
 from egress.model import Policy, Upstream, Violation
 from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
 from egress.resolver.core import ResolverCore
+from egress.resolver.ratelimit import TokenBucket
 from egress.runtime.netns import in_netns
 from egress.runtime.nft import NftHandle
 from egress.runtime.nft_netlink import SET_UPDATE_DEADLINE_S, NetlinkSets
@@ -39,6 +40,8 @@ TCP_IDLE_S = 10.0
 MAX_QUERY = 4096  # bytes read per datagram: a longer "query" is cut short and refused
 BATCH = 64  # datagrams per readiness callback, so TCP and upstream replies get turns
 POOL_SIZE = 4  # fresh upstream sockets kept ready per upstream
+MAX_TCP_CLIENTS = 64  # open TCP connections per sandbox (a stub resolver uses one or two)
+MAX_TCP_BACKLOG = 256 << 10  # unread answer bytes on one connection before it is dropped
 
 
 class UdpClient:
@@ -61,8 +64,13 @@ class TcpClient:
         self.writer = writer
 
     def send(self, data: bytes) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(struct.pack("!H", len(data)) + data)
+        if self.writer.is_closing():
+            return
+        if self.writer.transport.get_write_buffer_size() > MAX_TCP_BACKLOG:
+            # A client that asks and never reads would grow our buffer without end.
+            self.writer.transport.abort()
+            return
+        self.writer.write(struct.pack("!H", len(data)) + data)
 
 
 def system_upstreams(resolv_conf: str = "/etc/resolv.conf") -> list[tuple[str, int]]:
@@ -121,16 +129,45 @@ class SetStats:
     last_ms: float = 0.0
 
 
+class Latencies:
+    """A histogram: a count per bucket (``counts[i]``: at most ``bounds[i]``, above the one
+    before; the last: above every bound), their sum and count. Fixed memory, however many
+    are observed; ``egress.daemon.metrics`` renders it the cumulative way Prometheus wants.
+    The default bounds suit upstream DNS round trips (seconds): a lab or LAN answers in
+    under a millisecond, the internet in 1-250 ms, and the timeout is 2 s.
+    """
+
+    UPSTREAM_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = UPSTREAM_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), -1)
+        self.counts[index] += 1
+        self.sum += value
+        self.count += 1
+
+
 class UpstreamPool:
     """Fresh, connected, non-blocking UDP sockets in the uplink netns, one per query.
 
     Each is used once and closed, so every upstream query still gets its own random source
     port; making them (setns, socket, connect) happens between queries, not during one.
+    ``mark`` (SO_MARK) is set on each when egress's own upstream traffic leaves from the
+    sandbox netns itself (`egressd sidecar`): its ruleset accepts only marked packets there.
     """
 
-    def __init__(self, upstreams: list[tuple[str, int]], netns: str | None) -> None:
+    def __init__(
+        self, upstreams: list[tuple[str, int]], netns: str | None, mark: int | None = None
+    ) -> None:
         self.upstreams = upstreams
         self.netns = netns
+        self.mark = mark
         self._ready: list[list[socket.socket]] = [[] for _ in upstreams]
 
     def take(self, index: int) -> socket.socket:
@@ -155,6 +192,7 @@ class UpstreamPool:
                     sock = socket.socket(family, socket.SOCK_DGRAM)
                     made.append(sock)
                     sock.setblocking(False)
+                    set_mark(sock, self.mark)  # before connect: it picks the route
                     sock.connect((host, port))  # binds a random port; ICMP errors reach us
         except BaseException:
             for sock in made:
@@ -183,6 +221,7 @@ class ResolverServer:
         listen_addr: str = c.RESOLVER4,
         port: int = 53,
         timeout_s: float = 2.0,
+        mark: int | None = None,
     ) -> None:
         self.core = core
         self.upstreams = upstreams
@@ -198,27 +237,53 @@ class ResolverServer:
         self.internal_errors = 0
         self.last_internal_error = ""
         self.dropped_replies = 0
-        self.pool = UpstreamPool(upstreams, upstream_netns)
+        self.mark = mark  # SO_MARK of upstream sockets (UpstreamPool)
+        self.pool = UpstreamPool(upstreams, upstream_netns, mark)
         self._sets: NetlinkSets | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._udp: socket.socket | None = None
         self._tcp: asyncio.Server | None = None
+        self._tcp_sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._waiting: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
         self._refill: asyncio.Handle | None = None
+        # Fairness: one bucket per sandbox (spec.dns.rate_limit), on the monotonic clock. Its
+        # rate is read from core.policy (see _tokens), so a policy swap changes it too.
+        self.rate_limited = 0  # queries dropped for being over the limit
+        self._limit = core.policy.dns.rate_limit
+        self.bucket = TokenBucket(self._limit.qps, self._limit.burst, time.monotonic())
+        self.upstream_latency = Latencies()  # forward to reply, UDP and TCP, answered ones
+        self._sent_at: dict[int, float] = {}  # token -> when its UDP query went upstream
+        # 2 ms unread: while flooded, 64 datagrams read per 2 ms (~5% of a core), and once
+        # it stops, a full buffer's stale queries (~10,000 in 8 MiB) are gone in ~0.3 s.
+        self.flood_pause_s = 0.002
+        self._paused: asyncio.TimerHandle | None = None
+        # Tokens taken but not yet spent by UDP queries (at most BATCH: what a policy swap
+        # that lowers the rate still lets through at the old one).
+        self._allowance = 0
+        self._drops_seen = -1  # the kernel's drop count at this socket when last read
+        self.tcp_clients = 0  # open TCP connections from the sandbox
+        self.tcp_refused = 0  # connections closed at once: MAX_TCP_CLIENTS were open
 
-    async def start(self) -> None:
+    async def start(self, handed: tuple[socket.socket, socket.socket] | None = None) -> None:
+        """Bind 127.0.0.53:53 (UDP, TCP) in the sandbox netns, or serve the bound
+        ``handed`` (UDP, TCP) sockets a previous egressd passed on, unread queries and all."""
         loop = self._loop = asyncio.get_running_loop()
-        with in_netns(self.listen_netns):
-            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if handed is not None:
+            udp, tcp = handed
+        else:
+            with in_netns(self.listen_netns):
+                udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            for s in (udp, tcp):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((self.listen_addr, self.port))
-                s.setblocking(False)
-            udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            tcp.listen(128)
+            if handed is None:
+                for s in (udp, tcp):
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind((self.listen_addr, self.port))
+                udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+                tcp.listen(128)
+            udp.setblocking(False)
+            tcp.setblocking(False)
             self.pool.refill()
             self._sets = _open_sets(self.nft)
             self._tcp = await asyncio.start_server(self._serve_tcp, sock=tcp)
@@ -231,7 +296,29 @@ class ResolverServer:
                 self._sets = None
             raise
         self._udp = udp
+        self._tcp_sock = tcp
         loop.add_reader(udp.fileno(), self._udp_readable)
+
+    @property
+    def listening(self) -> tuple[socket.socket, socket.socket]:
+        """The (UDP, TCP) listening sockets, to hand to a successor egressd."""
+        assert self._udp is not None and self._tcp_sock is not None
+        return self._udp, self._tcp_sock
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop reading new queries (a successor reads them now) and wait, at most
+        ``timeout_s``, for the answers to the ones already sent upstream."""
+        loop = asyncio.get_running_loop()
+        if self._paused is not None:  # a flood pause must not resume reading later
+            self._paused.cancel()
+            self._paused = None
+        if self._udp is not None:
+            loop.remove_reader(self._udp.fileno())
+        if self._tcp is not None:
+            self._tcp.close()  # no more accepts here; connections already open go on
+        deadline = loop.time() + timeout_s
+        while (self._waiting or self._tasks) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
 
     @property
     def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
@@ -267,23 +354,87 @@ class ResolverServer:
             return
         replay = self.core.replay
         now = time.time()
-        for _ in range(BATCH):
-            try:
-                data, addr = sock.recvfrom(MAX_QUERY)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                continue  # e.g. an ICMP error queued for an earlier reply
-            try:
-                reply = replay(data, now)
-                if reply is None:
-                    self.handle_query(data, UdpClient(sock, addr), False)
-                else:
-                    sock.sendto(reply, addr)
-            except OSError:
-                self.dropped_replies += 1  # the client's socket is full or gone
-            except Exception as exc:  # the server outlives any single packet
-                self._internal(exc)
+        # Tokens are taken from the bucket BATCH at a time and held in _allowance: per
+        # datagram the limit costs one integer test, and the bucket is asked once in 64.
+        allowance = self._allowance
+        dropped = 0
+        try:
+            for _ in range(BATCH):
+                try:
+                    data, addr = sock.recvfrom(MAX_QUERY)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    continue  # e.g. an ICMP error queued for an earlier reply
+                if not allowance:
+                    allowance = 0 if dropped else self._tokens(BATCH)
+                    if not allowance:
+                        # Over the sandbox's rate: dropped unanswered, as unbound's
+                        # ratelimit and BIND's RRL do. A REFUSED would cost a sendto per
+                        # flooded query (the work the limit is there to shed) and answer
+                        # spoofed sources; a stub resolver retries a lost query after its
+                        # timeout, by which time the bucket has refilled.
+                        dropped += 1
+                        continue
+                allowance -= 1
+                try:
+                    reply = replay(data, now)
+                    if reply is None:
+                        self.handle_query(data, UdpClient(sock, addr), False)
+                    else:
+                        sock.sendto(reply, addr)
+                except OSError:
+                    self.dropped_replies += 1  # the client's socket is full or gone
+                except Exception as exc:  # the server outlives any single packet
+                    self._internal(exc)
+            if dropped:  # a whole batch, more waiting, and over the limit: a flood
+                self._pause_udp(sock)
+        finally:
+            self._allowance = allowance
+            if dropped:
+                self.rate_limited += dropped
+
+    def _pause_udp(self, sock: socket.socket) -> None:
+        """Leave a flooding sandbox's socket unread for ``flood_pause_s``.
+
+        Reading a flood only to drop it still costs a ``recvfrom`` per datagram: a flood of
+        500,000 a second fills this process's CPU, and the other sandboxes it serves wait
+        for it (measured: bench/bench_fairness.py). Unread, the socket's receive buffer
+        fills and the kernel drops the rest in the sender's own context, which costs this
+        process nothing; what it dropped counts as rate-limited too.
+        """
+        loop = self._loop
+        if loop is None or self._paused is not None:
+            return
+        self._count_kernel_drops(sock)
+        loop.remove_reader(sock.fileno())
+        self._paused = loop.call_later(self.flood_pause_s, self._resume_udp)
+
+    def _resume_udp(self) -> None:
+        self._paused = None
+        sock = self._udp
+        # Not after close(), nor after drain() handed the socket to a successor egressd
+        # (both stop the TCP server): reading then would take the successor's queries.
+        if sock is None or self._loop is None or self._tcp is None or not self._tcp.is_serving():
+            return
+        self._count_kernel_drops(sock)
+        self._loop.add_reader(sock.fileno(), self._udp_readable)
+
+    def _count_kernel_drops(self, sock: socket.socket) -> None:
+        # From the first pause on: the kernel drops at a full buffer, i.e. while flooded.
+        drops = _kernel_drops(sock)
+        if drops >= 0 and self._drops_seen >= 0:
+            self.rate_limited += (drops - self._drops_seen) % (1 << 32)  # a u32 counter
+        self._drops_seen = drops
+
+    def _tokens(self, want: int) -> int:
+        """Up to ``want`` queries this sandbox may have answered now (its rate limit)."""
+        now = time.monotonic()
+        limit = self.core.policy.dns.rate_limit
+        if limit is not self._limit:  # a policy swap: see TokenBucket.configure
+            self._limit = limit
+            self.bucket.configure(limit.qps, limit.burst)
+        return self.bucket.take(now, want)
 
     # -- actions -------------------------------------------------------------------------
 
@@ -343,8 +494,15 @@ class ResolverServer:
 
     def _revoke(self, update: SetUpdate) -> None:
         for family_set, elements in (("allow4", update.elements4), ("allow6", update.elements6)):
-            if elements:
-                self.nft.delete_elements("inet", c.TABLE, family_set, list(elements))
+            if not elements:
+                continue
+            if self._sets is not None:
+                try:
+                    self._sets.delete(family_set, elements)
+                    continue
+                except (ValueError, KeyError, OSError):
+                    pass  # libnftables says why, or skips the ones already gone
+            self.nft.delete_elements("inet", c.TABLE, family_set, list(elements), missing_ok=True)
 
     def handle_query(self, data: bytes, client: UdpClient | TcpClient, tcp: bool) -> None:
         """One query in; never raises: a bug must cost one answer, not the server."""
@@ -376,6 +534,7 @@ class ResolverServer:
         except (OSError, EgressError):
             loop.call_soon(self._upstream_failed, fwd.token)
             return
+        sent = time.monotonic()
         try:
             sock.send(fwd.data)
         except OSError:
@@ -385,6 +544,10 @@ class ResolverServer:
         timer = loop.call_later(self.timeout_s, self._upstream_failed, fwd.token)
         self._waiting[fwd.token] = (sock, timer)
         loop.add_reader(sock.fileno(), self._upstream_readable, fwd.token)
+        self._sent_at[fwd.token] = sent
+        if len(self._sent_at) > 2 * len(self._waiting) + 64:
+            # Exchanges that failed (timeout, ICMP error) left theirs: keep the live ones.
+            self._sent_at = {t: at for t, at in self._sent_at.items() if t in self._waiting}
         if self._refill is None:
             self._refill = loop.call_soon(self._refill_pool)
 
@@ -403,10 +566,14 @@ class ResolverServer:
         except OSError:  # ECONNREFUSED: nothing listens there
             self._upstream_failed(token)
             return
+        received = time.monotonic()
         try:
             actions = self.core.on_upstream_reply(token, data, time.time())
             if token not in self.core.pending or actions:
                 self._forget(token)  # answered, or retried (the retry made a new socket)
+                sent = self._sent_at.pop(token, None)
+                if sent is not None:
+                    self.upstream_latency.observe(received - sent)
             # else: not the answer to our question (spoofed, stale): keep listening
             self.perform(actions)
         except Exception as exc:
@@ -432,11 +599,13 @@ class ResolverServer:
 
     async def _forward_tcp(self, fwd: Forward) -> None:
         host, port = self.upstreams[fwd.upstream]
+        sent = time.monotonic()
         try:
             data = await asyncio.wait_for(self._exchange_tcp(host, port, fwd), self.timeout_s)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, EgressError):
             self._upstream_failed(fwd.token)
             return
+        self.upstream_latency.observe(time.monotonic() - sent)  # over TCP, connect included
         try:
             actions = self.core.on_upstream_reply(fwd.token, data, time.time())
             self.perform(actions)
@@ -455,6 +624,7 @@ class ResolverServer:
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
+            set_mark(sock, self.mark)
             await loop.sock_connect(sock, (host, port))
             await loop.sock_sendall(sock, struct.pack("!H", len(fwd.data)) + fwd.data)
             return await _recv_frame(loop, sock)
@@ -464,6 +634,13 @@ class ResolverServer:
     # -- TCP clients ---------------------------------------------------------------------
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.tcp_clients >= MAX_TCP_CLIENTS:
+            # One sandbox must not take egressd's descriptors (shared by every sandbox it
+            # serves) by opening connections: past the cap, a new one is closed at once.
+            self.tcp_refused += 1
+            writer.transport.abort()
+            return
+        self.tcp_clients += 1
         client = TcpClient(writer)
         try:
             while True:
@@ -471,12 +648,38 @@ class ResolverServer:
                 data = await asyncio.wait_for(
                     reader.readexactly(struct.unpack("!H", head)[0]), TCP_IDLE_S
                 )
-                self.handle_query(data, client, True)
+                if self._tokens(1):
+                    self.handle_query(data, client, True)
+                else:
+                    # Dropped as over UDP, and this connection is not read again before a
+                    # token is due: a pipelined flood waits in its own socket buffers (TCP
+                    # flow control), not on this process's CPU.
+                    self.rate_limited += 1
+                    await asyncio.sleep(self.bucket.wait())
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             pass
         finally:
+            self.tcp_clients -= 1
             with contextlib.suppress(ConnectionError):
                 writer.close()
+
+
+def set_mark(sock: socket.socket, mark: int | None) -> None:
+    """SO_MARK ``mark`` on ``sock`` (None: leave it unmarked). Needs CAP_NET_ADMIN (or
+    CAP_NET_RAW): PermissionError without."""
+    if mark is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+
+
+def _kernel_drops(sock: socket.socket) -> int:
+    """Datagrams the kernel dropped at ``sock`` (its receive buffer full), since it was made:
+    SO_MEMINFO's SK_MEMINFO_DROPS (Linux 4.6)."""
+    so_meminfo, sk_meminfo_drops = 55, 8
+    try:
+        info = sock.getsockopt(socket.SOL_SOCKET, so_meminfo, 4 * (sk_meminfo_drops + 1))
+    except OSError:
+        return -1  # unknown: not counted
+    return int(struct.unpack_from("=I", info, 4 * sk_meminfo_drops)[0])
 
 
 def _open_sets(nft: NftHandle) -> NetlinkSets | None:

@@ -287,6 +287,7 @@ def _resolver_counters(resolver: ResolverServer, result: RunResult) -> None:
     result.counters["set_updates"] = resolver.sets.updates
     result.counters["set_update_failures"] = resolver.sets.failures + resolver.sets.slow
     result.counters["resolver_internal_errors"] = resolver.internal_errors
+    result.counters["dns_rate_limited"] = resolver.rate_limited  # spec.dns.rate_limit
 
 
 def _finish(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> None:

@@ -243,3 +243,51 @@ def test_a_tcp_upstream_answer_to_another_question_fails_over_at_once(loop_kind:
             transport.close()
 
     run(loop_kind, main)
+
+
+async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_tcp_connections_past_the_cap_are_closed_and_the_rest_served(loop_kind: str) -> None:
+    """A sandbox opening connections without end must not take egressd's descriptors."""
+    from egress.runtime.dns_server import MAX_TCP_CLIENTS
+
+    nft = FakeNft()
+
+    async def main() -> None:
+        server, _, transport = await serving(nft)
+        held = []
+        try:
+            _, tcp = server.addresses
+            for _ in range(MAX_TCP_CLIENTS):
+                held.append(await asyncio.open_connection(*tcp))
+            await until(lambda: server.tcp_clients == MAX_TCP_CLIENTS)  # all accepted
+            reader, writer = await asyncio.open_connection(*tcp)
+            assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed at once
+            writer.close()
+            assert server.tcp_refused == 1 and server.tcp_clients == MAX_TCP_CLIENTS
+            # The connections within the cap still get answers; one freed makes room.
+            r0, w0 = held[0]
+            q = wire.build_query(9, "allowed.test", 1)
+            w0.write(struct.pack("!H", len(q)) + q)
+            n = struct.unpack("!H", await r0.readexactly(2))[0]
+            assert DNSRecord.parse(await r0.readexactly(n)).header.id == 9
+            w0.close()
+            await until(lambda: server.tcp_clients < MAX_TCP_CLIENTS)
+            r1, w1 = await asyncio.open_connection(*tcp)
+            w1.write(struct.pack("!H", len(q)) + q)
+            n = struct.unpack("!H", await r1.readexactly(2))[0]
+            assert DNSRecord.parse(await r1.readexactly(n)).header.id == 9
+            w1.close()
+        finally:
+            for _, w in held:
+                w.close()
+            await server.close()
+            transport.close()
+
+    run(loop_kind, main)

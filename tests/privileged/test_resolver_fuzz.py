@@ -51,6 +51,7 @@ metadata: {name: fuzz}
 spec:
   dns:
     upstreams: ["192.0.2.53"]
+    rate_limit: {qps: 1000000, burst: 1000000}  # the fuzzer sends far above the default
     allow:
       - allowed.test
       - "*.wild.test"

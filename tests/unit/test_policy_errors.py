@@ -309,3 +309,42 @@ def test_empty_port_lists_warn() -> None:
         "t.yaml:5:38: warning: spec.dns.allow[0].ports: no ports, so nothing here can be reached",
         "t.yaml:6:20: warning: spec.connect.ports: no ports, so nothing here can be reached",
     ]
+
+
+def test_rate_limit_values() -> None:
+    text = HEAD + "  dns:\n    rate_limit: {qps: 0, burst: 1.5}\n    allow: []\n"
+    assert_problems(
+        text_problems(text),
+        [
+            ("6:23", "spec.dns.rate_limit.qps: must be at least 1, got 0"),
+            ("6:33", "spec.dns.rate_limit.burst: expected a whole number of queries, got the "
+                     "number 1.5"),
+        ],
+    )  # fmt: skip
+    text = HEAD + (
+        "  dns:\n"
+        "    rate_limit:\n"
+        "      qps: fast\n"
+        "      burst: 2000000\n"
+        "      per: 1s\n"
+        "    allow: []\n"
+    )
+    assert_problems(
+        text_problems(text),
+        [
+            ("7:12", "spec.dns.rate_limit.qps: expected a whole number of queries, got a string"),
+            ("8:14", "spec.dns.rate_limit.burst: 2000000 is more than the limit of 1,000,000"),
+            ("9:7", "spec.dns.rate_limit: unknown key 'per'; allowed: qps, burst"),
+        ],
+    )
+    assert_problems(
+        text_problems(HEAD + "  dns: {rate_limit: 500, allow: []}\n"),
+        [("5:21", "spec.dns.rate_limit: expected a mapping, got the number 500")],
+    )
+    assert_problems(
+        text_problems(HEAD + "  dns: {rate_limit: {qps: true, burst: -5}, allow: []}\n"),
+        [
+            ("5:27", "spec.dns.rate_limit.qps: expected a whole number of queries, got 'true'"),
+            ("5:40", "spec.dns.rate_limit.burst: must be at least 1, got -5"),
+        ],
+    )
