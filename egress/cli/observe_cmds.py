@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from egress.errors import SandboxError
 from egress.policy import load_policy
 
 EPILOG = """\
@@ -13,8 +14,13 @@ made with --keep. It reads the sandbox netns's NFLOG group 101 (copies of DNS qu
 drops) and the drop counter, applies the policy on its own, and freezes the cgroup on a
 `freeze` violation. It exits when the netns is gone.
 
-example:
+The cgroup is egress's own for the sandbox id, unless --cgroup names one (a sandbox
+attached to another runtime's cgroup; --freezer for its v1 freezer twin, if it has one).
+
+examples:
   egressctl observe --sandbox 3f2a1c --netns egress-3f2a1c --policy policies/python-dev.yaml
+  egressctl observe --sandbox box1 --netns box1 --policy policies/python-dev.yaml \\
+      --cgroup /sys/fs/cgroup/machine.slice/box1
 """
 
 
@@ -31,6 +37,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--policy", required=True, metavar="FILE")
     p.add_argument("--state-dir", metavar="DIR", help="journal directory ($EGRESS_STATE_DIR)")
     p.add_argument("--watch-pid", type=int, metavar="PID", help="the inline layer's process")
+    p.add_argument("--cgroup", metavar="PATH", help="the sandbox's cgroup v2 directory")
+    p.add_argument("--freezer", metavar="PATH", help="its v1 freezer cgroup (with --cgroup)")
     p.set_defaults(func=cmd_observe)
 
 
@@ -38,12 +46,16 @@ def cmd_observe(args: argparse.Namespace) -> int:
     from egress.runtime.journal import state_dir
     from egress.runtime.observer import Observer, ObserverConfig
 
+    if args.freezer is not None and args.cgroup is None:
+        raise SandboxError("--freezer needs --cgroup (the v2 directory it mirrors)")
     cfg = ObserverConfig(
         args.sandbox,
         args.netns,
         load_policy(args.policy),
         str(state_dir(args.state_dir)),
         args.watch_pid,
+        args.cgroup,
+        args.freezer,
     )
     observer = Observer(cfg)
     print("ready", flush=True)  # `run` waits for this before it starts the workload

@@ -7,8 +7,9 @@ group, its own journal connection and Enforcer. A policy swap (the record's poli
 changes) restarts that sandbox's child with the new policy; a deleted sandbox's child is
 stopped; a child that dies is started again.
 
-Attached sandboxes are not watched: ``Observer`` opens the sandbox's cgroup by its name
-under egress's own cgroup tree, which a cgroup another runtime made is not in.
+Created and attached sandboxes alike: each child freezes the cgroup at the paths the
+record names (v2, and the v1 freezer twin if any), wherever the runtime that made it put
+it. A child logs "watching ID" once its NFLOG group is bound.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class Supervisor:
         self.run_dir = run_dir
         self.state_dir = state_dir
         self.children: dict[str, Child] = {}
-        self.skipped: set[str] = set()
         self.stopping = False
 
     def run(self) -> int:
@@ -63,14 +63,7 @@ class Supervisor:
 
     def scan(self) -> None:
         self._reap()
-        wanted = {}
-        for r in rundir.load_all(self.run_dir):
-            if r.kind == "created":
-                wanted[r.id] = r
-            elif r.id not in self.skipped:
-                self.skipped.add(r.id)
-                print(f"egressd observer: {r.id} is attached; not watched (see --help)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+        wanted = {r.id: r for r in rundir.load_all(self.run_dir)}
         for sid in [s for s in self.children if s not in wanted]:
             self._end(sid)
         for sid, record in wanted.items():
@@ -117,8 +110,13 @@ def _watch(record: rundir.Record, state_dir: Path) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         policy, _ = parse_policy(record.policy, f"<sandbox {record.id}>")
-        cfg = ObserverConfig(record.id, record.netns, policy, str(state_dir), None)
-        Observer(cfg).start()
+        cfg = ObserverConfig(
+            record.id, record.netns, policy, str(state_dir), None, record.cgroup, record.freezer
+        )
+        observer = Observer(cfg)
+        watching = f"{record.id} ({record.kind}, cgroup {record.cgroup})"
+        print(f"egressd observer: watching {watching}", file=sys.stderr, flush=True)
+        observer.start()
     except EgressError as exc:
         print(f"egressd observer: {record.id}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -5,6 +5,9 @@ a copy of every DNS packet sent to the resolver and of every dropped packet, and
 rule's counter), parses the DNS queries itself, applies the same policy, and freezes
 through its own Enforcer. If the inline layer's process dies, that is a ``layer_loss``
 violation. It exits when the sandbox's netns is gone or on SIGTERM.
+
+The cgroup it freezes is egress's own for the sandbox id, or, given as paths (what
+egressd records), any cgroup: so it also watches sandboxes attached to another runtime's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ class ObserverConfig:
     policy: Policy
     state_dir: str
     watch_pid: int | None  # the inline layer's process
+    # The sandbox's cgroup as paths (v2, and the v1 freezer twin if any): an attached
+    # sandbox's cgroup lies wherever its runtime made it. None: egress's own, by the id.
+    cgroup: str | None = None
+    freezer: str | None = None
+
+    def open_cgroup(self) -> Cgroup:
+        if self.cgroup is None:
+            return Cgroup.open(self.sandbox_id)
+        return Cgroup.attach_existing(self.cgroup, self.freezer)
 
 
 class Observer:
@@ -51,10 +63,9 @@ class Observer:
         self.policy = cfg.policy
         self.matcher = Matcher(cfg.policy)
         self.scorer = scorer_for(cfg.policy.tunnel, time.time)
+        cgroup = cfg.open_cgroup()  # before the journal: a missing cgroup leaves nothing open
         self.journal = Journal.open(cfg.state_dir)
-        self.enforcer = Enforcer(
-            cfg.sandbox_id, cfg.policy, LAYER, self.journal, Cgroup.open(cfg.sandbox_id)
-        )
+        self.enforcer = Enforcer(cfg.sandbox_id, cfg.policy, LAYER, self.journal, cgroup)
         self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP)
         self.nft = NftHandle.open(cfg.netns)
         self.drops_seen = 0
