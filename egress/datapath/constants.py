@@ -18,3 +18,8 @@ DROP_LOG_PREFIX = "egress "  # followed by the violation class
 UPLINK_TABLE = "egress_uplink"  # inet table shared by every sandbox of one uplink netns
 SANDBOX_CT_MARK = 0x65677231  # "egr1": marks sandbox flows for the uplink's NAT hook
 HOST_IF_PREFIX = "eg-"  # host ends of sandbox veths; the uplink table matches "eg-*"
+# `egressd sidecar` lives in the sandbox's own netns, so its upstream DNS queries meet the
+# sandbox's rules. It sets this packet mark (SO_MARK) on its upstream sockets and its
+# ruleset accepts marked packets to exactly its upstreams. Setting SO_MARK needs
+# CAP_NET_ADMIN or CAP_NET_RAW, which the workload must not have. "egsd".
+SIDECAR_MARK = 0x65677364

@@ -7,6 +7,7 @@ placeholder values still passes ``nft -c -f`` and shows the reader which values 
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,14 +47,31 @@ def sandbox_defines() -> list[Define]:
     ]
 
 
-def render_sandbox(template: str, policy: Policy) -> str:
-    """The sandbox netns ruleset for ``policy`` (identical for every sandbox of it)."""
+@dataclass(frozen=True)
+class Sidecar:
+    """`egressd sidecar`: the resolver runs in the sandbox netns itself, as ``uid``, and
+    asks these upstreams (IP, port) from sockets carrying ``c.SIDECAR_MARK``."""
+
+    upstreams: tuple[tuple[str, int], ...]
+    uid: int
+
+
+def render_sandbox(template: str, policy: Policy, sidecar: Sidecar | None = None) -> str:
+    """The sandbox netns ruleset for ``policy`` (identical for every sandbox of it).
+
+    With ``sidecar``, one more block accepts the sidecar's own upstream queries; without
+    it the slot is empty and the text is what it always was.
+    """
     audit = policy.mode is Mode.AUDIT
+    defines = sandbox_defines()
+    if sidecar is not None:
+        defines.append(Define("SIDECAR_MARK", hex(c.SIDECAR_MARK), "egressd sidecar's SO_MARK"))
     return fill(
         template,
         {
             "mode_note": _mode_note(policy),
-            "defines": "\n".join(d.line() for d in sandbox_defines()),
+            "defines": "\n".join(d.line() for d in defines),
+            "sidecar_upstream": "" if sidecar is None else _sidecar_rules(sidecar),
             "static_rules": _static_rules(policy.connect.allow),
             "verdict": _verdict(audit),
             "connect_verdict": _verdict(audit, _holds_connects(policy)),
@@ -63,6 +81,35 @@ def render_sandbox(template: str, policy: Policy) -> str:
             "log_limit": f"limit rate {c.LOG_RATE} burst {c.LOG_BURST} packets",
         },
     )
+
+
+def _sidecar_rules(sidecar: Sidecar) -> str:
+    """The sidecar's exception, between blank lines (its slot is the blank line before
+    the DNS-learned destinations). Its upstreams' answers need no rule: they come in, and
+    this table hooks only output; the rest of a TCP exchange matches ct established."""
+    if not sidecar.upstreams:
+        raise DatapathError("a sidecar ruleset needs at least one upstream")
+    if not 0 <= sidecar.uid < 2**32:
+        raise DatapathError(f"sidecar uid {sidecar.uid} is out of range")
+    lines = [
+        "",
+        "\t\t# egressd sidecar: its own upstream DNS queries, and nothing else. Only a socket",
+        "\t\t# with this mark (SO_MARK: CAP_NET_ADMIN or CAP_NET_RAW, which the workload lacks)",
+        "\t\t# of the sidecar's uid matches; the workload's own packets fall through to the rest.",
+    ]
+    head = f"\t\tmeta mark $SIDECAR_MARK meta skuid {sidecar.uid}"
+    for host, port in dict.fromkeys(sidecar.upstreams):  # in order, once each
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            raise DatapathError(f"sidecar upstream {host!r} is not an IP address") from None
+        if not 0 < port < 65536:
+            raise DatapathError(f"sidecar upstream port {port} is out of range")
+        family = "ip" if address.version == 4 else "ip6"
+        lines.append(
+            f"{head} {family} daddr {address} meta l4proto {{ tcp, udp }} th dport {port} accept"
+        )
+    return "\n".join([*lines, ""])
 
 
 def _mode_note(policy: Policy) -> str:
