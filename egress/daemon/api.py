@@ -12,6 +12,7 @@ problem as FILE:LINE:COL). A request that fails changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import struct
@@ -26,7 +27,7 @@ from aiohttp import web
 from egress.errors import DatapathError, EgressError, JournalError, PolicyError, UpstreamError
 
 from . import metrics
-from .registry import Conflict, NotFound, Registry
+from .registry import Busy, Conflict, NotFound, Registry
 
 REGISTRY: web.AppKey[Registry] = web.AppKey("registry", Registry)
 OPENAPI = Path(__file__).with_name("openapi.yaml")
@@ -59,6 +60,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error(404, str(exc), request.match_info.get("id"))
     except Conflict as exc:
         return error(409, str(exc))
+    except Busy as exc:
+        return error(503, str(exc))
     except (DatapathError, JournalError) as exc:
         return error(500, str(exc))
     except EgressError as exc:  # SandboxError: a netns, cgroup or uplink that won't do
@@ -173,7 +176,10 @@ async def journal(request: web.Request) -> web.Response:
 
 
 async def prometheus(request: web.Request) -> web.Response:
-    text = metrics.render(_registry(request))
+    registry = _registry(request)
+    loop = asyncio.get_running_loop()
+    kernel = await loop.run_in_executor(None, metrics.read_kernel, registry.list())
+    text = metrics.render(registry, kernel)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

@@ -18,16 +18,17 @@ from aiohttp import web
 
 from egress import __version__
 from egress.errors import EgressError, SandboxError
+from egress.runtime import nft
 from egress.runtime.journal import Journal, state_dir
 from egress.runtime.paths import run_dir
 
-from . import rundir
+from . import handoff, rundir, sidecar
 from .api import make_app
 from .observers import Supervisor
 from .registry import Registry
 
 FMT = argparse.RawDescriptionHelpFormatter
-FD_SETSIZE = 1024
+OPEN_FILES = 65536
 DEFAULT_SOCKET = str(run_dir() / "egressd.sock")
 SERVE_EPILOG = """\
 examples:
@@ -37,8 +38,14 @@ examples:
   curl --unix-socket /run/egress/egressd.sock http://egressd/v1/sandboxes
   egressctl sandbox create --policy policies/python-dev.yaml
 
+  egressd --replace                         # restart or upgrade without losing a query
+
 SIGTERM (or Ctrl-C) stops serving; every sandbox's nft rules stay in the kernel, so
 enforcement never lapses, and the next egressd adopts the sandboxes in --run-dir.
+Queries sent while no egressd runs wait in the resolver sockets' queues only as long as
+a socket lives: to restart under load, start the new one with --replace instead. It
+takes the running egressd's sockets over (SCM_RIGHTS), queued queries and all; the old
+one answers what it already sent upstream and exits.
 Run `egressd observer` beside it (its own process, its own unit) for the second layer.
 """
 OBSERVER_EPILOG = """\
@@ -46,8 +53,8 @@ examples:
   egressd observer
   egressd observer --run-dir /tmp/e-run --state-dir /tmp/e-state
 
-Watches every sandbox egressd created (one forked observer per sandbox, restarted on a
-policy swap). Sandboxes egressd attached to are not watched by this layer.
+Watches every sandbox egressd serves, created or attached (one forked observer per
+sandbox, restarted on a policy swap), freezing the cgroup the run dir's record names.
 """
 
 
@@ -76,6 +83,12 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="the API socket (default: %(default)s), mode 0660, owner root")  # fmt: skip
     p.add_argument("--group", metavar="G", help="group owning the socket (default: root's)")
     p.add_argument(
+        "--replace",
+        action="store_true",
+        help="take over from the egressd running on --run-dir: it hands over its "
+        "sockets (no query is lost), drains and exits; without one, start as usual",
+    )
+    p.add_argument(
         "--no-adopt",
         action="store_true",
         help="do not serve the sandboxes an earlier egressd left in --run-dir",
@@ -95,6 +108,38 @@ def observer_parser() -> argparse.ArgumentParser:
     return p
 
 
+def sidecar_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="egressd sidecar",
+        formatter_class=FMT,
+        description=(
+            "Serve one sandbox from inside its own netns (beside the workload, as a "
+            "container sharing its netns would): its DNS, its allowed sets, the inline "
+            "freeze layer. Needs CAP_NET_ADMIN; the workload must have neither "
+            "CAP_NET_ADMIN nor CAP_NET_RAW."
+        ),
+        epilog=sidecar.EPILOG,
+    )
+    p.add_argument("--policy", required=True, metavar="FILE", help="the sandbox's policy")
+    p.add_argument("--cgroup", required=True, metavar="PATH",
+                   help="the workload's cgroup v2 directory (frozen on a violation)")  # fmt: skip
+    p.add_argument("--freezer", metavar="PATH", help="its v1 freezer twin, if it has one")
+    p.add_argument("--id", metavar="ID", help="the sandbox id in the journal (default: random)")
+    p.add_argument("--upstream", metavar="IP[:PORT]",
+                   help="ask this upstream instead of the policy's dns.upstreams")  # fmt: skip
+    p.add_argument(
+        "--remove-on-exit",
+        action="store_true",
+        help="on SIGTERM/SIGINT delete table inet egress (default: leave it enforcing)",
+    )
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="journal directory (default: $EGRESS_STATE_DIR or /var/lib/egress)",
+    )
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -102,7 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = observer_parser().parse_args(args_in[1:])
             sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir))
             return sup.run()
+        if args_in[:1] == ["sidecar"]:
+            return sidecar.run(sidecar_parser().parse_args(args_in[1:]))
         args = serve_parser().parse_args(args_in)
+        args.argv = [a for a in args_in if a != "--replace"]  # for a re-exec on SIGHUP
         gid = _group(args.group)
         return asyncio.run(serve(args, gid))
     except EgressError as exc:
@@ -124,48 +172,86 @@ def _group(name: str | None) -> int:
 async def serve(args: argparse.Namespace, gid: int) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressd needs root (it makes namespaces, nft rules and cgroups)")
-    _cap_open_files()
+    _raise_open_files()
+    nft.use_worker().start()
+    run_dir = Path(args.run_dir)
+    taken = handoff.inherited()  # this process, re-executed on SIGHUP
+    if taken is None and args.replace:
+        taken = handoff.take_over(run_dir)
     state = state_dir(args.state_dir)
     journal = Journal.open(state)
     hint = f" --state-dir {args.state_dir}" if args.state_dir else ""
-    registry = Registry(journal, Path(args.run_dir), review_hint=hint)
+    registry = Registry(journal, run_dir, review_hint=hint)
     runner: web.AppRunner | None = None
+    api: socket.socket | None = None
+    giver: handoff.Giver | None = None
+    ended = "stop"
     try:
-        if not args.no_adopt:
-            for problem in await registry.adopt():
+        if taken is not None or not args.no_adopt:
+            handed = taken.sandboxes if taken is not None else None
+            for problem in await registry.adopt(handed):
                 print(f"egressd: {problem}", file=sys.stderr)
+            if taken is not None:
+                taken.sandboxes = {}  # the registry owns them now (served, or closed)
         runner = web.AppRunner(make_app(registry), handle_signals=False)
         await runner.setup()
-        await _bind(runner, args.socket, gid)
+        if taken is not None and taken.api is not None and _bound_to(taken.api, args.socket):
+            api, taken.api = taken.api, None  # the same listening socket: no refused connect
+        else:
+            api = _listen(args.socket, gid)
+        await web.SockSite(runner, api).start()
+        giver = handoff.Giver(run_dir, registry.offers, lambda: api, registry.pause)
+        giver.listen()
+        if taken is not None:
+            taken.serving()
+            how = "re-executed" if taken.old_pid == os.getpid() else "took over from egressd"
+            print(f"egressd: {how} {taken.old_pid}", flush=True)
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
-        await _until_signalled()
+        ended = await _until_signalled(giver.done)
     finally:
+        if taken is not None:
+            taken.close()  # whatever adoption did not use
+        reload = None
+        if ended == "reload":
+            # Duplicates survive the shutdown below; exec passes them on.
+            registry.pause(True)
+            reload = ([o.dup() for o in registry.offers()], _dup(api))
+        if giver is not None:
+            giver.close()
         if runner is not None:
             await runner.cleanup()
-        await registry.close()
-        with contextlib.suppress(FileNotFoundError):
-            if runner is not None:
-                os.unlink(args.socket)
+        await registry.close(handed_over=ended != "stop")
+        if api is not None and ended == "stop":
+            _unlink_if_ours(args.socket, api)
+        if api is not None:
+            api.close()
         journal.close()
+    if reload is not None:
+        print("egressd: SIGHUP: re-executing with every socket kept", file=sys.stderr, flush=True)
+        nft.use_worker().close()  # the new image starts its own
+        handoff.exec_self(args.argv, *reload)
     return 0
 
 
-def _cap_open_files() -> None:
-    """Keep every descriptor below FD_SETSIZE (1024).
+def _dup(sock: socket.socket | None) -> socket.socket | None:
+    return None if sock is None else socket.socket(fileno=os.dup(sock.fileno()))
 
-    libnftables (nftables 1.0.6, src/mnl.c) waits for the kernel with select(): a handle
-    whose socket is fd 1024 or above aborts the whole process ("bit out of range 0 -
-    FD_SETSIZE"), taking every sandbox's resolver down. Each served sandbox holds about
-    nine descriptors, so with this cap a create past ~110 sandboxes fails cleanly (EMFILE,
-    undone, an error to its caller) instead.
+
+def _raise_open_files() -> None:
+    """Room for thousands of sandboxes' descriptors (about eight each).
+
+    Nothing in egressd select()s on a descriptor: libnftables, which does, runs in the
+    nft worker process (runtime/nft_worker.py). The soft limit is often 1024; the
+    daemon's unit sets LimitNOFILE too, this covers running it by hand.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft > FD_SETSIZE:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (FD_SETSIZE, hard))
+    wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-async def _bind(runner: web.AppRunner, path: str, gid: int) -> None:
-    """Listen on ``path`` (0660, root:gid); refuse if another egressd answers there."""
+def _listen(path: str, gid: int) -> socket.socket:
+    """The API socket at ``path`` (0660, root:gid); refuse if another egressd answers."""
     Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -174,24 +260,53 @@ async def _bind(runner: web.AppRunner, path: str, gid: int) -> None:
         except OSError:
             os.unlink(path)  # stale: its egressd is gone
         else:
-            raise SandboxError(f"{path}: another egressd is listening there")
+            raise SandboxError(
+                f"{path}: another egressd is listening there (egressd --replace takes over)"
+            )
         finally:
             probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o117)  # never a moment when others may connect
     try:
-        await web.UnixSite(runner, path).start()
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
     finally:
         os.umask(old)
     os.chown(path, 0, gid)
     os.chmod(path, 0o660)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
-async def _until_signalled() -> None:
+def _bound_to(sock: socket.socket, path: str) -> bool:
+    return bool(sock.getsockname() == path)
+
+
+def _unlink_if_ours(path: str, sock: socket.socket) -> None:
+    """Remove the socket file unless a successor's took its place."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == os.fstat(sock.fileno()).st_ino:
+            os.unlink(path)
+
+
+async def _until_signalled(handed: asyncio.Event) -> str:
+    """ "stop" on SIGTERM/SIGINT, "reload" on SIGHUP, "handed" once a successor serves."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    reload = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    loop.add_signal_handler(signal.SIGHUP, reload.set)
+    waits = [asyncio.ensure_future(e.wait()) for e in (stop, reload, handed)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if handed.is_set():
+        return "handed"
+    return "reload" if reload.is_set() and not stop.is_set() else "stop"
 
 
 if __name__ == "__main__":

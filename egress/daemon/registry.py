@@ -28,18 +28,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError, UpstreamError
 from egress.model import Policy
 from egress.policy import parse_policy
 from egress.runtime import attach as attach_mod
 from egress.runtime import sandbox as sbx
-from egress.runtime.dns_server import make_core, parse_upstream, resolve_upstreams
-from egress.runtime.enforcer import Enforcer
+from egress.runtime.dns_server import parse_upstream, resolve_upstreams
 from egress.runtime.journal import Journal
+from egress.runtime.nflog import NflogListener
 from egress.runtime.session import Session
 
-from . import rundir
+from . import handoff, inline, rundir
 from .swap import TrackingResolver, swap
 
 _T = TypeVar("_T")
@@ -52,6 +53,10 @@ class NotFound(SandboxError):
 
 class Conflict(SandboxError):
     """The request collides with what is already served."""
+
+
+class Busy(SandboxError):
+    """egressd is handing its sandboxes to a successor; changes wait for it."""
 
 
 @dataclass
@@ -105,6 +110,7 @@ class Registry:
         self.served: dict[str, Served] = {}
         self._claimed: set[str] = set()  # ids being made right now
         self.created_total = 0
+        self.paused = False  # sockets are being handed to a successor egressd
 
     # -- reading -------------------------------------------------------------------------
 
@@ -117,11 +123,16 @@ class Registry:
         except KeyError:
             raise NotFound(f"no sandbox {sandbox_id!r} is served by this egressd") from None
 
+    def _changing(self) -> None:
+        if self.paused:
+            raise Busy("egressd is handing over to a new egressd; retry in a moment")
+
     # -- making --------------------------------------------------------------------------
 
     async def create(
         self, policy_text: str, uplink_netns: str | None = None, upstream: str | None = None
     ) -> Served:
+        self._changing()
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
         sb = await _in_thread(sbx.create, policy, self.pools, uplink_netns)
@@ -142,6 +153,7 @@ class Registry:
         upstream: str | None = None,
         sandbox_id: str | None = None,
     ) -> Served:
+        self._changing()
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
         sid = self._claim_id(sandbox_id)
@@ -187,6 +199,7 @@ class Registry:
         record: rundir.Record,
         upstreams: builtins.list[tuple[str, int]],
         fresh: bool,
+        handed: handoff.Handed | None = None,
     ) -> Served:
         """Serve a made (or adopted) sandbox; on failure a fresh one is torn down again."""
         session: Session | None = None
@@ -196,11 +209,14 @@ class Registry:
                 self.journal.record_sandbox(
                     sb.id, sb.policy.name, netns=sb.netns, cgroup=sb.cgroup.v2_path,
                     inline_pid=os.getpid(), owner_pid=os.getpid(),
+                    freezer=sb.cgroup.freezer_path,
                 )  # fmt: skip
-            session, resolver = await self._start(sb, record, upstreams)
+            session, resolver = await self._start(sb, record, upstreams, fresh, handed)
             rundir.save(self.run_dir, record)
         except BaseException:
             await self._stop(session, resolver)
+            if handed is not None:
+                handed.close()  # ours only: the previous egressd's copies are its own
             if fresh:
                 await _in_thread(_destroy_quietly, sb)
                 with contextlib.suppress(EgressError):
@@ -211,51 +227,61 @@ class Registry:
         return served
 
     async def _start(
-        self, sb: sbx.Sandbox, record: rundir.Record, upstreams: builtins.list[tuple[str, int]]
+        self,
+        sb: sbx.Sandbox,
+        record: rundir.Record,
+        upstreams: builtins.list[tuple[str, int]],
+        fresh: bool,
+        handed: handoff.Handed | None,
     ) -> tuple[Session, TrackingResolver]:
-        loop = asyncio.get_running_loop()
-        enforcer = Enforcer(sb.id, sb.policy, "inline", self.journal, sb.cgroup)
-        session = Session(sb, enforcer, None, self.review_hint)
+        listener = None
+        if handed is not None:
+            listener = NflogListener(handed.nflog, c.INLINE_GROUP, sb.netns)
+        session, resolver = inline.make(
+            sb, self.journal, self.review_hint, upstreams, record.uplink_netns, listener=listener
+        )
         try:
-            loop.add_reader(session.listener.fileno(), session.on_nflog)
-            resolver = TrackingResolver(
-                make_core(sb.policy, len(upstreams)),
-                upstreams,
-                sb.nft,
-                session.on_violation,
-                sb.netns,
-                record.uplink_netns,
-            )
-            await resolver.start()
+            if not fresh:
+                # Adopted: what an earlier egressd's answers put in the sets keeps its
+                # expiry (no later answer shortens it), and, if it handed over, which
+                # question put it there (so a policy swap keeps what is still allowed).
+                resolver.seed_expiry()
+                if handed is not None:
+                    resolver.restore(handed.learned)
+            await resolver.start(None if handed is None else (handed.udp, handed.tcp))
         except BaseException:
-            await self._stop(session, None)
+            await inline.stop(session, None)
             raise
         return session, resolver
 
-    async def _stop(self, session: Session | None, resolver: TrackingResolver | None) -> None:
-        if resolver is not None:
-            await resolver.close()
-        if session is not None:
-            session.stopping = True
-            with contextlib.suppress(ValueError, OSError):
-                asyncio.get_running_loop().remove_reader(session.listener.fileno())
-            session.close()
+    async def _stop(
+        self,
+        session: Session | None,
+        resolver: TrackingResolver | None,
+        handed_over: bool = False,
+    ) -> None:
+        await inline.stop(session, resolver, handed_over)
 
     # -- adoption ------------------------------------------------------------------------
 
-    async def adopt(self) -> builtins.list[str]:
-        """Serve every sandbox a previous egressd left in the run dir; returns problems."""
+    async def adopt(self, handed: dict[str, handoff.Handed] | None = None) -> builtins.list[str]:
+        """Serve every sandbox a previous egressd left in the run dir (with the sockets
+        it handed over, if it did); returns problems."""
+        handed = dict(handed or {})
         problems = []
         for record in rundir.load_all(self.run_dir):
             if record.id in self.served:
                 continue
             try:
-                await self._adopt(record)
+                await self._adopt(record, handed.pop(record.id, None))
             except EgressError as exc:
                 problems.append(f"sandbox {record.id}: not adopted: {exc}")
+        for sandbox_id, leftover in handed.items():
+            problems.append(f"sandbox {sandbox_id}: handed over but has no record; not served")
+            leftover.close()
         return problems
 
-    async def _adopt(self, record: rundir.Record) -> None:
+    async def _adopt(self, record: rundir.Record, handed: handoff.Handed | None) -> None:
         policy = parse(record.policy)
         upstreams = _upstreams(policy, record.upstream)
         if record.kind == "created":
@@ -267,7 +293,7 @@ class Registry:
             )  # fmt: skip
         record.daemon_pid = os.getpid()
         try:
-            await self._serve(sb, record, upstreams, fresh=False)
+            await self._serve(sb, record, upstreams, fresh=False, handed=handed)
         except BaseException:
             sb.nft.close()
             raise
@@ -293,6 +319,7 @@ class Registry:
 
     async def delete(self, sandbox_id: str) -> None:
         """Tear down what egress made, or detach from what it didn't."""
+        self._changing()
         served = self.get(sandbox_id)
         del self.served[sandbox_id]
         await self._stop(served.session, served.resolver)
@@ -305,6 +332,7 @@ class Registry:
 
     def set_policy(self, sandbox_id: str, policy_text: str) -> dict[str, Any]:
         """Swap the policy in one event-loop turn: nft rules, set elements, resolver."""
+        self._changing()
         served = self.get(sandbox_id)
         policy = parse(policy_text)
         if served.record.upstream is None:
@@ -322,10 +350,35 @@ class Registry:
             rundir.save(self.run_dir, served.record)
         return {"removed_elements": removed, "swap_ms": round((time.monotonic() - start) * 1e3, 2)}
 
-    async def close(self) -> None:
-        """Stop serving; every sandbox's kernel rules and run-dir record stay."""
+    # -- handing over -------------------------------------------------------------------
+
+    def pause(self, paused: bool) -> None:
+        self.paused = paused
+
+    def offers(self) -> builtins.list[handoff.Offer]:
+        """Each served sandbox's sockets and learned addresses, for a successor."""
+        out = []
+        for s in self.list():
+            udp, tcp = s.resolver.listening
+            out.append(
+                handoff.Offer(s.id, udp, tcp, s.session.listener.sock, s.resolver.learned_list())
+            )
+        return out
+
+    async def close(self, handed_over: bool = False, drain_s: float = 3.0) -> None:
+        """Stop serving; every sandbox's kernel rules and run-dir record stay.
+
+        ``handed_over``: a successor reads every socket now. Stop reading, answer what
+        was already sent upstream (at most ``drain_s``), keep the NFLOG groups bound.
+        """
+        loop = asyncio.get_running_loop()
+        if handed_over:
+            for served in self.served.values():
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(served.session.listener.fileno())
+            await asyncio.gather(*(s.resolver.drain(drain_s) for s in self.served.values()))
         for served in list(self.served.values()):
-            await self._stop(served.session, served.resolver)
+            await self._stop(served.session, served.resolver, handed_over)
             served.sb.nft.close()
         self.served.clear()
 

@@ -24,7 +24,7 @@ from typing import Any
 from egress.datapath import constants as c
 from egress.datapath.elements import SetUpdate, plan_update
 from egress.datapath.render import render_sandbox
-from egress.errors import DatapathError
+from egress.errors import DatapathError, EgressError
 from egress.model import IPAddress, Policy
 from egress.policy.matcher import Matcher
 from egress.resolver import wire
@@ -117,6 +117,36 @@ class TrackingResolver(ResolverServer):
             update: SetUpdate = plan_update(seen.ips, ports, 1)
             keep.update(update.elements4, update.elements6)
         return keep
+
+    def learned_list(self) -> list[list[Any]]:
+        """What ``learned`` holds, as JSON for a successor egressd."""
+        return [
+            [name, qtype, sorted(str(ip) for ip in seen.ips), seen.until]
+            for (name, qtype), seen in self.learned.items()
+        ]
+
+    def restore(self, entries: list[list[Any]]) -> None:
+        """Take over a predecessor's ``learned_list()``; malformed entries are skipped."""
+        for entry in entries[:MAX_TRACKED]:
+            try:
+                name, qtype, ips, until = entry
+                learned = Learned({ipaddress.ip_address(ip) for ip in ips}, float(until))
+                self.learned[(str(name), int(qtype))] = learned
+            except (TypeError, ValueError):
+                continue
+
+    def seed_expiry(self) -> None:
+        """Learn when the elements already in the sets expire (an adopted sandbox), so
+        no answer shortens them: the kernel remembers what our predecessor allowed."""
+        now = time.monotonic()
+        for set_name in ("allow4", "allow6"):
+            try:
+                elements = self.nft.list_set("inet", c.TABLE, set_name)
+            except EgressError:
+                continue  # nothing to keep: answers set their own timeouts
+            for e in elements:
+                if e["expires"]:
+                    self.expiry.record([e["key"]], int(e["expires"]), now)
 
     def forget_unjustified(self, keep_names: Matcher) -> None:
         self.learned = {q: v for q, v in self.learned.items() if keep_names.decide(*q).allowed}

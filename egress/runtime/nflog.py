@@ -211,6 +211,18 @@ class NflogListener:
         family, _version, group = _NFGEN.unpack_from(buf, pos)
         return [_event(group, family, _iter_attrs(buf, pos + _NFGEN.size, end))]
 
+    @property
+    def sock(self) -> socket.socket:
+        """The bound socket itself (egressd hands it to its successor)."""
+        return self._require()
+
+    def release(self) -> None:
+        """Close our descriptor but keep the binding: another process holds the same
+        socket (a successor egressd) and goes on reading the group."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
     def close(self) -> None:
         """Unbind the group (so another listener may take it) and close the socket."""
         if self._sock is None:

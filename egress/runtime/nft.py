@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from typing import Any
 
 import nftables
@@ -76,22 +77,28 @@ def use_worker() -> NftWorker:
 
 
 class _WorkerContext:
-    """The three calls NftHandle makes on a libnftables context, run by the worker."""
+    """The three calls NftHandle makes on a libnftables context, run by the worker.
+
+    Unlike a libnftables context it may be shared by threads (egressd reads metrics in
+    one while the event loop writes): the worker serialises the commands, and the two
+    flags are per thread.
+    """
 
     def __init__(self, worker: NftWorker, netns: str | None) -> None:
         self._worker = worker
         self._netns = netns
-        self._json = False
-        self._dry = False
+        self._flags = threading.local()
 
     def set_json_output(self, flag: bool) -> None:
-        self._json = flag
+        self._flags.json = flag
 
     def set_dry_run(self, flag: bool) -> None:
-        self._dry = flag
+        self._flags.dry = flag
 
     def cmd(self, text: str) -> tuple[int, str, str]:
-        return self._worker.cmd(self._netns, text, self._json, self._dry)
+        as_json = getattr(self._flags, "json", False)
+        dry = getattr(self._flags, "dry", False)
+        return self._worker.cmd(self._netns, text, as_json, dry)
 
 
 class NftHandle:

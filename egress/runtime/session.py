@@ -50,13 +50,15 @@ class Session:
         enforcer: Enforcer,
         decision_timeout: float | None,
         review_hint: str,
+        listener: NflogListener | None = None,
     ) -> None:
         self.sb = sb
         self.enforcer = enforcer
         self.decision_timeout = decision_timeout
         self.review_hint = review_hint
         self.state = SessionState()
-        self.listener = NflogListener.open(sb.netns, c.INLINE_GROUP)
+        # A listener handed over by a previous egressd is already bound to the group.
+        self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
         # Bounded: a workload flooding denied queries must not grow egressctl without end.
         self._journal_queue: queue.Queue[Violation | None] = queue.Queue(JOURNAL_BACKLOG)
@@ -116,13 +118,19 @@ class Session:
             )
         )
 
-    def close(self) -> None:
-        with contextlib.suppress(EgressError):
-            self.on_nflog()  # evidence that arrived while the command was exiting
+    def close(self, handed_over: bool = False) -> None:
+        """Stop; with ``handed_over`` a successor reads the NFLOG group from now on, so
+        leave the rest of its queue to it and keep the group bound."""
+        if not handed_over:
+            with contextlib.suppress(EgressError):
+                self.on_nflog()  # evidence that arrived while the command was exiting
         self._journal_queue.put(None)  # blocks until there is room: nothing queued is lost
         self._writer.join()  # everything seen is in the journal before the report is made
         self.state.overruns = self.listener.overruns
-        self.listener.close()
+        if handed_over:
+            self.listener.release()
+        else:
+            self.listener.close()
         if self._monitor is not None:
             self._monitor.cancel()
 
