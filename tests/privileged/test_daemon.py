@@ -11,27 +11,22 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from egress.cli.daemon_cmds import Client, DaemonError
-from egress.runtime import claims
 from egress.runtime.cgroup import Cgroup, find_mounts
 from egress.runtime.journal import Journal
 from egress.runtime.lab import Lab
 from egress.runtime.nft import NftHandle
-from egress.runtime.sandbox import teardown_claim
 from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON, unique
+from tests.privileged.daemons import ROOT, Daemon, dig, egressd, set_ips
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
-ROOT = Path(__file__).resolve().parents[2]
 POLICY = """
 apiVersion: egress/v1
 kind: Policy
@@ -55,80 +50,10 @@ def policy(name: str, *names: str) -> str:
     return POLICY.format(name=name, names=", ".join(names))
 
 
-class Daemon:
-    def __init__(self, directory: Path, state: Path) -> None:
-        self.dir = directory
-        self.socket = str(directory / "egressd.sock")
-        self.run_dir = directory / "run"
-        self.state = state
-        self.made: list[str] = []
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        argv = [sys.executable, "-m", "egress.daemon.main", "--socket", self.socket,
-                "--run-dir", str(self.run_dir), "--state-dir", str(self.state)]  # fmt: skip
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert "serving" in line, self.stop()
-
-    def stop(self, sig: int = signal.SIGTERM) -> str:
-        if self.proc is None or self.proc.poll() is not None:
-            return ""
-        self.proc.send_signal(sig)
-        _, err = self.proc.communicate(timeout=30)
-        return err
-
-    @property
-    def client(self) -> Client:
-        return Client(self.socket)
-
-    def create(self, text: str, uplink: str) -> dict[str, Any]:
-        data = self.client.call("POST", "/v1/sandboxes", {"policy": text, "uplink_netns": uplink})
-        self.made.append(data["id"])
-        return dict(data)
-
-    def cleanup(self) -> None:
-        """Delete what is still served, stop, tear down what a stopped egressd left."""
-        with suppress(DaemonError):
-            for row in self.client.call("GET", "/v1/sandboxes"):
-                with suppress(DaemonError):
-                    self.client.call("DELETE", f"/v1/sandboxes/{row['id']}")
-        self.stop()
-        for claim in claims.load_all():
-            if claim.id in self.made:
-                teardown_claim(claim)
-
-
-@contextmanager
-def egressd(state: Path) -> Iterator[Daemon]:
-    directory = Path(tempfile.mkdtemp(prefix="egressd-test-"))
-    daemon = Daemon(directory, state)
-    try:
-        daemon.start()
-        yield daemon
-    finally:
-        daemon.cleanup()
-        subprocess.run(["rm", "-rf", str(directory)], check=False)
-
-
 @pytest.fixture(scope="module")
 def daemon(lab: Lab, state_dir: Path) -> Iterator[Daemon]:
     with egressd(state_dir) as d:
         yield d
-
-
-def dig(netns: str, name: str, server: str = "127.0.0.53") -> str:
-    argv = ["ip", "netns", "exec", netns, "dig", "+short", "+tries=1", "+time=2", f"@{server}"]
-    done = subprocess.run([*argv, name], capture_output=True, text=True, timeout=20)
-    return "\n".join(x for x in done.stdout.splitlines() if not x.startswith(";;")).strip()
-
-
-def set_ips(netns: str) -> set[str]:
-    with NftHandle.open(netns) as nft:
-        return {e["key"].split(" . ")[0] for e in nft.list_set("inet", "egress", "allow4")}
 
 
 @contextmanager
@@ -199,6 +124,60 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
             daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
     for box in boxes:
         assert not os.path.exists(f"/run/netns/{box['netns']}")
+
+
+BURST = """
+import socket, struct, sys
+n = int(sys.argv[1])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(1)
+name = b"".join(bytes([len(p)]) + p.encode() for p in "allowed.lab.test".split(".")) + b"\\0"
+for i in range(n):
+    s.sendto(struct.pack("!6H", i, 256, 1, 0, 0, 0) + name + struct.pack("!HH", 1, 1),
+             ("127.0.0.53", 53))
+got = 0
+try:
+    while got < n:
+        s.recv(4096)
+        got += 1
+except OSError:
+    pass
+print(got)
+"""
+
+
+def burst(netns: str, n: int) -> int:
+    """``n`` queries sent at once from inside the sandbox; how many were answered."""
+    argv = ["ip", "netns", "exec", netns, SYSTEM_PYTHON, "-c", BURST, str(n)]
+    return int(subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout)
+
+
+def test_metrics_count_rate_limited_queries_and_time_upstream_round_trips(
+    daemon: Daemon, lab: Lab
+) -> None:
+    limited = policy("limited", "allowed.lab.test").replace(
+        "    allow:", "    rate_limit: {qps: 1, burst: 2}\n    allow:"
+    )
+    box = daemon.create(limited, lab.uplink_netns)
+    sid = box["id"]
+    try:
+        assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]  # upstream
+        answered = burst(box["netns"], 10)
+        assert answered <= 2  # what the bucket had left, and up to one second's refill
+        metrics = daemon.client.request("GET", "/metrics")[1]
+        assert f'egress_dns_rate_limited_total{{sandbox="{sid}"}} {10 - answered}' in metrics
+        count = f'egress_upstream_latency_seconds_count{{sandbox="{sid}"}} 1'
+        assert count in metrics
+        assert f'egress_upstream_latency_seconds_bucket{{sandbox="{sid}",le="2.5"}} 1' in metrics
+        assert f'egress_upstream_latency_seconds_bucket{{sandbox="{sid}",le="+Inf"}} 1' in metrics
+        # A live swap to a policy with the default limit (500/s) lifts it at once.
+        path = f"/v1/sandboxes/{sid}/policy"
+        daemon.client.call("PUT", path, {"policy": policy("unlimited", "allowed.lab.test")})
+        assert burst(box["netns"], 10) == 10
+        metrics = daemon.client.request("GET", "/metrics")[1]
+        assert f'egress_dns_rate_limited_total{{sandbox="{sid}"}} {10 - answered}' in metrics
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{sid}")
 
 
 def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Daemon, lab: Lab) -> None:
@@ -340,3 +319,83 @@ def test_observer_layer_freezes_with_egressd_killed(lab: Lab, state_dir: Path) -
             v = journal.violations(box["id"])[0]
         assert v["class"] == "blocked_connect" and v["layer"] == "observer"
         d.start()  # adopts it, so cleanup deletes it through the API
+
+
+@contextmanager
+def freezer_twin(cgroup: Cgroup) -> Iterator[Cgroup]:
+    """A hand-made cgroup with a v1 freezer twin where the machine has that hierarchy
+    (hybrid systems), as another runtime would make it; removed afterwards."""
+    mount = find_mounts().freezer
+    if mount is None:
+        yield cgroup
+        return
+    path = os.path.join(mount, os.path.basename(cgroup.v2_path))
+    os.mkdir(path)
+    try:
+        yield Cgroup.attach_existing(cgroup.v2_path, path)
+    finally:
+        os.rmdir(path)
+
+
+@contextmanager
+def connector(netns: str, cgroup: Cgroup, ip: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A process that joins the cgroup before it execs, connects to ip from the netns and
+    stays; everything in the cgroup is killed afterwards."""
+    code = (
+        "import socket, time\ns = socket.socket(); s.settimeout(2)\n"
+        f"try: s.connect(('{ip}', 80))\nexcept OSError: pass\ntime.sleep(300)"
+    )
+    argv = ["ip", "netns", "exec", netns, SYSTEM_PYTHON, "-c", code]
+    proc = subprocess.Popen(argv, preexec_fn=lambda: cgroup.add_pid(os.getpid()))
+    try:
+        yield proc
+    finally:
+        with suppress(Exception):
+            cgroup.kill()
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def wait_for_output(proc: subprocess.Popen[bytes], needle: str, timeout: float = 20.0) -> None:
+    """Read proc's stderr until needle shows; fail at the deadline or if it exits first."""
+    import select  # here, not at the top: this helper came with the test below
+
+    assert proc.stderr is not None
+    fd, seen, deadline = proc.stderr.fileno(), b"", time.monotonic() + timeout
+    while needle.encode() not in seen:
+        ready = select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]
+        chunk = os.read(fd, 4096) if ready else b""
+        assert chunk, f"no {needle!r} within {timeout} s; stderr: {seen.decode()}"
+        seen += chunk
+
+
+def test_observer_layer_watches_attached_sandboxes_with_egressd_killed(
+    lab: Lab, state_dir: Path
+) -> None:
+    with hand_made("oba") as (ns, bare), freezer_twin(bare) as cgroup, egressd(state_dir) as d:
+        body = {"netns": ns, "cgroup": cgroup.v2_path, "freezer": cgroup.freezer_path,
+                "policy": policy("oba", "allowed.lab.test"), "uplink_netns": lab.uplink_netns,
+                "id": ns[-20:].replace(".", "-")}  # fmt: skip
+        box = d.client.call("POST", "/v1/sandboxes/attach", body)
+        argv = [sys.executable, "-m", "egress.daemon.main", "observer",
+                "--run-dir", str(d.run_dir), "--state-dir", str(state_dir)]  # fmt: skip
+        observer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
+        try:
+            # Logged once the child has bound the observer NFLOG group in the netns.
+            wait_for_output(observer, f"watching {box['id']} (attached")
+            d.stop(signal.SIGKILL)  # only the observer layer is left, and the kernel's rules
+            with connector(ns, cgroup, "192.0.2.7") as proc:  # through the dummy link
+                assert wait_frozen(cgroup)
+                assert proc.pid in cgroup.pids()
+                if cgroup.freezer_path is not None:  # it froze the record's v1 twin too
+                    assert cgroup.v1_state() != "THAWED"
+        finally:
+            observer.send_signal(signal.SIGTERM)
+            observer.communicate(timeout=20)
+        with Journal.open(state_dir) as journal:
+            seen = [(v["class"], v["layer"]) for v in journal.violations(box["id"])]
+            freeze = journal.freezes(box["id"], limit=1)[0]
+        assert ("blocked_connect", "observer") in seen, seen
+        assert freeze["layer"] == "observer" and freeze["latency_ms"] is not None
+        print(f"observer froze the attached sandbox in {freeze['latency_ms']:.2f} ms")
+        d.start()  # adopts it, so cleanup detaches it through the API

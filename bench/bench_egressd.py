@@ -1,0 +1,456 @@
+"""One egressd serving many sandboxes: memory, create rate and DNS latency as N grows.
+
+Starts a throwaway lab and an egressd of its own (temp socket, run dir and journal), then
+grows the number of sandboxes it serves, through the API, to each of --steps (default
+1, 50, 100, 150, 200). At each step it prints:
+
+- RSS: VmRSS of egressd (and of its child processes, if it has any), and its open fds;
+- create: latency of each sequential ``POST /v1/sandboxes`` that brought N up to this
+  step (p50/p95) and the sequential rate; then a burst of --burst creates made by as many
+  threads at once (creates/s; deleted again at once);
+- DNS with every sandbox active: each sandbox asks its own resolver (127.0.0.53 in its
+  netns) --qps times a second for --seconds, all at once, one query in flight each, from
+  this process (a socket per sandbox, opened in its netns). --miss-share of the queries
+  are names never asked before (``ip-198-19-A-B.any.lab.test``: forwarded to the lab's
+  DNS, answered with a new address, set insert included), the rest are four names primed
+  in every sandbox (cache hits). p50/p99 of each kind; "direct": new names asked of the
+  lab's DNS straight from the uplink netns meanwhile (at the rate of one sandbox's
+  misses), what a miss costs without egressd; queries that got no answer within 2 s
+  ("lost") and answers other than NOERROR with an address ("bad").
+
+If a create fails (today egressd stops at ~110 sandboxes: libnftables uses select()),
+the figures up to there are printed with the error, and the bench stops growing.
+Everything it made is removed on the way out, Ctrl-C included. Prints figures, asserts
+nothing. Needs root.
+
+    .venv/bin/python bench/bench_egressd.py [--steps 1,50,100,150,200] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from egress.cli.daemon_cmds import Client, DaemonError
+from egress.runtime import claims
+from egress.runtime.lab import Lab
+from egress.runtime.netns import in_netns
+from egress.runtime.sandbox import teardown_claim
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = """\
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: bench-{i}}}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [allowed.lab.test, www.allowed.lab.test, a1.cdn.lab.test, a2.cdn.lab.test,
+            "*.any.lab.test"]
+  connect: {{ports: [80, 443, 8081]}}
+  tunnel: {{zones: [{{zone: lab.test, exempt: true}}]}}
+"""
+HITS = ["allowed.lab.test", "www.allowed.lab.test", "a1.cdn.lab.test", "a2.cdn.lab.test"]
+RESOLVER = ("127.0.0.53", 53)
+LAB_DNS = ("198.51.100.53", 53)
+TIMEOUT_S = 2.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+# -- egressd ---------------------------------------------------------------------------------
+
+
+class Egressd:
+    """Our own egressd, in its own session (a Ctrl-C at the terminal reaches only us, so
+    the sandboxes can still be deleted through its API); stopped by its pid."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.socket = str(directory / "egressd.sock")
+        argv = [sys.executable, "-m", "egress.daemon.main", "--socket", self.socket]
+        argv += ["--run-dir", str(directory / "run"), "--state-dir", str(directory / "state")]
+        with open(directory / "stderr", "w") as err:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         cwd=ROOT, start_new_session=True)  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "serving" not in line:
+            self.stop()
+            raise RuntimeError(f"egressd did not start: {line!r} {self.stderr()[-2000:]}")
+        self.client = Client(self.socket)
+
+    def stderr(self) -> str:
+        return (self.dir / "stderr").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+
+    def create(self, i: int, uplink: str) -> dict[str, Any]:
+        body = {"policy": POLICY.format(i=i), "uplink_netns": uplink}
+        return dict(self.client.call("POST", "/v1/sandboxes", body))
+
+    def delete(self, sid: str) -> None:
+        self.client.call("DELETE", f"/v1/sandboxes/{sid}")
+
+    def memory(self) -> tuple[float, float, int]:
+        """(egressd's VmRSS, its children's, its open fds); MB, MB, count."""
+        own = vm_rss(self.proc.pid)
+        kids = sum(vm_rss(pid) for pid in children(self.proc.pid))
+        return own, kids, len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+
+def vm_rss(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of pid."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            with contextlib.suppress(OSError):
+                found = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+                todo.extend(int(x) for x in found)
+                out.extend(int(x) for x in found)
+    return out
+
+
+# -- DNS load ---------------------------------------------------------------------------------
+
+
+def dns_query(qid: int, name: str) -> bytes:
+    q = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + q + struct.pack("!HH", 1, 1)
+
+
+def fresh_names() -> Iterator[str]:
+    """AnyIP names never asked before: each one is a miss and a new set element."""
+    for a, b in itertools.product(range(256), range(1, 255)):
+        yield f"ip-198-19-{a}-{b}.any.lab.test"
+
+
+def resolver_socket(netns: str, server: tuple[str, int] = RESOLVER) -> socket.socket:
+    with in_netns(netns):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect(server)
+    s.setblocking(False)
+    return s
+
+
+@dataclass
+class Load:
+    hit_ms: list[float] = field(default_factory=list)
+    miss_ms: list[float] = field(default_factory=list)
+    direct_ms: list[float] = field(default_factory=list)  # new names, to the lab's DNS
+    lost: int = 0
+    bad: int = 0  # answered, but not NOERROR with an answer
+
+    @property
+    def answered(self) -> int:
+        return len(self.hit_ms) + len(self.miss_ms)
+
+
+async def ask(sock: socket.socket, name: str) -> tuple[float, bytes] | None:
+    loop = asyncio.get_running_loop()
+    qid = secrets.randbits(16)
+    start = time.perf_counter()
+    await loop.sock_sendall(sock, dns_query(qid, name))
+    deadline = start + TIMEOUT_S
+    while True:
+        try:
+            left = deadline - time.perf_counter()
+            data = await asyncio.wait_for(loop.sock_recv(sock, 4096), max(left, 0.001))
+        except TimeoutError:
+            return None
+        if data[:2] == struct.pack("!H", qid):  # else a late answer to an earlier query
+            return (time.perf_counter() - start) * 1000, data
+
+
+async def one_sandbox(
+    sock: socket.socket, rate: float, seconds: float, miss_share: float,
+    fresh: Iterator[str], out: Load, direct: bool = False,
+) -> None:  # fmt: skip
+    """One client at ``rate``; ``direct``: the lab's DNS, from the uplink, new names only."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    due = loop.time() + random.random() / rate  # spread the sandboxes over the first second
+    while due < end:
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        due += 1 / rate
+        miss = direct or random.random() < miss_share
+        got = await ask(sock, next(fresh) if miss else random.choice(HITS))
+        if got is None:
+            out.lost += 1
+            continue
+        ms, data = got
+        if data[3] & 0xF != 0 or data[6:8] == b"\0\0":
+            out.bad += 1
+        (out.direct_ms if direct else out.miss_ms if miss else out.hit_ms).append(ms)
+
+
+async def prime(socks: list[socket.socket]) -> None:
+    for s in socks:
+        for name in HITS:
+            await ask(s, name)
+
+
+def dns_load(
+    socks: list[socket.socket], rate: float, seconds: float, miss_share: float,
+    fresh: Iterator[str], direct: socket.socket,
+) -> tuple[Load, float]:  # fmt: skip
+    out = Load()
+
+    async def run() -> float:
+        start = time.perf_counter()
+        clients = [one_sandbox(s, rate, seconds, miss_share, fresh, out) for s in socks]
+        clients.append(one_sandbox(direct, rate * miss_share, seconds, 1, fresh, out, True))
+        await asyncio.gather(*clients)
+        return time.perf_counter() - start
+
+    wall = asyncio.run(run())
+    return out, wall
+
+
+# -- the bench --------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    n: int
+    rss: tuple[float, float, int]
+    create_ms: list[float]
+    seq_rate: float
+    burst_rate: float | str
+    burst_delete_rate: float | str
+    load: Load
+    qps: float
+
+
+class Bench:
+    def __init__(self, daemon: Egressd, uplink: str, args: argparse.Namespace) -> None:
+        self.daemon = daemon
+        self.uplink = uplink
+        self.args = args
+        self.boxes: list[dict[str, Any]] = []
+        self.socks: list[socket.socket] = []
+        self.fresh = fresh_names()
+        self.failed: str | None = None
+        self.counter = itertools.count()
+
+    def grow(self, n: int) -> tuple[list[float], float]:
+        """Sequential creates up to n sandboxes: (latency of each in ms, creates/s); then
+        a socket to each new one's resolver, and its hit names primed."""
+        times: list[float] = []
+        old = len(self.boxes)
+        start = time.perf_counter()
+        while len(self.boxes) < n:
+            t0 = time.perf_counter()
+            try:
+                self.boxes.append(self.daemon.create(next(self.counter), self.uplink))
+            except DaemonError as exc:
+                self.failed = f"create #{len(self.boxes) + 1} failed: {exc} ({exc.status})"
+                break
+            times.append((time.perf_counter() - t0) * 1000)
+        wall = time.perf_counter() - start
+        new = [resolver_socket(box["netns"]) for box in self.boxes[old:]]
+        self.socks.extend(new)
+        asyncio.run(prime(new))
+        return times, (len(times) / wall if times else 0.0)
+
+    def burst(self, k: int) -> tuple[float | str, float | str]:
+        """k creates from k threads at once, then k deletes likewise: (creates/s, deletes/s)."""
+        made: list[str] = []
+
+        def one(i: int) -> None:
+            made.append(self.daemon.create(i, self.uplink)["id"])
+
+        with ThreadPoolExecutor(k) as pool:
+            start = time.perf_counter()
+            futures = [pool.submit(one, next(self.counter)) for _ in range(k)]
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            create_wall = time.perf_counter() - start
+            start = time.perf_counter()
+            list(pool.map(self.daemon.delete, made))
+            delete_wall = time.perf_counter() - start
+        if errors:
+            return f"{len(errors)}/{k} failed: {errors[0]}", f"{len(made)} deleted"
+        return k / create_wall, k / delete_wall
+
+    def measure(self, seq: tuple[list[float], float]) -> Step:
+        a = self.args
+        rss = self.daemon.memory()
+        burst, burst_del = self.burst(a.burst) if a.burst and not self.failed else ("-", "-")
+        direct = resolver_socket(self.uplink, LAB_DNS)
+        try:
+            load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct)
+        finally:
+            direct.close()
+        return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
+                    load.answered / wall)  # fmt: skip
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.socks.clear()
+
+    def delete_all(self, threads: int = 4) -> tuple[int, float]:
+        """Delete every sandbox our egressd serves; (how many, deletes/s)."""
+        with contextlib.suppress(DaemonError):
+            ids = [r["id"] for r in self.daemon.client.call("GET", "/v1/sandboxes")]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda sid: _quietly(self.daemon.delete, sid), ids))
+            return len(ids), len(ids) / max(time.perf_counter() - start, 1e-9)
+        return 0, 0.0
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except DaemonError as exc:
+        print(f"  (cleanup: {exc})", file=sys.stderr)
+
+
+def show_header(args: argparse.Namespace) -> None:
+    print(f"egressd: sandboxes created through the API; DNS: {args.qps:g} qps per sandbox "
+          f"for {args.seconds:g} s, all at once, {args.miss_share:.0%} new names (misses), "
+          f"the rest 4 primed names (hits); burst: {args.burst} creates from "
+          f"{args.burst} threads")  # fmt: skip
+    print(
+        f"{'N':>4} {'RSS MB':>7} {'+kids':>6} {'fds':>5} {'MB/sbx':>7} "
+        f"{'create p50/p95 ms':>18} {'seq/s':>6} {'burst/s':>8} {'del/s':>6} "
+        f"{'hit p50/p99 ms':>15} {'miss p50/p99 ms':>16} {'direct p50/p99':>15} "
+        f"{'qps':>6} {'lost':>5} {'bad':>4}"
+    )
+
+
+def show(step: Step, first: Step | None) -> None:
+    own, kids, fds = step.rss
+    per = "-"
+    if first is not None and step.n > first.n:
+        per = f"{(own + kids - first.rss[0] - first.rss[1]) / (step.n - first.n):.2f}"
+    cm = step.create_ms
+    create = f"{statistics.median(cm):.1f}/{pct(cm, 0.95):.1f}" if cm else "-"
+
+    def rate(x: float | str) -> str:
+        return f"{x:.1f}" if isinstance(x, float) else "-"
+
+    ld = step.load
+    hit = f"{pct(ld.hit_ms, 0.5):.2f}/{pct(ld.hit_ms, 0.99):.2f}"
+    miss = f"{pct(ld.miss_ms, 0.5):.2f}/{pct(ld.miss_ms, 0.99):.2f}"
+    direct = f"{pct(ld.direct_ms, 0.5):.2f}/{pct(ld.direct_ms, 0.99):.2f}"
+    print(
+        f"{step.n:>4} {own:>7.1f} {kids:>6.1f} {fds:>5} {per:>7} {create:>18} "
+        f"{step.seq_rate:>6.1f} {rate(step.burst_rate):>8} {rate(step.burst_delete_rate):>6} "
+        f"{hit:>15} {miss:>16} {direct:>15} {step.qps:>6.0f} {ld.lost:>5} {ld.bad:>4}",
+        flush=True,
+    )
+    for x in (step.burst_rate, step.burst_delete_rate):
+        if isinstance(x, str) and x != "-":
+            print(f"      burst: {x}")
+
+
+def run(args: argparse.Namespace) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="egress-bench-egressd-"))
+    lab: Lab | None = None
+    daemon: Egressd | None = None
+    bench: Bench | None = None
+    try:
+        lab = Lab.up(name=f"egbd{secrets.token_hex(2)}")
+        daemon = Egressd(workdir)
+        bench = Bench(daemon, lab.uplink_netns, args)
+        show_header(args)
+        first: Step | None = None
+        for n in args.steps:
+            seq = bench.grow(n)
+            if seq[0] or first is None:
+                step = bench.measure(seq)
+                first = first or step
+                show(step, first)
+            if bench.failed:
+                print(f"  stopped growing at {len(bench.boxes)} sandboxes: {bench.failed}")
+                print(f"  egressd stderr (tail): {daemon.stderr()[-600:].strip()!r}")
+                break
+    except KeyboardInterrupt:
+        print("\ninterrupted; cleaning up", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup runs to its end
+        if bench is not None:
+            bench.close()
+            count, rate = bench.delete_all()
+            if count:
+                print(f"deleted {count} sandboxes through the API, {rate:.1f}/s (4 threads)")
+        if daemon is not None:
+            daemon.stop()
+        uplink = lab.uplink_netns if lab is not None else None
+        for claim in claims.load_all():
+            # Ours (the lab is): e.g. a create still running when Ctrl-C came, which the
+            # list above missed and the stopped egressd left in the kernel.
+            if uplink is not None and claim.uplink_netns == uplink:
+                print(f"  tearing down {claim.id} by its claim", file=sys.stderr)
+                teardown_claim(claim)
+        if lab is not None:
+            lab.down()
+        shutil.rmtree(workdir, ignore_errors=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--steps", default="1,50,100,150,200",
+                    help="numbers of sandboxes to measure at (%(default)s)")  # fmt: skip
+    ap.add_argument("--seconds", type=float, default=5.0, help="DNS load per step (5)")
+    ap.add_argument("--qps", type=float, default=10.0, help="queries/s per sandbox (10)")
+    ap.add_argument("--miss-share", type=float, default=0.2, help="share of new names (0.2)")
+    ap.add_argument("--burst", type=int, default=8, help="concurrent creates per step (8)")
+    args = ap.parse_args()
+    args.steps = sorted({int(x) for x in args.steps.split(",")})
+    if os.geteuid() != 0:
+        print("bench_egressd: needs root (it creates network namespaces); skipped")
+        return 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""Issue 7 at scale: one egressd, many sandboxes, each on its own; a policy swap under load.
+
+Workloads run as nobody inside a sandbox's netns and cgroup (``Worker``: a stdlib loop
+under Debian's python3 that takes one JSON command a line), so a blocked connect freezes
+the process that made it. Every sandbox is deleted through the API in ``finally`` (which
+kills what is left in its cgroup, frozen or not); the workers are then reaped by pid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import select
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from egress.cli.daemon_cmds import DaemonError
+from egress.runtime import workload
+from egress.runtime.cgroup import Cgroup
+from egress.runtime.lab import Lab
+from egress.runtime.netns import in_netns
+from tests.privileged import dnsperf
+from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON
+from tests.privileged.daemons import Daemon, egressd, set_ips
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+N = 50
+NOERROR, REFUSED = 0, 5
+POLICY = """\
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: {name}}}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    denied_response: refused
+    rate_limit: {{qps: 5000, burst: 5000}}  # the default, 500, would drop part of 1,000 qps
+    allow: [{names}]
+  connect: {{ports: [8081]}}
+  tunnel: {{zones: [{{zone: lab.test, exempt: true}}]}}
+  violations: {{blocked_connect: freeze}}
+"""
+
+
+def dns_query(name: str, qid: int) -> bytes:
+    q = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + q + struct.pack("!HH", 1, 1)
+
+
+def skip_name(data: bytes, pos: int) -> int:
+    while data[pos] and data[pos] & 0xC0 != 0xC0:
+        pos += 1 + data[pos]
+    return pos + (2 if data[pos] else 1)
+
+
+def answer_ips(data: bytes) -> list[str]:
+    """The A records of a reply to one question."""
+    pos, ips = skip_name(data, 12) + 4, []
+    for _ in range(struct.unpack("!H", data[6:8])[0]):
+        pos = skip_name(data, pos)
+        rtype, _, _, size = struct.unpack("!HHIH", data[pos : pos + 10])
+        if rtype == 1:
+            ips.append(socket.inet_ntoa(data[pos + 10 : pos + 14]))
+        pos += 10 + size
+    return ips
+
+
+# A workload: stdlib only, run as nobody (who cannot read the venv), with the three
+# functions above. One command a line on stdin, one JSON answer a line on stdout.
+WORKER = "import json, os, socket, struct, sys\n"
+WORKER += "".join(inspect.getsource(f) for f in (dns_query, skip_name, answer_ips))
+WORKER += r"""
+def dns(name):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(3)
+        s.connect(("127.0.0.53", 53))
+        s.send(dns_query(name, 0x4242))
+        data = s.recv(4096)
+    return {"rcode": data[3] & 0xF, "ips": answer_ips(data)}
+
+def connect(host, port):
+    with socket.socket() as s:
+        s.settimeout(3)
+        s.connect((host, port))
+    return {"connected": True}
+
+print(json.dumps({"uid": os.getuid(), "pid": os.getpid()}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        out = dns(cmd["name"]) if cmd["op"] == "dns" else connect(cmd["host"], cmd["port"])
+    except OSError as exc:
+        out = {"error": type(exc).__name__}
+    print(json.dumps(out), flush=True)
+"""
+
+
+def policy(name: str, names: Sequence[str]) -> str:
+    return POLICY.format(name=name, names=", ".join(names))
+
+
+def anyip(a: int, b: int) -> tuple[str, str]:
+    """(name, address) of one AnyIP address of the lab: every name has its own address."""
+    return f"ip-198-19-{a}-{b}.any.lab.test", f"198.19.{a}.{b}"
+
+
+def _join(procs_files: list[str]) -> None:
+    pid = str(os.getpid()).encode()
+    for path in procs_files:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, pid)
+        finally:
+            os.close(fd)
+
+
+class Worker:
+    """The stdlib loop above as nobody, no capabilities, in one sandbox's netns and cgroup
+    (joined before exec: nothing of it ever runs outside)."""
+
+    def __init__(self, netns: str, cgroup: Cgroup) -> None:
+        argv = workload.command_line(
+            netns, workload.resolve_user("nobody"), [SYSTEM_PYTHON, "-c", WORKER]
+        )
+        files = [f for f in (cgroup.procs_file_v2, cgroup.procs_file_v1) if f]
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            preexec_fn=lambda: _join(files),
+            start_new_session=True,
+        )
+        self.buffer = b""
+
+    def send(self, **command: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout: float = 15.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"worker {self.proc.pid} did not answer in {timeout} s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise EOFError(f"worker {self.proc.pid} exited ({self.proc.poll()})")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with suppress(OSError):
+                pipe.close()  # type: ignore[union-attr]
+
+
+def ask_all(workers: dict[int, Worker], command: Any) -> dict[int, dict[str, Any]]:
+    """``command(i)`` to every worker at once, then every answer."""
+    for i, w in workers.items():
+        w.send(**command(i))
+    return {i: w.receive() for i, w in workers.items()}
+
+
+def ready(w: Worker) -> bool:
+    """Whether the worker has written anything not read yet."""
+    assert w.proc.stdout is not None
+    return bool(select.select([w.proc.stdout.fileno()], [], [], 0)[0])
+
+
+def wait_frozen(cgroup: Cgroup, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cgroup.is_frozen():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@pytest.fixture(scope="module")
+def daemon(lab: Lab, state_dir: Path) -> Iterator[Daemon]:
+    with egressd(state_dir) as d:
+        yield d
+
+
+@dataclasses.dataclass
+class Fleet:
+    boxes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    workers: dict[int, Worker] = dataclasses.field(default_factory=dict)
+    cgroups: list[Cgroup] = dataclasses.field(default_factory=list)
+
+    def start_workers(self) -> dict[int, dict[str, Any]]:
+        """A worker in every sandbox; returns each one's hello ({uid, pid})."""
+        self.cgroups = [Cgroup.attach_existing(b["cgroup"], b["freezer"]) for b in self.boxes]
+        for i, box in enumerate(self.boxes):
+            self.workers[i] = Worker(box["netns"], self.cgroups[i])
+        return {i: w.receive() for i, w in self.workers.items()}
+
+
+@contextmanager
+def served(daemon: Daemon, policies: list[str], uplink: str) -> Iterator[Fleet]:
+    """Sandboxes created through the API and deleted through it on the way out (which
+    kills whatever is in their cgroups, frozen or not); then their workers are reaped."""
+    fleet = Fleet()
+    problems = []
+    try:
+        for text in policies:
+            fleet.boxes.append(daemon.create(text, uplink))
+        yield fleet
+    finally:
+        for box in fleet.boxes:
+            try:
+                daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+            except DaemonError as exc:
+                problems.append(f"{box['id']}: {exc}")
+        for i, w in fleet.workers.items():
+            if w.proc.poll() is None:  # its sandbox was not deleted after all
+                with suppress(Exception):
+                    fleet.cgroups[i].thaw()  # a v1-frozen task ignores SIGKILL until thawed
+            w.close()
+    assert not problems, problems
+
+
+def test_fifty_sandboxes_resolve_only_their_own_names_and_freeze_alone(
+    daemon: Daemon, lab: Lab
+) -> None:
+    own = [anyip(7, i + 1) for i in range(N)]
+    other = [own[(i + 1) % N] for i in range(N)]  # the next sandbox's name and address
+    start = time.monotonic()
+    policies = [policy(f"scale{i}", [own[i][0]]) for i in range(N)]
+    with served(daemon, policies, lab.uplink_netns) as fleet:
+        print(f"created {N} sandboxes in {time.monotonic() - start:.2f} s")
+        boxes, workers = fleet.boxes, fleet.workers
+        hello = fleet.start_workers()
+        cgroups = fleet.cgroups
+        assert {h["uid"] for h in hello.values()} == {NOBODY}
+        got = ask_all(workers, lambda i: {"op": "dns", "name": own[i][0]})
+        assert got == {i: {"rcode": NOERROR, "ips": [own[i][1]]} for i in range(N)}
+        got = ask_all(workers, lambda i: {"op": "dns", "name": other[i][0]})
+        assert got == {i: {"rcode": REFUSED, "ips": []} for i in range(N)}
+        got = ask_all(workers, lambda i: {"op": "connect", "host": own[i][1], "port": 8081})
+        assert got == {i: {"connected": True} for i in range(N)}
+        assert [set_ips(b["netns"]) for b in boxes] == [{ip} for _, ip in own]
+        print(f"{N} sandboxes checked, {time.monotonic() - start:.2f} s")
+
+        for k in range(N):
+            # Its neighbour's address is in the neighbour's set, never in its own.
+            workers[k].send(op="connect", host=other[k][1], port=8081)
+            assert wait_frozen(cgroups[k]), k
+            assert [c.is_frozen() for c in cgroups] == [j <= k for j in range(N)], k
+            rest = {j: w for j, w in workers.items() if j > k}
+            got = ask_all(rest, lambda j: {"op": "dns", "name": own[j][0]})
+            assert got == {j: {"rcode": NOERROR, "ips": [own[j][1]]} for j in rest}, k
+            states = {r["id"]: r["state"] for r in daemon.client.call("GET", "/v1/sandboxes")}
+            assert states == {b["id"]: "frozen" if j <= k else "running"
+                              for j, b in enumerate(boxes)}, k  # fmt: skip
+        print(f"{N} frozen one at a time, {time.monotonic() - start:.2f} s")
+        time.sleep(0.2)
+        assert not [i for i, w in workers.items() if w.buffer or ready(w)]  # all held in connect
+
+        for i, box in enumerate(boxes):
+            events = daemon.client.call("GET", f"/v1/journal?sandbox={box['id']}&limit=100")
+            assert {e["sandbox_id"] for e in events} == {box["id"]}
+            found = {e["record"]["class"]: e["record"] for e in events if e["kind"] == "violation"}
+            assert sorted(found) == ["blocked_connect", "denied_name"], (i, events)
+            blocked = found["blocked_connect"]
+            assert f"-> {other[i][1]}:8081" in blocked["detail"], blocked
+            assert blocked["action"] == "freeze"
+            assert (blocked["process"] or {}).get("pid") == hello[i]["pid"], blocked
+            assert other[i][0] in found["denied_name"]["detail"], found["denied_name"]
+            assert "frozen" in {e["kind"] for e in events}
+    print(f"deleted, {time.monotonic() - start:.2f} s")
+
+
+# -- a policy swap under load ----------------------------------------------------------------
+
+KEEP = [anyip(20 + i // 250, i % 250 + 1) for i in range(3000)]  # in every policy
+DROP = [anyip(40, j + 1) for j in range(4)]  # added, resolved, then swapped out, one by one
+RATE, SECONDS = 1000, 8
+
+
+def dns_ask(sock: socket.socket, name: str) -> tuple[int, list[str]]:
+    """(rcode, A addresses) of one query on a socket connected to the resolver."""
+    sock.send(dns_query(name, 0x5151))
+    data = sock.recv(4096)
+    assert data[:2] == b"\x51\x51"
+    return data[3] & 0xF, answer_ips(data)
+
+
+def test_policy_swap_under_1000_qps_loses_nothing_and_removes_names_at_once(
+    daemon: Daemon, lab: Lab, tmp_path: Path
+) -> None:
+    queries = tmp_path / "queries.txt"
+    queries.write_text("".join(f"{name} A\n" for name, _ in KEEP))
+    keep_names = [name for name, _ in KEEP]
+    with served(daemon, [policy("keep", keep_names)], lab.uplink_netns) as fleet:
+        sid, ns = fleet.boxes[0]["id"], fleet.boxes[0]["netns"]
+        with in_netns(ns):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.settimeout(3)
+        sock.connect(("127.0.0.53", 53))
+        argv = ["ip", "netns", "exec", ns, "dnsperf", "-s", "127.0.0.53", "-d", str(queries),
+                "-Q", str(RATE), "-l", str(SECONDS)]  # fmt: skip
+        perf = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        swaps = []
+        try:
+            time.sleep(0.8)  # dnsperf is under way
+            for name, ip in DROP:
+                r = daemon.client.call("PUT", f"/v1/sandboxes/{sid}/policy",
+                                       {"policy": policy("plus", [*keep_names, name])})  # fmt: skip
+                swaps.append(r["swap_ms"])
+                assert dns_ask(sock, name) == (NOERROR, [ip])
+                assert ip in set_ips(ns)
+                r = daemon.client.call("PUT", f"/v1/sandboxes/{sid}/policy",
+                                       {"policy": policy("keep", keep_names)})  # fmt: skip
+                swaps.append(r["swap_ms"])
+                assert dns_ask(sock, name) == (REFUSED, [])  # at once, not at the TTL
+                assert ip not in set_ips(ns)
+                assert r["removed_elements"] == 1  # its ip . tcp . 8081, nothing else
+                time.sleep(0.4)
+            assert perf.poll() is None, "dnsperf ended before the last swap: too slow here?"
+            text, _ = perf.communicate(timeout=SECONDS + 30)
+        finally:
+            sock.close()
+            if perf.poll() is None:
+                perf.kill()
+                perf.wait(timeout=10)
+        figures = dnsperf.figures(text)
+        print(f"dnsperf: {figures}; swap_ms: {swaps}")
+        assert figures["lost"] == 0 and figures["completed"] == figures["sent"], text
+        assert figures["rcodes"] == {"NOERROR": str(figures["completed"])}, text
+        assert figures["completed"] >= len(KEEP), text  # every kept name was asked
+        left = set_ips(ns)
+        assert {ip for _, ip in KEEP} <= left  # the swaps kept what is still allowed
+        assert not left & {ip for _, ip in DROP}
+        shown = daemon.client.call("GET", f"/v1/sandboxes/{sid}")
+        assert shown["policy"] == "keep" and shown["state"] == "running"
