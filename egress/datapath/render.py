@@ -84,9 +84,12 @@ def render_sandbox(template: str, policy: Policy, sidecar: Sidecar | None = None
 
 
 def _sidecar_rules(sidecar: Sidecar) -> str:
-    """The sidecar's exception, between blank lines (its slot is the blank line before
-    the DNS-learned destinations). Its upstreams' answers need no rule: they come in, and
-    this table hooks only output; the rest of a TCP exchange matches ct established."""
+    """The sidecar's exception, right after the resolver's rule and before
+    ``ct state established``: every packet to an upstream's DNS port must carry the mark
+    and the sidecar's uid, or it is foreign DNS. Conntrack alone would not do: the
+    workload shares the netns, can see which source port the sidecar just closed
+    (/proc/net/udp), bind it and ride the flow's conntrack entry. Answers need no rule:
+    they come in, and this table hooks only output."""
     if not sidecar.upstreams:
         raise DatapathError("a sidecar ruleset needs at least one upstream")
     if not 0 <= sidecar.uid < 2**32:
@@ -95,7 +98,8 @@ def _sidecar_rules(sidecar: Sidecar) -> str:
         "",
         "\t\t# egressd sidecar: its own upstream DNS queries, and nothing else. Only a socket",
         "\t\t# with this mark (SO_MARK: CAP_NET_ADMIN or CAP_NET_RAW, which the workload lacks)",
-        "\t\t# of the sidecar's uid matches; the workload's own packets fall through to the rest.",
+        "\t\t# of the sidecar's uid matches; any other UDP packet to that port is foreign DNS,",
+        "\t\t# also on an established flow (the workload could reuse a port the sidecar closed).",
     ]
     head = f"\t\tmeta mark $SIDECAR_MARK meta skuid {sidecar.uid}"
     for host, port in dict.fromkeys(sidecar.upstreams):  # in order, once each
@@ -106,10 +110,12 @@ def _sidecar_rules(sidecar: Sidecar) -> str:
         if not 0 < port < 65536:
             raise DatapathError(f"sidecar upstream port {port} is out of range")
         family = "ip" if address.version == 4 else "ip6"
-        lines.append(
-            f"{head} {family} daddr {address} meta l4proto {{ tcp, udp }} th dport {port} accept"
-        )
-    return "\n".join([*lines, ""])
+        to = f"{family} daddr {address}"
+        lines.append(f"{head} {to} meta l4proto {{ tcp, udp }} th dport {port} accept")
+        # UDP only: a TCP flow can't be joined by another socket, and the kernel answers
+        # for the sidecar's closed TCP sockets (TIME_WAIT) with no uid on the packet.
+        lines.append(f"\t\t{to} udp dport {port} goto foreign_dns")
+    return "\n".join(lines)
 
 
 def _mode_note(policy: Policy) -> str:

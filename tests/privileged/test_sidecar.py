@@ -17,6 +17,8 @@ import os
 import selectors
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ from egress.runtime import uplink as uplink_mod
 from egress.runtime.cgroup import Cgroup, find_mounts
 from egress.runtime.journal import Journal
 from egress.runtime.lab import Lab
+from egress.runtime.netns import in_netns
 from egress.runtime.nft import NftHandle
 from egress.runtime.paths import read_template
 from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON, scratch_netns, unique
@@ -65,6 +68,8 @@ MARK_CODE = """
 import errno, json, socket, struct
 out = {}
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", %d))
 try:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, %d)
     out["mark"] = "set"
@@ -257,13 +262,32 @@ def probe(box: Box, steps: list[dict[str, Any]], timeout: float = 60) -> list[di
     return out
 
 
-def direct_query(box: Box, server: str, name: str, caps: str = "-all") -> dict[str, str]:
+def direct_query(
+    box: Box, server: str, name: str, caps: str = "-all", port: int = 0
+) -> dict[str, str]:
+    """The workload (nobody) tries SO_MARK, then asks ``server`` directly, from source
+    ``port`` (0: any)."""
     wire = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
-    code = MARK_CODE % (c.SIDECAR_MARK, "".join(f"\\x{b:02x}" for b in wire), server)
+    code = MARK_CODE % (port, c.SIDECAR_MARK, "".join(f"\\x{b:02x}" for b in wire), server)
     argv = workload_argv(box, [SYSTEM_PYTHON, "-c", code], caps)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return dict(json.loads(done.stdout))
+
+
+def sidecar_like_query(box: Box, server: str, name: str) -> int:
+    """A query as the sidecar sends it (root, marked) from inside the netns; returns its
+    source port, whose conntrack entry is now established."""
+    wire = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    query = struct.pack("!HHHHHH", 9, 0x0100, 1, 0, 0, 0) + wire + struct.pack("!HH", 1, 1)
+    with in_netns(box.ns):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, c.SIDECAR_MARK)
+        s.settimeout(2)
+        s.sendto(query, (server, 53))
+        s.recv(512)
+        return int(s.getsockname()[1])
 
 
 def fetch(name: str = ALLOWED, port: int = 8081) -> dict[str, Any]:
@@ -343,6 +367,12 @@ def test_sidecar_resolves_blocks_and_freezes_from_inside_the_netns(
         raw = direct_query(box, lab.dns4, "direct2.lab.test", caps="+net_raw")
         assert raw["mark"] == "set" and raw["direct"] == "EPERM", raw
         assert not lab.saw("direct1.lab.test") and not lab.saw("direct2.lab.test")
+        # Nor by riding a flow the sidecar opened: a marked query of the sidecar's uid
+        # leaves an established conntrack entry; the workload binds the same port.
+        port = sidecar_like_query(box, lab.dns4, "ct-seed.lab.test")
+        reuse = direct_query(box, lab.dns4, "direct3.lab.test", port=port)
+        assert reuse["direct"] == "EPERM", reuse
+        assert lab.saw("ct-seed.lab.test") and not lab.saw("direct3.lab.test")
         # A blocked connect freezes the cgroup, journaled by the sidecar's inline layer.
         step = [{"op": "tcp", "host": BLOCKED_IP, "port": 80, "timeout": 1}]
         argv = workload_argv(box, [SYSTEM_PYTHON, str(box.dir / "probe.py"), json.dumps(step)])
@@ -466,13 +496,19 @@ def test_sidecar_ruleset_passes_nft_check_and_only_adds(path: Path) -> None:
     added = [d[2:] for d in difflib.ndiff(plain.splitlines(), text.splitlines()) if d[:2] == "+ "]
     removed = [d for d in difflib.ndiff(plain.splitlines(), text.splitlines()) if d[:2] == "- "]
     assert not removed
-    rules = [line.strip() for line in added if line.strip().startswith("meta mark")]
-    assert rules == [
+    rules = [line.strip() for line in added if line.strip() and not line.strip().startswith("#")]
+    assert rules[1:] == [
         "meta mark $SIDECAR_MARK meta skuid 0 ip daddr 198.51.100.53 meta l4proto { tcp, udp } "
         "th dport 53 accept",
+        "ip daddr 198.51.100.53 udp dport 53 goto foreign_dns",
         "meta mark $SIDECAR_MARK meta skuid 0 ip6 daddr 2001:db8:53::53 meta l4proto { tcp, udp } "
         "th dport 5353 accept",
+        "ip6 daddr 2001:db8:53::53 udp dport 5353 goto foreign_dns",
     ]
+    assert rules[0].startswith("define SIDECAR_MARK")
+    # Before conntrack's shortcut: an established flow must not skip them.
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines.index(rules[-1]) < lines.index("ct state established,related accept")
     with scratch_netns("scr") as ns:
         check = subprocess.run(["ip", "netns", "exec", ns, "nft", "-c", "-f", "-"],
                                input=text, capture_output=True, text=True)  # fmt: skip
