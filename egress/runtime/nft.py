@@ -86,8 +86,23 @@ class _WorkerContext:
 
     def __init__(self, worker: NftWorker, netns: str | None) -> None:
         self._worker = worker
-        self._netns = netns
         self._flags = threading.local()
+        self._fd: int | None = None
+        self._netns: str | None = None
+        if netns is not None:
+            # Pin the netns now, as an in-process context's socket would: a name could be
+            # reused, and a /proc/PID/ns/net path (attach) could name another netns once
+            # PID is gone and reused. The worker enters it through our descriptor.
+            try:
+                self._fd = os.open(netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise SandboxError(f"netns {netns}: {exc.strerror}") from None
+            self._netns = f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def set_json_output(self, flag: bool) -> None:
         self._flags.json = flag
@@ -115,9 +130,6 @@ class NftHandle:
         through ``worker`` if given or ``use_worker()`` was called, else in-process."""
         worker = worker or _worker
         if worker is not None:
-            if netns is not None and not os.path.exists(netns_path(netns)):
-                # As the in-process open would: a missing netns fails here, precisely.
-                raise SandboxError(f"netns {netns}: No such file or directory")
             return cls(_WorkerContext(worker, netns), netns)
         with in_netns(netns):
             try:
@@ -129,6 +141,8 @@ class NftHandle:
 
     def close(self) -> None:
         """Free the context; CPython frees it (and its socket) when the last ref goes."""
+        if isinstance(self._nft, _WorkerContext):
+            self._nft.close()
         self._nft = None
 
     def __enter__(self) -> NftHandle:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import struct
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from typing import IO, Any
 from egress.errors import DatapathError, EgressError
 
 _LEN = struct.Struct("!I")
+ANSWER_TIMEOUT_S = 10.0  # a whole ruleset loads in ~5 ms; this is a hung child
 
 
 def _read_exact(stream: IO[bytes], n: int) -> bytes | None:
@@ -104,10 +106,12 @@ class NftWorker:
         if proc is not None:
             self.restarts += 1
             self._reap(proc)
+        # -P: root must not import from whatever directory egressd was started in.
         self._proc = proc = subprocess.Popen(
-            [sys.executable, "-m", "egress.runtime.nft_worker"],
+            [sys.executable, "-P", "-m", "egress.runtime.nft_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,  # one message per answer: poll() on the pipe tells the truth
             close_fds=True,
         )
         return proc
@@ -116,22 +120,41 @@ class NftWorker:
         request = {"netns": netns, "text": text, "json": as_json, "dry": dry}
         with self._lock:
             proc = self._start()
-            assert proc.stdin is not None and proc.stdout is not None
             try:
-                _write_message(proc.stdin, request)
-            except BrokenPipeError:
-                # It died before it read a byte of this request: nothing was applied.
-                proc = self._start()
-                assert proc.stdin is not None
-                _write_message(proc.stdin, request)
-            assert proc.stdout is not None
-            answer = _read_message(proc.stdout)
+                try:
+                    assert proc.stdin is not None
+                    _write_message(proc.stdin, request)
+                except BrokenPipeError:
+                    # It died before it read a byte of this request: nothing was applied.
+                    proc = self._start()
+                    assert proc.stdin is not None
+                    _write_message(proc.stdin, request)
+                answer = self._answer(proc)
+            except BaseException as exc:
+                # Whatever it was doing, its answer must never be read as the next one's.
+                proc.kill()
+                if isinstance(exc, OSError):
+                    raise DatapathError(f"the nft worker process failed: {exc}") from None
+                raise
             self.requests += 1
+        return int(answer["rc"]), str(answer["out"]), str(answer["err"])
+
+    @staticmethod
+    def _answer(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+        assert proc.stdout is not None
+        poller = select.poll()  # not select(): egressd's descriptors go past 1024
+        poller.register(proc.stdout.fileno(), select.POLLIN)
+        if not poller.poll(ANSWER_TIMEOUT_S * 1000):
+            raise DatapathError(
+                f"the nft worker gave no answer within {ANSWER_TIMEOUT_S:g} s; "
+                "the command's outcome is unknown"
+            )
+        answer = _read_message(proc.stdout)
         if answer is None:
             raise DatapathError(
                 "the nft worker process died during a command; its outcome is unknown"
             )
-        return int(answer["rc"]), str(answer["out"]), str(answer["err"])
+        return answer
 
     def close(self) -> None:
         with self._lock:

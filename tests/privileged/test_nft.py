@@ -221,13 +221,21 @@ def test_open_in_missing_netns_raises() -> None:
         NftHandle.open("egt-no-such-netns")
 
 
-def test_handle_keeps_its_netns_after_it_is_gone_from_run(ns: str) -> None:
-    """The handle's socket pins the netns: removing /run/netns/NAME does not break it."""
-    nft = NftHandle.open(ns)
+@pytest.mark.parametrize("engine", ["in-process", "worker"])
+def test_handle_keeps_its_netns_after_it_is_gone_from_run(
+    ns: str, worker: NftWorker, engine: str
+) -> None:
+    """A handle pins its netns (the context's socket, or the descriptor the worker enters
+    through): after /run/netns/NAME is removed, and even once the name is reused for
+    another netns, it acts on the one it was opened on."""
+    nft = NftHandle.open(ns, worker if engine == "worker" else None)
     try:
         netns.remove_netns(ns)
+        netns.create_netns(ns)  # the same name, another netns
         nft.load("table inet pinned { }")
         assert nft.table_exists("inet", "pinned")
+        with NftHandle.open(ns) as other:
+            assert not other.table_exists("inet", "pinned")
     finally:
         nft.close()
 
@@ -281,3 +289,19 @@ def test_many_descriptors(ns: str, engine: str) -> None:
         assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
     else:
         assert out.returncode < 0, (out.returncode, out.stdout, out.stderr)  # killed: SIGABRT
+
+
+def test_a_dead_worker_is_started_again(ns: str) -> None:
+    """A worker killed between commands costs nothing: the next command starts a new one
+    (nothing of it had been sent, so nothing is ambiguous)."""
+    w = NftWorker()
+    try:
+        handle = NftHandle.open(ns, w)
+        handle.load(TABLE)
+        assert w._proc is not None
+        w._proc.kill()
+        w._proc.wait()
+        assert handle.table_exists("inet", "egress")
+        assert w.restarts == 1 and w.requests == 2
+    finally:
+        w.close()
