@@ -29,8 +29,9 @@ import contextlib
 import json
 import os
 import socket
+import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -40,7 +41,23 @@ from egress.errors import SandboxError
 SOCKET_NAME = "handoff.sock"
 MAX_MESSAGE = 1 << 20
 STEP_TIMEOUT_S = 10.0  # each message; the whole handoff of 200 sandboxes takes ~0.1 s
-LEARNED_CHUNK = 2_000  # learned-address entries per message (a message stays < 200 KB)
+CHUNK_BYTES = 64 << 10  # learned entries per message: a SEQPACKET message must fit the
+# socket's send buffer (net.core.wmem_default, ~208 KiB), or send fails with EMSGSIZE
+
+
+def _chunks(entries: list[list[Any]]) -> Iterator[list[list[Any]]]:
+    """``entries`` in runs whose JSON stays near CHUNK_BYTES (one entry is < 4 KiB)."""
+    chunk: list[list[Any]] = []
+    size = 0
+    for entry in entries:
+        n = len(json.dumps(entry)) + 2
+        if chunk and size + n > CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(entry)
+        size += n
+    if chunk:
+        yield chunk
 
 
 def path_in(run_dir: Path) -> Path:
@@ -100,7 +117,9 @@ def take_over(run_dir: Path) -> Taken | None:
     except (FileNotFoundError, ConnectionRefusedError):
         conn.close()
         return None  # nobody to replace: start as usual (and adopt what is recorded)
-    taken = Taken(conn, 0, {}, None)
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    old_pid = struct.unpack("3i", creds)[0]
+    taken = Taken(conn, old_pid, {}, None)
     try:
         conn.sendall(json.dumps({"op": "takeover", "pid": os.getpid()}).encode())
         while True:
@@ -127,10 +146,25 @@ def take_over(run_dir: Path) -> Taken | None:
                 raise SandboxError(f"unexpected handoff message {kind!r}")
     except (OSError, ValueError, KeyError) as exc:
         taken.close()
+        if not _alive(old_pid):
+            # It died mid-way (and its sockets with it, but for the ones we hold, now
+            # closed): nobody serves, so start as usual and adopt what it recorded.
+            print(f"egressd: egressd {old_pid} died during the handoff; adopting", flush=True)
+            return None
         raise SandboxError(f"handoff from the running egressd failed: {exc}") from None
     except BaseException:
         taken.close()
         raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # -- re-executing in place (SIGHUP; systemd's reload) -------------------------------------
@@ -217,11 +251,14 @@ class Giver:
         offers: Callable[[], list[Offer]],
         api_socket: Callable[[], socket.socket | None],
         pause: Callable[[bool], None],
+        settled: Callable[[], Awaitable[None]],
     ) -> None:
         self.path = path_in(run_dir)
         self._offers = offers
         self._api_socket = api_socket
         self._pause = pause  # True: refuse changes while sockets are in flight
+        self._settled = settled  # returns once no change is half-done
+        self._task: asyncio.Task[None] | None = None
         self.done = asyncio.Event()
         self.successor = 0
         self._listener: socket.socket | None = None
@@ -251,6 +288,8 @@ class Giver:
 
     def close(self) -> None:
         loop = asyncio.get_running_loop()
+        if self._task is not None:
+            self._task.cancel()
         for sock in (self._listener, self._conn):
             if sock is not None:
                 with contextlib.suppress(ValueError, OSError):
@@ -280,30 +319,38 @@ class Giver:
     def _request(self) -> None:
         conn = self._conn
         assert conn is not None
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(conn.fileno())
+        asyncio.get_running_loop().remove_reader(conn.fileno())
+        self._task = asyncio.ensure_future(self._hand_over(conn))
+
+    @property
+    def busy(self) -> bool:
+        """A successor is connected (until it serves, or leaves)."""
+        return self._conn is not None
+
+    async def _hand_over(self, conn: socket.socket) -> None:
         try:
             request = json.loads(conn.recv(MAX_MESSAGE) or b"{}")
             if request.get("op") != "takeover":
                 raise ValueError(f"unknown request {request!r}")
             self.successor = int(request.get("pid", 0))
             self._pause(True)
+            # A create that is half-done would be served here and missed there.
+            await asyncio.wait_for(self._settled(), STEP_TIMEOUT_S)
             conn.settimeout(STEP_TIMEOUT_S)  # the successor reads as fast as we send
             self._give(conn)
             conn.setblocking(False)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TimeoutError) as exc:
             print(f"egressd: handoff failed, serving on: {exc}", file=sys.stderr, flush=True)
             self._abandon()
             return
-        loop.add_reader(conn.fileno(), self._answer)
+        asyncio.get_running_loop().add_reader(conn.fileno(), self._answer)
 
     def _give(self, conn: socket.socket) -> None:
         for offer in self._offers():
             head = {"kind": "sandbox", "id": offer.id}
             fds = [offer.udp.fileno(), offer.tcp.fileno(), offer.nflog.fileno()]
             socket.send_fds(conn, [json.dumps(head).encode()], fds)
-            for start in range(0, len(offer.learned), LEARNED_CHUNK):
-                chunk = offer.learned[start : start + LEARNED_CHUNK]
+            for chunk in _chunks(offer.learned):
                 conn.sendall(
                     json.dumps({"kind": "learned", "id": offer.id, "entries": chunk}).encode()
                 )

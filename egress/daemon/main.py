@@ -149,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return sup.run()
         if args_in[:1] == ["sidecar"]:
             return sidecar.run(sidecar_parser().parse_args(args_in[1:]))
+        # Until egressd is ready for it, a reload signal (systemd's ExecReload) must not
+        # kill it: ignored here, handled once serving (and ignored across the re-exec).
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         args = serve_parser().parse_args(args_in)
         args.argv = [a for a in args_in if a != "--replace"]  # for a re-exec on SIGHUP
         gid = _group(args.group)
@@ -173,9 +176,9 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressd needs root (it makes namespaces, nft rules and cgroups)")
     _raise_open_files()
+    taken = handoff.inherited()  # this process, re-executed on SIGHUP (first: its env)
     nft.use_worker().start()
     run_dir = Path(args.run_dir)
-    taken = handoff.inherited()  # this process, re-executed on SIGHUP
     if taken is None and args.replace:
         taken = handoff.take_over(run_dir)
     state = state_dir(args.state_dir)
@@ -185,6 +188,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     runner: web.AppRunner | None = None
     api: socket.socket | None = None
     giver: handoff.Giver | None = None
+    api_file: int | None = None
     ended = "stop"
     try:
         if taken is not None or not args.no_adopt:
@@ -199,15 +203,18 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             api, taken.api = taken.api, None  # the same listening socket: no refused connect
         else:
             api = _listen(args.socket, gid)
+        api_file = os.stat(args.socket).st_ino  # to remove it at exit only if still ours
         await web.SockSite(runner, api).start()
-        giver = handoff.Giver(run_dir, registry.offers, lambda: api, registry.pause)
+        giver = handoff.Giver(
+            run_dir, registry.offers, lambda: api, registry.pause, registry.settled
+        )
         giver.listen()
         if taken is not None:
             taken.serving()
             how = "re-executed" if taken.old_pid == os.getpid() else "took over from egressd"
             print(f"egressd: {how} {taken.old_pid}", flush=True)
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
-        ended = await _until_signalled(giver.done)
+        ended = await _until_signalled(giver)
     finally:
         if taken is not None:
             taken.close()  # whatever adoption did not use
@@ -221,8 +228,8 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         if runner is not None:
             await runner.cleanup()
         await registry.close(handed_over=ended != "stop")
-        if api is not None and ended == "stop":
-            _unlink_if_ours(args.socket, api)
+        if api_file is not None and ended == "stop":
+            _unlink_if_ours(args.socket, api_file)
         if api is not None:
             api.close()
         journal.close()
@@ -252,7 +259,10 @@ def _raise_open_files() -> None:
 
 def _listen(path: str, gid: int) -> socket.socket:
     """The API socket at ``path`` (0660, root:gid); refuse if another egressd answers."""
-    Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    try:
+        Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SandboxError(f"--socket {path}: {exc.strerror}") from None
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -269,9 +279,9 @@ def _listen(path: str, gid: int) -> socket.socket:
     old = os.umask(0o117)  # never a moment when others may connect
     try:
         sock.bind(path)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise SandboxError(f"--socket {path}: {exc.strerror}") from None
     finally:
         os.umask(old)
     os.chown(path, 0, gid)
@@ -285,21 +295,29 @@ def _bound_to(sock: socket.socket, path: str) -> bool:
     return bool(sock.getsockname() == path)
 
 
-def _unlink_if_ours(path: str, sock: socket.socket) -> None:
-    """Remove the socket file unless a successor's took its place."""
+def _unlink_if_ours(path: str, inode: int) -> None:
+    """Remove the socket file unless another egressd's took its place."""
     with contextlib.suppress(OSError):
-        if os.stat(path).st_ino == os.fstat(sock.fileno()).st_ino:
+        if os.stat(path).st_ino == inode:
             os.unlink(path)
 
 
-async def _until_signalled(handed: asyncio.Event) -> str:
-    """ "stop" on SIGTERM/SIGINT, "reload" on SIGHUP, "handed" once a successor serves."""
+async def _until_signalled(giver: handoff.Giver) -> str:
+    """Why serving ended: "stop" (SIGTERM, SIGINT), "reload" (SIGHUP), or "handed"."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reload = asyncio.Event()
+
+    def hup() -> None:
+        if giver.busy:  # two of us would serve the same sockets
+            print("egressd: SIGHUP ignored: a handoff is under way", file=sys.stderr)
+            return
+        reload.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, reload.set)
+    loop.add_signal_handler(signal.SIGHUP, hup)
+    handed = giver.done
     waits = [asyncio.ensure_future(e.wait()) for e in (stop, reload, handed)]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:

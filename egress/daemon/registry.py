@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -111,6 +111,9 @@ class Registry:
         self._claimed: set[str] = set()  # ids being made right now
         self.created_total = 0
         self.paused = False  # sockets are being handed to a successor egressd
+        self._in_flight = 0  # creates, attaches and deletes under way
+        self._settled = asyncio.Event()
+        self._settled.set()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -127,12 +130,35 @@ class Registry:
         if self.paused:
             raise Busy("egressd is handing over to a new egressd; retry in a moment")
 
+    @contextlib.asynccontextmanager
+    async def _change(self) -> AsyncIterator[None]:
+        """A create, attach or delete: refused while handing over, and counted, so a
+        handover waits until none is half-done (``settled``)."""
+        self._changing()
+        self._in_flight += 1
+        self._settled.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._settled.set()
+
+    async def settled(self) -> None:
+        """Return once no create, attach or delete is under way."""
+        await self._settled.wait()
+
     # -- making --------------------------------------------------------------------------
 
     async def create(
         self, policy_text: str, uplink_netns: str | None = None, upstream: str | None = None
     ) -> Served:
-        self._changing()
+        async with self._change():
+            return await self._create(policy_text, uplink_netns, upstream)
+
+    async def _create(
+        self, policy_text: str, uplink_netns: str | None, upstream: str | None
+    ) -> Served:
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
         sb = await _in_thread(sbx.create, policy, self.pools, uplink_netns)
@@ -153,7 +179,21 @@ class Registry:
         upstream: str | None = None,
         sandbox_id: str | None = None,
     ) -> Served:
-        self._changing()
+        async with self._change():
+            return await self._attach(
+                netns_ref, cgroup, policy_text, freezer, uplink_netns, upstream, sandbox_id
+            )
+
+    async def _attach(
+        self,
+        netns_ref: str,
+        cgroup: str,
+        policy_text: str,
+        freezer: str | None,
+        uplink_netns: str | None,
+        upstream: str | None,
+        sandbox_id: str | None,
+    ) -> Served:
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
         sid = self._claim_id(sandbox_id)
@@ -237,6 +277,7 @@ class Registry:
         listener = None
         if handed is not None:
             listener = NflogListener(handed.nflog, c.INLINE_GROUP, sb.netns)
+            listener.shared = True  # the predecessor may still serve with it
         session, resolver = inline.make(
             sb, self.journal, self.review_hint, upstreams, record.uplink_netns, listener=listener
         )
@@ -319,7 +360,10 @@ class Registry:
 
     async def delete(self, sandbox_id: str) -> None:
         """Tear down what egress made, or detach from what it didn't."""
-        self._changing()
+        async with self._change():
+            await self._delete(sandbox_id)
+
+    async def _delete(self, sandbox_id: str) -> None:
         served = self.get(sandbox_id)
         del self.served[sandbox_id]
         await self._stop(served.session, served.resolver)
@@ -359,6 +403,7 @@ class Registry:
         """Each served sandbox's sockets and learned addresses, for a successor."""
         out = []
         for s in self.list():
+            s.session.listener.shared = True  # from now on a successor may hold it too
             udp, tcp = s.resolver.listening
             out.append(
                 handoff.Offer(s.id, udp, tcp, s.session.listener.sock, s.resolver.learned_list())

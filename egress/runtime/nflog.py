@@ -95,6 +95,10 @@ class NflogListener:
         self.group = group
         self.netns = netns
         self.overruns = 0
+        # Another process holds this same socket (egressd handing over, or handed over
+        # to): closing must not unbind the group under it. The kernel drops the binding
+        # when the last descriptor of the socket closes anyway.
+        self.shared = False
         self._seq = 0
         self._pending: list[NflogEvent] = []
 
@@ -226,6 +230,9 @@ class NflogListener:
     def close(self) -> None:
         """Unbind the group (so another listener may take it) and close the socket."""
         if self._sock is None:
+            return
+        if self.shared:
+            self.release()
             return
         try:
             self._config(_attr(_CFG_CMD, bytes([_CMD_UNBIND])))

@@ -69,7 +69,7 @@ def replace(daemon: Daemon) -> subprocess.Popen[str]:
     daemon.proc = new
     took = new.stdout.readline()
     serving = new.stdout.readline()
-    if "took over from egressd" not in took or "serving 1 sandboxes" not in serving:
+    if "took over from egressd" not in took or " sandboxes on " not in serving:
         old.send_signal(signal.SIGTERM)
         old.wait(timeout=30)
         raise AssertionError(took + serving + daemon.stderr())
@@ -148,21 +148,31 @@ def _restart_under_load(lab: Lab, daemon: Daemon, how: str) -> None:
     assert ("draining" if how == "replace" else "re-executing") in daemon.stderr()
 
 
+def blocked_connect(netns: str, cg: Cgroup) -> subprocess.Popen[bytes]:
+    """A connect no policy here allows, from inside the sandbox (the process joins the
+    cgroup before it execs, so the connect is the sandbox's own)."""
+    script = "import socket; s=socket.socket(); s.settimeout(5); s.connect_ex(('192.0.2.7', 80))"
+    return subprocess.Popen(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", script],
+        preexec_fn=lambda: cg.add_pid(os.getpid()),
+    )
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def test_a_frozen_sandbox_stays_frozen_across_a_handover(lab: Lab, daemon: Daemon) -> None:
     made = daemon.create(POLICY, lab.uplink_netns)
     cg = Cgroup.attach_existing(made["cgroup"], made.get("freezer"))
-    # A blocked connect from inside the sandbox freezes it (the test's process joins the
-    # cgroup before it execs, so the connect is the sandbox's own).
-    script = "import socket; s=socket.socket(); s.settimeout(5); s.connect_ex(('192.0.2.7', 80))"
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", made["netns"], sys.executable, "-c", script],
-        preexec_fn=lambda: cg.add_pid(os.getpid()),
-    )
+    proc = blocked_connect(made["netns"], cg)
     try:
-        deadline = time.monotonic() + 10
-        while not cg.is_frozen() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert cg.is_frozen(), daemon.stderr()
+        assert wait_until(cg.is_frozen), daemon.stderr()
         old = replace(daemon)
         try:
             assert old.wait(timeout=10) == 0
@@ -193,9 +203,40 @@ def test_a_successor_that_leaves_before_serving_changes_nothing(lab: Lab, daemon
         assert dig(made["netns"], "allowed.lab.test") == "203.0.113.10"
     finally:
         taken.close()  # leaves without "serving"
-    deadline = time.monotonic() + 10
-    while "serving on" not in daemon.stderr() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert wait_until(lambda: "serving on" in daemon.stderr())
     assert "the successor left before serving; serving on" in daemon.stderr()
     daemon.client.call("DELETE", f"/v1/sandboxes/{made['id']}")
     assert daemon.client.call("GET", "/v1/sandboxes") == []
+
+
+def test_a_successor_that_fails_after_adopting_leaves_the_inline_layer_bound(
+    lab: Lab, daemon: Daemon, tmp_path: Path
+) -> None:
+    """The successor adopts every sandbox with the handed sockets, then fails (its API
+    socket can't be made) and stops: the NFLOG sockets it shared must stay bound, or the
+    old egressd, serving on, would never see a blocked connect again."""
+    made = daemon.create(POLICY, lab.uplink_netns)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [sys.executable, "-m", "egress.daemon.main", "--replace",
+            "--socket", str(blocker / "egressd.sock"), "--run-dir", str(daemon.run_dir),
+            "--state-dir", str(daemon.state)]  # fmt: skip
+    failed = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert failed.returncode == 1 and "--socket" in failed.stderr, failed.stderr
+    assert wait_until(lambda: "serving on" in daemon.stderr()), daemon.stderr()
+    cg = Cgroup.attach_existing(made["cgroup"], made.get("freezer"))
+    proc = blocked_connect(made["netns"], cg)
+    try:
+        assert wait_until(cg.is_frozen), daemon.stderr()  # no observer runs: inline did it
+    finally:
+        cg.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_api_socket_file_goes_with_the_last_egressd(lab: Lab, daemon: Daemon) -> None:
+    """The old egressd leaves the socket file to its successor; the last one removes it."""
+    old = replace(daemon)
+    assert old.wait(timeout=10) == 0
+    assert os.path.exists(daemon.socket)
+    daemon.stop()
+    assert not os.path.exists(daemon.socket)
