@@ -68,8 +68,8 @@ Enter the netns with `nsenter --net=PATH` (as a container runtime would), not wi
 `ip netns exec`: that mounts a fresh /sys, without the cgroup filesystems it freezes.
 It answers DNS on {c.RESOLVER4} (UDP and TCP), puts allowed answers' addresses in the
 netns's table inet {c.TABLE} before releasing them, and on a violation journals it, then
-freezes --cgroup (and --freezer) until a person thaws or kills it. (`egressctl resume|kill`
-look for egress's own cgroup of that id, not this one: thaw through its cgroup.freeze.)
+freezes --cgroup (and --freezer) until a person thaws or kills it with
+`egressctl resume|kill [--state-dir DIR] ID` (the journal keeps the cgroup's paths).
 Prints "egressd sidecar: serving ID ..." on stdout once it answers.
 
 Its own upstream queries leave from this same netns, so they carry SO_MARK
