@@ -28,7 +28,7 @@ from .observers import Supervisor
 from .registry import Registry
 
 FMT = argparse.RawDescriptionHelpFormatter
-OPEN_FILES = 65536
+OPEN_FILES = 1 << 20  # sandboxes x (8 + up to MAX_IN_FLIGHT upstream sockets)
 DEFAULT_SOCKET = str(run_dir() / "egressd.sock")
 SERVE_EPILOG = """\
 examples:

@@ -40,6 +40,7 @@ TCP_IDLE_S = 10.0
 MAX_QUERY = 4096  # bytes read per datagram: a longer "query" is cut short and refused
 BATCH = 64  # datagrams per readiness callback, so TCP and upstream replies get turns
 POOL_SIZE = 4  # fresh upstream sockets kept ready per upstream
+MAX_IN_FLIGHT = 1024  # queries waiting on an upstream per sandbox (each holds a socket)
 MAX_TCP_CLIENTS = 64  # open TCP connections per sandbox (a stub resolver uses one or two)
 MAX_TCP_BACKLOG = 256 << 10  # unread answer bytes on one connection before it is dropped
 
@@ -242,8 +243,10 @@ class ResolverServer:
         self._sets: NetlinkSets | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._udp: socket.socket | None = None
-        self._tcp: asyncio.Server | None = None
         self._tcp_sock: socket.socket | None = None
+        self._tcp_open = False  # accepting TCP clients (until drain or close)
+        self._accepting = False  # the listening socket is being read now
+        self._clients: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._waiting: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
         self._refill: asyncio.Handle | None = None
@@ -263,7 +266,8 @@ class ResolverServer:
         self._allowance = 0
         self._drops_seen = -1  # the kernel's drop count at this socket when last read
         self.tcp_clients = 0  # open TCP connections from the sandbox
-        self.tcp_refused = 0  # connections closed at once: MAX_TCP_CLIENTS were open
+        self.tcp_paused = 0  # times accepting stopped: MAX_TCP_CLIENTS were open
+        self.overloaded = 0  # SERVFAIL without asking: MAX_IN_FLIGHT were upstream
 
     async def start(self, handed: tuple[socket.socket, socket.socket] | None = None) -> None:
         """Bind 127.0.0.53:53 (UDP, TCP) in the sandbox netns, or serve the bound
@@ -286,7 +290,6 @@ class ResolverServer:
             tcp.setblocking(False)
             self.pool.refill()
             self._sets = _open_sets(self.nft)
-            self._tcp = await asyncio.start_server(self._serve_tcp, sock=tcp)
         except BaseException:
             udp.close()
             tcp.close()
@@ -297,6 +300,8 @@ class ResolverServer:
             raise
         self._udp = udp
         self._tcp_sock = tcp
+        self._tcp_open = True
+        self._accept_on()
         loop.add_reader(udp.fileno(), self._udp_readable)
 
     @property
@@ -314,8 +319,8 @@ class ResolverServer:
             self._paused = None
         if self._udp is not None:
             loop.remove_reader(self._udp.fileno())
-        if self._tcp is not None:
-            self._tcp.close()  # no more accepts here; connections already open go on
+        self._tcp_open = False  # no more accepts here; connections already open go on
+        self._accept_off()
         deadline = loop.time() + timeout_s
         while (self._waiting or self._tasks) and loop.time() < deadline:
             await asyncio.sleep(0.01)
@@ -323,16 +328,20 @@ class ResolverServer:
     @property
     def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
         """(UDP, TCP) addresses listened on: with port 0 the kernel picks them apart."""
-        assert self._udp is not None and self._tcp is not None
-        return self._udp.getsockname(), self._tcp.sockets[0].getsockname()
+        assert self._udp is not None and self._tcp_sock is not None
+        return self._udp.getsockname(), self._tcp_sock.getsockname()
 
     async def close(self) -> None:
         if self._udp is not None and self._loop is not None:
             self._loop.remove_reader(self._udp.fileno())
             self._udp.close()
             self._udp = None
-        if self._tcp is not None:
-            self._tcp.close()
+        self._tcp_open = False
+        self._accept_off()
+        if self._tcp_sock is not None:
+            self._tcp_sock.close()
+        for task in list(self._clients):
+            task.cancel()
         for token in list(self._waiting):
             self._forget(token)
         for task in list(self._tasks):
@@ -415,7 +424,7 @@ class ResolverServer:
         sock = self._udp
         # Not after close(), nor after drain() handed the socket to a successor egressd
         # (both stop the TCP server): reading then would take the successor's queries.
-        if sock is None or self._loop is None or self._tcp is None or not self._tcp.is_serving():
+        if sock is None or self._loop is None or not self._tcp_open:
             return
         self._count_kernel_drops(sock)
         self._loop.add_reader(sock.fileno(), self._udp_readable)
@@ -524,11 +533,17 @@ class ResolverServer:
 
     def _forward(self, fwd: Forward) -> None:
         self._forget(fwd.token)  # a retry (TCP, next upstream) replaces the last attempt
+        loop = self._loop
+        assert loop is not None
+        if len(self._waiting) + len(self._tasks) >= MAX_IN_FLIGHT:
+            # Each query upstream holds a socket: one sandbox asking slow names must not
+            # use up the descriptors egressd shares among all of them. SERVFAIL instead.
+            self.overloaded += 1
+            loop.call_soon(self._upstream_failed, fwd.token)
+            return
         if fwd.tcp:
             self._spawn(self._forward_tcp(fwd))
             return
-        loop = self._loop
-        assert loop is not None
         try:
             sock = self.pool.take(fwd.upstream)
         except (OSError, EgressError):
@@ -633,14 +648,57 @@ class ResolverServer:
 
     # -- TCP clients ---------------------------------------------------------------------
 
-    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.tcp_clients >= MAX_TCP_CLIENTS:
-            # One sandbox must not take egressd's descriptors (shared by every sandbox it
-            # serves) by opening connections: past the cap, a new one is closed at once.
-            self.tcp_refused += 1
-            writer.transport.abort()
+    # One sandbox must not take egressd's descriptors (shared by every sandbox it serves)
+    # by opening connections: with MAX_TCP_CLIENTS open, the listening socket is not read
+    # until one closes. Further connections wait in the kernel's backlog, then its SYN
+    # queue drops them: the cost stays with the sandbox.
+
+    def _accept_on(self) -> None:
+        sock, loop = self._tcp_sock, self._loop
+        if self._accepting or not self._tcp_open or sock is None or loop is None:
             return
-        self.tcp_clients += 1
+        if self.tcp_clients < MAX_TCP_CLIENTS:
+            loop.add_reader(sock.fileno(), self._tcp_acceptable)
+            self._accepting = True
+
+    def _accept_off(self) -> None:
+        if self._accepting and self._tcp_sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._tcp_sock.fileno())
+        self._accepting = False
+
+    def _tcp_acceptable(self) -> None:
+        sock, loop = self._tcp_sock, self._loop
+        assert sock is not None and loop is not None
+        for _ in range(BATCH):
+            if self.tcp_clients >= MAX_TCP_CLIENTS:
+                self.tcp_paused += 1
+                self._accept_off()
+                return
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # EMFILE, ENOBUFS: try again a little later
+                self._accept_off()
+                loop.call_later(0.1, self._accept_on)
+                return
+            conn.setblocking(False)
+            self.tcp_clients += 1
+            task = loop.create_task(self._tcp_client(conn))
+            self._clients.add(task)
+            task.add_done_callback(self._clients.discard)
+
+    async def _tcp_client(self, conn: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+        except OSError:
+            conn.close()
+            self.tcp_clients -= 1
+            self._accept_on()
+            return
+        await self._serve_tcp(reader, writer)
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client = TcpClient(writer)
         try:
             while True:
@@ -660,6 +718,7 @@ class ResolverServer:
             pass
         finally:
             self.tcp_clients -= 1
+            self._accept_on()
             with contextlib.suppress(ConnectionError):
                 writer.close()
 

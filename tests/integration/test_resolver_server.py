@@ -26,7 +26,8 @@ metadata: {name: t}
 spec:
   dns:
     upstreams: ["192.0.2.53"]
-    allow: [allowed.test, slow.test, spoofed.test, truncated.test]
+    allow: [allowed.test, slow.test, "*.slow.test", spoofed.test, truncated.test]
+    rate_limit: {qps: 1000000, burst: 1000000}
   connect:
     ports: [443]
 """
@@ -65,7 +66,7 @@ class Stub(asyncio.DatagramProtocol):
         self.queries.append(data)
         q = DNSRecord.parse(data)
         name = str(q.q.qname).rstrip(".")
-        if name == "slow.test":
+        if name == "slow.test" or name.endswith(".slow.test"):
             return
         if name == "truncated.test":  # "ask me over TCP"
             r = q.reply()
@@ -253,11 +254,18 @@ async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
 
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
-def test_tcp_connections_past_the_cap_are_closed_and_the_rest_served(loop_kind: str) -> None:
-    """A sandbox opening connections without end must not take egressd's descriptors."""
+def test_tcp_connections_past_the_cap_wait_for_a_free_slot(loop_kind: str) -> None:
+    """A sandbox opening connections without end must not take egressd's descriptors:
+    with MAX_TCP_CLIENTS open, the next one is not accepted until one of them closes."""
     from egress.runtime.dns_server import MAX_TCP_CLIENTS
 
     nft = FakeNft()
+    q = wire.build_query(9, "allowed.test", 1)
+    frame = struct.pack("!H", len(q)) + q
+
+    async def answer(reader: asyncio.StreamReader, seconds: float) -> DNSRecord:
+        n = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), seconds))[0]
+        return DNSRecord.parse(await reader.readexactly(n))
 
     async def main() -> None:
         server, _, transport = await serving(nft)
@@ -267,26 +275,50 @@ def test_tcp_connections_past_the_cap_are_closed_and_the_rest_served(loop_kind: 
             for _ in range(MAX_TCP_CLIENTS):
                 held.append(await asyncio.open_connection(*tcp))
             await until(lambda: server.tcp_clients == MAX_TCP_CLIENTS)  # all accepted
-            reader, writer = await asyncio.open_connection(*tcp)
-            assert await asyncio.wait_for(reader.read(), 2.0) == b""  # closed at once
-            writer.close()
-            assert server.tcp_refused == 1 and server.tcp_clients == MAX_TCP_CLIENTS
-            # The connections within the cap still get answers; one freed makes room.
-            r0, w0 = held[0]
-            q = wire.build_query(9, "allowed.test", 1)
-            w0.write(struct.pack("!H", len(q)) + q)
-            n = struct.unpack("!H", await r0.readexactly(2))[0]
-            assert DNSRecord.parse(await r0.readexactly(n)).header.id == 9
+            r_extra, w_extra = await asyncio.open_connection(*tcp)  # in the backlog
+            w_extra.write(frame)
+            with pytest.raises(TimeoutError):
+                await answer(r_extra, 0.3)
+            assert server.tcp_clients == MAX_TCP_CLIENTS and server.tcp_paused >= 1
+            r0, w0 = held.pop(0)  # one within the cap is served, then leaves
+            w0.write(frame)
+            assert (await answer(r0, 2.0)).header.id == 9
             w0.close()
-            await until(lambda: server.tcp_clients < MAX_TCP_CLIENTS)
-            r1, w1 = await asyncio.open_connection(*tcp)
-            w1.write(struct.pack("!H", len(q)) + q)
-            n = struct.unpack("!H", await r1.readexactly(2))[0]
-            assert DNSRecord.parse(await r1.readexactly(n)).header.id == 9
-            w1.close()
+            assert (await answer(r_extra, 2.0)).header.id == 9  # now accepted and served
+            w_extra.close()
         finally:
             for _, w in held:
                 w.close()
+            await server.close()
+            transport.close()
+
+    run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_queries_upstream_are_capped_per_sandbox(loop_kind: str) -> None:
+    """Past MAX_IN_FLIGHT questions waiting on the upstream (each holds a socket), the
+    next is SERVFAIL at once instead of one more socket."""
+    from egress.runtime.dns_server import MAX_IN_FLIGHT
+
+    nft = FakeNft()
+
+    async def main() -> None:
+        server, _, transport = await serving(nft)
+        server.timeout_s = 5.0  # the slow ones stay in flight for the whole test
+        client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            udp, _ = server.addresses
+            for i in range(MAX_IN_FLIGHT):
+                client.sendto(wire.build_query(i, f"q{i}.slow.test", 1), udp)
+            await until(lambda: server.core.stats["forwarded"] == MAX_IN_FLIGHT)
+            started = asyncio.get_running_loop().time()
+            over = await ask(udp, "one-more.slow.test", qid=4242)
+            assert over.header.rcode == wire.SERVFAIL
+            assert asyncio.get_running_loop().time() - started < 1.0  # not the timeout
+            assert server.overloaded == 1 and len(server._waiting) == MAX_IN_FLIGHT
+        finally:
+            client.close()
             await server.close()
             transport.close()
 
