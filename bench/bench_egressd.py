@@ -18,8 +18,8 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
   misses), what a miss costs without egressd; queries that got no answer within 2 s
   ("lost") and answers other than NOERROR with an address ("bad").
 
-If a create fails (today egressd stops at ~110 sandboxes: libnftables uses select()),
-the figures up to there are printed with the error, and the bench stops growing.
+If a create fails, the figures up to there are printed with the error, and the bench
+stops growing.
 Everything it made is removed on the way out, Ctrl-C included. Prints figures, asserts
 nothing. Needs root.
 
