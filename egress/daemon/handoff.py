@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from egress.errors import SandboxError
+from egress.runtime import claims
 
 SOCKET_NAME = "handoff.sock"
 MAX_MESSAGE = 1 << 20
@@ -146,7 +147,7 @@ def take_over(run_dir: Path) -> Taken | None:
                 raise SandboxError(f"unexpected handoff message {kind!r}")
     except (OSError, ValueError, KeyError) as exc:
         taken.close()
-        if not _alive(old_pid):
+        if not claims.alive(old_pid):
             # It died mid-way (and its sockets with it, but for the ones we hold, now
             # closed): nobody serves, so start as usual and adopt what it recorded.
             print(f"egressd: egressd {old_pid} died during the handoff; adopting", flush=True)
@@ -155,16 +156,6 @@ def take_over(run_dir: Path) -> Taken | None:
     except BaseException:
         taken.close()
         raise
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- re-executing in place (SIGHUP; systemd's reload) -------------------------------------

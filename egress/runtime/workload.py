@@ -69,7 +69,7 @@ def command_line(netns: str, user: User, argv: Sequence[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def _join_cgroups(procs_files: list[str]) -> None:
+def join_cgroups(procs_files: list[str]) -> None:
     # Runs in the child between fork and exec: only open/write, nothing that allocates locks.
     pid = str(os.getpid()).encode()
     for path in procs_files:
@@ -89,7 +89,7 @@ def spawn(
         return subprocess.Popen(
             command_line(netns, user, argv),
             env=env,
-            preexec_fn=lambda: _join_cgroups(procs_files),
+            preexec_fn=lambda: join_cgroups(procs_files),
             # Its own session: no controlling terminal, so it can neither push input into
             # the shell egressctl was started from (TIOCSTI) nor take the terminal over.
             start_new_session=True,

@@ -115,16 +115,6 @@ def anyip(a: int, b: int) -> tuple[str, str]:
     return f"ip-198-19-{a}-{b}.any.lab.test", f"198.19.{a}.{b}"
 
 
-def _join(procs_files: list[str]) -> None:
-    pid = str(os.getpid()).encode()
-    for path in procs_files:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.write(fd, pid)
-        finally:
-            os.close(fd)
-
-
 class Worker:
     """The stdlib loop above as nobody, no capabilities, in one sandbox's netns and cgroup
     (joined before exec: nothing of it ever runs outside)."""
@@ -138,7 +128,7 @@ class Worker:
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            preexec_fn=lambda: _join(files),
+            preexec_fn=lambda: workload.join_cgroups(files),
             start_new_session=True,
         )
         self.buffer = b""
