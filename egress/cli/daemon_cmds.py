@@ -1,4 +1,4 @@
-"""`egressctl sandbox create|attach|list|show|delete|set-policy`: egressd's API, from a shell.
+"""`egressctl sandbox create|attach|list|show|delete|set-policy|exec`: egressd's API, from a shell.
 
 These talk to egressd over its unix socket (``--daemon PATH``, default
 /run/egress/egressd.sock). The review commands (`ps`, `journal`, `resume`, `kill`) work
@@ -15,8 +15,11 @@ all it takes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -110,6 +113,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "  egressctl sandbox attach --netns agent1 --cgroup "
             "/sys/fs/cgroup/unified/agent1 --policy p.yaml\n"
             "  egressctl sandbox set-policy 3f2a1c --policy p2.yaml\n"
+            "  egressctl sandbox exec 3f2a1c -- python3 agent.py\n"
             "  egressctl sandbox delete 3f2a1c\n"
             "resume, kill, ps and journal work on daemon sandboxes as on any other."
         ),
@@ -144,8 +148,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = _sub(cmds, "set-policy", "replace a sandbox's policy live",
              "egressctl sandbox set-policy 3f2a1c --policy p2.yaml")  # fmt: skip
     s.add_argument("sandbox", metavar="ID")
-    s.add_argument("--policy", required=True, metavar="FILE")
+    s.add_argument("--policy", required=True, metavar="FILE", help="the new policy")
     s.set_defaults(func=cmd_set_policy)
+    e = _sub(cmds, "exec", "run a command inside a served sandbox, unprivileged",
+             "egressctl sandbox exec --user agent 3f2a1c -- python3 agent.py")  # fmt: skip
+    e.description = (
+        "Run CMD in the sandbox as egressctl run runs its command: it joins the sandbox's\n"
+        "cgroup before it execs (so a freeze stops it and names it), enters its netns, and\n"
+        "drops to --user with no capabilities and no_new_privs. Waits for it and exits with\n"
+        "its status (128+N if killed by signal N); SIGINT and SIGTERM are passed on."
+    )
+    e.add_argument(
+        "--user", metavar="NAME|UID",
+        help="run as this user (default: the sudo user, else nobody; never root)",
+    )  # fmt: skip
+    e.add_argument("sandbox", metavar="ID")
+    e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
+    e.set_defaults(func=cmd_exec)
 
 
 def _sub(cmds: Any, name: str, text: str, example: str) -> argparse.ArgumentParser:
@@ -221,3 +240,28 @@ def cmd_set_policy(args: argparse.Namespace) -> int:
     data = _run(args, "PUT", f"/v1/sandboxes/{args.sandbox}/policy", body)
     line = f"sandbox {args.sandbox}: policy swapped ({data['removed_elements']} elements removed)"
     return _print(args, data, line)
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    from egress.runtime import workload
+
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise EgressError("sandbox exec: give the command after --, e.g. -- sh -c 'curl ...'")
+    user = workload.resolve_user(args.user)
+    data = _run(args, "GET", f"/v1/sandboxes/{args.sandbox}", None)
+    procs = [os.path.join(data["cgroup"], "cgroup.procs")]
+    if data.get("freezer"):
+        procs.append(os.path.join(data["freezer"], "cgroup.procs"))
+    proc = workload.spawn(data["netns"], user, argv, procs)
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    code = proc.wait()
+    return 128 - code if code < 0 else code

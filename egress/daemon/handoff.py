@@ -359,6 +359,8 @@ class Giver:
         except OSError:
             data = b""
         if data and json.loads(data).get("op") == "serving":
+            # Done: its closing the connection later is no news.
+            asyncio.get_running_loop().remove_reader(self._conn.fileno())
             print(
                 f"egressd: egressd {self.successor} serves in our place; draining",
                 file=sys.stderr,

@@ -71,10 +71,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="egressd",
+        usage="%(prog)s [options]\n       %(prog)s observer [options]\n"
+        "       %(prog)s sidecar --policy FILE --cgroup DIR [options]",
         formatter_class=FMT,
         description=(
-            "Serve many egress sandboxes from one process, with an HTTP API on a unix "
-            "socket (never TCP). `egressd observer --help` for the observer layer."
+            "Serve many egress sandboxes from one process, with an HTTP API on a unix\n"
+            "socket (never TCP).\n\n"
+            "  egressd observer   the observer layer for them (its own process; --help)\n"
+            "  egressd sidecar    one sandbox, served from inside its netns (--help)"
         ),
         epilog=SERVE_EPILOG,
     )

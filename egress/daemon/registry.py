@@ -392,6 +392,9 @@ class Registry:
         served.record.policy = policy_text
         with contextlib.suppress(OSError):
             rundir.save(self.run_dir, served.record)
+        with contextlib.suppress(EgressError):  # what `egressctl ps` shows
+            state = "frozen" if served.sb.cgroup.is_frozen() else "running"
+            self.journal.set_sandbox_state(sandbox_id, state, policy=policy.name)
         return {"removed_elements": removed, "swap_ms": round((time.monotonic() - start) * 1e3, 2)}
 
     # -- handing over -------------------------------------------------------------------

@@ -271,7 +271,8 @@ async def _serve(
     pid = os.getpid()
     state = "frozen" if sb.cgroup.is_frozen() else "running"
     if resumed:
-        journal.set_sandbox_state(sb.id, state, netns=sb.netns, inline_pid=pid, owner_pid=pid)
+        journal.set_sandbox_state(sb.id, state, netns=sb.netns, inline_pid=pid, owner_pid=pid,
+                                  policy=sb.policy.name)  # fmt: skip
     else:
         journal.record_sandbox(sb.id, sb.policy.name, netns=sb.netns, cgroup=sb.cgroup.v2_path,
                                state=state, inline_pid=pid, owner_pid=pid,

@@ -27,7 +27,8 @@ DECISION_ACTIONS = ("resume", "kill")
 # Columns ``set_sandbox_state`` may change besides ``state``. A closed list, because the
 # names are spliced into SQL.
 SANDBOX_FIELDS = (
-    "netns", "cgroup", "freezer", "ended_at", "inline_pid", "observer_pid", "owner_pid"
+    "policy", "netns", "cgroup", "freezer", "ended_at", "inline_pid", "observer_pid",
+    "owner_pid",
 )  # fmt: skip
 
 _V1 = (

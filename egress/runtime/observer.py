@@ -68,7 +68,10 @@ class Observer:
         self.enforcer = Enforcer(cfg.sandbox_id, cfg.policy, LAYER, self.journal, cgroup)
         self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP)
         self.nft = NftHandle.open(cfg.netns)
-        self.drops_seen = 0
+        # Drops counted before this observer bound its group were judged by whoever was
+        # watching then (an observer restarted on a policy swap, the inline layer): they
+        # are not drops its log missed. Read after binding, so none falls in between.
+        self.drops_seen = self._dropped() or 0
         self.unlogged_last = 0
         self.inline_fd = _pidfd(cfg.watch_pid)
         self.stopping = False
@@ -202,11 +205,16 @@ class Observer:
             qtype,
         )
 
+    def _dropped(self) -> int | None:
+        try:
+            return self.nft.counter("inet", c.TABLE, "dropped")[0]
+        except EgressError:
+            return None
+
     def _check_counter(self) -> None:
         """Drops the rate-limited log did not carry still show in the counter."""
-        try:
-            packets, _ = self.nft.counter("inet", c.TABLE, "dropped")
-        except EgressError:
+        packets = self._dropped()
+        if packets is None:
             return
         unlogged = packets - self.drops_seen
         if unlogged > 0 and unlogged == self.unlogged_last:  # stable over a tick: not lag

@@ -196,6 +196,8 @@ def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Daemon, l
         assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]
         shown = daemon.client.call("GET", f"/v1/sandboxes/{box['id']}")
         assert shown["policy"] == "swap2"
+        with Journal.open(daemon.state) as journal:  # what `egressctl ps` shows
+            assert (journal.sandbox(box["id"]) or {})["policy"] == "swap2"
         bad = daemon.client.request("PUT", f"/v1/sandboxes/{box['id']}/policy", {"policy": "x: ["})
         assert bad[0] == 422 and bad[1]["problems"]
         assert set_ips(box["netns"]) == {"203.0.113.10"}  # a refused swap changed nothing
@@ -399,3 +401,38 @@ def test_observer_layer_watches_attached_sandboxes_with_egressd_killed(
         assert freeze["layer"] == "observer" and freeze["latency_ms"] is not None
         print(f"observer froze the attached sandbox in {freeze['latency_ms']:.2f} ms")
         d.start()  # adopts it, so cleanup detaches it through the API
+
+
+def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(daemon: Daemon, lab: Lab) -> None:
+    """`egressctl sandbox exec` puts CMD in the sandbox's netns and cgroup, unprivileged:
+    it resolves through the sandbox's resolver, and its blocked connect freezes it and is
+    attributed to it; a kill through the API ends it (exit 137)."""
+    box = daemon.create(policy("exec", "allowed.lab.test"), lab.uplink_netns)
+    exec_ = [sys.executable, "-m", "egress.cli.main", "sandbox", "exec", "--daemon",
+             daemon.socket, "--user", str(NOBODY), box["id"], "--"]  # fmt: skip
+    script = "import os, socket; print(os.getuid(), socket.gethostbyname('allowed.lab.test'))"
+    ok = subprocess.run([*exec_, SYSTEM_PYTHON, "-c", script],
+                        capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert ok.returncode == 0 and ok.stdout.split() == [str(NOBODY), "203.0.113.10"], ok
+    marker = "egress-exec-marker"
+    blocked = (
+        f"import socket; s=socket.socket(); s.settimeout(20); s.connect(('192.0.2.7', 80))"
+        f" # {marker}"
+    )
+    proc = subprocess.Popen([*exec_, SYSTEM_PYTHON, "-c", blocked])
+    cg = Cgroup.attach_existing(box["cgroup"], box.get("freezer"))
+    try:
+        deadline = time.monotonic() + 10
+        while not cg.is_frozen() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cg.is_frozen(), daemon.stderr()
+        with Journal.open(daemon.state) as journal:
+            rows = [v for v in journal.violations(box["id"]) if v["class"] == "blocked_connect"]
+        assert rows and marker in (rows[0]["process"] or {}).get("cmdline", ""), rows
+        daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/kill", {})
+        assert proc.wait(timeout=10) == 128 + signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            cg.kill()
+            proc.wait(timeout=10)
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")

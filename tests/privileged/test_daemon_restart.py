@@ -146,6 +146,7 @@ def _restart_under_load(lab: Lab, daemon: Daemon, how: str) -> None:
     assert [r["id"] for r in rows] == [made["id"]]
     assert dig(ns, "allowed.lab.test") == "203.0.113.10"
     assert ("draining" if how == "replace" else "re-executing") in daemon.stderr()
+    assert "serving on" not in daemon.stderr()  # no handover was taken for a failure
 
 
 def blocked_connect(netns: str, cg: Cgroup) -> subprocess.Popen[bytes]:
