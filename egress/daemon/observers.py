@@ -77,7 +77,7 @@ class Supervisor:
     def _start(self, record: rundir.Record) -> None:
         pid = os.fork()
         if pid == 0:  # the child never returns from here
-            os._exit(_watch(record, self.state_dir))
+            os._exit(_watch(record, self.state_dir, self.run_dir))
         self.children[record.id] = Child(pid, record.policy_sha256)
 
     def _end(self, sid: str) -> None:
@@ -105,14 +105,20 @@ class Supervisor:
                 del self.children[sid]
 
 
-def _watch(record: rundir.Record, state_dir: Path) -> int:
+def _watch(record: rundir.Record, state_dir: Path, run_dir: Path) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def current() -> bool:
+        now = rundir.load(run_dir, record.id)
+        return now is not None and now.policy_sha256 == record.policy_sha256
+
     try:
         policy, _ = parse_policy(record.policy, f"<sandbox {record.id}>")
         cfg = ObserverConfig(
-            record.id, record.netns, policy, str(state_dir), None, record.cgroup, record.freezer
-        )
+            record.id, record.netns, policy, str(state_dir), None, record.cgroup,
+            record.freezer, current,
+        )  # fmt: skip
         observer = Observer(cfg)
         watching = f"{record.id} ({record.kind}, cgroup {record.cgroup})"
         print(f"egressd observer: watching {watching}", file=sys.stderr, flush=True)

@@ -75,18 +75,21 @@ def remove(directory: Path, sandbox_id: str) -> None:
         (directory / f"{sandbox_id}.json").unlink()
 
 
+def load(directory: Path, sandbox_id: str) -> Record | None:
+    """One sandbox's record, or None if it has none (deleted) or it can't be read."""
+    try:
+        data = json.loads((directory / f"{sandbox_id}.json").read_text())
+        fields = set(Record.__dataclass_fields__)
+        return Record(**{k: v for k, v in data.items() if k in fields})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def load_all(directory: Path) -> list[Record]:
     """Every readable record; unreadable ones are skipped (a crash mid-write leaves only
     the .tmp file, never a torn record)."""
-    out = []
-    fields = set(Record.__dataclass_fields__)
-    for path in sorted(directory.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-            out.append(Record(**{k: v for k, v in data.items() if k in fields}))
-        except (OSError, ValueError, TypeError):
-            continue
-    return out
+    found = (load(directory, path.stem) for path in sorted(directory.glob("*.json")))
+    return [record for record in found if record is not None]
 
 
 def adopt_created(record: Record, policy: Policy) -> Sandbox:

@@ -18,6 +18,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from egress.datapath import constants as c
@@ -50,6 +51,10 @@ class ObserverConfig:
     # sandbox's cgroup lies wherever its runtime made it. None: egress's own, by the id.
     cgroup: str | None = None
     freezer: str | None = None
+    # Is this policy still the one in force? egressd swaps a policy live and restarts the
+    # observer a moment later; until then this one must not act on the old policy's
+    # verdicts (a name the new one allows would be "denied", and maybe frozen for).
+    current: Callable[[], bool] | None = None
 
     def open_cgroup(self) -> Cgroup:
         if self.cgroup is None:
@@ -121,6 +126,9 @@ class Observer:
 
     def _act(self, v: Violation) -> None:
         """Act on one verdict; a failure is reported and the watch goes on."""
+        if self.cfg.current is not None and not self.cfg.current():
+            self.stopping = True  # superseded: the next observer judges by the new policy
+            return
         try:
             self.enforcer.handle(v)
         except EgressError as exc:

@@ -16,7 +16,6 @@ import shutil
 import socket
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -31,7 +30,6 @@ from egress.runtime import sandbox
 from egress.runtime.dns_server import ResolverServer, make_core
 from egress.runtime.lab import Lab
 from egress.runtime.netns import in_netns
-from egress.runtime.nft import NftHandle
 from egress.runtime.sandbox import Sandbox
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
@@ -228,36 +226,3 @@ async def test_a_blast_is_left_to_the_kernel_counted_and_then_the_sandbox_resolv
             assert await answered(sock, 1) == 1  # the stale backlog is gone; tokens again
         finally:
             sock.close()
-
-
-def test_a_new_observer_does_not_count_earlier_drops_as_missed(box: Sandbox, lab: Lab) -> None:
-    """An observer (re)started on a sandbox that has dropped packets before (a policy
-    swap restarts egressd's) must not take the drop counter's past for drops its log
-    missed: that froze sandboxes on every swap."""
-    from egress.runtime.journal import Journal
-    from egress.runtime.observer import Observer, ObserverConfig
-
-    with in_netns(box.netns):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    with s:  # dropped by the sandbox's rules (and counted), before any observer runs
-        for _ in range(3):
-            with contextlib.suppress(PermissionError):  # the rules' drop, as EPERM
-                s.sendto(b"x", ("192.0.2.7", 9))
-    with NftHandle.open(box.netns) as nft:
-        assert nft.counter("inet", "egress", "dropped")[0] == 3
-    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
-    try:
-        with Journal.open(state) as journal:
-            journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
-        observer = Observer(ObserverConfig(box.id, box.netns, box.policy, str(state), None))
-        try:
-            for _ in range(3):  # what its ticks do: the counter, stable, against its log
-                observer._drain()
-                observer._check_counter()
-            assert not box.cgroup.is_frozen()
-            with Journal.open(state) as journal:
-                assert journal.violations(box.id) == []
-        finally:
-            observer.close()
-    finally:
-        shutil.rmtree(state)

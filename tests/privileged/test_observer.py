@@ -1,0 +1,116 @@
+"""The observer layer's process (egress/runtime/observer.py) on a real sandbox, driven
+tick by tick from the test: what it must not take for a violation, and when it must not act.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from egress.datapath.addressing import Pools
+from egress.policy import parse_policy
+from egress.runtime import sandbox
+from egress.runtime.lab import Lab
+from egress.runtime.netns import in_netns
+from egress.runtime.nft import NftHandle
+from egress.runtime.sandbox import Sandbox
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: observed}}
+spec:
+  dns:
+    upstreams: ["{dns}"]
+    allow: [allowed.lab.test]
+  violations: {{blocked_connect: freeze}}
+"""
+
+
+@pytest.fixture
+def box(lab: Lab) -> Iterator[Sandbox]:
+    policy, _ = parse_policy(POLICY.format(dns=lab.dns4), "observed.yaml")
+    sb = sandbox.create(policy, Pools.parse(None), lab.uplink_netns)
+    try:
+        yield sb
+    finally:
+        sb.destroy()
+
+
+def test_a_new_observer_does_not_count_earlier_drops_as_missed(box: Sandbox, lab: Lab) -> None:
+    """An observer (re)started on a sandbox that has dropped packets before (a policy
+    swap restarts egressd's) must not take the drop counter's past for drops its log
+    missed: that froze sandboxes on every swap."""
+    from egress.runtime.journal import Journal
+    from egress.runtime.observer import Observer, ObserverConfig
+
+    with in_netns(box.netns):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with s:  # dropped by the sandbox's rules (and counted), before any observer runs
+        for _ in range(3):
+            with contextlib.suppress(PermissionError):  # the rules' drop, as EPERM
+                s.sendto(b"x", ("192.0.2.7", 9))
+    with NftHandle.open(box.netns) as nft:
+        assert nft.counter("inet", "egress", "dropped")[0] == 3
+    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
+    try:
+        with Journal.open(state) as journal:
+            journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
+        observer = Observer(ObserverConfig(box.id, box.netns, box.policy, str(state), None))
+        try:
+            for _ in range(3):  # what its ticks do: the counter, stable, against its log
+                observer._drain()
+                time.sleep(0.01)
+                observer._check_counter()
+            assert not box.cgroup.is_frozen()
+            with Journal.open(state) as journal:
+                assert journal.violations(box.id) == []
+        finally:
+            observer.close()
+    finally:
+        shutil.rmtree(state)
+
+
+@pytest.mark.parametrize("current", [True, False])
+def test_an_observer_whose_policy_was_swapped_out_does_not_act(
+    box: Sandbox, lab: Lab, current: bool
+) -> None:
+    """egressd restarts a sandbox's observer a moment after a live swap; meanwhile the
+    old one must not freeze by the old policy (``current`` says whether it is still in
+    force). The control run, still current, does freeze."""
+    from egress.runtime.journal import Journal
+    from egress.runtime.observer import Observer, ObserverConfig
+
+    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
+    try:
+        with Journal.open(state) as journal:
+            journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
+        cfg = ObserverConfig(
+            box.id, box.netns, box.policy, str(state), None, current=lambda: current
+        )
+        observer = Observer(cfg)
+        try:
+            with in_netns(box.netns):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            with s, contextlib.suppress(PermissionError):
+                s.sendto(b"x", ("192.0.2.7", 9))  # dropped, logged to the observer's group
+            deadline = time.monotonic() + 5
+            while not observer.stopping and not box.cgroup.is_frozen():
+                assert time.monotonic() < deadline, "the observer never acted nor stopped"
+                observer._drain()
+                time.sleep(0.01)
+            assert box.cgroup.is_frozen() is current and observer.stopping is not current
+        finally:
+            observer.close()
+            box.cgroup.thaw()
+    finally:
+        shutil.rmtree(state)
