@@ -220,6 +220,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         return _print(args, rows, "")
     if not rows:
         print("egressd serves no sandboxes")
+        return 0
+    print(f"{'ID':<8} {'STATE':<8} {'KIND':<9} {'POLICY':<20} NETNS")
     for r in rows:
         print(f"{r['id']:<8} {r['state']:<8} {r['kind']:<9} {r['policy'][:20]:<20} {r['netns']}")
     return 0

@@ -186,7 +186,11 @@ def exec_self(argv: list[str], offers: list[Offer], api: socket.socket | None) -
     os.environ[MANIFEST_ENV] = str(memfd)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "egress.daemon.main", *argv])
+    # -P: no module from the working directory. Through the console script if that is
+    # how it was started, so `ps` still says egressd.
+    script = sys.argv[0] if os.path.basename(sys.argv[0]) == "egressd" else None
+    how = [script] if script else ["-m", "egress.daemon.main"]
+    os.execv(sys.executable, [sys.executable, "-P", *how, *argv])
 
 
 def inherited() -> Taken | None:

@@ -231,6 +231,9 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             giver.close()
         if runner is not None:
             await runner.cleanup()
+        if ended == "stop":
+            print(f"egressd: stopping; {len(registry.served)} sandboxes keep their rules "
+                  "in the kernel for the next egressd", file=sys.stderr, flush=True)  # fmt: skip
         await registry.close(handed_over=ended != "stop")
         if api_file is not None and ended == "stop":
             _unlink_if_ours(args.socket, api_file)

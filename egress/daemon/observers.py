@@ -120,6 +120,8 @@ def _watch(record: rundir.Record, state_dir: Path, run_dir: Path) -> int:
             record.freezer, current,
         )  # fmt: skip
         observer = Observer(cfg)
+        with contextlib.suppress(EgressError):  # `egressctl ps` shows both layers' pids
+            observer.journal.update_sandbox(record.id, observer_pid=os.getpid())
         watching = f"{record.id} ({record.kind}, cgroup {record.cgroup})"
         print(f"egressd observer: watching {watching}", file=sys.stderr, flush=True)
         observer.start()

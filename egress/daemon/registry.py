@@ -154,7 +154,9 @@ class Registry:
         self, policy_text: str, uplink_netns: str | None = None, upstream: str | None = None
     ) -> Served:
         async with self._change():
-            return await self._create(policy_text, uplink_netns, upstream)
+            served = await self._create(policy_text, uplink_netns, upstream)
+        _log(f"created {served.id} (policy {served.sb.policy.name}, netns {served.sb.netns})")
+        return served
 
     async def _create(
         self, policy_text: str, uplink_netns: str | None, upstream: str | None
@@ -180,9 +182,11 @@ class Registry:
         sandbox_id: str | None = None,
     ) -> Served:
         async with self._change():
-            return await self._attach(
+            served = await self._attach(
                 netns_ref, cgroup, policy_text, freezer, uplink_netns, upstream, sandbox_id
             )
+        _log(f"attached {served.id} (policy {served.sb.policy.name}, netns {netns_ref})")
+        return served
 
     async def _attach(
         self,
@@ -354,6 +358,7 @@ class Registry:
             raise Conflict(f"sandbox {sandbox_id} is not frozen; nothing to resume")
         self.journal.record_decision(sandbox_id, action, uid, time.time(), note)
         await _in_thread(cgroup.thaw if action == "resume" else cgroup.kill)
+        _log(f"{action} {sandbox_id} by uid {uid}")
         if action == "resume":
             with contextlib.suppress(EgressError):
                 self.journal.set_sandbox_state(sandbox_id, "running")
@@ -362,6 +367,7 @@ class Registry:
         """Tear down what egress made, or detach from what it didn't."""
         async with self._change():
             await self._delete(sandbox_id)
+        _log(f"deleted {sandbox_id}")
 
     async def _delete(self, sandbox_id: str) -> None:
         served = self.get(sandbox_id)
@@ -388,6 +394,7 @@ class Registry:
                 )
         start = time.monotonic()
         removed = swap(served.sb, served.resolver, policy)
+        _log(f"{sandbox_id}: policy {policy.name} in force ({removed} set elements removed)")
         served.session.enforcer.policy = policy
         served.record.policy = policy_text
         with contextlib.suppress(OSError):
@@ -450,6 +457,10 @@ def _inode(netns_ref: str) -> tuple[int, int]:
 
     st = os.stat(netns_path(netns_ref))
     return st.st_dev, st.st_ino
+
+
+def _log(line: str) -> None:
+    print(f"egressd: {line}", file=sys.stderr, flush=True)
 
 
 def _destroy_quietly(sb: sbx.Sandbox) -> None:

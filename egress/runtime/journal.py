@@ -160,6 +160,18 @@ class Journal:
                 (state, *fields.values(), sandbox_id),
             )
 
+    def update_sandbox(self, sandbox_id: str, **fields: object) -> None:
+        """Set any of SANDBOX_FIELDS, leaving the state as it is."""
+        unknown = sorted(set(fields) - set(schema.SANDBOX_FIELDS))
+        if unknown or not fields:
+            raise JournalError(f"{self._path}: not sandbox fields: {', '.join(unknown)}")
+        sets = ", ".join(f"{name} = ?" for name in fields)
+        with self._write(f"update sandbox {sandbox_id!r}") as conn:
+            self._require(conn, "sandboxes", sandbox_id, "sandbox")
+            conn.execute(
+                f"UPDATE sandboxes SET {sets} WHERE id = ?", (*fields.values(), sandbox_id)
+            )
+
     def sandboxes(self) -> list[Row]:
         return self._select("SELECT * FROM sandboxes ORDER BY created_at DESC, id", ())
 

@@ -177,7 +177,7 @@ class Observer:
                 ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
             )
             reason = decision.reason
-        detail = f"query {q.qname or '.'} {qtype} (seen by the observer)"
+        detail = f"query {q.qname or '.'} {qtype}"
         return Violation(
             cls,
             LAYER,

@@ -305,9 +305,13 @@ def test_observer_layer_freezes_with_egressd_killed(lab: Lab, state_dir: Path) -
         box = d.create(policy("obs", "allowed.lab.test"), lab.uplink_netns)
         argv = [sys.executable, "-m", "egress.daemon.main", "observer",
                 "--run-dir", str(d.run_dir), "--state-dir", str(state_dir)]  # fmt: skip
-        observer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        observer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
         try:
-            time.sleep(1.5)  # its child binds the sandbox's observer NFLOG group
+            # Its child says so once it has bound the sandbox's observer NFLOG group.
+            wait_for_output(observer, f"watching {box['id']} (created")
+            with Journal.open(state_dir) as journal:  # what `egressctl ps` shows
+                watcher = (journal.sandbox(box["id"]) or {}).get("observer_pid")
+            assert isinstance(watcher, int) and watcher != observer.pid
             d.stop(signal.SIGKILL)
             cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
             with sleeper(box["netns"], cgroup):
@@ -360,7 +364,7 @@ def connector(netns: str, cgroup: Cgroup, ip: str) -> Iterator[subprocess.Popen[
 
 def wait_for_output(proc: subprocess.Popen[bytes], needle: str, timeout: float = 20.0) -> None:
     """Read proc's stderr until needle shows; fail at the deadline or if it exits first."""
-    import select  # here, not at the top: this helper came with the test below
+    import select
 
     assert proc.stderr is not None
     fd, seen, deadline = proc.stderr.fileno(), b"", time.monotonic() + timeout
