@@ -28,6 +28,7 @@ from .observers import Supervisor
 from .registry import Registry
 
 FMT = argparse.RawDescriptionHelpFormatter
+NICE = -10  # see _raise_priority
 OPEN_FILES = 1 << 20  # sandboxes x (8 + up to MAX_IN_FLIGHT upstream sockets)
 DEFAULT_SOCKET = str(run_dir() / "egressd.sock")
 SERVE_EPILOG = """\
@@ -180,6 +181,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressd needs root (it makes namespaces, nft rules and cgroups)")
     _raise_open_files()
+    _raise_priority()
     taken = handoff.inherited()  # this process, re-executed on SIGHUP (first: its env)
     nft.use_worker().start()
     run_dir = Path(args.run_dir)
@@ -249,6 +251,16 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
 
 def _dup(sock: socket.socket | None) -> socket.socket | None:
     return None if sock is None else socket.socket(fileno=os.dup(sock.fileno()))
+
+
+def _raise_priority() -> None:
+    """Nice -10, unless it was started higher: every sandbox's DNS waits on this one
+    process. With two processes of one sandbox flooding both vCPUs of the test machine,
+    another sandbox's p99 went ×7 at nice 0 and ×0.5 at -10 (bench/bench_fairness.py);
+    egressd itself used 6% of a CPU either way, the rest was waiting to be scheduled."""
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, 0) > NICE:
+            os.setpriority(os.PRIO_PROCESS, 0, NICE)
 
 
 def _raise_open_files() -> None:
