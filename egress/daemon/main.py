@@ -256,8 +256,9 @@ def _dup(sock: socket.socket | None) -> socket.socket | None:
 def _raise_priority() -> None:
     """Nice -10, unless it was started higher: every sandbox's DNS waits on this one
     process. With two processes of one sandbox flooding both vCPUs of the test machine,
-    another sandbox's p99 went 7 times its p99 alone at nice 0, half of it at -10 (bench/bench_fairness.py);
-    egressd itself used 6% of a CPU either way, the rest was waiting to be scheduled."""
+    another sandbox's p99 went to 7 times its p99 alone at nice 0, and to half of it at
+    -10 (bench/bench_fairness.py); egressd used 6% of a CPU either way: the rest was
+    waiting for its turn."""
     with contextlib.suppress(OSError):
         if os.getpriority(os.PRIO_PROCESS, 0) > NICE:
             os.setpriority(os.PRIO_PROCESS, 0, NICE)
