@@ -28,6 +28,8 @@ import asyncio
 import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import struct
 import sys
@@ -37,10 +39,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from egress.errors import SandboxError
-from egress.runtime import claims
 
 SOCKET_NAME = "handoff.sock"
 MAX_MESSAGE = 1 << 20
+SERVE_DEADLINE_S = 120.0  # sockets handed over -> the successor serves (adopting 200: ~5 s)
 STEP_TIMEOUT_S = 10.0  # each message; the whole handoff of 200 sandboxes takes ~0.1 s
 CHUNK_BYTES = 64 << 10  # learned entries per message: a SEQPACKET message must fit the
 # socket's send buffer (net.core.wmem_default, ~208 KiB), or send fails with EMSGSIZE
@@ -90,12 +92,16 @@ class Taken:
     api: socket.socket | None
 
     def serving(self) -> None:
-        """Tell the old egressd to stop reading; it drains and exits."""
+        """Tell the old egressd to stop reading; it drains and exits. SandboxError if it
+        gave up waiting (it serves on): this one must not serve beside it."""
         if self.conn is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self.conn.sendall(b'{"op": "serving"}')
-            self.conn.close()
-            self.conn = None
+            except OSError as exc:
+                raise SandboxError(f"the running egressd gave up on this handoff: {exc}") from None
+            finally:
+                self.conn.close()
+                self.conn = None
 
     def close(self) -> None:
         for handed in self.sandboxes.values():
@@ -145,17 +151,33 @@ def take_over(run_dir: Path) -> Taken | None:
                 for sock in socks:
                     sock.close()
                 raise SandboxError(f"unexpected handoff message {kind!r}")
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SandboxError) as exc:
         taken.close()
-        if not claims.alive(old_pid):
+        if _ended(old_pid):
             # It died mid-way (and its sockets with it, but for the ones we hold, now
             # closed): nobody serves, so start as usual and adopt what it recorded.
-            print(f"egressd: egressd {old_pid} died during the handoff; adopting", flush=True)
+            print(f"egressd: egressd {old_pid} died during the handoff; adopting",
+                  file=sys.stderr, flush=True)  # fmt: skip
             return None
         raise SandboxError(f"handoff from the running egressd failed: {exc}") from None
     except BaseException:
         taken.close()
         raise
+
+
+def _ended(pid: int, wait_s: float = 2.0) -> bool:
+    """Has ``pid`` ended (or does it within ``wait_s``)? A pidfd turns readable when the
+    process exits, zombie or not; kill(pid, 0) would still find a zombie."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(wait_s * 1000))
+    finally:
+        os.close(fd)
 
 
 # -- re-executing in place (SIGHUP; systemd's reload) -------------------------------------
@@ -186,6 +208,9 @@ def exec_self(argv: list[str], offers: list[Offer], api: socket.socket | None) -
     os.environ[MANIFEST_ENV] = str(memfd)
     sys.stdout.flush()
     sys.stderr.flush()
+    # A handled signal reverts to its default (terminate) across exec: ignored instead,
+    # a second reload during the new image's start-up can't kill it and the sockets.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # -P: no module from the working directory. Through the console script if that is
     # how it was started, so `ps` still says egressd.
     script = sys.argv[0] if os.path.basename(sys.argv[0]) == "egressd" else None
@@ -254,6 +279,7 @@ class Giver:
         self._pause = pause  # True: refuse changes while sockets are in flight
         self._settled = settled  # returns once no change is half-done
         self._task: asyncio.Task[None] | None = None
+        self._deadline: asyncio.TimerHandle | None = None
         self.done = asyncio.Event()
         self.successor = 0
         self._listener: socket.socket | None = None
@@ -285,6 +311,8 @@ class Giver:
         loop = asyncio.get_running_loop()
         if self._task is not None:
             self._task.cancel()
+        if self._deadline is not None:
+            self._deadline.cancel()
         for sock in (self._listener, self._conn):
             if sock is not None:
                 with contextlib.suppress(ValueError, OSError):
@@ -338,7 +366,9 @@ class Giver:
             print(f"egressd: handoff failed, serving on: {exc}", file=sys.stderr, flush=True)
             self._abandon()
             return
-        asyncio.get_running_loop().add_reader(conn.fileno(), self._answer)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(conn.fileno(), self._answer)
+        self._deadline = loop.call_later(SERVE_DEADLINE_S, self._give_up)
 
     def _give(self, conn: socket.socket) -> None:
         for offer in self._offers():
@@ -365,6 +395,8 @@ class Giver:
         if data and json.loads(data).get("op") == "serving":
             # Done: its closing the connection later is no news.
             asyncio.get_running_loop().remove_reader(self._conn.fileno())
+            if self._deadline is not None:
+                self._deadline.cancel()
             print(
                 f"egressd: egressd {self.successor} serves in our place; draining",
                 file=sys.stderr,
@@ -376,7 +408,17 @@ class Giver:
         print("egressd: the successor left before serving; serving on", file=sys.stderr)
         self._abandon()
 
+    def _give_up(self) -> None:
+        """A successor that never says it serves must not keep us refusing changes: we
+        serve on, and its "serving" finds the connection closed (it then stops)."""
+        print(f"egressd: egressd {self.successor} did not serve within "
+              f"{SERVE_DEADLINE_S:g} s; serving on", file=sys.stderr, flush=True)  # fmt: skip
+        self._abandon()
+
     def _abandon(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         if self._conn is not None:
             with contextlib.suppress(ValueError, OSError):
                 asyncio.get_running_loop().remove_reader(self._conn.fileno())

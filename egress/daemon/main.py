@@ -209,14 +209,16 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             api, taken.api = taken.api, None  # the same listening socket: no refused connect
         else:
             api = _listen(args.socket, gid)
-        api_file = os.stat(args.socket).st_ino  # to remove it at exit only if still ours
+        with contextlib.suppress(OSError):  # to remove it at exit only if still ours
+            api_file = os.stat(args.socket).st_ino
         await web.SockSite(runner, api).start()
         giver = handoff.Giver(
             run_dir, registry.offers, lambda: api, registry.pause, registry.settled
         )
+        if taken is not None:
+            taken.serving()  # before we listen: if it gave up, nothing of ours replaced its
         giver.listen()
         if taken is not None:
-            taken.serving()
             how = "re-executed" if taken.old_pid == os.getpid() else "took over from egressd"
             print(f"egressd: {how} {taken.old_pid}", flush=True)
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
@@ -228,6 +230,8 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         if ended == "reload":
             # Duplicates survive the shutdown below; exec passes them on.
             registry.pause(True)
+            with contextlib.suppress(TimeoutError):  # a create half-done is not left out
+                await asyncio.wait_for(registry.settled(), 10)
             reload = ([o.dup() for o in registry.offers()], _dup(api))
         if giver is not None:
             giver.close()

@@ -114,7 +114,7 @@ def _sidecar_rules(sidecar: Sidecar) -> str:
         lines.append(f"{head} {to} meta l4proto {{ tcp, udp }} th dport {port} accept")
         # UDP only: a TCP flow can't be joined by another socket, and the kernel answers
         # for the sidecar's closed TCP sockets (TIME_WAIT) with no uid on the packet.
-        lines.append(f"\t\t{to} udp dport {port} goto foreign_dns")
+        lines.append(f"\t\t{to} udp dport {port} counter name dropped goto foreign_dns")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import threading
+import weakref
 from typing import Any
 
 import nftables
@@ -98,10 +99,13 @@ class _WorkerContext:
             except OSError as exc:
                 raise SandboxError(f"netns {netns}: {exc.strerror}") from None
             self._netns = f"/proc/{os.getpid()}/fd/{self._fd}"
+            # A handle dropped without close() must not keep the netns (and its veth)
+            # alive for as long as egressd runs.
+            self._finalizer = weakref.finalize(self, os.close, self._fd)
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            self._finalizer()  # closes it, once
             self._fd = None
 
     def set_json_output(self, flag: bool) -> None:

@@ -57,7 +57,10 @@ def _read_message(stream: IO[bytes]) -> dict[str, Any] | None:
 
 def _write_message(stream: IO[bytes], message: dict[str, Any]) -> None:
     body = json.dumps(message).encode()
-    stream.write(_LEN.pack(len(body)) + body)
+    data = memoryview(_LEN.pack(len(body)) + body)
+    while data:  # an unbuffered pipe may take part of it
+        written = stream.write(data)
+        data = data[written or 0 :]
     stream.flush()
 
 
@@ -133,6 +136,9 @@ class NftWorker:
             except BaseException as exc:
                 # Whatever it was doing, its answer must never be read as the next one's.
                 proc.kill()
+                proc.wait()
+                self._proc = None
+                self.restarts += 1
                 if isinstance(exc, OSError):
                     raise DatapathError(f"the nft worker process failed: {exc}") from None
                 raise

@@ -94,5 +94,5 @@ def spawn(
             # the shell egressctl was started from (TIOCSTI) nor take the terminal over.
             start_new_session=True,
         )
-    except OSError as exc:
+    except (OSError, subprocess.SubprocessError) as exc:  # e.g. its cgroup is gone
         raise SandboxError(f"cannot start the workload: {exc}") from None

@@ -433,6 +433,9 @@ def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(daemon: Daemon
         with Journal.open(daemon.state) as journal:
             rows = [v for v in journal.violations(box["id"]) if v["class"] == "blocked_connect"]
         assert rows and marker in (rows[0]["process"] or {}).get("cmdline", ""), rows
+        refused = subprocess.run([*exec_, "/bin/true"], capture_output=True, text=True,
+                                 timeout=30)  # fmt: skip
+        assert refused.returncode == 1 and "is frozen; resume or kill it" in refused.stderr
         daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/kill", {})
         assert proc.wait(timeout=10) == 128 + signal.SIGKILL
     finally:

@@ -500,10 +500,10 @@ def test_sidecar_ruleset_passes_nft_check_and_only_adds(path: Path) -> None:
     assert rules[1:] == [
         "meta mark $SIDECAR_MARK meta skuid 0 ip daddr 198.51.100.53 meta l4proto { tcp, udp } "
         "th dport 53 accept",
-        "ip daddr 198.51.100.53 udp dport 53 goto foreign_dns",
+        "ip daddr 198.51.100.53 udp dport 53 counter name dropped goto foreign_dns",
         "meta mark $SIDECAR_MARK meta skuid 0 ip6 daddr 2001:db8:53::53 meta l4proto { tcp, udp } "
         "th dport 5353 accept",
-        "ip6 daddr 2001:db8:53::53 udp dport 5353 goto foreign_dns",
+        "ip6 daddr 2001:db8:53::53 udp dport 5353 counter name dropped goto foreign_dns",
     ]
     assert rules[0].startswith("define SIDECAR_MARK")
     # Before conntrack's shortcut: an established flow must not skip them.
