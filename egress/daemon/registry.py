@@ -35,10 +35,10 @@ from egress.model import Policy
 from egress.policy import parse_policy
 from egress.runtime import attach as attach_mod
 from egress.runtime import sandbox as sbx
-from egress.runtime.dns_server import parse_upstream, resolve_upstreams
 from egress.runtime.journal import Journal
 from egress.runtime.nflog import NflogListener
 from egress.runtime.session import Session
+from egress.runtime.upstream import parse_upstream, resolve_upstreams
 
 from . import handoff, inline, rundir
 from .swap import TrackingResolver, swap

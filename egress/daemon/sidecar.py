@@ -42,10 +42,10 @@ from egress.runtime import netns
 from egress.runtime import sandbox as sbx
 from egress.runtime.attach import NO_NET
 from egress.runtime.cgroup import Cgroup, find_mounts
-from egress.runtime.dns_server import parse_upstream, resolve_upstreams, set_mark
 from egress.runtime.journal import Journal, state_dir
 from egress.runtime.nft import NftHandle
 from egress.runtime.paths import read_template
+from egress.runtime.upstream import parse_upstream, resolve_upstreams, set_mark
 
 from . import inline
 from .registry import _ID as SANDBOX_ID

@@ -2,7 +2,8 @@
 
     netns.py        network namespaces, veth pairs, addresses, routes (pyroute2, setns)
     nft.py          one libnftables handle per namespace: atomic loads, sets, counters
-    nft_netlink.py  the resolver's set-element adds as one raw nf_tables batch
+    nft_worker.py   libnftables in a child process, for egressd's many descriptors
+    nft_netlink.py  the resolver's set-element adds/deletes as one raw nf_tables batch
     nflog.py        NFLOG listeners: the kernel's drop and DNS evidence, per namespace
     cgroup.py       cgroup v2 (and v1 freezer) per sandbox: join, freeze, thaw, kill
     claims.py       which sandbox holds which address block (a lock, a file each)
@@ -10,6 +11,8 @@
     uplink.py       the uplink namespace's shared forwarding/NAT table
     workload.py     start the user's command inside it, unprivileged
     dns_server.py   the resolver's asyncio shell around egress.resolver's core
+    upstream.py     upstream addresses and a pool of fresh per-query sockets
+    tcp_front.py    the resolver's TCP side: capped accepts, framed queries
     journal.py      the violation journal (SQLite, WAL, fsync per record)
     enforcer.py     one layer's journal-then-freeze-then-attribute sequence
     attribution.py  which process is behind a violation

@@ -2,9 +2,8 @@
 
 The listening sockets live in the sandbox's netns (on its loopback resolver address); the
 upstream sockets are opened in the uplink netns, where the sandbox's own rules don't
-apply and egress's traffic leaves. One fresh UDP socket per upstream query gives each a
-random source port as well as a random ID; a few are made ahead of time (UpstreamPool), so
-making one is not on a query's critical path.
+apply and egress's traffic leaves (upstream.py: one fresh socket per query). TCP clients
+are served by tcp_front.py; the rate limit and every decision are shared.
 
 Hot path (a repeated UDP query): one readiness callback drains the listening socket,
 ``ResolverCore.replay`` maps the query's bytes to the reply's, ``sendto``. No transport,
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import secrets
 import socket
 import struct
@@ -26,23 +24,21 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.datapath.elements import ExpiryBook, SetUpdate
-from egress.errors import EgressError, UpstreamError
-from egress.model import Policy, Upstream, Violation
+from egress.errors import EgressError
+from egress.model import Policy, Violation
 from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
 from egress.resolver.core import ResolverCore
 from egress.resolver.ratelimit import TokenBucket
 from egress.runtime.netns import in_netns
 from egress.runtime.nft import NftHandle
 from egress.runtime.nft_netlink import SET_UPDATE_DEADLINE_S, NetlinkSets
+from egress.runtime.tcp_front import TcpClient, TcpFront
+from egress.runtime.upstream import UpstreamPool, recv_frame, set_mark
 from egress.tunnel import scorer_for
 
-TCP_IDLE_S = 10.0
 MAX_QUERY = 4096  # bytes read per datagram: a longer "query" is cut short and refused
 BATCH = 64  # datagrams per readiness callback, so TCP and upstream replies get turns
-POOL_SIZE = 4  # fresh upstream sockets kept ready per upstream
 MAX_IN_FLIGHT = 1024  # queries waiting on an upstream per sandbox (each holds a socket)
-MAX_TCP_CLIENTS = 64  # open TCP connections per sandbox (a stub resolver uses one or two)
-MAX_TCP_BACKLOG = 256 << 10  # unread answer bytes on one connection before it is dropped
 
 
 class UdpClient:
@@ -58,68 +54,11 @@ class UdpClient:
             self.sock.sendto(data, self.addr)
 
 
-class TcpClient:
-    __slots__ = ("writer",)
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-
-    def send(self, data: bytes) -> None:
-        if self.writer.is_closing():
-            return
-        if self.writer.transport.get_write_buffer_size() > MAX_TCP_BACKLOG:
-            # A client that asks and never reads would grow our buffer without end.
-            self.writer.transport.abort()
-            return
-        self.writer.write(struct.pack("!H", len(data)) + data)
-
-
-def system_upstreams(resolv_conf: str = "/etc/resolv.conf") -> list[tuple[str, int]]:
-    """The host's nameservers, read once at start ("system" in a policy)."""
-    servers = []
-    try:
-        with open(resolv_conf) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 2 and parts[0] == "nameserver":
-                    servers.append((parts[1].split("%")[0], 53))
-    except OSError as exc:
-        raise UpstreamError(f"{resolv_conf}: {exc.strerror}") from None
-    if not servers:
-        raise UpstreamError(f"{resolv_conf} names no nameserver; set dns.upstreams")
-    return servers
-
-
-def parse_upstream(text: str) -> tuple[str, int]:
-    """``IP``, ``IP:PORT``, ``[IPv6]:PORT`` or a bare IPv6 address."""
-    host, port = text, "53"
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else "53"
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    try:
-        ipaddress.ip_address(host)
-        number = int(port)
-    except ValueError:
-        raise UpstreamError(f"upstream {text!r}: expected IP, IP:PORT or [IPv6]:PORT") from None
-    if not 0 < number < 65536:
-        raise UpstreamError(f"upstream {text!r}: port {number} is out of range")
-    return host, number
-
-
 def make_core(policy: Policy, upstream_count: int) -> ResolverCore:
     """The resolver core one sandbox is served with, in every wiring (run, egressd):
     random upstream IDs from the OS, and the policy's tunnel scorer on the wall clock."""
     scorer = scorer_for(policy.tunnel, time.time)
     return ResolverCore(policy, upstream_count, secrets.randbits, scorer=scorer)
-
-
-def resolve_upstreams(upstreams: tuple[Upstream, ...]) -> list[tuple[str, int]]:
-    out: list[tuple[str, int]] = []
-    for up in upstreams:
-        out.extend(system_upstreams() if up.host is None else [(up.host, up.port)])
-    return out
 
 
 @dataclass
@@ -152,60 +91,6 @@ class Latencies:
         self.counts[index] += 1
         self.sum += value
         self.count += 1
-
-
-class UpstreamPool:
-    """Fresh, connected, non-blocking UDP sockets in the uplink netns, one per query.
-
-    Each is used once and closed, so every upstream query still gets its own random source
-    port; making them (setns, socket, connect) happens between queries, not during one.
-    ``mark`` (SO_MARK) is set on each when egress's own upstream traffic leaves from the
-    sandbox netns itself (`egressd sidecar`): its ruleset accepts only marked packets there.
-    """
-
-    def __init__(
-        self, upstreams: list[tuple[str, int]], netns: str | None, mark: int | None = None
-    ) -> None:
-        self.upstreams = upstreams
-        self.netns = netns
-        self.mark = mark
-        self._ready: list[list[socket.socket]] = [[] for _ in upstreams]
-
-    def take(self, index: int) -> socket.socket:
-        ready = self._ready[index]
-        if not ready:
-            self._make(index, 1)
-        return ready.pop()
-
-    def refill(self) -> None:
-        for index, ready in enumerate(self._ready):
-            if len(ready) < POOL_SIZE:
-                with contextlib.suppress(OSError, EgressError):
-                    self._make(index, POOL_SIZE - len(ready))
-
-    def _make(self, index: int, count: int) -> None:
-        host, port = self.upstreams[index]
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        made = []
-        try:
-            with in_netns(self.netns):
-                for _ in range(count):
-                    sock = socket.socket(family, socket.SOCK_DGRAM)
-                    made.append(sock)
-                    sock.setblocking(False)
-                    set_mark(sock, self.mark)  # before connect: it picks the route
-                    sock.connect((host, port))  # binds a random port; ICMP errors reach us
-        except BaseException:
-            for sock in made:
-                sock.close()
-            raise
-        self._ready[index].extend(made)
-
-    def close(self) -> None:
-        for ready in self._ready:
-            for sock in ready:
-                sock.close()
-            ready.clear()
 
 
 class ResolverServer:
@@ -243,10 +128,8 @@ class ResolverServer:
         self._sets: NetlinkSets | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._udp: socket.socket | None = None
-        self._tcp_sock: socket.socket | None = None
-        self._tcp_open = False  # accepting TCP clients (until drain or close)
+        self._tcp: TcpFront | None = None
         self._accepting = False  # the listening socket is being read now
-        self._clients: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._waiting: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
         self._refill: asyncio.Handle | None = None
@@ -265,8 +148,6 @@ class ResolverServer:
         # that lowers the rate still lets through at the old one).
         self._allowance = 0
         self._drops_seen = -1  # the kernel's drop count at this socket when last read
-        self.tcp_clients = 0  # open TCP connections from the sandbox
-        self.tcp_paused = 0  # times accepting stopped: MAX_TCP_CLIENTS were open
         self.overloaded = 0  # SERVFAIL without asking: MAX_IN_FLIGHT were upstream
 
     async def start(self, handed: tuple[socket.socket, socket.socket] | None = None) -> None:
@@ -299,16 +180,15 @@ class ResolverServer:
                 self._sets = None
             raise
         self._udp = udp
-        self._tcp_sock = tcp
-        self._tcp_open = True
-        self._accept_on()
+        self._tcp = TcpFront(tcp, self._tcp_query, self._admit_tcp)
+        self._tcp.start()
         loop.add_reader(udp.fileno(), self._udp_readable)
 
     @property
     def listening(self) -> tuple[socket.socket, socket.socket]:
         """The (UDP, TCP) listening sockets, to hand to a successor egressd."""
-        assert self._udp is not None and self._tcp_sock is not None
-        return self._udp, self._tcp_sock
+        assert self._udp is not None and self._tcp is not None
+        return self._udp, self._tcp.sock
 
     async def drain(self, timeout_s: float) -> None:
         """Stop reading new queries (a successor reads them now) and wait, at most
@@ -319,8 +199,8 @@ class ResolverServer:
             self._paused = None
         if self._udp is not None:
             loop.remove_reader(self._udp.fileno())
-        self._tcp_open = False  # no more accepts here; connections already open go on
-        self._accept_off()
+        if self._tcp is not None:
+            self._tcp.stop()  # no more accepts here; connections already open go on
         deadline = loop.time() + timeout_s
         while (self._waiting or self._tasks) and loop.time() < deadline:
             await asyncio.sleep(0.01)
@@ -328,20 +208,35 @@ class ResolverServer:
     @property
     def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
         """(UDP, TCP) addresses listened on: with port 0 the kernel picks them apart."""
-        assert self._udp is not None and self._tcp_sock is not None
-        return self._udp.getsockname(), self._tcp_sock.getsockname()
+        assert self._udp is not None and self._tcp is not None
+        return self._udp.getsockname(), self._tcp.sock.getsockname()
+
+    @property
+    def tcp_clients(self) -> int:
+        return 0 if self._tcp is None else self._tcp.clients
+
+    @property
+    def tcp_paused(self) -> int:
+        return 0 if self._tcp is None else self._tcp.paused
+
+    def _tcp_query(self, data: bytes, client: TcpClient) -> None:
+        self.handle_query(data, client, True)
+
+    def _admit_tcp(self) -> float:
+        """0: take this TCP query; else it is dropped, as over UDP, and its connection
+        waits this long before it is read again."""
+        if self._tokens(1):
+            return 0.0
+        self.rate_limited += 1
+        return max(self.bucket.wait(), 1e-3)
 
     async def close(self) -> None:
         if self._udp is not None and self._loop is not None:
             self._loop.remove_reader(self._udp.fileno())
             self._udp.close()
             self._udp = None
-        self._tcp_open = False
-        self._accept_off()
-        if self._tcp_sock is not None:
-            self._tcp_sock.close()
-        for task in list(self._clients):
-            task.cancel()
+        if self._tcp is not None:
+            self._tcp.close()
         for token in list(self._waiting):
             self._forget(token)
         for task in list(self._tasks):
@@ -424,7 +319,7 @@ class ResolverServer:
         sock = self._udp
         # Not after close(), nor after drain() handed the socket to a successor egressd
         # (both stop the TCP server): reading then would take the successor's queries.
-        if sock is None or self._loop is None or not self._tcp_open:
+        if sock is None or self._loop is None or self._tcp is None or not self._tcp.serving:
             return
         self._count_kernel_drops(sock)
         self._loop.add_reader(sock.fileno(), self._udp_readable)
@@ -642,92 +537,11 @@ class ResolverServer:
             set_mark(sock, self.mark)
             await loop.sock_connect(sock, (host, port))
             await loop.sock_sendall(sock, struct.pack("!H", len(fwd.data)) + fwd.data)
-            return await _recv_frame(loop, sock)
+            return await recv_frame(loop, sock)
         finally:
             sock.close()
 
     # -- TCP clients ---------------------------------------------------------------------
-
-    # One sandbox must not take egressd's descriptors (shared by every sandbox it serves)
-    # by opening connections: with MAX_TCP_CLIENTS open, the listening socket is not read
-    # until one closes. Further connections wait in the kernel's backlog, then its SYN
-    # queue drops them: the cost stays with the sandbox.
-
-    def _accept_on(self) -> None:
-        sock, loop = self._tcp_sock, self._loop
-        if self._accepting or not self._tcp_open or sock is None or loop is None:
-            return
-        if self.tcp_clients < MAX_TCP_CLIENTS:
-            loop.add_reader(sock.fileno(), self._tcp_acceptable)
-            self._accepting = True
-
-    def _accept_off(self) -> None:
-        if self._accepting and self._tcp_sock is not None and self._loop is not None:
-            self._loop.remove_reader(self._tcp_sock.fileno())
-        self._accepting = False
-
-    def _tcp_acceptable(self) -> None:
-        sock, loop = self._tcp_sock, self._loop
-        assert sock is not None and loop is not None
-        for _ in range(BATCH):
-            if self.tcp_clients >= MAX_TCP_CLIENTS:
-                self.tcp_paused += 1
-                self._accept_off()
-                return
-            try:
-                conn, _ = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # EMFILE, ENOBUFS: try again a little later
-                self._accept_off()
-                loop.call_later(0.1, self._accept_on)
-                return
-            conn.setblocking(False)
-            self.tcp_clients += 1
-            task = loop.create_task(self._tcp_client(conn))
-            self._clients.add(task)
-            task.add_done_callback(self._clients.discard)
-
-    async def _tcp_client(self, conn: socket.socket) -> None:
-        try:
-            reader, writer = await asyncio.open_connection(sock=conn)
-        except OSError:
-            conn.close()
-            self.tcp_clients -= 1
-            self._accept_on()
-            return
-        await self._serve_tcp(reader, writer)
-
-    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client = TcpClient(writer)
-        try:
-            while True:
-                head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_S)
-                data = await asyncio.wait_for(
-                    reader.readexactly(struct.unpack("!H", head)[0]), TCP_IDLE_S
-                )
-                if self._tokens(1):
-                    self.handle_query(data, client, True)
-                else:
-                    # Dropped as over UDP, and this connection is not read again before a
-                    # token is due: a pipelined flood waits in its own socket buffers (TCP
-                    # flow control), not on this process's CPU.
-                    self.rate_limited += 1
-                    await asyncio.sleep(self.bucket.wait())
-        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-            pass
-        finally:
-            self.tcp_clients -= 1
-            self._accept_on()
-            with contextlib.suppress(ConnectionError):
-                writer.close()
-
-
-def set_mark(sock: socket.socket, mark: int | None) -> None:
-    """SO_MARK ``mark`` on ``sock`` (None: leave it unmarked). Needs CAP_NET_ADMIN (or
-    CAP_NET_RAW): PermissionError without."""
-    if mark is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
 
 
 def _kernel_drops(sock: socket.socket) -> int:
@@ -747,13 +561,3 @@ def _open_sets(nft: NftHandle) -> NetlinkSets | None:
         return NetlinkSets(nft.netns)
     except (OSError, EgressError, AttributeError):
         return None
-
-
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
-    buf = b""
-    while len(buf) < 2 or len(buf) < 2 + struct.unpack("!H", buf[:2])[0]:
-        chunk = await loop.sock_recv(sock, 65537)
-        if not chunk:
-            raise asyncio.IncompleteReadError(buf, None)
-        buf += chunk
-    return buf[2 : 2 + struct.unpack("!H", buf[:2])[0]]

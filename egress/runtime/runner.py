@@ -28,11 +28,12 @@ from egress.errors import EgressError, SandboxError
 from egress.model import Policy
 from egress.runtime import claims, workload
 from egress.runtime import sandbox as sbx
-from egress.runtime.dns_server import ResolverServer, make_core, parse_upstream, resolve_upstreams
+from egress.runtime.dns_server import ResolverServer, make_core
 from egress.runtime.enforcer import Enforcer
 from egress.runtime.journal import Journal, default_state_dir
 from egress.runtime.observer_process import ObserverProcess
 from egress.runtime.session import Session, wait_for_exit
+from egress.runtime.upstream import parse_upstream, resolve_upstreams
 
 
 @dataclass

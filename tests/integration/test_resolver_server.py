@@ -257,7 +257,7 @@ async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
 def test_tcp_connections_past_the_cap_wait_for_a_free_slot(loop_kind: str) -> None:
     """A sandbox opening connections without end must not take egressd's descriptors:
     with MAX_TCP_CLIENTS open, the next one is not accepted until one of them closes."""
-    from egress.runtime.dns_server import MAX_TCP_CLIENTS
+    from egress.runtime.tcp_front import MAX_TCP_CLIENTS
 
     nft = FakeNft()
     q = wire.build_query(9, "allowed.test", 1)
