@@ -39,7 +39,7 @@ def make(
     """The inline layer of ``sb``, reading NFLOG already; its resolver is not started."""
     loop = asyncio.get_running_loop()
     enforcer = Enforcer(sb.id, sb.policy, "inline", journal, sb.cgroup)
-    session = Session(sb, enforcer, None, review_hint, listener)
+    session = Session(sb, enforcer, None, review_hint, listener, freeze_off_loop=True)
     try:
         loop.add_reader(session.listener.fileno(), session.on_nflog)
         resolver = TrackingResolver(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import queue
 import signal
@@ -51,6 +52,7 @@ class Session:
         decision_timeout: float | None,
         review_hint: str,
         listener: NflogListener | None = None,
+        freeze_off_loop: bool = False,
     ) -> None:
         self.sb = sb
         self.enforcer = enforcer
@@ -61,11 +63,23 @@ class Session:
         self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
         # Bounded: a workload flooding denied queries must not grow egressctl without end.
-        self._journal_queue: queue.Queue[Violation | None] = queue.Queue(JOURNAL_BACKLOG)
+        # Ordered by urgency: a freeze-worthy verdict (with freeze_off_loop) goes before
+        # every block/log record still waiting for its fsync.
+        self._journal_queue: queue.PriorityQueue[tuple[int, int, Violation | None]] = (
+            queue.PriorityQueue(JOURNAL_BACKLOG)
+        )
+        self._queued = itertools.count()
+        # egressd serves every sandbox on one event loop: there a freeze (a fsync'd
+        # journal commit, the cgroup write and its confirmation, the attribution's /proc
+        # walk: 1-3 ms, more on a slow disk) runs on the writer thread instead, so other
+        # sandboxes' answers never wait for it. `egressctl run` serves one sandbox and
+        # acts at once.
+        self.freeze_off_loop = freeze_off_loop
+        self._loop = asyncio.get_running_loop() if freeze_off_loop else None
         self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
         self._writer.start()
         self.stopping = False
-        enforcer.on_freeze = self._frozen
+        enforcer.on_freeze = self._frozen_from_any_thread
 
     # -- evidence ------------------------------------------------------------------------
 
@@ -85,12 +99,16 @@ class Session:
         self.state.seen += 1
         if len(self.state.violations) < MAX_KEPT:
             self.state.violations.append(v)
-        if self.enforcer.wants_freeze(v):
+        urgent = self.enforcer.wants_freeze(v)
+        if urgent and not self.freeze_off_loop:
             self._act(v)
             return
         try:
-            self._journal_queue.put_nowait(v)
+            self._journal_queue.put_nowait((0 if urgent else 1, next(self._queued), v))
         except queue.Full:
+            if urgent:  # never dropped: acted on here, late rather than never
+                self._act(v)
+                return
             self.state.unjournaled += 1  # counted in the report; the kernel still blocked it
 
     def _act(self, v: Violation) -> None:
@@ -100,7 +118,7 @@ class Session:
             print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
 
     def _journal_writer(self) -> None:
-        while (v := self._journal_queue.get()) is not None:
+        while (v := self._journal_queue.get()[2]) is not None:
             self._act(v)
 
     def observer_died(self) -> None:
@@ -124,7 +142,8 @@ class Session:
         if not handed_over:
             with contextlib.suppress(EgressError):
                 self.on_nflog()  # evidence that arrived while the command was exiting
-        self._journal_queue.put(None)  # blocks until there is room: nothing queued is lost
+        # Last in line (after every record), blocks until there is room: nothing is lost.
+        self._journal_queue.put((2, next(self._queued), None))
         self._writer.join()  # everything seen is in the journal before the report is made
         self.state.overruns = self.listener.overruns
         if handed_over:
@@ -163,6 +182,12 @@ class Session:
                       ev.get("qtype"))  # fmt: skip
         latency = freezes[0].get("latency_ms") or 0.0
         return FreezeEvent(v, vid, float(latency), row.get("process") or {})
+
+    def _frozen_from_any_thread(self, event: FreezeEvent) -> None:
+        if self._loop is not None and threading.current_thread() is self._writer:
+            self._loop.call_soon_threadsafe(self._frozen, event)
+        else:
+            self._frozen(event)
 
     def _frozen(self, event: FreezeEvent) -> None:
         self.state.freezes.append(event)

@@ -1,0 +1,76 @@
+"""The inline layer's queue in egressd (Session with freeze_off_loop): a freeze-worthy
+verdict is acted on by the writer thread, ahead of block/log records still waiting, and
+never on the event loop that answers every sandbox's DNS."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from egress.model import Action, Violation, ViolationClass
+from egress.runtime.enforcer import FreezeEvent
+from egress.runtime.session import Session
+
+SLOW_S = 0.05  # each record's "fsync"
+
+
+@dataclass
+class FakeEnforcer:
+    handled: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
+    on_freeze: Any = None
+
+    def wants_freeze(self, v: Violation) -> bool:
+        return v.action is Action.FREEZE
+
+    def handle(self, v: Violation) -> None:
+        time.sleep(SLOW_S)
+        self.handled.append((v.cls.value, threading.current_thread().name))
+        if self.wants_freeze(v):
+            self.on_freeze(FreezeEvent(v, 1, 1.0, {}))
+
+
+class FakeListener:
+    overruns = 0
+
+    def read_events(self) -> list[object]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeSandbox:
+    id: str = "sbx1"
+
+
+def violation(cls: ViolationClass, action: Action) -> Violation:
+    return Violation(cls, "inline", "rule", "detail", time.time(), action)
+
+
+def test_a_freeze_goes_ahead_of_queued_records_and_off_the_loop() -> None:
+    async def main() -> None:
+        enforcer = FakeEnforcer()
+        session = Session(FakeSandbox(), enforcer, None, "", FakeListener(),  # type: ignore[arg-type]
+                          freeze_off_loop=True)  # fmt: skip
+        loop_thread = threading.current_thread().name
+        started = time.monotonic()
+        for _ in range(4):
+            session.on_violation(violation(ViolationClass.DENIED_NAME, Action.BLOCK))
+        session.on_violation(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE))
+        assert time.monotonic() - started < SLOW_S  # the loop never waited on a record
+        deadline = time.monotonic() + 5
+        while not session.state.freezes:  # reported back on the loop
+            assert time.monotonic() < deadline, enforcer.handled
+            await asyncio.sleep(0.01)
+        session.stopping = True
+        session.close()
+        order = [cls for cls, _ in enforcer.handled]
+        # The writer was busy with the first record at most; the freeze came next.
+        assert order.index("blocked_connect") <= 1, order
+        assert len(order) == 5 and {t for _, t in enforcer.handled} == {"journal"} != {loop_thread}
+
+    asyncio.run(main())
