@@ -75,6 +75,7 @@ def render_sandbox(template: str, policy: Policy, sidecar: Sidecar | None = None
             "static_rules": _static_rules(policy.connect.allow),
             "verdict": _verdict(audit),
             "connect_verdict": _verdict(audit, _holds_connects(policy)),
+            "held_rules": _held_rules() if not audit and _holds_connects(policy) else "",
             # nft takes no variables in limit and log statements, so these are written out.
             "inline_group": str(c.INLINE_GROUP),
             "observer_group": str(c.OBSERVER_GROUP),
@@ -131,11 +132,27 @@ def _holds_connects(policy: Policy) -> bool:
     return policy.action(ViolationClass.BLOCKED_CONNECT) is Action.FREEZE
 
 
+def _held_rules() -> str:
+    """A held connect's later SYNs: reset, before the violation chain. Not a new
+    violation (the first SYN was logged, journaled and froze the sandbox), so neither
+    logged nor counted as a drop."""
+    return (
+        "\t\tip daddr . tcp dport . tcp sport @held4 reject with tcp reset\n"
+        "\t\tip6 daddr . tcp dport . tcp sport @held6 reject with tcp reset"
+    )
+
+
 def _verdict(audit: bool, hold_tcp: bool = False) -> str:
     if audit:
         return "\t\taccept"
-    if hold_tcp:
-        return "\t\tmeta l4proto tcp drop\n\t\treject with icmpx admin-prohibited"
+    if hold_tcp:  # held once: the flow goes in held4/held6, and its SYN is dropped
+        return (
+            "\t\tmeta nfproto ipv4 meta l4proto tcp "
+            "update @held4 { ip daddr . tcp dport . tcp sport } drop\n"
+            "\t\tmeta nfproto ipv6 meta l4proto tcp "
+            "update @held6 { ip6 daddr . tcp dport . tcp sport } drop\n"
+            "\t\treject with icmpx admin-prohibited"
+        )
     # A reset or an ICMP error makes a connect fail at once instead of timing out.
     return "\t\tmeta l4proto tcp reject with tcp reset\n\t\treject with icmpx admin-prohibited"
 

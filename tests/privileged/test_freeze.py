@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import time
@@ -129,6 +130,12 @@ class Run:
     def go(self) -> None:
         (self.board / "go").touch()
 
+    def line(self, timeout: float) -> str:
+        """The agent's next line on stdout, or "" if none comes within ``timeout``."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline().strip() if ready else ""
+
     def counter(self) -> int:
         try:
             return int((self.board / "counter").read_text() or 0)
@@ -208,6 +215,9 @@ def test_blocked_connect_freezes_and_resume_goes_on(lab: Lab) -> None:
         assert resumed.returncode == 0, resumed.stderr
         moves(run)
         assert not run.cgroup.is_frozen()
+        # The held connect fails at once (its next SYN is reset), not at its 30 s timeout.
+        said = run.line(5.0)
+        assert said.startswith("connect failed:") and "refused" in said, said
         run.ctl("kill", run.id)
         _, report, err = run.finish()
         assert f"egressctl resume {run.id}" in err and "FROZEN" in err
