@@ -115,6 +115,10 @@ class Taken:
 # -- the new egressd ---------------------------------------------------------------------
 
 
+class Refused(SandboxError):
+    """The running egressd is alive and turned the handoff down (one is under way)."""
+
+
 def take_over(run_dir: Path) -> Taken | None:
     """Receive the running egressd's sockets; None if none is running there."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -146,11 +150,14 @@ def take_over(run_dir: Path) -> Taken | None:
                 taken.old_pid = int(msg["pid"])
                 return taken
             elif kind == "refused":
-                raise SandboxError(f"the running egressd refused the handoff: {msg['why']}")
+                raise Refused(f"the running egressd refused the handoff: {msg['why']}")
             else:
                 for sock in socks:
                     sock.close()
                 raise SandboxError(f"unexpected handoff message {kind!r}")
+    except Refused:
+        taken.close()
+        raise  # it is alive and busy: say so, don't start beside it
     except (OSError, ValueError, KeyError, SandboxError) as exc:
         taken.close()
         if _ended(old_pid):
@@ -425,3 +432,20 @@ class Giver:
             self._conn.close()
             self._conn = None
         self._pause(False)
+        self._relisten()
+
+    def _relisten(self) -> None:
+        """Take the path back: a successor that got as far as listening replaced it."""
+        with contextlib.suppress(OSError):
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                return  # still ours
+        if self._listener is not None:
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        try:
+            self.listen()
+        except OSError as exc:
+            print(f"egressd: cannot listen for a successor again: {exc}", file=sys.stderr)

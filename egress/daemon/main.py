@@ -215,10 +215,11 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         giver = handoff.Giver(
             run_dir, registry.offers, lambda: api, registry.pause, registry.settled
         )
-        if taken is not None:
-            taken.serving()  # before we listen: if it gave up, nothing of ours replaced its
+        # Listen before telling the old one we serve: its exit then finds our socket file
+        # in place and leaves it (if it gave up on us meanwhile, it listens anew).
         giver.listen()
         if taken is not None:
+            taken.serving()
             how = "re-executed" if taken.old_pid == os.getpid() else "took over from egressd"
             print(f"egressd: {how} {taken.old_pid}", flush=True)
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
