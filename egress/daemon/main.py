@@ -209,8 +209,6 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             api, taken.api = taken.api, None  # the same listening socket: no refused connect
         else:
             api = _listen(args.socket, gid)
-        with contextlib.suppress(OSError):  # to remove it at exit only if still ours
-            api_file = os.stat(args.socket).st_ino
         await web.SockSite(runner, api).start()
         giver = handoff.Giver(
             run_dir, registry.offers, lambda: api, registry.pause, registry.settled
@@ -219,9 +217,11 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         # in place and leaves it (if it gave up on us meanwhile, it listens anew).
         giver.listen()
         if taken is not None:
-            taken.serving()
+            taken.serving()  # SandboxError if the old one gave up: it still serves the API
             how = "re-executed" if taken.old_pid == os.getpid() else "took over from egressd"
             print(f"egressd: {how} {taken.old_pid}", flush=True)
+        with contextlib.suppress(OSError):  # the API socket file is ours to remove at exit
+            api_file = os.stat(args.socket).st_ino
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
         ended = await _until_signalled(giver)
     finally:
