@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from egress.errors import Location, Problem
 from egress.policy.tree import Map, Node, Scalar, Seq
+from egress.policy.values import format_duration, parse_duration
 
 
 class Report:
@@ -127,3 +128,18 @@ def entry(node: Map | None, key: str) -> Node | None:
         return None
     found = node.entries.get(key)
     return found[1] if found is not None else None
+
+
+def duration(node: Node, most_s: int) -> int:
+    """Seconds of a duration scalar (``30s``, ``5m``, ``1h``), from 1 s to ``most_s``;
+    ValueError says what is wrong (the caller adds where)."""
+    if not isinstance(node, Scalar):
+        raise ValueError(f"expected a duration like 30s, 5m or 1h, got {kind_of(node)}")
+    seconds = parse_duration(node.value)
+    if seconds < 1:
+        raise ValueError("must be at least 1s")
+    if seconds > most_s:
+        raise ValueError(
+            f"{format_duration(seconds)} is longer than the limit of {format_duration(most_s)}"
+        )
+    return seconds

@@ -21,12 +21,21 @@ from egress.model import (
     RateLimit,
     Upstream,
 )
-from egress.policy.checks import Report, entry, get_choice, get_list, get_map, get_str, kind_of
+from egress.policy.checks import (
+    Report,
+    duration,
+    entry,
+    get_choice,
+    get_list,
+    get_map,
+    get_str,
+    kind_of,
+)
 from egress.policy.names import parse_pattern
 from egress.policy.ports import build_ports
 from egress.policy.rrtypes import is_data_only, is_pseudo, type_name, type_number
 from egress.policy.tree import Map, Node, Scalar, Seq
-from egress.policy.values import format_duration, parse_cidr, parse_duration, parse_upstream
+from egress.policy.values import format_duration, parse_cidr, parse_upstream
 
 DNS_KEYS = (
     "upstreams",
@@ -131,7 +140,7 @@ def _ttl(node: Node, report: Report) -> tuple[int, int]:
         if value is None:
             continue
         try:
-            bounds[index] = _duration(value)
+            bounds[index] = duration(value, MAX_TTL)
         except ValueError as exc:
             report.error(value.where, f"{path}.{key}: {exc}")
     low, high = bounds
@@ -141,17 +150,6 @@ def _ttl(node: Node, report: Report) -> tuple[int, int]:
             f"{path}: min ({format_duration(low)}) is greater than max ({format_duration(high)})",
         )
     return low, high
-
-
-def _duration(node: Node) -> int:
-    if not isinstance(node, Scalar):
-        raise ValueError(f"expected a duration like 30s, 5m or 1h, got {kind_of(node)}")
-    seconds = parse_duration(node.value)
-    if seconds < 1:
-        raise ValueError("must be at least 1s")
-    if seconds > MAX_TTL:
-        raise ValueError(f"{format_duration(seconds)} is longer than the limit of 24h")
-    return seconds
 
 
 def _rate_limit(node: Node, report: Report) -> RateLimit:

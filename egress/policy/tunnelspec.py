@@ -21,10 +21,19 @@ import math
 from typing import Any
 
 from egress.model import TunnelSpec, TunnelZoneOverride
-from egress.policy.checks import Report, entry, get_bool, get_list, get_map, get_str, kind_of
+from egress.policy.checks import (
+    Report,
+    duration,
+    entry,
+    get_bool,
+    get_list,
+    get_map,
+    get_str,
+    kind_of,
+)
 from egress.policy.names import normalize_name
 from egress.policy.tree import Map, Node, Scalar
-from egress.policy.values import format_duration, parse_duration
+from egress.policy.values import format_duration
 
 PATH = "spec.tunnel"
 DURATIONS = {"window": "window_s", "slow_window": "slow_window_s"}
@@ -105,7 +114,7 @@ def _read(key: str, node: Node, report: Report) -> object | None:
         return _zones(node, report)
     try:
         if key in DURATIONS:
-            return float(_window(node))
+            return float(duration(node, MAX_WINDOW))
         if key in COUNTS:
             return _count(node, key)
         if key == "nx_ratio":
@@ -114,17 +123,6 @@ def _read(key: str, node: Node, report: Report) -> object | None:
     except ValueError as exc:
         report.error(node.where, f"{path}: {exc}")
         return None
-
-
-def _window(node: Node) -> int:
-    if not isinstance(node, Scalar):
-        raise ValueError(f"expected a duration like 30s, 5m or 1h, got {kind_of(node)}")
-    seconds = parse_duration(node.value)
-    if seconds < 1:
-        raise ValueError("must be at least 1s")
-    if seconds > MAX_WINDOW:
-        raise ValueError(f"{format_duration(seconds)} is longer than the limit of 24h")
-    return seconds
 
 
 def _count(node: Node, key: str) -> int:
