@@ -155,19 +155,7 @@ class Observer:
             shaped = self.matcher.decide(wire.hostname_shape(q.qname), q.qtype)
             if shaped.name_allowed and shaped.rule is not None:
                 found = wire.BinaryName(q.qname, shaped.rule.describe())
-                cls = ViolationClass.TUNNEL
-                return Violation(
-                    cls,
-                    LAYER,
-                    "spec.tunnel",
-                    f"query {q.qname} {qtype}: {found.describe()}",
-                    event.timestamp,
-                    self.policy.action(cls),
-                    None,
-                    event.uid,
-                    q.qname,
-                    qtype,
-                )
+                return self._tunnel(event, q, found.describe())
             cls, reason = ViolationClass.DENIED_NAME, "a name is letters, digits, '-' and '_'"
         else:
             decision = self.matcher.decide(q.qname, q.qtype)
@@ -198,13 +186,16 @@ class Observer:
         finding = self.scorer.observe_query(q.qname, q.qtype)
         if finding is None:
             return None
+        return self._tunnel(event, q, finding.describe())
+
+    def _tunnel(self, event: NflogEvent, q: wire.Query, why: str) -> Violation:
         qtype = type_name(q.qtype)
         cls = ViolationClass.TUNNEL
         return Violation(
             cls,
             LAYER,
             "spec.tunnel",
-            f"query {q.qname} {qtype}: {finding.describe()}",
+            f"query {q.qname} {qtype}: {why}",
             event.timestamp,
             self.policy.action(cls),
             None,
