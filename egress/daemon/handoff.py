@@ -48,6 +48,11 @@ CHUNK_BYTES = 64 << 10  # learned entries per message: a SEQPACKET message must 
 # socket's send buffer (net.core.wmem_default, ~208 KiB), or send fails with EMSGSIZE
 
 
+def dup(sock: socket.socket) -> socket.socket:
+    """The same socket on a descriptor of its own, which outlives ``sock``'s."""
+    return socket.socket(fileno=os.dup(sock.fileno()))
+
+
 def _chunks(entries: list[list[Any]]) -> Iterator[list[list[Any]]]:
     """``entries`` in runs whose JSON stays near CHUNK_BYTES (one entry is < 4 KiB)."""
     chunk: list[list[Any]] = []
@@ -265,8 +270,7 @@ class Offer:
 
     def dup(self) -> Offer:
         """The same sockets on descriptors of their own (they outlive ours)."""
-        socks = [socket.socket(fileno=os.dup(s.fileno())) for s in (self.udp, self.tcp, self.nflog)]
-        return Offer(self.id, socks[0], socks[1], socks[2], self.learned)
+        return Offer(self.id, dup(self.udp), dup(self.tcp), dup(self.nflog), self.learned)
 
 
 class Giver:

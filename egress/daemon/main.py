@@ -233,7 +233,8 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             registry.pause(True)
             with contextlib.suppress(TimeoutError):  # a create half-done is not left out
                 await asyncio.wait_for(registry.settled(), 10)
-            reload = ([o.dup() for o in registry.offers()], _dup(api))
+            api_copy = None if api is None else handoff.dup(api)
+            reload = ([o.dup() for o in registry.offers()], api_copy)
         if giver is not None:
             giver.close()
         if runner is not None:
@@ -252,10 +253,6 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         nft.use_worker().close()  # the new image starts its own
         handoff.exec_self(args.argv, *reload)
     return 0
-
-
-def _dup(sock: socket.socket | None) -> socket.socket | None:
-    return None if sock is None else socket.socket(fileno=os.dup(sock.fileno()))
 
 
 def _raise_priority() -> None:
