@@ -77,10 +77,10 @@ HIT_NAMES = [
 
 def serve(netns: str, uplink: str, policy_file: str, loop_kind: str, score: str) -> None:
     """Child process: one ResolverServer for the sandbox, until SIGTERM; stats on stdout."""
+    from egress.inline.server import ResolverServer
+    from egress.kernel.nft import NftHandle
     from egress.policy import load_policy
     from egress.resolver.core import ResolverCore
-    from egress.runtime.dns_server import ResolverServer
-    from egress.runtime.nft import NftHandle
 
     policy = load_policy(policy_file)
     scorer = make_scorer(policy) if score == "score" else None
@@ -151,7 +151,7 @@ def dns_query(qid: int, name: str, qtype: int = 1) -> bytes:
 
 
 def udp_socket(netns: str) -> socket.socket:
-    from egress.runtime.netns import in_netns
+    from egress.kernel.netns import in_netns
 
     with in_netns(netns):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -284,9 +284,9 @@ def start_dnsmasq(netns: str, workdir: Path) -> Child:
 @contextlib.contextmanager
 def lab_and_sandboxes(policy_file: Path) -> Iterator[tuple[object, object, object]]:
     from egress.datapath.addressing import Pools
+    from egress.lab import Lab
     from egress.policy import load_policy
-    from egress.runtime import sandbox
-    from egress.runtime.lab import Lab
+    from egress.sandbox import lifecycle as sandbox
 
     lab = Lab.up(name=f"eglb{secrets.token_hex(2)}")
     made = []

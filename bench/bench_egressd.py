@@ -51,10 +51,10 @@ from pathlib import Path
 from typing import Any
 
 from egress.cli.daemon_cmds import Client, DaemonError
-from egress.runtime import claims
-from egress.runtime.lab import Lab
-from egress.runtime.netns import in_netns
-from egress.runtime.sandbox import teardown_claim
+from egress.kernel.netns import in_netns
+from egress.lab import Lab
+from egress.sandbox.lifecycle import teardown_claim
+from egress.store import claims
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = """\

@@ -154,7 +154,7 @@ class Egressd:
 
 @contextlib.contextmanager
 def setup() -> Iterator[tuple[Egressd, dict[str, Any], dict[str, Any], Path]]:
-    from egress.runtime.lab import Lab
+    from egress.lab import Lab
 
     workdir = Path(tempfile.mkdtemp(prefix="egress-bench-fair-"))
     lab = Lab.up(name=f"eglf{secrets.token_hex(2)}")

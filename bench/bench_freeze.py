@@ -27,13 +27,13 @@ from typing import Any
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.datapath.evidence import drop_class, drop_violation
+from egress.freeze.enforcer import Enforcer
+from egress.kernel.cgroup import Cgroup
+from egress.kernel.nflog import NflogListener
+from egress.lab import Lab
 from egress.policy import parse_policy
-from egress.runtime import sandbox as sbx
-from egress.runtime.cgroup import Cgroup
-from egress.runtime.enforcer import Enforcer
-from egress.runtime.journal import Journal
-from egress.runtime.lab import Lab
-from egress.runtime.nflog import NflogListener
+from egress.sandbox import lifecycle as sbx
+from egress.store.journal import Journal
 
 POLICY = """
 apiVersion: egress/v1

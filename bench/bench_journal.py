@@ -23,7 +23,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 from egress.model import Action, Flow, Violation, ViolationClass
-from egress.runtime.journal import Journal
+from egress.store.journal import Journal
 
 
 def _violation(layer: str, i: int) -> Violation:

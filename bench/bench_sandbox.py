@@ -16,9 +16,9 @@ import sys
 import time
 
 from egress.datapath.addressing import Pools
+from egress.lab import Lab
 from egress.policy import load_policy
-from egress.runtime import sandbox as sbx
-from egress.runtime.lab import Lab
+from egress.sandbox import lifecycle as sbx
 
 
 def pct(xs: list[float], q: float) -> float:

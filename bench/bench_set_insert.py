@@ -15,8 +15,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from egress.runtime.netns import create_netns, in_netns, remove_netns
-from egress.runtime.nft import NftHandle
+from egress.kernel.netns import create_netns, in_netns, remove_netns
+from egress.kernel.nft import NftHandle
 
 N = 1000
 PREFILL = 20_000

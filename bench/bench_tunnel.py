@@ -22,7 +22,7 @@ from pathlib import Path
 from egress.model import TunnelSpec, TunnelZoneOverride
 from egress.tunnel import TunnelScorer, TunnelVerdict
 from egress.tunnel.features import name_features
-from egress.tunnel.names import split_name
+from egress.tunnel.labels import split_name
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 TYPES = {"A": 1, "NS": 2, "CNAME": 5, "NULL": 10, "PTR": 12, "MX": 15, "TXT": 16, "KEY": 25}

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.privileged.tunnels
 
-from egress.runtime.lab import Lab
+from egress.lab import Lab
 from tests.privileged import tunnels as tn
 
 HEADER = (

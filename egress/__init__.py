@@ -1,13 +1,15 @@
 """egress: network egress control for AI-agent sandboxes.
 
-Flow (see ../shared/DESIGN.md)::
+The packages read as the data flow (ARCHITECTURE.md has the whole map)::
 
-    policies/*.yaml -> egress.policy (parse, validate, compile) -> Matcher + nft render context
-    egress.datapath renders the sandbox's nftables ruleset; egress.runtime creates the
-    netns, veth, cgroup and loads it; egress.resolver decides every DNS query; egress.tunnel
-    scores names; egress.cli / egress.daemon wire it together.
+    policy ─▶ Matcher + nft render context      tunnel: scoring names     (pure core:
+    datapath: nft text, set-update plans        resolver: query -> actions  no I/O)
+    kernel, store: the adapters (netlink, nft, NFLOG, cgroups; journal, claims, paths)
+    sandbox: netns, veth, cgroup   freeze: journal-then-freeze, confirm, attribute
+    inline (layer 1) ⟂ observer (layer 2): both judge every query with resolver.judge
+    run: `egressctl run`   daemon: egressd   cli: egressctl   lab: the fake internet
 
-Layers import downwards only: entry points -> runtime shells -> pure core -> model/errors.
+Imports point downwards only; import-linter checks it (pyproject.toml).
 """
 
 __version__ = "0.1.0"

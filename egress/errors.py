@@ -64,3 +64,18 @@ class SandboxError(EgressError):
 
 class JournalError(EgressError):
     """The violation journal could not be opened or written."""
+
+
+class LabError(EgressError):
+    """The lab could not be brought up, inspected or torn down. The lab is test
+    infrastructure, but a broken lab must still say precisely what broke (which command,
+    which zone-file line) rather than leave a traceback and half a topology."""
+
+
+class ZoneFileError(LabError):
+    """A lab zone file is malformed; the message starts with file:line:col."""
+
+    def __init__(self, where: Location, message: str) -> None:
+        self.where = where
+        self.message = message
+        super().__init__(f"{where}: {message}")

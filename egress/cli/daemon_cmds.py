@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from egress.errors import EgressError
-from egress.runtime.paths import run_dir
+from egress.store.paths import run_dir
 
 FMT = argparse.RawDescriptionHelpFormatter
 TIMEOUT_S = 120.0
@@ -245,7 +245,7 @@ def cmd_set_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from egress.runtime import workload
+    from egress.sandbox import workload
 
     argv = list(args.argv)
     if argv and argv[0] == "--":

@@ -66,7 +66,7 @@ def say(text: str = "") -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from egress.runtime.lab import Lab
+    from egress.lab import Lab
 
     say("egress demo: a scripted agent in a sandbox, against a lab internet in namespaces\n")
     start = time.monotonic()
@@ -136,7 +136,7 @@ def _run_agent(lab: Any) -> int:
 
 def _review(ctl: list[str], state: Path) -> None:
     """Play the person: wait for the freeze, read the journal, kill the sandbox."""
-    from egress.runtime.journal import Journal
+    from egress.store.journal import Journal
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from egress.runtime.lab import DEFAULT_NAME, Lab, LabError, LabExistsError
-from egress.runtime.lab.state import state_dir
+from egress.lab import DEFAULT_NAME, Lab, LabError, LabExistsError
+from egress.lab.state import state_dir
 
 LAB_EPILOG = """\
 examples:

@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_observe(args: argparse.Namespace) -> int:
-    from egress.runtime.journal import state_dir
-    from egress.runtime.observer import Observer, ObserverConfig
+    from egress.observer.layer import Observer, ObserverConfig
+    from egress.store.journal import state_dir
 
     if args.freezer is not None and args.cgroup is None:
         raise SandboxError("--freezer needs --cgroup (the v2 directory it mirrors)")

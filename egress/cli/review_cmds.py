@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from egress.errors import EgressError, SandboxError
 
 if TYPE_CHECKING:
-    from egress.runtime.cgroup import Cgroup
+    from egress.kernel.cgroup import Cgroup
 
 FMT = argparse.RawDescriptionHelpFormatter
 
@@ -93,8 +93,8 @@ def register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from egress.runtime import claims
-    from egress.runtime.sandbox import teardown_claim
+    from egress.sandbox.lifecycle import teardown_claim
+    from egress.store import claims
 
     wanted = set(args.sandbox)
     removed, failed = [], 0
@@ -121,7 +121,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _journal(args: argparse.Namespace) -> Any:
-    from egress.runtime.journal import Journal, state_dir
+    from egress.store.journal import Journal, state_dir
 
     return Journal.open(state_dir(args.state_dir))
 
@@ -148,7 +148,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 def _live_state(row: dict[str, Any]) -> dict[str, Any]:
     """The journal's state, corrected by what the machine shows now."""
-    from egress.runtime.claims import alive
+    from egress.store.claims import alive
 
     out = {
         k: row.get(k)
@@ -182,7 +182,7 @@ def _live_state(row: dict[str, Any]) -> dict[str, Any]:
 def sandbox_cgroup(row: dict[str, Any]) -> Cgroup:
     """The cgroup a journaled sandbox runs in: egress's own (by id), or the one it was
     attached to (egressd attach, egressd sidecar), from the paths the journal keeps."""
-    from egress.runtime.cgroup import Cgroup
+    from egress.kernel.cgroup import Cgroup
 
     try:
         return Cgroup.open(row["id"])

@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from egress.runtime.paths import read_template
+    from egress.store.paths import read_template
 
     policy, warnings = load_policy_with_warnings(args.file)
     for w in warnings:
@@ -88,7 +88,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from egress.runtime.runner import RunOptions, run
+    from egress.run.runner import RunOptions, run
 
     argv = list(args.argv)
     if argv and argv[0] == "--":

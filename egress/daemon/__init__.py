@@ -1,14 +1,16 @@
 """egressd: the host-wide daemon, serving many sandboxes from one process.
 
     orchestrator ─HTTP over /run/egress/egressd.sock─▶ api ─▶ registry
-    registry ─ create: sandbox.create (netns, veth, cgroup) ┐
-             ─ attach: runtime.attach (foreign netns+cgroup) ┴▶ Session + resolver per sandbox
-    set-policy ─▶ swap: one nft transaction (rules + stale elements out) ─▶ core.set_policy
+    registry ─ create: sandbox.lifecycle (netns, veth, cgroup) ┐
+             ─ attach: sandbox.attach (foreign netns+cgroup)   ┴▶ inline.wiring per sandbox
+             ─ adopt: sandbox.adopt (what an earlier egressd left, by store.rundir)
+    set-policy ─▶ inline.swap: one nft transaction (rules + stale elements out)
     run dir (/run/egress/daemon/ID.json) ─▶ adoption by the next egressd, `egressd observer`
-    /metrics ◀─ resolver cores, sessions, nft counters and sets
-    sidecar: one sandbox from inside its netns ─▶ same inline layer (inline.py), upstream
+    handoff.py: --replace and SIGHUP pass every socket to the successor (SCM_RIGHTS)
+    /metrics ◀─ resolver cores, sessions, nft counters and sets (metrics.py)
+    sidecar: one sandbox from inside its netns ─▶ the same inline wiring, upstream
              sockets marked (SO_MARK) for the one rule that lets them out
 
-The same inline layer as `egressctl run` (``runtime.session``, ``runtime.dns_server``);
-only the wiring is here.
+The inline layer is ``egress.inline``'s, the same as `egressctl run`'s; `egressd observer`
+runs ``egress.observer.supervisor``. Only the daemon's wiring, API and restarts are here.
 """

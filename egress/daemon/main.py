@@ -18,13 +18,14 @@ from aiohttp import web
 
 from egress import __version__
 from egress.errors import EgressError, SandboxError
-from egress.runtime import nft
-from egress.runtime.journal import Journal, state_dir
-from egress.runtime.paths import run_dir
+from egress.kernel import nft
+from egress.observer.supervisor import Supervisor
+from egress.store import rundir
+from egress.store.journal import Journal, state_dir
+from egress.store.paths import run_dir
 
-from . import handoff, rundir, sidecar
+from . import handoff, sidecar
 from .api import make_app
-from .observers import Supervisor
 from .registry import Registry
 
 FMT = argparse.RawDescriptionHelpFormatter
@@ -270,7 +271,7 @@ def _raise_open_files() -> None:
     """Room for thousands of sandboxes' descriptors (about eight each).
 
     Nothing in egressd select()s on a descriptor: libnftables, which does, runs in the
-    nft worker process (runtime/nft_worker.py). The soft limit is often 1024; the
+    nft worker process (kernel/nft_worker.py). The soft limit is often 1024; the
     daemon's unit sets LimitNOFILE too, this covers running it by hand.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

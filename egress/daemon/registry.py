@@ -31,17 +31,20 @@ from typing import Any, TypeVar
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError, UpstreamError
+from egress.inline import wiring
+from egress.inline.session import Session
+from egress.inline.swap import TrackingResolver, swap
+from egress.inline.upstream import parse_upstream, resolve_upstreams
+from egress.kernel.nflog import NflogListener
 from egress.model import Policy
 from egress.policy import parse_policy
-from egress.runtime import attach as attach_mod
-from egress.runtime import sandbox as sbx
-from egress.runtime.journal import Journal
-from egress.runtime.nflog import NflogListener
-from egress.runtime.session import Session
-from egress.runtime.upstream import parse_upstream, resolve_upstreams
+from egress.sandbox import attach as attach_mod
+from egress.sandbox import lifecycle as sbx
+from egress.sandbox.adopt import adopt_created
+from egress.store import rundir
+from egress.store.journal import Journal
 
-from . import handoff, inline, rundir
-from .swap import TrackingResolver, swap
+from . import handoff
 
 _T = TypeVar("_T")
 _ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")
@@ -282,7 +285,7 @@ class Registry:
         if handed is not None:
             listener = NflogListener(handed.nflog, c.INLINE_GROUP, sb.netns)
             listener.shared = True  # the predecessor may still serve with it
-        session, resolver = inline.make(
+        session, resolver = wiring.make(
             sb, self.journal, self.review_hint, upstreams, record.uplink_netns, listener=listener
         )
         try:
@@ -295,7 +298,7 @@ class Registry:
                     resolver.restore(handed.learned)
             await resolver.start(None if handed is None else (handed.udp, handed.tcp))
         except BaseException:
-            await inline.stop(session, None)
+            await wiring.stop(session, None)
             raise
         return session, resolver
 
@@ -305,7 +308,7 @@ class Registry:
         resolver: TrackingResolver | None,
         handed_over: bool = False,
     ) -> None:
-        await inline.stop(session, resolver, handed_over)
+        await wiring.stop(session, resolver, handed_over)
 
     # -- adoption ------------------------------------------------------------------------
 
@@ -330,7 +333,7 @@ class Registry:
         policy = parse(record.policy)
         upstreams = _upstreams(policy, record.upstream)
         if record.kind == "created":
-            sb = await _in_thread(rundir.adopt_created, record, policy)
+            sb = await _in_thread(adopt_created, record, policy)
         else:
             sb = await _in_thread(
                 attach_mod.adopt, record.id, policy, record.netns, record.cgroup,
@@ -453,7 +456,7 @@ def _upstreams(policy: Policy, upstream: str | None) -> list[tuple[str, int]]:
 
 
 def _inode(netns_ref: str) -> tuple[int, int]:
-    from egress.runtime.netns import netns_path
+    from egress.kernel.netns import netns_path
 
     st = os.stat(netns_path(netns_ref))
     return st.st_dev, st.st_ino

@@ -2,7 +2,7 @@
 
 A container beside the workload that shares its pod's netns, or ``nsenter --net=PATH
 egressd sidecar``: the process never enters another netns. It serves the sandbox exactly as egressd
-serves one (``inline.make``: Session + TrackingResolver on 127.0.0.53), with the ruleset of
+serves one (``wiring.make``: Session + TrackingResolver on 127.0.0.53), with the ruleset of
 an attached sandbox (table inet egress) plus one block: with no uplink netns to ask from,
 its upstream queries leave through the sandbox's own rules, so they carry SO_MARK
 ``c.SIDECAR_MARK`` and the rules accept marked packets of the sidecar's uid to its upstreams
@@ -36,20 +36,20 @@ from pathlib import Path
 from egress.datapath import constants as c
 from egress.datapath.render import Sidecar, render_sandbox
 from egress.errors import DatapathError, EgressError, SandboxError, UpstreamError
+from egress.inline import wiring
+from egress.inline.swap import CHAINS
+from egress.inline.upstream import parse_upstream, resolve_upstreams, set_mark
+from egress.kernel import netns
+from egress.kernel.cgroup import Cgroup, find_mounts
+from egress.kernel.nft import NftHandle
 from egress.model import Policy
 from egress.policy import parse_policy
-from egress.runtime import netns
-from egress.runtime import sandbox as sbx
-from egress.runtime.attach import NO_NET
-from egress.runtime.cgroup import Cgroup, find_mounts
-from egress.runtime.journal import Journal, state_dir
-from egress.runtime.nft import NftHandle
-from egress.runtime.paths import read_template
-from egress.runtime.upstream import parse_upstream, resolve_upstreams, set_mark
+from egress.sandbox import lifecycle as sbx
+from egress.sandbox.attach import NO_NET
+from egress.store.journal import Journal, state_dir
+from egress.store.paths import read_template
 
-from . import inline
 from .registry import _ID as SANDBOX_ID
-from .swap import CHAINS
 
 LOCK_NAME = b"\0egressd-sidecar"  # abstract: one name per netns, freed when we end
 NO_CGROUPFS = (
@@ -279,12 +279,12 @@ async def _serve(
                                freezer=sb.cgroup.freezer_path)  # fmt: skip
     session = resolver = None
     try:
-        session, resolver = inline.make(
+        session, resolver = wiring.make(
             sb, journal, cfg.review_hint, cfg.upstreams, None, mark=c.SIDECAR_MARK
         )
         await resolver.start()
     except BaseException:
-        await inline.stop(session, None)
+        await wiring.stop(session, None)
         if cfg.remove_on_exit or how == "loaded":  # nothing of ours stays behind
             sb.nft.delete_table("inet", c.TABLE)
         with contextlib.suppress(EgressError):
@@ -297,7 +297,7 @@ async def _serve(
     try:
         await stop.wait()
     finally:
-        await inline.stop(session, resolver)
+        await wiring.stop(session, resolver)
         _leave(sb, journal, remove=cfg.remove_on_exit)
     return 0
 

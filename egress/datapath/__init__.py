@@ -5,6 +5,6 @@
     DNS answer IPs + rule ──set_elements()──▶ "ip . proto . port" elements for allow4/allow6
     index in pool ──addressing.allocate()──▶ the sandbox's v4/v6 link networks
 
-The runtime shells load the text in one atomic transaction and send the elements through
+The kernel adapters load the text in one atomic transaction and send the elements through
 an in-process libnftables handle; the templates themselves are read by the caller.
 """

@@ -13,6 +13,6 @@ Its part of the flow (DESIGN.md)::
     upstream bytes ─ message.parse (dnslib only for rare types) ─▶ answer.filter_answer
         (CNAME chain, types, rebinding) ─▶ message.build ─▶ AllowThenReply (sets, then reply)
 
-The shells (egress.runtime.dns_server, egressd) perform the actions: send, forward, add
+The shells (egress.inline.server, egressd) perform the actions: send, forward, add
 the set elements and wait for the kernel's ack, journal the reports.
 """

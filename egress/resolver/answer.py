@@ -18,7 +18,7 @@ from egress.policy.matcher import Matcher
 from egress.resolver.message import AAAA, CNAME, SOA, A, Record, Response
 from egress.resolver.rebinding import rebinding_reason
 from egress.resolver.wire import NOERROR, NXDOMAIN, SERVFAIL
-from egress.tunnel.names import under_no_real_tld
+from egress.tunnel.labels import under_no_real_tld
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ labels, which keeps a raw '.' inside a label apart from a label boundary.
 """
 
 from egress.tunnel.features import NameScore, score_name
-from egress.tunnel.names import name_from_labels
+from egress.tunnel.labels import name_from_labels
 from egress.tunnel.scorer import MEMORY_BOUND, TunnelScorer, scorer_for
 from egress.tunnel.verdict import Crossing, TunnelVerdict
 

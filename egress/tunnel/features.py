@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from egress.tunnel import entropy
-from egress.tunnel.names import split_name
+from egress.tunnel.labels import split_name
 
 LONG_SUB = 64  # a subdomain this long, or a label of LONG_LABEL, makes a "long name"
 LONG_LABEL = 40

@@ -28,7 +28,7 @@ from egress.tunnel.features import (
     score_name,
     type_points,
 )
-from egress.tunnel.names import split_name
+from egress.tunnel.labels import split_name
 from egress.tunnel.verdict import Crossing, TunnelVerdict
 from egress.tunnel.zone import ALL_ZONES, RULES, SANDBOX_RULES, ZoneState, limits
 

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from egress.daemon.api import make_app, openapi_document
 from egress.daemon.registry import Registry
-from egress.runtime.journal import Journal
+from egress.store.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = """apiVersion: egress/v1

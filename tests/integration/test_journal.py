@@ -25,8 +25,8 @@ import pytest
 
 from egress.errors import JournalError
 from egress.model import Action, Flow, Violation, ViolationClass
-from egress.runtime import journal_schema
-from egress.runtime.journal import Journal, default_state_dir, state_dir
+from egress.store import journal_schema
+from egress.store.journal import Journal, default_state_dir, state_dir
 
 T0 = 1_700_000_000.0
 
@@ -34,7 +34,7 @@ T0 = 1_700_000_000.0
 _HELPER = r"""
 import os, sys, time
 from egress.model import Action, Flow, Violation, ViolationClass
-from egress.runtime.journal import Journal
+from egress.store.journal import Journal
 
 mode, state, sandbox, layer, count = sys.argv[1:6]
 go = sys.argv[6] if len(sys.argv) > 6 else None

@@ -14,10 +14,10 @@ import pytest
 from dnslib import QTYPE, RR, A, DNSRecord
 
 from egress.errors import DatapathError
+from egress.inline.server import ResolverServer
 from egress.policy import parse_policy
 from egress.resolver import wire
 from egress.resolver.core import ResolverCore
-from egress.runtime.dns_server import ResolverServer
 
 POLICY = """
 apiVersion: egress/v1
@@ -257,7 +257,7 @@ async def until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
 def test_tcp_connections_past_the_cap_wait_for_a_free_slot(loop_kind: str) -> None:
     """A sandbox opening connections without end must not take egressd's descriptors:
     with MAX_TCP_CLIENTS open, the next one is not accepted until one of them closes."""
-    from egress.runtime.tcp_front import MAX_TCP_CLIENTS
+    from egress.inline.tcp_front import MAX_TCP_CLIENTS
 
     nft = FakeNft()
     q = wire.build_query(9, "allowed.test", 1)
@@ -299,7 +299,7 @@ def test_tcp_connections_past_the_cap_wait_for_a_free_slot(loop_kind: str) -> No
 def test_queries_upstream_are_capped_per_sandbox(loop_kind: str) -> None:
     """Past MAX_IN_FLIGHT questions waiting on the upstream (each holds a socket), the
     next is SERVFAIL at once instead of one more socket."""
-    from egress.runtime.dns_server import MAX_IN_FLIGHT
+    from egress.inline.server import MAX_IN_FLIGHT
 
     nft = FakeNft()
 

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from egress.freeze.enforcer import FreezeEvent
+from egress.inline.session import Session
 from egress.model import Action, Violation, ViolationClass
-from egress.runtime.enforcer import FreezeEvent
-from egress.runtime.session import Session
 
 SLOW_S = 0.05  # each record's "fsync"
 

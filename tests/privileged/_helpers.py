@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
-from egress.runtime import netns
+from egress.kernel import netns
 
 NOBODY = 65534
 _counter = itertools.count(1)

@@ -8,7 +8,7 @@ Use::
 
     pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
-    def test_something(lab):          # module-scoped, see egress.runtime.lab.Lab
+    def test_something(lab):          # module-scoped, see egress.lab.Lab
         lab.run(["dig", f"@{lab.dns4}", "allowed.lab.test", "+short"])
 
     def test_custom_zones(make_lab):  # function-scoped, any number of labs
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from egress.runtime.lab import Lab
+from egress.lab import Lab
 
 
 @functools.cache

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from egress.cli.daemon_cmds import Client, DaemonError
-from egress.runtime import claims
-from egress.runtime.nft import NftHandle
-from egress.runtime.sandbox import teardown_claim
+from egress.kernel.nft import NftHandle
+from egress.sandbox.lifecycle import teardown_claim
+from egress.store import claims
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egress.runtime import claims, netns
-from egress.runtime.cgroup import find_mounts
-from egress.runtime.sandbox import teardown_claim
+from egress.kernel import netns
+from egress.kernel.cgroup import find_mounts
+from egress.sandbox.lifecycle import teardown_claim
+from egress.store import claims
 
 EGRESSCTL = [sys.executable, "-m", "egress.cli.main"]
 SYSTEM_PYTHON = "/usr/bin/python3"  # the workload user can't read the venv

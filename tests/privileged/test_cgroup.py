@@ -1,4 +1,4 @@
-"""egress.runtime.cgroup against the kernel: freeze really stops the workload, kill reaps.
+"""egress.kernel.cgroup against the kernel: freeze really stops the workload, kill reaps.
 
 The workload is a child that writes one byte to a pipe every millisecond: "stopped" means
 the pipe stays silent, which the test observes without sleeping blindly.
@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from egress.errors import SandboxError
-from egress.runtime import cgroup as cg_mod
-from egress.runtime.cgroup import Cgroup, find_mounts, parse_mountinfo
+from egress.kernel import cgroup as cg_mod
+from egress.kernel.cgroup import Cgroup, find_mounts, parse_mountinfo
 from tests.privileged._helpers import SYSTEM_PYTHON, skip_reason
 
 pytestmark = [
@@ -228,7 +228,7 @@ def test_concurrent_freezers_both_return(
     cg.add_pid(ticker.pid)
     name = os.path.basename(cg.v2_path)
     code = (
-        "import sys\nfrom egress.runtime.cgroup import Cgroup\n"
+        "import sys\nfrom egress.kernel.cgroup import Cgroup\n"
         f"print(Cgroup.open({name!r}, parent={PARENT!r}).freeze())\n"
     )
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)]

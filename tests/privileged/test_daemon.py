@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from egress.runtime.cgroup import Cgroup, find_mounts
-from egress.runtime.journal import Journal
-from egress.runtime.lab import Lab
-from egress.runtime.nft import NftHandle
+from egress.kernel.cgroup import Cgroup, find_mounts
+from egress.kernel.nft import NftHandle
+from egress.lab import Lab
+from egress.store.journal import Journal
 from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON, unique
 from tests.privileged.daemons import ROOT, Daemon, dig, egressd, set_ips
 

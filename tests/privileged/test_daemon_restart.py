@@ -19,8 +19,8 @@ import pytest
 
 from egress.cli.daemon_cmds import DaemonError
 from egress.daemon import handoff
-from egress.runtime.cgroup import Cgroup
-from egress.runtime.lab import Lab
+from egress.kernel.cgroup import Cgroup
+from egress.lab import Lab
 from tests.privileged.daemons import ROOT, Daemon, dig, egressd
 from tests.privileged.dnsperf import figures
 

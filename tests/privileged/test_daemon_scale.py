@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from egress.cli.daemon_cmds import DaemonError
-from egress.runtime import workload
-from egress.runtime.cgroup import Cgroup
-from egress.runtime.lab import Lab
-from egress.runtime.netns import in_netns
+from egress.kernel.cgroup import Cgroup
+from egress.kernel.netns import in_netns
+from egress.lab import Lab
+from egress.sandbox import workload
 from tests.privileged import dnsperf
 from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON
 from tests.privileged.daemons import Daemon, egressd, set_ips

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from egress.runtime import claims
-from egress.runtime.cgroup import Cgroup
-from egress.runtime.journal import Journal
-from egress.runtime.lab import Lab
+from egress.kernel.cgroup import Cgroup
+from egress.lab import Lab
+from egress.store import claims
+from egress.store.journal import Journal
 from tests.privileged.sandboxes import (
     EGRESSCTL,
     SYSTEM_PYTHON,

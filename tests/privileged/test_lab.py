@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from dnslib import DNSRecord
 
-from egress.runtime.lab import Lab, LabExistsError, ZoneFileError, topology
-from egress.runtime.lab.state import is_ours
+from egress.lab import Lab, LabExistsError, ZoneFileError, topology
+from egress.lab.state import is_ours
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -521,6 +521,6 @@ def _lab_processes(name: str) -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if "egress.runtime.lab." in cmdline and f"/{name}/" in cmdline:
+            if "egress.lab." in cmdline and f"/{name}/" in cmdline:
                 pids.append(int(entry.name))
     return pids

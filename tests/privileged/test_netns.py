@@ -1,4 +1,4 @@
-"""egress.runtime.netns against the real kernel: namespaces, setns, links, sysctls."""
+"""egress.kernel.netns against the real kernel: namespaces, setns, links, sysctls."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from egress.errors import SandboxError
-from egress.runtime import netns
+from egress.kernel import netns
 from tests.privileged._helpers import (
     Pair,
     ifname,

@@ -1,4 +1,4 @@
-"""egress.runtime.nflog against the kernel: logged drops arrive with 5-tuple, prefix, uid."""
+"""egress.kernel.nflog against the kernel: logged drops arrive with 5-tuple, prefix, uid."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from egress.errors import DatapathError
-from egress.runtime import netns
-from egress.runtime.nflog import NflogEvent, NflogListener
-from egress.runtime.nft import NftHandle
+from egress.kernel import netns
+from egress.kernel.nflog import NflogEvent, NflogListener
+from egress.kernel.nft import NftHandle
 from tests.privileged._helpers import (
     NOBODY,
     SYSTEM_PYTHON,

@@ -1,4 +1,4 @@
-"""egress.runtime.nft against the kernel: atomic loads, sets with timeouts, counters."""
+"""egress.kernel.nft against the kernel: atomic loads, sets with timeouts, counters."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from egress.errors import DatapathError, SandboxError
-from egress.runtime import netns
-from egress.runtime.nft import NftHandle
-from egress.runtime.nft_netlink import NetlinkSets
-from egress.runtime.nft_worker import NftWorker
+from egress.kernel import netns
+from egress.kernel.nft import NftHandle
+from egress.kernel.nft_sets import NetlinkSets
+from egress.kernel.nft_worker import NftWorker
 from tests.privileged._helpers import scratch_netns, skip_reason
 
 pytestmark = [
@@ -265,7 +265,7 @@ def test_worker_handle_in_missing_netns_raises(worker: NftWorker) -> None:
 # A process holding descriptors past FD_SETSIZE, like egressd with ~120 sandboxes.
 _MANY_FDS = """
 import os, resource, sys
-from egress.runtime import nft
+from egress.kernel import nft
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (max(4096, soft), max(4096, hard)))
 held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]

@@ -1,4 +1,4 @@
-"""The observer layer's process (egress/runtime/observer.py) on a real sandbox, driven
+"""The observer layer's process (egress/observer/layer.py) on a real sandbox, driven
 tick by tick from the test: what it must not take for a violation, and when it must not act.
 """
 
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from egress.datapath.addressing import Pools
+from egress.kernel.netns import in_netns
+from egress.kernel.nft import NftHandle
+from egress.lab import Lab
 from egress.policy import parse_policy
-from egress.runtime import sandbox
-from egress.runtime.lab import Lab
-from egress.runtime.netns import in_netns
-from egress.runtime.nft import NftHandle
-from egress.runtime.sandbox import Sandbox
+from egress.sandbox import lifecycle as sandbox
+from egress.sandbox.lifecycle import Sandbox
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -50,8 +50,8 @@ def test_a_new_observer_does_not_count_earlier_drops_as_missed(box: Sandbox, lab
     """An observer (re)started on a sandbox that has dropped packets before (a policy
     swap restarts egressd's) must not take the drop counter's past for drops its log
     missed: that froze sandboxes on every swap."""
-    from egress.runtime.journal import Journal
-    from egress.runtime.observer import Observer, ObserverConfig
+    from egress.observer.layer import Observer, ObserverConfig
+    from egress.store.journal import Journal
 
     with in_netns(box.netns):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -87,8 +87,8 @@ def test_an_observer_whose_policy_was_swapped_out_does_not_act(
     """egressd restarts a sandbox's observer a moment after a live swap; meanwhile the
     old one must not freeze by the old policy (``current`` says whether it is still in
     force). The control run, still current, does freeze."""
-    from egress.runtime.journal import Journal
-    from egress.runtime.observer import Observer, ObserverConfig
+    from egress.observer.layer import Observer, ObserverConfig
+    from egress.store.journal import Journal
 
     state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
     try:

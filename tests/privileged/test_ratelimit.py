@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 from egress.datapath.addressing import Pools
+from egress.inline.server import ResolverServer, make_core
+from egress.kernel.netns import in_netns
+from egress.lab import Lab
 from egress.model import Policy, Violation
 from egress.policy import parse_policy
 from egress.resolver import wire
-from egress.runtime import sandbox
-from egress.runtime.dns_server import ResolverServer, make_core
-from egress.runtime.lab import Lab
-from egress.runtime.netns import in_netns
-from egress.runtime.sandbox import Sandbox
+from egress.sandbox import lifecycle as sandbox
+from egress.sandbox.lifecycle import Sandbox
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 

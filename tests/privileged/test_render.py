@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from egress.runtime import netns
+from egress.kernel import netns
 from tests.privileged._helpers import unique
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
@@ -39,7 +39,7 @@ def test_rendered_ruleset_passes_nft_check(policy: Path, scratch: str) -> None:
 
 def test_uplink_table_passes_nft_check(scratch: str) -> None:
     from egress.datapath.render import render_uplink
-    from egress.runtime.paths import read_template
+    from egress.store.paths import read_template
 
     text = render_uplink(read_template("uplink.nft"), "eth0")
     check = subprocess.run(["ip", "netns", "exec", scratch, "nft", "-c", "-f", "-"],
@@ -51,7 +51,7 @@ def test_a_broken_template_is_caught(scratch: str) -> None:
     """The check above can fail: a template with a typo does not pass nft -c."""
     from egress.datapath.render import render_sandbox
     from egress.policy import load_policy
-    from egress.runtime.paths import read_template
+    from egress.store.paths import read_template
 
     text = render_sandbox(read_template("sandbox.nft"), load_policy(str(POLICIES[0])))
     broken = text.replace("policy drop", "policy dorp")

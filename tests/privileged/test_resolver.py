@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from egress.runtime.lab import Lab
+from egress.lab import Lab
 from tests.privileged.sandboxes import (
     EGRESSCTL,
     SYSTEM_PYTHON,
@@ -182,7 +182,7 @@ def test_an_ip_is_forgotten_after_its_clamped_ttl(lab: Lab) -> None:
 
 
 def _sandbox_netns(pid: int) -> str:
-    from egress.runtime import claims
+    from egress.store import claims
 
     [claim] = [c for c in claims.load_all() if c.owner_pid == pid]
     return claim.netns

@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from egress.datapath.render import render_sandbox
+from egress.inline.server import ResolverServer
+from egress.kernel import netns
+from egress.kernel.netns import in_netns
+from egress.kernel.nft import NftHandle
 from egress.model import Violation
 from egress.policy import Matcher, parse_policy
 from egress.resolver import wire
 from egress.resolver.core import ResolverCore
-from egress.runtime import netns
-from egress.runtime.dns_server import ResolverServer
-from egress.runtime.netns import in_netns
-from egress.runtime.nft import NftHandle
-from egress.runtime.paths import read_template
+from egress.store.paths import read_template
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 

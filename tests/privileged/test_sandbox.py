@@ -13,8 +13,9 @@ import subprocess
 
 import pytest
 
-from egress.runtime import claims, netns
-from egress.runtime.lab import Lab
+from egress.kernel import netns
+from egress.lab import Lab
+from egress.store import claims
 from tests.privileged.sandboxes import (
     EGRESSCTL,
     SYSTEM_PYTHON,
@@ -114,7 +115,7 @@ def test_workload_cannot_touch_the_rules(lab: Lab) -> None:
 
 
 def _observer_of(sandbox_id: str) -> int:
-    from egress.runtime.journal import Journal
+    from egress.store.journal import Journal
 
     with Journal.open(os.environ["EGRESS_STATE_DIR"]) as journal:
         row = journal.sandbox(sandbox_id)

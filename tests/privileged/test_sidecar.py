@@ -32,14 +32,14 @@ import pytest
 
 from egress.datapath import constants as c
 from egress.datapath.render import Sidecar, render_sandbox
+from egress.kernel.cgroup import Cgroup, find_mounts
+from egress.kernel.netns import in_netns
+from egress.kernel.nft import NftHandle
+from egress.lab import Lab
 from egress.policy import load_policy
-from egress.runtime import uplink as uplink_mod
-from egress.runtime.cgroup import Cgroup, find_mounts
-from egress.runtime.journal import Journal
-from egress.runtime.lab import Lab
-from egress.runtime.netns import in_netns
-from egress.runtime.nft import NftHandle
-from egress.runtime.paths import read_template
+from egress.sandbox import uplink as uplink_mod
+from egress.store.journal import Journal
+from egress.store.paths import read_template
 from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON, scratch_netns, unique
 from tests.privileged.sandboxes import policy_file, workdir
 

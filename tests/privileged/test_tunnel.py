@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from egress.runtime.lab import Lab
+from egress.lab import Lab
 from tests.privileged import tunnels as tn
 from tests.privileged.sandboxes import leftovers
 

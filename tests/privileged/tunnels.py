@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from egress.runtime import claims
-from egress.runtime.cgroup import Cgroup
-from egress.runtime.journal import Journal
-from egress.runtime.lab import Lab
+from egress.kernel.cgroup import Cgroup
+from egress.lab import Lab
+from egress.store import claims
+from egress.store.journal import Journal
 from tests.privileged.sandboxes import EGRESSCTL, SYSTEM_PYTHON, cleanup, env, workdir
 
 T_ZONE, D_ZONE = "t.lab.test", "d.lab.test"

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 from dnslib import EDNS0, QTYPE, DNSRecord
 
-from egress.runtime.lab import (
+from egress.lab import (
     DEFAULT_ZONES_FILE,
     ZoneFileError,
+    dnsmsg,
     load_zones,
     parse_zones,
     topology,
-    wire,
 )
-from egress.runtime.lab.authority import answer, encode
-from egress.runtime.lab.querylog import entry, read_query_log
-from egress.runtime.lab.zones import Relay, Zone, ZoneSet, parse_hostport
+from egress.lab.authority import answer, encode
+from egress.lab.querylog import entry, read_query_log
+from egress.lab.zones import Relay, Zone, ZoneSet, parse_hostport
 
 ZONES = load_zones(DEFAULT_ZONES_FILE)
 
@@ -275,7 +275,7 @@ def raw_query(labels: list[bytes], qtype: int = 1, ident: int = 0x1234) -> bytes
 
 def test_raw_question_keeps_exact_bytes() -> None:
     label = bytes(range(0x80, 0x80 + 63))
-    question = wire.parse_question(raw_query([label, b"T", b"Lab", b"Test"], qtype=65399))
+    question = dnsmsg.parse_question(raw_query([label, b"T", b"Lab", b"Test"], qtype=65399))
     assert question is not None
     assert question.labels == (label, b"T", b"Lab", b"Test")
     assert question.name == label.decode("latin-1") + ".T.Lab.Test"
@@ -295,31 +295,31 @@ def test_raw_question_keeps_exact_bytes() -> None:
     ],
 )
 def test_raw_question_rejects_malformed_packets(packet: bytes) -> None:
-    assert wire.parse_question(packet) is None
+    assert dnsmsg.parse_question(packet) is None
 
 
 def test_compressed_question_name_is_followed() -> None:
     head = struct.pack("!HHHHHH", 9, 0x0100, 1, 0, 0, 0)
     # Name at offset 12: "a" then a pointer to "lab.test" placed after the question.
     body = b"\x01a\xc0\x14" + struct.pack("!HH", 1, 1) + b"\x03lab\x04test\x00"
-    question = wire.parse_question(head + body)
+    question = dnsmsg.parse_question(head + body)
     assert question is not None and question.name == "a.lab.test" and question.end == 20
 
 
 def test_error_reply_is_built_from_the_raw_header() -> None:
     packet = raw_query([b"\xff\xfe", b"lab", b"test"], ident=0xBEEF)
-    question = wire.parse_question(packet)
-    reply = wire.error_reply(packet, wire.RCODE_FORMERR, question)
+    question = dnsmsg.parse_question(packet)
+    reply = dnsmsg.error_reply(packet, dnsmsg.RCODE_FORMERR, question)
     assert reply is not None
     ident, flags, qd, an, ns, ar = struct.unpack_from("!HHHHHH", reply)
     assert (ident, flags & 0x8000, flags & 0x0100, flags & 0xF, qd) == (0xBEEF, 0x8000, 0x100, 1, 1)
     assert (an, ns, ar) == (0, 0, 0) and reply[12:] == packet[12:]
-    assert wire.error_reply(b"\x00\x01", wire.RCODE_FORMERR) is None
+    assert dnsmsg.error_reply(b"\x00\x01", dnsmsg.RCODE_FORMERR) is None
 
 
 def test_query_log_entry_and_reader(tmp_path: Path) -> None:
     packet = raw_query([b"MiXeD", b"lab", b"test"], qtype=28)
-    record = entry(packet, "udp", ("198.18.0.1", 4242), wire.parse_question(packet))
+    record = entry(packet, "udp", ("198.18.0.1", 4242), dnsmsg.parse_question(packet))
     assert record["qname"] == "MiXeD.lab.test" and record["qtype"] == "AAAA"
     assert (record["src"], record["sport"], record["bytes"]) == ("198.18.0.1", 4242, len(packet))
     garbage = entry(b"xx", "tcp", ("2001:db8:ffff::1", 1, 0, 0), None)

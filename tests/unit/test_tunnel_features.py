@@ -19,7 +19,7 @@ from egress.tunnel.entropy import (
     randomness,
     word_likeness,
 )
-from egress.tunnel.names import name_from_labels, split_name, unescape_labels
+from egress.tunnel.labels import name_from_labels, split_name, unescape_labels
 
 WORDS = [
     "pythonhosted", "githubusercontent", "pkg-containers", "release-assets", "production",

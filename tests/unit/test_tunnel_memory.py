@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from egress.model import TunnelSpec, TunnelZoneOverride
 from egress.tunnel import MEMORY_BOUND, TunnelScorer
 from egress.tunnel.features import name_features
-from egress.tunnel.names import split_name
+from egress.tunnel.labels import split_name
 
 TOTAL, TRACED = 1_000_000, 40_000
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from egress.tunnel.names import unescape_labels
+from egress.tunnel.labels import unescape_labels
 
 SAMPLES = Path(__file__).resolve().parents[1] / "data" / "tunnel_samples"
 ZONE = "t.evil-tunnel.com"  # registered domain evil-tunnel.com, one label of delegation

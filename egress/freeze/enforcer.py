@@ -1,0 +1,105 @@
+"""One layer's hand on the freeze lever: journal, then act, then confirm.
+
+Both layers (the inline resolver/NFLOG reader and the separate observer process) own an
+Enforcer for the same sandbox. For each violation it commits the record first (journal
+before act), freezes the cgroup if the policy's action says so, waits for the kernel to
+report it frozen, journals the confirmation, and then, with the sandbox still, reads which
+process did it. Two layers acting on one violation make one freeze and two detections.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from egress.errors import EgressError
+from egress.freeze.attribution import attribute
+from egress.kernel.cgroup import Cgroup
+from egress.model import Action, Mode, Policy, Violation
+from egress.store.journal import Journal
+from egress.store.journal_schema import violation_key
+
+_T = TypeVar("_T")
+DEDUP_WINDOW_S = 2.0  # two layers' sightings of one packet fall well within this
+
+
+@dataclass
+class FreezeEvent:
+    """What a layer did about one freeze-worthy violation."""
+
+    violation: Violation
+    violation_id: int | None
+    latency_ms: float  # detection -> the kernel reports the cgroup frozen
+    process: dict[str, object] = field(default_factory=dict)
+
+
+class Enforcer:
+    def __init__(
+        self,
+        sandbox_id: str,
+        policy: Policy,
+        layer: str,
+        journal: Journal,
+        cgroup: Cgroup,
+        on_freeze: Callable[[FreezeEvent], None] | None = None,
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.policy = policy
+        self.layer = layer
+        self.journal = journal
+        self.cgroup = cgroup
+        self.on_freeze = on_freeze
+        self.freezes: list[FreezeEvent] = []
+        self.frozen_keys: set[str] = set()
+        self.journal_errors = 0
+
+    def wants_freeze(self, v: Violation) -> bool:
+        return self.policy.mode is Mode.ENFORCE and v.action is Action.FREEZE
+
+    def handle(self, v: Violation) -> FreezeEvent | None:
+        """Journal ``v`` and act on it; returns the freeze it caused, if any."""
+        if not self.wants_freeze(v):
+            self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
+            return None
+        key = violation_key(v)
+        if key in self.frozen_keys:
+            # The same flow again (a SYN retransmit, a retried query): it already froze the
+            # sandbox once, and a person has seen it or is about to. Journal the sighting.
+            self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
+            return None
+        # Journal before act: the violation and the freeze request, in one durable commit.
+        recorded = self._try(
+            lambda: self.journal.record_for_freeze(self.sandbox_id, v, DEDUP_WINDOW_S, time.time())
+        )
+        if recorded is not None and recorded[2] is None:
+            return None  # the other layer froze for it and a person has already decided
+        # A journal that can't write must not stop the freeze (fail closed).
+        vid, fid = (recorded[0], recorded[2]) if recorded is not None else (None, None)
+        event = self.freeze(v, vid, fid)
+        self.frozen_keys.add(key)  # only once it froze: a failed freeze is tried again
+        return event
+
+    def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent:
+        self.cgroup.freeze()
+        latency_ms = (time.time() - v.at) * 1000
+        if fid is not None:
+            self._try(lambda: self.journal.confirm_freeze(fid, time.time(), latency_ms))
+        process = attribute(v, self.cgroup.pids())
+        if vid is not None:
+            self._try(lambda: self.journal.attach_process(vid, process))
+        event = FreezeEvent(v, vid, latency_ms, process)
+        self.freezes.append(event)
+        if self.on_freeze is not None:
+            self.on_freeze(event)
+        return event
+
+    def _try(self, call: Callable[[], _T]) -> _T | None:
+        try:
+            return call()
+        except EgressError as exc:
+            self.journal_errors += 1
+            print(f"egress {self.layer}: journal: {exc}", file=sys.stderr)
+            return None

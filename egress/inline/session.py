@@ -1,0 +1,317 @@
+"""The live part of `egressctl run`: evidence in, verdicts acted on, signals forwarded.
+
+NFLOG (inline group) ─┐
+resolver verdicts ────┴▶ Enforcer(inline) ─▶ journal, freeze, attribution
+observer process dies ─▶ layer_loss
+frozen ─▶ the review block on stderr ─▶ wait for resume/kill (or --decision-timeout)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from egress.datapath import constants as c
+from egress.datapath.evidence import drop_class, drop_violation
+from egress.errors import EgressError
+from egress.freeze.enforcer import Enforcer, FreezeEvent
+from egress.kernel.nflog import NflogListener
+from egress.model import Violation, ViolationClass
+from egress.sandbox.lifecycle import Sandbox
+
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
+TERMINAL = (signal.SIGINT, signal.SIGQUIT)
+FROZEN_POLL_S = 0.05
+JOURNAL_BACKLOG = 10_000  # block/log verdicts waiting for their fsync
+MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps more)
+
+
+@dataclass
+class SessionState:
+    violations: list[Violation] = field(default_factory=list)  # the first MAX_KEPT
+    seen: int = 0  # every violation, kept or not
+    unjournaled: int = 0  # dropped because the journal fell this far behind
+    freezes: list[FreezeEvent] = field(default_factory=list)
+    timed_out: bool = False  # the decision timeout killed it
+    overruns: int = 0
+
+
+class Session:
+    def __init__(
+        self,
+        sb: Sandbox,
+        enforcer: Enforcer,
+        decision_timeout: float | None,
+        review_hint: str,
+        listener: NflogListener | None = None,
+        freeze_off_loop: bool = False,
+    ) -> None:
+        self.sb = sb
+        self.enforcer = enforcer
+        self.decision_timeout = decision_timeout
+        self.review_hint = review_hint
+        self.state = SessionState()
+        # A listener handed over by a previous egressd is already bound to the group.
+        self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
+        self._monitor: asyncio.Task[None] | None = None
+        # Bounded: a workload flooding denied queries must not grow egressctl without end.
+        # Ordered by urgency: a freeze-worthy verdict (with freeze_off_loop) goes before
+        # every block/log record still waiting for its fsync.
+        self._journal_queue: queue.PriorityQueue[tuple[int, int, Violation | None]] = (
+            queue.PriorityQueue(JOURNAL_BACKLOG)
+        )
+        self._queued = itertools.count()
+        # egressd serves every sandbox on one event loop: there a freeze (a fsync'd
+        # journal commit, the cgroup write and its confirmation, the attribution's /proc
+        # walk: 1-3 ms, more on a slow disk) runs on the writer thread instead, so other
+        # sandboxes' answers never wait for it. `egressctl run` serves one sandbox and
+        # acts at once.
+        self.freeze_off_loop = freeze_off_loop
+        self._loop = asyncio.get_running_loop() if freeze_off_loop else None
+        self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
+        self._writer.start()
+        self.stopping = False
+        enforcer.on_freeze = self._frozen_from_any_thread
+
+    # -- evidence ------------------------------------------------------------------------
+
+    def on_nflog(self) -> None:
+        for event in self.listener.read_events():
+            cls = drop_class(event.prefix)
+            if cls is not None:
+                pol = self.sb.policy
+                self.on_violation(
+                    drop_violation(pol, cls, event.flow, event.uid, event.timestamp, "inline")
+                )
+
+    def on_violation(self, v: Violation) -> None:
+        """Freeze-worthy verdicts are acted on here and now (journal, then freeze); the
+        rest are journaled by a writer thread, so a burst of denied queries never holds
+        up the DNS answers behind it on an fsync."""
+        self.state.seen += 1
+        if len(self.state.violations) < MAX_KEPT:
+            self.state.violations.append(v)
+        urgent = self.enforcer.wants_freeze(v)
+        if urgent and not self.freeze_off_loop:
+            self._act(v)
+            return
+        try:
+            self._journal_queue.put_nowait((0 if urgent else 1, next(self._queued), v))
+        except queue.Full:
+            if urgent:  # never dropped: acted on here, late rather than never
+                self._act(v)
+                return
+            self.state.unjournaled += 1  # counted in the report; the kernel still blocked it
+
+    def _act(self, v: Violation) -> None:
+        try:
+            self.enforcer.handle(v)
+        except EgressError as exc:  # a failed freeze is reported, never swallowed
+            print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
+
+    def _journal_writer(self) -> None:
+        while (v := self._journal_queue.get()[2]) is not None:
+            self._act(v)
+
+    def observer_died(self) -> None:
+        if self.stopping:
+            return
+        cls = ViolationClass.LAYER_LOSS
+        self.on_violation(
+            Violation(
+                cls,
+                "inline",
+                "spec.violations.layer_loss",
+                "the observer layer died",
+                time.time(),
+                self.sb.policy.action(cls),
+            )
+        )
+
+    def close(self, handed_over: bool = False) -> None:
+        """Stop; with ``handed_over`` a successor reads the NFLOG group from now on, so
+        leave the rest of its queue to it and keep the group bound."""
+        if not handed_over:
+            with contextlib.suppress(EgressError):
+                self.on_nflog()  # evidence that arrived while the command was exiting
+        # Last in line (after every record), blocks until there is room: nothing is lost.
+        self._journal_queue.put((2, next(self._queued), None))
+        self._writer.join()  # everything seen is in the journal before the report is made
+        self.state.overruns = self.listener.overruns
+        if handed_over:
+            self.listener.release()
+        else:
+            self.listener.close()
+        if self._monitor is not None:
+            self._monitor.cancel()
+
+    # -- freezes -------------------------------------------------------------------------
+
+    async def watch_frozen(self) -> None:
+        """A freeze made by the observer alone must also show the review block and start
+        the decision timeout: watch the cgroup, not only the inline layer's freezes."""
+        while not self.stopping:
+            if self.sb.cgroup.is_frozen() and (self._monitor is None or self._monitor.done()):
+                event = self._latest_freeze()
+                if event is not None:
+                    self._frozen(event)
+            await asyncio.sleep(FROZEN_POLL_S)
+
+    def _latest_freeze(self) -> FreezeEvent | None:
+        journal = self.enforcer.journal
+        try:
+            freezes = journal.freezes(self.sb.id, limit=1)
+            vid = freezes[0]["first_violation"] if freezes else None
+            row = journal.violation(vid) if vid is not None else None
+        except EgressError:
+            return None
+        if row is None:
+            return None
+        ev = row.get("evidence") or {}
+        cls = ViolationClass(row["class"])
+        v = Violation(cls, row["layer"], row["rule"], row["detail"], row["at"],
+                      self.sb.policy.action(cls), None, ev.get("uid"), ev.get("qname"),
+                      ev.get("qtype"))  # fmt: skip
+        latency = freezes[0].get("latency_ms") or 0.0
+        return FreezeEvent(v, vid, float(latency), row.get("process") or {})
+
+    def _frozen_from_any_thread(self, event: FreezeEvent) -> None:
+        if self._loop is not None and threading.current_thread() is self._writer:
+            self._loop.call_soon_threadsafe(self._frozen, event)
+        else:
+            self._frozen(event)
+
+    def _frozen(self, event: FreezeEvent) -> None:
+        self.state.freezes.append(event)
+        if self._monitor is None or self._monitor.done():
+            print(
+                review_block(self.sb.id, event, self.review_hint, self.decision_timeout),
+                file=sys.stderr,
+                flush=True,
+            )
+            self._monitor = asyncio.get_running_loop().create_task(self._await_decision())
+
+    async def _await_decision(self) -> None:
+        """Hold until a person thaws or kills it, or the decision timeout kills it."""
+        deadline = (
+            None if self.decision_timeout is None else time.monotonic() + self.decision_timeout
+        )
+        while self.sb.cgroup.is_frozen():
+            if deadline is not None and time.monotonic() >= deadline:
+                self.state.timed_out = True
+                with contextlib.suppress(EgressError):
+                    self.enforcer.journal.record_decision(
+                        self.sb.id,
+                        "kill",
+                        os.getuid(),
+                        time.time(),
+                        f"--decision-timeout {self.decision_timeout:g} s passed",
+                    )
+                self.sb.cgroup.kill()
+                return
+            await asyncio.sleep(FROZEN_POLL_S)
+
+
+def printable(value: object) -> str:
+    """The workload chose this text (its cmdline, its cwd): show it, never let it steer
+    the terminal (escape sequences, carriage returns)."""
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in str(value))
+
+
+def review_block(sandbox_id: str, event: FreezeEvent, hint: str, timeout: float | None) -> str:
+    v, p = event.violation, event.process
+    process = "not found"
+    if p.get("pid"):
+        process = f"pid {p['pid']} {printable(p.get('cmdline', ''))}"[:200]
+        if p.get("cwd"):
+            process += f" (cwd {printable(p['cwd'])})"
+        if p.get("method") == "uid":
+            process += " [by uid: its socket was already closed]"
+    elif p.get("note"):
+        process = str(p["note"])
+    wait = (
+        f"kills it in {timeout:g} s unless resumed"
+        if timeout is not None
+        else "waiting for a decision"
+    )
+    return "\n".join(
+        [
+            f"egress: sandbox {sandbox_id} is FROZEN "
+            f"(the {v.layer} layer saw it; frozen {event.latency_ms:.1f} ms later)",
+            f"  what:    {v.cls.value}: {printable(v.detail)}",
+            f"  rule:    {v.rule}",
+            f"  process: {process}",
+            f"  resume:  egressctl resume{hint} {sandbox_id}",
+            f"  kill:    egressctl kill{hint} {sandbox_id}",
+            f"  ({wait})",
+        ]
+    )
+
+
+# -- the command's life ------------------------------------------------------------------
+
+
+async def wait_for_exit(pid: int, session: Session) -> int:
+    """The command's exit status (128+N if killed by signal N), forwarding signals."""
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    done = loop.create_future()
+
+    def exited() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, exited)
+    _install_signals(loop, pid, session)
+    try:
+        await done
+        _, status = os.waitpid(pid, 0)
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        for sig in FORWARDED + TERMINAL:
+            loop.remove_signal_handler(sig)
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128+N
+
+
+def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, session: Session) -> None:
+    interrupts = [0]
+
+    def forward(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    def terminal(sig: signal.Signals) -> None:
+        interrupts[0] += 1
+        if interrupts[0] > 1 or session.sb.cgroup.is_frozen():
+            # A second Ctrl-C, or one while frozen (a frozen task can't take it): end it
+            # all, journaled like any other kill.
+            with contextlib.suppress(EgressError, OSError):
+                session.enforcer.journal.record_decision(
+                    session.sb.id, "kill", os.getuid(), time.time(), f"{sig.name} at egressctl run"
+                )
+                session.sb.cgroup.kill()
+            return
+        # The command has its own session (no controlling terminal: it can't inject
+        # input into ours or take it over), so the terminal's signals reach it only
+        # through us.
+        forward(sig)
+        print(
+            f"egressctl: {sig.name} passed to the command; again to kill the sandbox",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    for sig in FORWARDED:
+        loop.add_signal_handler(sig, forward, sig)
+    for sig in TERMINAL:
+        loop.add_signal_handler(sig, terminal, sig)

@@ -1,0 +1,193 @@
+"""Live policy swap for one served sandbox: nft rules, set elements and resolver at once.
+
+The resolver's sets hold ``ip . proto . port`` elements learned from DNS answers. A new
+policy must not flush them (clients holding a still-allowed answer would be blocked, and
+a blocked connect freezes the sandbox), yet the elements of names it no longer allows must
+go at once. So ``TrackingResolver`` remembers, per question, which addresses its answers
+put in the sets; the swap keeps exactly the elements a still-allowed question justifies
+under the new policy's ports, and deletes every other element in the same nft
+transaction that replaces the chains' rules. Elements no question justifies (never
+tracked) go too: the safe direction.
+
+    swap(policy) ─▶ render ─▶ [flush chains + ruleset + delete elements] one transaction
+                 ─▶ core.set_policy ─▶ sandbox, enforcer, scorer see the new policy
+    (all in one event-loop turn: no query is decided between the two halves)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from egress.datapath import constants as c
+from egress.datapath.elements import SetUpdate, plan_update
+from egress.datapath.render import render_sandbox
+from egress.errors import DatapathError, EgressError
+from egress.inline.server import ResolverServer
+from egress.kernel.nft import NftHandle
+from egress.model import IPAddress, Policy
+from egress.policy.matcher import Matcher
+from egress.resolver import wire
+from egress.resolver.actions import Action, AllowThenReply, Reply
+from egress.sandbox.lifecycle import Sandbox
+from egress.store.paths import read_template
+from egress.tunnel import scorer_for
+
+CHAINS = ("output", "violation", "foreign_dns", "blocked_connect")
+MAX_TRACKED = 100_000
+
+
+@dataclass
+class Learned:
+    ips: set[IPAddress]
+    until: float
+
+
+def question(reply: bytes) -> tuple[str, int] | None:
+    """(name, type) of the question a reply answers, or None if it has none."""
+    if len(reply) < 12 or reply[4:6] != b"\x00\x01":
+        return None
+    labels: list[bytes] = []
+    pos = 12
+    while pos < len(reply) and reply[pos] != 0:
+        n = reply[pos]
+        if n & 0xC0:
+            return None  # the question section is never compressed
+        labels.append(reply[pos + 1 : pos + 1 + n])
+        pos += 1 + n
+    if pos + 5 > len(reply):
+        return None
+    return wire.name_text(labels), int.from_bytes(reply[pos + 1 : pos + 3], "big")
+
+
+def element_ip(element: str) -> IPAddress:
+    return ipaddress.ip_address(element.split(" . ", 1)[0].strip())
+
+
+class TrackingResolver(ResolverServer):
+    """A ResolverServer that remembers which question put which addresses in the sets,
+    and that releases no answer the current policy would not give (an upstream reply to a
+    question asked before a swap is decided under the policy in force when it arrives)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.learned: dict[tuple[str, int], Learned] = {}
+
+    def perform(self, actions: list[Action]) -> None:
+        out: list[Action] = []
+        for action in actions:
+            if isinstance(action, AllowThenReply) and action.replies:
+                out.extend(self._track(action))
+            else:
+                out.append(action)
+        super().perform(out)
+
+    def _track(self, action: AllowThenReply) -> list[Action]:
+        q = question(action.replies[0][1])
+        if q is None:
+            return [action]
+        if not self.core.audit and not self.core.matcher.decide(*q).allowed:
+            return [Reply(client, fallback) for client, _, fallback in action.replies]
+        now = time.time()
+        ips = {element_ip(e) for e in action.update.elements4 + action.update.elements6}
+        seen = self.learned.get(q)
+        until = now + action.update.timeout_s
+        if seen is None:
+            if len(self.learned) >= MAX_TRACKED:
+                self.learned = {k: v for k, v in self.learned.items() if v.until > now}
+            self.learned[q] = Learned(ips, until)
+        else:
+            seen.ips |= ips
+            seen.until = max(seen.until, until)
+        return [action]
+
+    def justified(self, policy: Policy, now: float) -> set[str]:
+        """Set elements that a still-allowed question justifies under ``policy``."""
+        matcher = Matcher(policy)
+        keep: set[str] = set()
+        for (name, qtype), seen in self.learned.items():
+            decision = matcher.decide(name, qtype)
+            if seen.until <= now or not decision.allowed:
+                continue
+            ports = policy.connect.ports
+            if decision.rule is not None and not decision.rule.ports.is_empty():
+                ports = decision.rule.ports
+            update: SetUpdate = plan_update(seen.ips, ports, 1)
+            keep.update(update.elements4, update.elements6)
+        return keep
+
+    def learned_list(self) -> list[list[Any]]:
+        """What ``learned`` holds, as JSON for a successor egressd."""
+        return [
+            [name, qtype, sorted(str(ip) for ip in seen.ips), seen.until]
+            for (name, qtype), seen in self.learned.items()
+        ]
+
+    def restore(self, entries: list[list[Any]]) -> None:
+        """Take over a predecessor's ``learned_list()``; malformed entries are skipped."""
+        for entry in entries[:MAX_TRACKED]:
+            try:
+                name, qtype, ips, until = entry
+                learned = Learned({ipaddress.ip_address(ip) for ip in ips}, float(until))
+                self.learned[(str(name), int(qtype))] = learned
+            except (TypeError, ValueError):
+                continue
+
+    def seed_expiry(self) -> None:
+        """Learn when the elements already in the sets expire (an adopted sandbox), so
+        no answer shortens them: the kernel remembers what our predecessor allowed."""
+        now = time.monotonic()
+        for set_name in ("allow4", "allow6"):
+            try:
+                elements = self.nft.list_set("inet", c.TABLE, set_name)
+            except EgressError:
+                continue  # nothing to keep: answers set their own timeouts
+            for e in elements:
+                if e["expires"]:
+                    self.expiry.record([e["key"]], int(e["expires"]), now)
+
+    def forget_unjustified(self, keep_names: Matcher) -> None:
+        self.learned = {q: v for q, v in self.learned.items() if keep_names.decide(*q).allowed}
+
+
+def swap_text(nft: NftHandle, policy: Policy, keep: set[str]) -> tuple[str, int]:
+    """One nft transaction: the new rules, and the removal of every unjustified element."""
+    lines = [f"flush chain inet {c.TABLE} {chain}" for chain in CHAINS]
+    lines.append(render_sandbox(read_template("sandbox.nft"), policy))
+    removed = 0
+    for set_name in ("allow4", "allow6"):
+        gone = [e["key"] for e in nft.list_set("inet", c.TABLE, set_name)]
+        gone = [key for key in gone if key not in keep]
+        removed += len(gone)
+        if gone:
+            lines.append(f"delete element inet {c.TABLE} {set_name} {{ {', '.join(gone)} }}")
+    return "\n".join(lines) + "\n", removed
+
+
+def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
+    """Replace ``sb``'s policy in the kernel and in the resolver; returns elements removed.
+
+    Synchronous on purpose: called on the event loop, nothing else runs until both halves
+    are in place. An element expiring between listing and deleting fails the transaction
+    (ENOENT); it is retried once with a fresh listing.
+    """
+    now = time.time()
+    keep = resolver.justified(policy, now)
+    # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,
+    # and would call the template's a redefinition.
+    with NftHandle.open(sb.netns) as nft:
+        for attempt in (1, 2):
+            text, removed = swap_text(nft, policy, keep)
+            try:
+                nft.load(text)
+                break
+            except DatapathError as exc:
+                if attempt == 2 or "No such file or directory" not in str(exc):
+                    raise
+    resolver.core.set_policy(policy)
+    resolver.core.scorer = scorer_for(policy.tunnel, time.time)
+    resolver.forget_unjustified(resolver.core.matcher)
+    sb.policy = policy
+    return removed

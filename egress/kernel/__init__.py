@@ -1,0 +1,13 @@
+"""Kernel adapters: the only code that talks to netlink, libnftables, NFLOG and cgroupfs.
+
+    netns.py       network namespaces, veth pairs, addresses, routes, sysctls (pyroute2, setns)
+    nft.py         one libnftables handle per namespace: atomic loads, sets, counters
+    nft_worker.py  libnftables in a child process, for egressd's many descriptors
+    nft_sets.py    the resolver's set-element adds/deletes as one raw nf_tables batch
+    nflog.py       NFLOG listeners: the kernel's drop and DNS evidence, per namespace
+    cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill
+
+They carry out what the layers above decide and know nothing of policies, resolvers or the
+journal (an import-linter contract checks it). OS and third-party errors are translated
+here, once, into ``egress.errors``.
+"""

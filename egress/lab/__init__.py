@@ -1,0 +1,60 @@
+"""The lab: a self-contained fake internet for tests, benchmarks and the demo.
+
+Invariant 8 says tests never send a packet off the machine, yet egress must be tested
+against real DNS, real TCP and real tunnels. The lab is that world, in two network
+namespaces that no route leads out of::
+
+      (sandbox netns, made later by `egressctl run --uplink-netns NAME-up`)
+             │ veth; egress masquerades out of NAME-up's default route
+   ┌─────────┴──────────────────────────┐        ┌──────────────────────────────────────┐
+   │ NAME-up   "uplink"                 │        │ NAME-inet   "the internet"           │
+   │ lo                                 │        │ lo   127.0.0.1 (relay targets here)  │
+   │                                    │        │      and the server addresses below  │
+   │ inet0  198.18.0.1/30               │ veth   │ up0  198.18.0.2/30                   │
+   │        2001:db8:ffff::1/64   ──────┼────────┼──    2001:db8:ffff::2/64             │
+   │ default via 198.18.0.2 / ::2       │        │ routes: the link only, no default    │
+   │ forwarding off (egress's call)     │        │ forwarding off                       │
+   └────────────────────────────────────┘        │  DNS   198.51.100.53, 2001:db8:53::53│
+                                                 │  HTTP  203.0.113.10-14,              │
+                                                 │        198.51.100.10-12,             │
+                                                 │        2001:db8:80::10-12            │
+                                                 │        ports 80 443 8080, UDP echo   │
+                                                 │        9999, ICMP echo (kernel)      │
+                                                 └──────────────────────────────────────┘
+
+All addresses are documentation or benchmark ranges (RFC 5737, 3849, 2544) and names are
+under .test (RFC 2606); nothing is ever added to the host namespace. The DNS server
+(dns_server.py) is authoritative for the zones in a YAML file (zones.py; default
+zones.yaml: lab.test and evil.test, with CNAMEs, rebinding answers, a >512-byte answer, a
+slow one, a wildcard) and relays tunnel zones (t.lab.test, d.lab.test) as raw bytes to
+iodined/dns2tcpd started inside NAME-inet. It logs every packet it receives, first, to a
+JSON-lines query log: that log is how tests prove a denied name never reached "upstream".
+
+Entry points: ``egressctl lab up|down|status`` (egress/cli/lab_cmds.py), the ``lab``
+pytest fixture (tests/privileged/conftest.py), and the ``Lab`` class::
+
+    lab = Lab.up(name="egl1a2b")        # or Lab.load("egresslab") for one made by the CLI
+    lab.run(["dig", f"@{lab.dns4}", "allowed.lab.test", "+short"])
+    assert not lab.saw("denied.lab.test")
+    lab.down()
+"""
+
+from __future__ import annotations
+
+from egress.errors import LabError, ZoneFileError
+from egress.lab.control import DEFAULT_NAME, Lab, LabExistsError
+from egress.lab.querylog import read_query_log
+from egress.lab.zones import DEFAULT_ZONES_FILE, ZoneSet, load_zones, parse_zones
+
+__all__ = [
+    "DEFAULT_NAME",
+    "DEFAULT_ZONES_FILE",
+    "Lab",
+    "LabError",
+    "LabExistsError",
+    "ZoneFileError",
+    "ZoneSet",
+    "load_zones",
+    "parse_zones",
+    "read_query_log",
+]

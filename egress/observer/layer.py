@@ -1,0 +1,253 @@
+"""The observer layer: a separate process that trusts nothing the inline layer says.
+
+It reads the kernel's own evidence from the sandbox netns (its own NFLOG group, which gets
+a copy of every DNS packet sent to the resolver and of every dropped packet, and the drop
+rule's counter), parses the DNS queries itself, applies the same policy, and freezes
+through its own Enforcer. If the inline layer's process dies, that is a ``layer_loss``
+violation. It exits when the sandbox's netns is gone or on SIGTERM.
+
+The cgroup it freezes is egress's own for the sandbox id, or, given as paths (what
+egressd records), any cgroup: so it also watches sandboxes attached to another runtime's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from egress.datapath import constants as c
+from egress.datapath.evidence import drop_class, drop_violation
+from egress.errors import EgressError
+from egress.freeze.enforcer import Enforcer
+from egress.kernel.cgroup import Cgroup
+from egress.kernel.netns import netns_exists
+from egress.kernel.nflog import NflogEvent, NflogListener
+from egress.kernel.nft import NftHandle
+from egress.model import Policy, Violation, ViolationClass
+from egress.policy.matcher import Matcher
+from egress.policy.rrtypes import type_name
+from egress.resolver import wire
+from egress.store.journal import Journal
+from egress.tunnel import scorer_for
+
+TICK_S = 0.1
+LAYER = "observer"
+
+
+@dataclass
+class ObserverConfig:
+    sandbox_id: str
+    netns: str
+    policy: Policy
+    state_dir: str
+    watch_pid: int | None  # the inline layer's process
+    # The sandbox's cgroup as paths (v2, and the v1 freezer twin if any): an attached
+    # sandbox's cgroup lies wherever its runtime made it. None: egress's own, by the id.
+    cgroup: str | None = None
+    freezer: str | None = None
+    # Is this policy still the one in force? egressd swaps a policy live and restarts the
+    # observer a moment later; until then this one must not act on the old policy's
+    # verdicts (a name the new one allows would be "denied", and maybe frozen for).
+    current: Callable[[], bool] | None = None
+
+    def open_cgroup(self) -> Cgroup:
+        if self.cgroup is None:
+            return Cgroup.open(self.sandbox_id)
+        return Cgroup.attach_existing(self.cgroup, self.freezer)
+
+
+class Observer:
+    def __init__(self, cfg: ObserverConfig) -> None:
+        self.cfg = cfg
+        self.policy = cfg.policy
+        self.matcher = Matcher(cfg.policy)
+        self.scorer = scorer_for(cfg.policy.tunnel, time.time)
+        cgroup = cfg.open_cgroup()  # before the journal: a missing cgroup leaves nothing open
+        self.journal = Journal.open(cfg.state_dir)
+        self.enforcer = Enforcer(cfg.sandbox_id, cfg.policy, LAYER, self.journal, cgroup)
+        self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP)
+        self.nft = NftHandle.open(cfg.netns)
+        # Drops counted before this observer bound its group were judged by whoever was
+        # watching then (an observer restarted on a policy swap, the inline layer): they
+        # are not drops its log missed. Read after binding, so none falls in between.
+        self.drops_seen = self._dropped() or 0
+        self.unlogged_last = 0
+        self.inline_fd = _pidfd(cfg.watch_pid)
+        self.stopping = False
+
+    def start(self) -> None:
+        """Serve until the sandbox is gone; an inline layer already dead is a loss now."""
+        if self.cfg.watch_pid is not None and self.inline_fd is None:
+            self._inline_lost()
+        self.run()
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        # SIGTERM also writes a byte here, so poll() wakes at once instead of at its tick.
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        poll = select.poll()
+        poll.register(wake_r, select.POLLIN)
+        poll.register(self.listener.fileno(), select.POLLIN)
+        if self.inline_fd is not None:
+            poll.register(self.inline_fd, select.POLLIN)
+        while not self.stopping and netns_exists(self.cfg.netns):
+            for fd, _ in poll.poll(TICK_S * 1000):
+                if fd == wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake_r, 64)
+                elif fd == self.inline_fd:
+                    poll.unregister(fd)
+                    self._inline_lost()
+                else:
+                    self._drain()
+            self._check_counter()
+        with contextlib.suppress(EgressError, OSError):
+            self._drain()  # evidence still queued when told to stop is still evidence
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(EgressError, OSError):
+            self.listener.close()
+            self.nft.close()
+            self.journal.close()
+
+    def _drain(self) -> None:
+        for event in self.listener.read_events():
+            v = self.judge(event)
+            if v is not None:
+                self._act(v)
+
+    def _act(self, v: Violation) -> None:
+        """Act on one verdict; a failure is reported and the watch goes on."""
+        if self.cfg.current is not None and not self.cfg.current():
+            self.stopping = True  # superseded: the next observer judges by the new policy
+            return
+        try:
+            self.enforcer.handle(v)
+        except EgressError as exc:
+            print(f"egress observer: could not act on {v.cls.value}: {exc}", file=sys.stderr)
+
+    def judge(self, event: NflogEvent) -> Violation | None:
+        """The observer's own verdict on one copied packet."""
+        cls = drop_class(event.prefix)
+        if cls is not None:
+            self.drops_seen += 1
+            return drop_violation(self.policy, cls, event.flow, event.uid, event.timestamp, LAYER)
+        if event.prefix == c.DNS_LOG_PREFIX and event.packet is not None:
+            return self._judge_query(event)
+        return None
+
+    def _judge_query(self, event: NflogEvent) -> Violation | None:
+        assert event.packet is not None
+        try:
+            q = wire.parse_query(event.packet.payload)
+        except wire.WireError:
+            return None  # the resolver answers FORMERR; nothing leaves
+        qtype = type_name(q.qtype)
+        if not wire.is_hostname(q.qname):  # binary labels: no rule names them, tunnels do
+            shaped = self.matcher.decide(wire.hostname_shape(q.qname), q.qtype)
+            if shaped.name_allowed and shaped.rule is not None:
+                found = wire.BinaryName(q.qname, shaped.rule.describe())
+                return self._tunnel(event, q, found.describe())
+            cls, reason = ViolationClass.DENIED_NAME, "a name is letters, digits, '-' and '_'"
+        else:
+            decision = self.matcher.decide(q.qname, q.qtype)
+            if decision.allowed:
+                return self._score(event, q)
+            cls = (
+                ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
+            )
+            reason = decision.reason
+        detail = f"query {q.qname or '.'} {qtype}"
+        return Violation(
+            cls,
+            LAYER,
+            reason,
+            detail,
+            event.timestamp,
+            self.policy.action(cls),
+            event.flow,
+            event.uid,
+            q.qname or ".",
+            qtype,
+        )
+
+    def _score(self, event: NflogEvent, q: wire.Query) -> Violation | None:
+        """The observer's own tunnel scorer, on every allowed query it sees."""
+        if self.scorer is None:
+            return None
+        finding = self.scorer.observe_query(q.qname, q.qtype)
+        if finding is None:
+            return None
+        return self._tunnel(event, q, finding.describe())
+
+    def _tunnel(self, event: NflogEvent, q: wire.Query, why: str) -> Violation:
+        qtype = type_name(q.qtype)
+        cls = ViolationClass.TUNNEL
+        return Violation(
+            cls,
+            LAYER,
+            "spec.tunnel",
+            f"query {q.qname} {qtype}: {why}",
+            event.timestamp,
+            self.policy.action(cls),
+            None,
+            event.uid,
+            q.qname,
+            qtype,
+        )
+
+    def _dropped(self) -> int | None:
+        try:
+            return self.nft.counter("inet", c.TABLE, "dropped")[0]
+        except EgressError:
+            return None
+
+    def _check_counter(self) -> None:
+        """Drops the rate-limited log did not carry still show in the counter."""
+        packets = self._dropped()
+        if packets is None:
+            return
+        unlogged = packets - self.drops_seen
+        if unlogged > 0 and unlogged == self.unlogged_last:  # stable over a tick: not lag
+            v = Violation(
+                ViolationClass.BLOCKED_CONNECT,
+                LAYER,
+                "default deny",
+                f"{unlogged} dropped packets beyond the log's rate limit",
+                time.time(),
+                self.policy.action(ViolationClass.BLOCKED_CONNECT),
+            )
+            self.drops_seen = packets
+            self._act(v)
+        self.unlogged_last = unlogged
+
+    def _inline_lost(self) -> None:
+        if not netns_exists(self.cfg.netns):
+            return  # the sandbox ended with its inline layer: not a loss
+        cls = ViolationClass.LAYER_LOSS
+        v = Violation(
+            cls,
+            LAYER,
+            "spec.violations.layer_loss",
+            f"the inline layer (pid {self.cfg.watch_pid}) died; DNS is no longer answered",
+            time.time(),
+            self.policy.action(cls),
+        )
+        self._act(v)
+
+
+def _pidfd(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None  # already gone: the first poll can't report it, so say so at start

@@ -1,0 +1,133 @@
+"""`egressd observer`: the observer layer for every sandbox egressd serves.
+
+A separate process from egressd, so either layer can die and the other still freezes
+(DESIGN.md invariant 4). It follows egressd's run dir and keeps one forked child per
+sandbox, each running the same ``Observer`` poll loop `egressctl run` forks: its own NFLOG
+group, its own journal connection and Enforcer. A policy swap (the record's policy hash
+changes) restarts that sandbox's child with the new policy; a deleted sandbox's child is
+stopped; a child that dies is started again.
+
+Created and attached sandboxes alike: each child freezes the cgroup at the paths the
+record names (v2, and the v1 freezer twin if any), wherever the runtime that made it put
+it. A child logs "watching ID" once its NFLOG group is bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from egress.errors import EgressError
+from egress.observer.layer import Observer, ObserverConfig
+from egress.policy import parse_policy
+from egress.store import rundir
+
+SCAN_S = 0.25
+RESTART_BACKOFF_S = 1.0
+
+
+@dataclass
+class Child:
+    pid: int
+    sha: str
+    exited: float | None = None
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, state_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.state_dir = state_dir
+        self.children: dict[str, Child] = {}
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        print(f"egressd observer: following {self.run_dir}", file=sys.stderr, flush=True)
+        while not self.stopping:
+            self.scan()
+            time.sleep(SCAN_S)
+        for sid in list(self.children):
+            self._end(sid)
+        return 0
+
+    def _stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def scan(self) -> None:
+        self._reap()
+        wanted = {r.id: r for r in rundir.load_all(self.run_dir)}
+        for sid in [s for s in self.children if s not in wanted]:
+            self._end(sid)
+        for sid, record in wanted.items():
+            child = self.children.get(sid)
+            if child is not None and child.sha != record.policy_sha256:
+                self._end(sid)
+                child = None
+            if child is None:
+                self._start(record)
+
+    def _start(self, record: rundir.Record) -> None:
+        pid = os.fork()
+        if pid == 0:  # the child never returns from here
+            os._exit(_watch(record, self.state_dir, self.run_dir))
+        self.children[record.id] = Child(pid, record.policy_sha256)
+
+    def _end(self, sid: str) -> None:
+        child = self.children.pop(sid)
+        if child.exited is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if os.waitpid(child.pid, os.WNOHANG)[0]:
+                return
+            time.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+        os.waitpid(child.pid, 0)
+
+    def _reap(self) -> None:
+        """Note children that died; forget them after a backoff, so the scan restarts them."""
+        now = time.monotonic()
+        for sid, child in list(self.children.items()):
+            if child.exited is None and os.waitpid(child.pid, os.WNOHANG)[0]:
+                child.exited = now
+            if child.exited is not None and now - child.exited >= RESTART_BACKOFF_S:
+                del self.children[sid]
+
+
+def _watch(record: rundir.Record, state_dir: Path, run_dir: Path) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def current() -> bool:
+        now = rundir.load(run_dir, record.id)
+        return now is not None and now.policy_sha256 == record.policy_sha256
+
+    try:
+        policy, _ = parse_policy(record.policy, f"<sandbox {record.id}>")
+        cfg = ObserverConfig(
+            record.id, record.netns, policy, str(state_dir), None, record.cgroup,
+            record.freezer, current,
+        )  # fmt: skip
+        observer = Observer(cfg)
+        with contextlib.suppress(EgressError):  # `egressctl ps` shows both layers' pids
+            observer.journal.update_sandbox(record.id, observer_pid=os.getpid())
+        watching = f"{record.id} ({record.kind}, cgroup {record.cgroup})"
+        print(f"egressd observer: watching {watching}", file=sys.stderr, flush=True)
+        observer.start()
+    except EgressError as exc:
+        print(f"egressd observer: {record.id}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0

@@ -1,0 +1,316 @@
+"""`egressctl run`: one sandbox, served in-process, for the life of one command.
+
+    journal ─▶ create sandbox ─▶ observer process (its own NFLOG group) ─▶ resolver + inline
+    NFLOG ─▶ spawn CMD ─▶ wait ─▶ stop observer ─▶ teardown ─▶ report
+
+Teardown runs on every path out, Ctrl-C included, unless ``keep`` is set. The sandbox is
+created and destroyed outside the event loop: pyroute2's synchronous API runs its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from egress.datapath import constants as c
+from egress.datapath.addressing import Pools
+from egress.errors import EgressError, SandboxError
+from egress.freeze.enforcer import Enforcer
+from egress.inline.server import ResolverServer, make_core
+from egress.inline.session import Session, wait_for_exit
+from egress.inline.upstream import parse_upstream, resolve_upstreams
+from egress.model import Policy
+from egress.observer.process import ObserverProcess
+from egress.sandbox import lifecycle as sbx
+from egress.sandbox import workload
+from egress.store import claims
+from egress.store.journal import Journal, default_state_dir
+
+
+@dataclass
+class RunOptions:
+    argv: Sequence[str]
+    policy_path: str = ""
+    uplink_netns: str | None = None
+    pools: Pools = field(default_factory=lambda: Pools.parse(None))
+    user: str | None = None
+    report: str | None = None
+    keep: bool = False
+    upstream: str | None = None  # --upstream IP[:PORT], instead of the policy's upstreams
+    state_dir: str | None = None
+    decision_timeout: float | None = None
+
+
+@dataclass
+class RunResult:
+    sandbox: str
+    exit_code: int = 1
+    counters: dict[str, int] = field(default_factory=dict)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    kept: bool = False
+    session: Session | None = None
+    journaled: list[dict[str, Any]] = field(default_factory=list)
+    outcome: str | None = None
+    frozen: bool = False
+    freeze_latency_ms: float | None = None
+
+    def to_json(self, policy: Policy, opts: RunOptions, user: str) -> dict[str, object]:
+        return {
+            "sandbox": self.sandbox,
+            "policy": policy.name,
+            "mode": policy.mode.value,
+            "command": list(opts.argv),
+            "user": user,
+            "exit_code": self.exit_code,
+            "frozen": self.frozen,
+            "outcome": self.outcome,
+            "freeze_latency_ms": self.freeze_latency_ms,
+            "kept": self.kept,
+            "violations": self._violations(),
+            "counters": self.counters,
+            "timings_ms": self.timings_ms,
+        }
+
+    def _violations(self) -> list[dict[str, Any]]:
+        """The journal's records (both layers, deduplicated), else what inline saw."""
+        if self.journaled:
+            return self.journaled
+        seen = self.session.state.violations if self.session else []
+        return [v.to_json() for v in seen]
+
+
+def run(policy: Policy, opts: RunOptions) -> int:
+    """Run the command in a new sandbox; returns its exit status."""
+    if os.geteuid() != 0:
+        raise SandboxError("egressctl run needs root (it creates a network namespace); use sudo")
+    user = workload.resolve_user(opts.user)
+    state = Path(opts.state_dir) if opts.state_dir else default_state_dir()
+    _stop_on_signals()
+    observer = ObserverProcess.fork(policy, state)  # before any SQLite connection exists
+    try:
+        journal = Journal.open(state)
+    except BaseException:
+        observer.stop(timeout=0)
+        raise
+    try:
+        return _run(policy, opts, user, journal, observer)
+    finally:
+        observer.stop()
+        journal.close()
+
+
+def _run(
+    policy: Policy,
+    opts: RunOptions,
+    user: workload.User,
+    journal: Journal,
+    observer: ObserverProcess,
+) -> int:
+    sb = sbx.create(policy, opts.pools, opts.uplink_netns)
+    result = RunResult(sb.id, kept=opts.keep)
+    result.timings_ms["create"] = round(sb.created_s * 1000, 2)
+    try:
+        journal.record_sandbox(
+            sb.id,
+            policy.name,
+            netns=sb.netns,
+            cgroup=sb.cgroup.v2_path,
+            inline_pid=os.getpid(),
+            owner_pid=os.getpid(),
+        )
+        observer.begin(sb.id, sb.netns)
+        journal.set_sandbox_state(sb.id, "running", observer_pid=observer.pid)
+        asyncio.run(_serve(sb, opts, user, journal, observer, result))
+    finally:
+        _shield_teardown()
+        # Each step on its own: one failing must not skip the teardown or the report.
+        with contextlib.suppress(Exception):
+            observer.stop()
+        with contextlib.suppress(Exception):
+            _collect(sb, journal, result)
+        try:
+            _finish(sb, opts, result)
+        finally:
+            if not opts.keep:
+                with contextlib.suppress(EgressError):
+                    journal.set_sandbox_state(sb.id, "exited")
+            if opts.report:
+                _write_report(opts.report, result.to_json(policy, opts, user.name))
+    return result.exit_code
+
+
+# -- signals outside the event loop -----------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(SandboxError):
+    """SIGTERM or SIGHUP before the command started: tear down and go."""
+
+
+def _stop_on_signals() -> None:
+    """Until the event loop forwards signals to the command, a SIGTERM or SIGHUP must
+    still tear down what was made, not kill egressctl where it stands."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise Stopped(f"stopped by {signal.Signals(signum).name}; the sandbox was removed")
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def _shield_teardown() -> None:
+    """Teardown runs to the end: the signals that could cut it short are ignored now."""
+    for sig in (*STOP_SIGNALS, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+# -- serving -----------------------------------------------------------------------------
+
+
+def _resolver(sb: sbx.Sandbox, opts: RunOptions, session: Session) -> ResolverServer:
+    upstreams = resolve_upstreams(sb.policy.dns.upstreams)
+    if opts.upstream:
+        upstreams = [parse_upstream(opts.upstream)]
+    return ResolverServer(
+        make_core(sb.policy, len(upstreams)),
+        upstreams,
+        sb.nft,
+        session.on_violation,
+        sb.netns,
+        opts.uplink_netns,
+    )
+
+
+def _review_hint(opts: RunOptions) -> str:
+    return f" --state-dir {opts.state_dir}" if opts.state_dir else ""
+
+
+async def _serve(
+    sb: sbx.Sandbox,
+    opts: RunOptions,
+    user: workload.User,
+    journal: Journal,
+    observer: ObserverProcess,
+    result: RunResult,
+) -> None:
+    loop = asyncio.get_running_loop()
+    enforcer = Enforcer(sb.id, sb.policy, "inline", journal, sb.cgroup)
+    session = Session(sb, enforcer, opts.decision_timeout, _review_hint(opts))
+    result.session = session
+    loop.add_reader(session.listener.fileno(), session.on_nflog)
+    observer_fd = os.pidfd_open(observer.pid)
+
+    def observer_gone() -> None:
+        loop.remove_reader(observer_fd)
+        session.observer_died()
+
+    loop.add_reader(observer_fd, observer_gone)
+    resolver = _resolver(sb, opts, session)
+    await resolver.start()
+    watcher = loop.create_task(session.watch_frozen())
+    try:
+        procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
+        proc = workload.spawn(sb.netns, user, opts.argv, procs)
+        result.exit_code = await wait_for_exit(proc.pid, session)
+        proc.returncode = result.exit_code  # reaped already; keep Popen from reaping again
+    finally:
+        session.stopping = True
+        watcher.cancel()
+        await resolver.close()
+        loop.remove_reader(session.listener.fileno())
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(observer_fd)
+        os.close(observer_fd)
+        session.close()
+        _resolver_counters(resolver, result)
+
+
+# -- the end -----------------------------------------------------------------------------
+
+
+def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
+    with contextlib.suppress(EgressError):
+        packets, nbytes = sb.nft.counter("inet", c.TABLE, "dropped")
+        dns_packets, _ = sb.nft.counter("inet", c.TABLE, "dns_queries")
+        result.counters.update(
+            dropped_packets=packets, dropped_bytes=nbytes, dns_packets=dns_packets
+        )
+    with contextlib.suppress(EgressError):
+        rows = journal.violations(sb.id, limit=10_000)
+        result.journaled = [_violation_json(r) for r in reversed(rows)]
+        freezes = journal.freezes(sb.id, limit=10_000)
+        result.frozen = bool(freezes)
+        if freezes:
+            first = freezes[-1]  # newest first: the last row is the first freeze
+            result.freeze_latency_ms = first.get("latency_ms")
+            decisions = journal.decisions(sb.id, limit=1)
+            if decisions:
+                result.outcome = {"resume": "resumed", "kill": "killed"}[decisions[0]["action"]]
+    if result.session:
+        result.counters["violations"] = result.session.state.seen
+        result.counters["violations_not_journaled"] = result.session.state.unjournaled
+        result.counters["nflog_overruns"] = result.session.state.overruns
+
+
+def _violation_json(row: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "class": row["class"],
+        "layer": row["layer"],
+        "rule": row["rule"],
+        "detail": row["detail"],
+        "at": row["at"],
+        "action": row["action"],
+    }
+    evidence = row.get("evidence") or {}
+    for key in ("flow", "uid", "qname", "qtype"):
+        if evidence.get(key) is not None:
+            out[key] = evidence[key]
+    if row.get("process"):
+        out["process"] = row["process"]
+    out["detected_by"] = row.get("detected_by") or []
+    out["id"] = row["id"]
+    return out
+
+
+def _resolver_counters(resolver: ResolverServer, result: RunResult) -> None:
+    stats = resolver.core.stats
+    result.counters.update({f"dns_{k}": v for k, v in stats.items()})
+    result.counters["set_updates"] = resolver.sets.updates
+    result.counters["set_update_failures"] = resolver.sets.failures + resolver.sets.slow
+    result.counters["resolver_internal_errors"] = resolver.internal_errors
+    result.counters["dns_rate_limited"] = resolver.rate_limited  # spec.dns.rate_limit
+
+
+def _finish(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> None:
+    if opts.keep:
+        claims.mark_kept(sb.id)  # `egressctl gc` leaves it alone unless it is named
+        print(f"egressctl: kept sandbox {sb.id} (netns {sb.netns}); "
+              f"`egressctl gc {sb.id}` removes it", file=sys.stderr)  # fmt: skip
+        return
+    start = time.monotonic()
+    sb.destroy()
+    result.timings_ms["teardown"] = round((time.monotonic() - start) * 1000, 2)
+
+
+def _write_report(path: str, data: dict[str, object]) -> None:
+    """Written by root into a directory the workload's user may own: a fresh temp file
+    (O_EXCL, so no planted symlink is followed), then an atomic rename."""
+    target = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise EgressError(f"--report {path}: {exc.strerror}") from None

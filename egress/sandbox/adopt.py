@@ -1,0 +1,46 @@
+"""Adopt a sandbox an earlier egressd created, from its run-dir record and address claim."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+from egress.datapath.addressing import SandboxNet
+from egress.errors import SandboxError
+from egress.kernel.cgroup import Cgroup
+from egress.kernel.nft import NftHandle
+from egress.model import Policy
+from egress.sandbox.lifecycle import Sandbox, teardown_claim
+from egress.store import claims
+from egress.store.rundir import Record
+
+
+def adopt_created(record: Record, policy: Policy) -> Sandbox:
+    """A sandbox an earlier egressd created, from its address claim; nothing is reloaded.
+
+    Its claim now names this process as owner, so `egressctl gc` leaves it alone.
+    """
+    found = [c for c in claims.load_all() if c.id == record.id]
+    if not found:
+        raise SandboxError(f"sandbox {record.id}: no address claim left; cannot adopt")
+    claim = found[0]
+    cgroup = Cgroup.open(record.id)
+    nft = NftHandle.open(claim.netns)
+    net = SandboxNet(
+        claim.index, ipaddress.IPv4Network(claim.net4), ipaddress.IPv6Network(claim.net6)
+    )
+    sb = Sandbox(
+        record.id, policy, net, claim.netns, claim.host_if, claim.uplink_netns,
+        cgroup, nft,
+    )  # fmt: skip
+
+    def teardown() -> None:
+        problems = teardown_claim(claim)
+        if problems:
+            raise SandboxError("; ".join(problems))
+
+    sb.add_undo("sandbox", teardown)
+    sb.add_undo("nft handle", nft.close)
+    claim.owner_pid = os.getpid()
+    claims.save(claim)
+    return sb

@@ -1,0 +1,125 @@
+"""Attach egress to a network namespace and cgroup that another runtime made.
+
+bubblewrap, podman, containerd and systemd-nspawn create their own namespaces. egress
+adds exactly two things to such a netns: its ruleset as table ``inet egress`` (the same
+template as a sandbox it made) and, if it was down, the loopback link the resolver
+listens on. Detaching removes exactly those two things again, so the netns is left as it
+was; the cgroup is only ever frozen, thawed or killed, never made or removed.
+
+    netns (name or path) ─▶ check: no table inet egress yet ─▶ lo up ─▶ nft load
+    detach ─▶ delete table inet egress ─▶ lo down again if it was down
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import time
+
+from egress.datapath import constants as c
+from egress.datapath.addressing import SandboxNet
+from egress.datapath.render import render_sandbox
+from egress.errors import EgressError, SandboxError
+from egress.kernel import netns
+from egress.kernel.cgroup import Cgroup
+from egress.kernel.nft import NftHandle
+from egress.model import Policy
+from egress.sandbox.lifecycle import Sandbox
+from egress.store.paths import read_template
+
+# An attached sandbox has no address block of egress's: its network is the runtime's.
+NO_NET = SandboxNet(-1, ipaddress.IPv4Network("0.0.0.0/32"), ipaddress.IPv6Network("::/128"))
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+
+
+class AlreadyAttached(SandboxError):
+    """The netns already holds an ``inet egress`` table (another egress serves it)."""
+
+
+def attach(
+    sandbox_id: str,
+    policy: Policy,
+    netns_ref: str,
+    cgroup_v2: str,
+    freezer: str | None = None,
+) -> tuple[Sandbox, bool]:
+    """Enforce ``policy`` in a foreign netns: (the sandbox, whether egress raised lo).
+
+    On failure nothing of egress's is left there. ``Sandbox.destroy`` detaches.
+    """
+    start = time.monotonic()
+    if not os.path.exists(netns.netns_path(netns_ref)):
+        raise SandboxError(
+            f"netns {netns_ref!r} does not exist (a name under /run/netns or a path)"
+        )
+    cgroup = Cgroup.attach_existing(cgroup_v2, freezer)
+    nft = NftHandle.open(netns_ref)
+    sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
+    sb.add_undo("nft handle", nft.close)
+    try:
+        if nft.table_exists("inet", c.TABLE):
+            raise AlreadyAttached(f"netns {netns_ref} already has table inet {c.TABLE}")
+        lo_raised = not _lo_is_up(netns_ref)
+        if lo_raised:
+            netns.loopback_up(netns_ref)
+            sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(netns_ref))
+        nft.load(render_sandbox(read_template("sandbox.nft"), policy))
+        sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
+    except BaseException:
+        with contextlib.suppress(EgressError):
+            sb.destroy()
+        raise
+    sb.created_s = time.monotonic() - start
+    return sb, lo_raised
+
+
+def adopt(
+    sandbox_id: str,
+    policy: Policy,
+    netns_ref: str,
+    cgroup_v2: str,
+    freezer: str | None,
+    lo_raised: bool,
+) -> Sandbox:
+    """An attachment a previous process made, with its rules (and learned sets) as they
+    are; ``Sandbox.destroy`` detaches it the same way."""
+    if not os.path.exists(netns.netns_path(netns_ref)):
+        raise SandboxError(f"netns {netns_ref!r} is gone")
+    cgroup = Cgroup.attach_existing(cgroup_v2, freezer)
+    nft = NftHandle.open(netns_ref)
+    sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
+    sb.add_undo("nft handle", nft.close)
+    if not nft.table_exists("inet", c.TABLE):
+        nft.close()
+        raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
+    if lo_raised:
+        sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(netns_ref))
+    sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
+    return sb
+
+
+def _ifreq(netns_ref: str, request: int, flags: int = 0) -> int:
+    with netns.in_netns(netns_ref):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        raw = fcntl.ioctl(sock.fileno(), request, struct.pack("16sH14x", b"lo", flags))
+    except OSError as exc:
+        raise SandboxError(f"lo of netns {netns_ref}: {exc.strerror}") from None
+    finally:
+        sock.close()
+    return int(struct.unpack_from("16sH", raw)[1])
+
+
+def _lo_is_up(netns_ref: str) -> bool:
+    return bool(_ifreq(netns_ref, _SIOCGIFFLAGS) & _IFF_UP)
+
+
+def _lo_down(netns_ref: str) -> None:
+    flags = _ifreq(netns_ref, _SIOCGIFFLAGS)
+    _ifreq(netns_ref, _SIOCSIFFLAGS, flags & ~_IFF_UP)

@@ -1,0 +1,190 @@
+"""Create and destroy one sandbox: netns, veth, addresses, routes, nft rulesets, cgroup.
+
+Creation records an undo step for everything it makes, so a failure half-way removes
+exactly what was made; ``destroy`` runs the same steps for a finished sandbox. The host end
+of the veth lives in the uplink namespace (the host, or ``--uplink-netns``), where the
+sandbox's own nft table forwards and masquerades its traffic out of the default route.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from egress.datapath import constants as c
+from egress.datapath.addressing import Pools, SandboxNet
+from egress.datapath.render import render_sandbox
+from egress.errors import EgressError, SandboxError
+from egress.kernel import netns
+from egress.kernel.cgroup import Cgroup
+from egress.kernel.nft import NftHandle
+from egress.model import Policy
+from egress.sandbox import uplink as uplink_mod
+from egress.store import claims
+from egress.store.paths import read_template
+
+ETC_NETNS = Path("/etc/netns")
+
+
+def new_id() -> str:
+    return secrets.token_hex(3)
+
+
+@dataclass
+class Sandbox:
+    id: str
+    policy: Policy
+    net: SandboxNet
+    netns: str
+    host_if: str
+    uplink_netns: str | None
+    cgroup: Cgroup
+    nft: NftHandle
+    created_s: float = 0.0  # create-to-ready time
+    _undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
+
+    def add_undo(self, what: str, step: Callable[[], None]) -> None:
+        """Something made for this sandbox after creation, removed with it."""
+        self._undo.append((what, step))
+
+    @property
+    def resolv_conf(self) -> Path:
+        return ETC_NETNS / self.netns / "resolv.conf"
+
+    def destroy(self) -> None:
+        """Remove everything this sandbox made, newest first; report what resisted."""
+        failures = _unwind(self._undo)
+        if failures:
+            raise SandboxError(f"sandbox {self.id}: teardown left: " + "; ".join(failures))
+
+
+def _unwind(undo: list[tuple[str, Callable[[], None]]]) -> list[str]:
+    failures = []
+    while undo:
+        what, step = undo.pop()
+        try:
+            step()
+        except (EgressError, OSError) as exc:
+            failures.append(f"{what}: {exc}")
+    return failures
+
+
+def create(policy: Policy, pools: Pools, uplink_netns: str | None) -> Sandbox:
+    """Make a ready sandbox for ``policy``; on any failure nothing is left behind."""
+    if uplink_netns is not None and not netns.netns_exists(uplink_netns):
+        raise SandboxError(
+            f"uplink netns {uplink_netns!r} does not exist (see `ip netns list`; "
+            "`egressctl lab up` makes one for testing)"
+        )
+    start = time.monotonic()
+    sandbox_id = new_id()
+    undo: list[tuple[str, Callable[[], None]]] = []
+    try:
+        claim = claims.claim(sandbox_id, pools, uplink_netns)
+        # Last out: the claim goes with the uplink table check, under one lock, so of
+        # sandboxes ending together exactly the last one removes the shared table.
+        undo.append(("address claim", lambda: uplink_mod.detach(uplink_netns, sandbox_id)))
+        sb = _build(policy, pools.network(claim.index), claim, undo)
+    except BaseException:
+        _unwind(undo)
+        raise
+    sb.created_s = time.monotonic() - start
+    claim.cgroup = sb.cgroup.v2_path or ""
+    claims.save(claim)
+    return sb
+
+
+def _build(
+    policy: Policy,
+    net: SandboxNet,
+    claim: claims.Claim,
+    undo: list[tuple[str, Callable[[], None]]],
+) -> Sandbox:
+    name, host_if, uplink = claim.netns, claim.host_if, claim.uplink_netns
+    netns.create_netns(name)
+    undo.append((f"netns {name}", lambda: netns.remove_netns(name)))
+    netns.create_veth_pair(host_if, c.SANDBOX_IF, name, uplink)
+    undo.append((f"veth {host_if}", lambda: netns.delete_link(host_if, uplink)))
+    _addresses(net, name, host_if, uplink)
+    nft = NftHandle.open(name)
+    undo.append(("nft handle", nft.close))
+    nft.load(render_sandbox(read_template("sandbox.nft"), policy))
+    uplink_mod.attach(uplink)
+    cgroup = Cgroup.create(claim.id)
+    undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
+    _write_resolv_conf(name, undo)
+    return Sandbox(claim.id, policy, net, name, host_if, uplink, cgroup, nft, 0.0, undo)
+
+
+def _addresses(net: SandboxNet, name: str, host_if: str, uplink: str | None) -> None:
+    netns.loopback_up(name)
+    # Let unprivileged ICMP echo sockets exist, so a ping is sent, blocked and reported
+    # rather than failing before it reaches the rules.
+    netns.set_sysctl(name, "net.ipv4.ping_group_range", "0 2147483647")
+    netns.add_address(host_if, f"{net.gateway4}/{net.net4.prefixlen}", uplink)
+    netns.add_address(host_if, f"{net.gateway6}/{net.net6.prefixlen}", uplink)
+    netns.set_up(host_if, uplink)
+    netns.add_address(c.SANDBOX_IF, f"{net.address4}/{net.net4.prefixlen}", name)
+    netns.add_address(c.SANDBOX_IF, f"{net.address6}/{net.net6.prefixlen}", name)
+    netns.set_up(c.SANDBOX_IF, name)
+    netns.add_default_route(str(net.gateway4), name, c.SANDBOX_IF)
+    netns.add_default_route(str(net.gateway6), name, c.SANDBOX_IF)
+
+
+def _remove_cgroup(cgroup: Cgroup) -> None:
+    if cgroup.pids():
+        cgroup.kill()
+    cgroup.remove()
+
+
+def _write_resolv_conf(name: str, undo: list[tuple[str, Callable[[], None]]]) -> None:
+    # `ip netns exec` bind-mounts /etc/netns/NAME/* over /etc/* in the workload's private
+    # mount namespace: that is how the workload finds its resolver.
+    directory = ETC_NETNS / name
+    directory.mkdir(parents=True, exist_ok=True)
+    undo.append((f"{directory}", lambda: shutil.rmtree(directory, ignore_errors=True)))
+    (directory / "resolv.conf").write_text(f"nameserver {c.RESOLVER4}\noptions edns0\n")
+    # Names are looked up in /etc/hosts and DNS only: no nsswitch module that asks a
+    # host service (resolve, mdns, nis) behind the resolver's back.
+    (directory / "nsswitch.conf").write_text(nsswitch_for_sandbox())
+
+
+def nsswitch_for_sandbox(host_file: str = "/etc/nsswitch.conf") -> str:
+    """The host's nsswitch.conf with its ``hosts:`` line replaced by ``files dns``."""
+    try:
+        lines = Path(host_file).read_text().splitlines()
+    except OSError:
+        lines = ["passwd: files", "group: files", "shadow: files"]
+    kept = [line for line in lines if not line.strip().startswith("hosts:")]
+    return "\n".join([*kept, "hosts: files dns"]) + "\n"
+
+
+def teardown_claim(claim: claims.Claim) -> list[str]:
+    """Remove a sandbox known only by its claim (its egress process died, or --keep).
+
+    The same steps as ``destroy``, each one tolerant of what is already gone; returns what
+    could not be removed.
+    """
+    undo: list[tuple[str, Callable[[], None]]] = [
+        ("address claim", lambda: uplink_mod.detach(claim.uplink_netns, claim.id)),
+        (f"netns {claim.netns}", lambda: netns.remove_netns(claim.netns)),
+        (f"veth {claim.host_if}", lambda: netns.delete_link(claim.host_if, claim.uplink_netns)),
+        (f"cgroup {claim.id}", lambda: _remove_cgroup_by_name(claim.id)),
+        (
+            f"{ETC_NETNS / claim.netns}",
+            lambda: shutil.rmtree(ETC_NETNS / claim.netns, ignore_errors=True),
+        ),
+    ]
+    return _unwind(undo)
+
+
+def _remove_cgroup_by_name(name: str) -> None:
+    try:
+        cgroup = Cgroup.open(name)
+    except SandboxError:
+        return  # never made, or already gone
+    _remove_cgroup(cgroup)

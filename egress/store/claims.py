@@ -1,0 +1,125 @@
+"""Claims on the subnet pool: which sandbox holds which address block.
+
+One JSON file per sandbox under <run dir>/sandboxes/, written under an flock so that
+concurrent ``egressctl run``s never pick the same block. A claim whose owner process is
+gone and whose netns no longer exists is stale and is reclaimed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from egress.datapath.addressing import Pools, first_free
+from egress.errors import SandboxError
+from egress.store.paths import run_dir
+
+
+@dataclass
+class Claim:
+    id: str
+    index: int
+    netns: str
+    host_if: str
+    uplink_netns: str | None
+    owner_pid: int
+    net4: str = ""
+    net6: str = ""
+    cgroup: str = ""
+    keep: bool = False
+
+
+def sandboxes_dir() -> Path:
+    return run_dir() / "sandboxes"
+
+
+@contextlib.contextmanager
+def locked() -> Iterator[None]:
+    directory = sandboxes_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise SandboxError(f"{directory}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def alive(pid: int) -> bool:
+    """Is there a process with this pid (ours to signal or not)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_all() -> list[Claim]:
+    claims = []
+    for path in sorted(sandboxes_dir().glob("*.json")):
+        try:
+            claims.append(Claim(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a half-written or foreign file holds no claim
+    return claims
+
+
+def is_stale(claim: Claim) -> bool:
+    return not alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
+
+
+def claim(sandbox_id: str, pools: Pools, uplink_netns: str | None) -> Claim:
+    """Atomically take the lowest address block of ``pools`` that overlaps no live
+    sandbox's (sandboxes started with other --subnet-pool values included)."""
+    with locked():
+        used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for existing in load_all():
+            if is_stale(existing):
+                release(existing.id)
+            elif existing.net4 and existing.net6:
+                used += [ipaddress.ip_network(existing.net4), ipaddress.ip_network(existing.net6)]
+        net = first_free(pools, used)
+        new = Claim(
+            id=sandbox_id,
+            index=net.index,
+            net4=str(net.net4),
+            net6=str(net.net6),
+            netns=f"egress-{sandbox_id}",
+            host_if=f"eg-{sandbox_id}",
+            uplink_netns=uplink_netns,
+            owner_pid=os.getpid(),
+        )
+        save(new)
+        return new
+
+
+def save(c: Claim) -> None:
+    path = sandboxes_dir() / f"{c.id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(c), indent=2))
+    os.replace(tmp, path)
+
+
+def release(sandbox_id: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (sandboxes_dir() / f"{sandbox_id}.json").unlink()
+
+
+def mark_kept(sandbox_id: str) -> None:
+    """Record that the sandbox was kept on purpose (`egressctl run --keep`)."""
+    with locked():
+        for c in load_all():
+            if c.id == sandbox_id:
+                c.keep = True
+                save(c)

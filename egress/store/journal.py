@@ -1,0 +1,461 @@
+"""The violation journal: what each sandbox tried, who froze it, who let it go.
+
+Journal before act (DESIGN.md invariant 5). A layer that decides to freeze calls
+``record_violation`` and only freezes after it returns; by then the row is committed and
+fsync'd. If the freeze then kills the box, the person who resumes it still reads why.
+The order is: violation committed -> freeze requested (journaled) -> cgroup frozen ->
+``confirm_freeze`` (the confirmation is journaled after the fact, with its latency).
+
+Storage is one SQLite file, ``<state dir>/journal.db``, in WAL mode with
+``synchronous=FULL``. What survives what:
+
+- The writer being killed (``kill -9``, OOM, a crash mid-commit): every transaction that
+  returned survives, a half-written one vanishes whole. WAL recovery runs on next open.
+- The machine losing power or the kernel panicking: still every returned transaction,
+  because FULL fsyncs the WAL at each commit (NORMAL, the usual WAL setting, may lose the
+  last few). That is one fdatasync per violation (0.2 ms on the dev VM, a few ms on a
+  real disk); violations are rare, evidence is not optional.
+- Not covered: a disk that acknowledges flushes it has not done, and copying
+  ``journal.db`` without its ``-wal`` file (use ``sqlite3 journal.db .backup``).
+
+Several processes write at once (inline layer, observer layer, ``egressctl``). Every
+write takes the write lock up front (``BEGIN IMMEDIATE``) and waits up to the busy timeout
+for it, so a reader never has to upgrade to a writer (SQLite cannot wait for that: it
+fails "database is locked" at once). Within a process, one lock serialises the one
+connection, so threads may share a Journal. Calls block (one fsync, or a wait for the
+lock): asyncio code calls them through ``asyncio.to_thread``.
+
+sqlite3 and OS errors become JournalError here, once, with the file's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+
+from egress.errors import JournalError
+from egress.model import Violation, ViolationClass
+from egress.store import journal_schema as schema
+
+DEFAULT_STATE_DIR = "/var/lib/egress"
+JOURNAL_FILE = "journal.db"
+BUSY_TIMEOUT_S = 10.0
+
+Row = schema.Row
+
+
+def default_state_dir() -> Path:
+    """$EGRESS_STATE_DIR, else /var/lib/egress."""
+    return Path(os.environ.get("EGRESS_STATE_DIR") or DEFAULT_STATE_DIR)
+
+
+def state_dir(option: str | Path | None = None) -> Path:
+    """``--state-dir`` if given, else $EGRESS_STATE_DIR, else /var/lib/egress."""
+    return Path(option) if option else default_state_dir()
+
+
+class Journal:
+    """One connection to the journal. Open with ``Journal.open(state_dir)``."""
+
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, busy_timeout_s: float = BUSY_TIMEOUT_S
+    ) -> None:
+        self._conn: sqlite3.Connection | None = conn
+        self._path = path
+        self._busy_timeout_s = busy_timeout_s
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, state_dir: str | Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> Journal:
+        """Open (creating dir 0700 and file 0600 if needed) and migrate the journal."""
+        directory = Path(state_dir)
+        path = directory / JOURNAL_FILE
+        try:
+            schema.make_private(directory, path)
+        except OSError as exc:
+            raise JournalError(f"{path}: cannot create: {exc.strerror}") from exc
+        try:
+            conn = sqlite3.connect(
+                path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise JournalError(f"{path}: cannot open: {exc}") from exc
+        journal = cls(conn, path, busy_timeout_s)
+        try:
+            with journal._errors("open"):
+                schema.configure(conn, path)
+                schema.migrate(conn)
+            schema.fsync_dir(directory)
+        except BaseException:
+            journal.close()
+            raise
+        return journal
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- sandboxes ---------------------------------------------------------------------
+
+    def record_sandbox(
+        self,
+        sandbox_id: str,
+        policy: str,
+        *,
+        netns: str | None = None,
+        cgroup: str | None = None,
+        created_at: float | None = None,
+        state: str = "running",
+        inline_pid: int | None = None,
+        observer_pid: int | None = None,
+        owner_pid: int | None = None,
+        freezer: str | None = None,
+    ) -> None:
+        self._check_state(state)
+        at = time.time() if created_at is None else created_at
+        row = (sandbox_id, policy, netns, cgroup, freezer, at, state,
+               inline_pid, observer_pid, owner_pid)  # fmt: skip
+        with self._write(f"record sandbox {sandbox_id!r}") as conn:
+            if schema.exists(conn, "sandboxes", sandbox_id):
+                raise JournalError(f"{self._path}: sandbox {sandbox_id!r} is already journaled")
+            conn.execute(
+                "INSERT INTO sandboxes (id, policy, netns, cgroup, freezer, created_at, state, "
+                "inline_pid, observer_pid, owner_pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
+
+    def set_sandbox_state(self, sandbox_id: str, state: str, **fields: object) -> None:
+        """Set ``state`` and any of SANDBOX_FIELDS; ``exited`` stamps ``ended_at`` if unset."""
+        self._check_state(state)
+        unknown = sorted(set(fields) - set(schema.SANDBOX_FIELDS))
+        if unknown:
+            raise JournalError(f"{self._path}: not a sandbox field: {', '.join(unknown)}")
+        if state == "exited":
+            fields.setdefault("ended_at", time.time())
+        sets = "".join(f", {name} = ?" for name in fields)
+        with self._write(f"set state of sandbox {sandbox_id!r}") as conn:
+            self._require(conn, "sandboxes", sandbox_id, "sandbox")
+            conn.execute(
+                f"UPDATE sandboxes SET state = ?{sets} WHERE id = ?",
+                (state, *fields.values(), sandbox_id),
+            )
+
+    def update_sandbox(self, sandbox_id: str, **fields: object) -> None:
+        """Set any of SANDBOX_FIELDS, leaving the state as it is."""
+        unknown = sorted(set(fields) - set(schema.SANDBOX_FIELDS))
+        if unknown or not fields:
+            raise JournalError(f"{self._path}: not sandbox fields: {', '.join(unknown)}")
+        sets = ", ".join(f"{name} = ?" for name in fields)
+        with self._write(f"update sandbox {sandbox_id!r}") as conn:
+            self._require(conn, "sandboxes", sandbox_id, "sandbox")
+            conn.execute(
+                f"UPDATE sandboxes SET {sets} WHERE id = ?", (*fields.values(), sandbox_id)
+            )
+
+    def sandboxes(self) -> list[Row]:
+        return self._select("SELECT * FROM sandboxes ORDER BY created_at DESC, id", ())
+
+    def sandbox(self, sandbox_id: str) -> Row | None:
+        rows = self._select("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return rows[0] if rows else None
+
+    # -- violations --------------------------------------------------------------------
+
+    def record_violation(self, sandbox_id: str, violation: Violation) -> int:
+        """Journal one violation; it is durable (committed, fsync'd) when this returns.
+
+        If it raises JournalError nothing was recorded. Whether to freeze anyway is the
+        caller's decision (failing closed says yes, and log it).
+        """
+        with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
+            return self._insert_violation(conn, sandbox_id, violation)
+
+    def record_or_detect(
+        self, sandbox_id: str, violation: Violation, within_s: float
+    ) -> tuple[int, bool]:
+        """``find_recent_violation`` then record or detect, as one transaction.
+
+        Two layers seeing the same packet race; done in two calls, both may insert.
+        Returns (violation id, whether this call created the row).
+        """
+        with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
+            return self._record_or_detect(conn, sandbox_id, violation, within_s)
+
+    def _record_or_detect(
+        self, conn: sqlite3.Connection, sandbox_id: str, violation: Violation, within_s: float
+    ) -> tuple[int, bool]:
+        key = schema.violation_key(violation)
+        args = (sandbox_id, violation.cls.value, key,
+                violation.at - within_s, violation.at + within_s)  # fmt: skip
+        row = conn.execute(schema.FIND_SQL + " AND at <= ?" + schema.NEWEST, args).fetchone()
+        if row is None:
+            return self._insert_violation(conn, sandbox_id, violation), True
+        self._add_detection(conn, int(row[0]), violation.layer, violation.at)
+        return int(row[0]), False
+
+    def record_for_freeze(
+        self, sandbox_id: str, violation: Violation, within_s: float, at: float
+    ) -> tuple[int, bool, int | None]:
+        """``record_or_detect`` and ``record_freeze_request`` as ONE durable commit: the
+        freeze path pays one fsync before the freeze instead of two.
+
+        Returns (violation id, whether this layer saw it first, freeze id). The freeze id
+        is None when the violation already caused a freeze a person has decided on: the
+        caller must not freeze again for it.
+        """
+        with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
+            vid, first = self._record_or_detect(conn, sandbox_id, violation, within_s)
+            if not first and self._decided(conn, vid):
+                return vid, first, None
+            return vid, first, self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
+
+    def record_detection(self, violation_id: int, layer: str, at: float) -> None:
+        """Note that ``layer`` also saw violation ``violation_id`` at ``at`` (first sighting)."""
+        with self._write(f"record detection of violation {violation_id}") as conn:
+            self._add_detection(conn, violation_id, layer, at)
+
+    def attach_process(self, violation_id: int, info: Mapping[str, object]) -> None:
+        """Attach process attribution (pid, cmdline, cwd, parents); earlier keys win."""
+        with self._write(f"attach process to violation {violation_id}") as conn:
+            self._require(conn, "violations", violation_id, "violation")
+            old = conn.execute("SELECT process FROM violations WHERE id = ?", (violation_id,))
+            known = schema.as_dict(old.fetchone())["process"] or {}
+            merged = {**info, **known}
+            conn.execute(
+                "UPDATE violations SET process = ? WHERE id = ?",
+                (schema.dumps(merged), violation_id),
+            )
+
+    def find_recent_violation(
+        self,
+        sandbox_id: str,
+        cls: ViolationClass | str,
+        key: str,
+        within_s: float,
+        *,
+        now: float | None = None,
+    ) -> int | None:
+        """The newest violation with this class and key seen within ``within_s`` of now.
+
+        ``key`` is ``violation_key(v)``: the flow's 5-tuple string or ``qname/qtype``.
+        """
+        value = cls.value if isinstance(cls, ViolationClass) else cls
+        since = (time.time() if now is None else now) - within_s
+        rows = self._select(schema.FIND_SQL + schema.NEWEST, (sandbox_id, value, key, since))
+        return int(rows[0]["id"]) if rows else None
+
+    def violation(self, violation_id: int) -> Row | None:
+        rows = self._select("SELECT * FROM violations WHERE id = ?", (violation_id,))
+        return rows[0] if rows else None
+
+    def violations(self, sandbox_id: str | None = None, limit: int = 100) -> list[Row]:
+        return self._newest("violations", "at", sandbox_id, limit)
+
+    # -- freezes and decisions ---------------------------------------------------------
+
+    def record_freeze_request(
+        self, sandbox_id: str, layer: str, violation_id: int | None, at: float
+    ) -> int:
+        """Journal that ``layer`` is about to freeze the sandbox; returns the freeze id.
+
+        While a freeze is open (no decision yet) every layer's request joins it, so the
+        row names the first layer and ``requested_by`` lists when each one asked.
+        """
+        with self._write(f"record freeze of sandbox {sandbox_id!r}") as conn:
+            return self._freeze_request(conn, sandbox_id, layer, violation_id, at)
+
+    def _freeze_request(
+        self,
+        conn: sqlite3.Connection,
+        sandbox_id: str,
+        layer: str,
+        violation_id: int | None,
+        at: float,
+    ) -> int:
+        ask = {"layer": layer, "at": at, "violation_id": violation_id}
+        self._require(conn, "sandboxes", sandbox_id, "sandbox")
+        row = conn.execute(schema.OPEN_FREEZE_SQL, (sandbox_id,)).fetchone()
+        if row is None:
+            first = (sandbox_id, at, layer, violation_id, schema.dumps([ask]))
+            return schema.insert(conn, schema.NEW_FREEZE_SQL, first)
+        asks = schema.as_dict(row)["requested_by"]
+        if all(a["layer"] != layer for a in asks):
+            conn.execute(
+                "UPDATE freezes SET requested_by = ? WHERE id = ?",
+                (schema.dumps([*asks, ask]), row["id"]),
+            )
+        return int(row["id"])
+
+    def confirm_freeze(self, freeze_id: int, confirmed_at: float, latency_ms: float) -> None:
+        """Journal that the cgroup reports frozen; the first confirmation wins."""
+        with self._write(f"confirm freeze {freeze_id}") as conn:
+            self._require(conn, "freezes", freeze_id, "freeze")
+            conn.execute(
+                "UPDATE freezes SET confirmed_at = ?, latency_ms = ? "
+                "WHERE id = ? AND confirmed_at IS NULL",
+                (confirmed_at, latency_ms, freeze_id),
+            )
+            conn.execute(
+                "UPDATE sandboxes SET state = 'frozen' WHERE state = 'running' "
+                "AND id = (SELECT sandbox_id FROM freezes WHERE id = ?)",
+                (freeze_id,),
+            )
+
+    def record_decision(
+        self, sandbox_id: str, action: str, uid: int, at: float, note: str = ""
+    ) -> int:
+        """Journal a person's resume or kill (before doing it); closes the open freeze."""
+        if action not in schema.DECISION_ACTIONS:
+            raise JournalError(f"{self._path}: decision must be resume or kill, not {action!r}")
+        with self._write(f"record decision for sandbox {sandbox_id!r}") as conn:
+            self._require(conn, "sandboxes", sandbox_id, "sandbox")
+            decision_id = schema.insert(
+                conn,
+                "INSERT INTO decisions (sandbox_id, action, uid, at, note) VALUES (?, ?, ?, ?, ?)",
+                (sandbox_id, action, uid, at, note),
+            )
+            conn.execute(
+                "UPDATE freezes SET decision_id = ? WHERE sandbox_id = ? AND decision_id IS NULL",
+                (decision_id, sandbox_id),
+            )
+            return decision_id
+
+    def decided(self, violation_id: int) -> bool:
+        """Has a person already resumed or killed a freeze this violation caused?
+
+        A layer that sees a violation after the other one froze for it, and after someone
+        decided, must not freeze again for the same thing.
+        """
+        with self._read(f"read freezes of violation {violation_id}") as conn:
+            return self._decided(conn, violation_id)
+
+    def _decided(self, conn: sqlite3.Connection, violation_id: int) -> bool:
+        rows = conn.execute(
+            "SELECT first_violation, requested_by FROM freezes WHERE decision_id IS NOT NULL "
+            "AND sandbox_id = (SELECT sandbox_id FROM violations WHERE id = ?)",
+            (violation_id,),
+        ).fetchall()
+        return any(
+            r["first_violation"] == violation_id
+            or any(
+                a.get("violation_id") == violation_id
+                for a in schema.as_dict(r)["requested_by"] or []
+            )
+            for r in rows
+        )
+
+    def freezes(self, sandbox_id: str | None = None, limit: int = 100) -> list[Row]:
+        return self._newest("freezes", "requested_at", sandbox_id, limit)
+
+    def decisions(self, sandbox_id: str | None = None, limit: int = 100) -> list[Row]:
+        return self._newest("decisions", "at", sandbox_id, limit)
+
+    def events(self, sandbox_id: str | None = None, limit: int = 100) -> list[Row]:
+        """Newest-first timeline: {kind, at, sandbox_id, record} for ``egressctl journal``.
+
+        Kinds: sandbox_started, violation, freeze_requested, frozen, decision,
+        sandbox_ended. ``record`` is the full row of the sandbox, violation, freeze or
+        decision the event comes from.
+        """
+        with self._read("read events") as conn:
+            return schema.timeline(conn, sandbox_id, limit)
+
+    def check(self) -> str:
+        """``PRAGMA integrity_check``: ``"ok"`` or SQLite's list of problems."""
+        rows = self._select("PRAGMA integrity_check", ())
+        return "\n".join(str(next(iter(r.values()))) for r in rows)
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _insert_violation(self, conn: sqlite3.Connection, sandbox_id: str, v: Violation) -> int:
+        self._require(conn, "sandboxes", sandbox_id, "sandbox")
+        return schema.insert(conn, schema.NEW_VIOLATION_SQL, schema.violation_row(sandbox_id, v))
+
+    def _add_detection(
+        self, conn: sqlite3.Connection, violation_id: int, layer: str, at: float
+    ) -> None:
+        self._require(conn, "violations", violation_id, "violation")
+        row = conn.execute("SELECT detected_by FROM violations WHERE id = ?", (violation_id,))
+        seen = schema.as_dict(row.fetchone())["detected_by"]
+        if any(d["layer"] == layer for d in seen):
+            return
+        seen = sorted([*seen, {"layer": layer, "at": at}], key=lambda d: d["at"])
+        conn.execute(
+            "UPDATE violations SET detected_by = ? WHERE id = ?",
+            (schema.dumps(seen), violation_id),
+        )
+
+    def _check_state(self, state: str) -> None:
+        if state not in schema.SANDBOX_STATES:
+            states = ", ".join(schema.SANDBOX_STATES)
+            raise JournalError(f"{self._path}: sandbox state must be one of {states}")
+
+    def _require(self, conn: sqlite3.Connection, table: str, key: object, what: str) -> None:
+        if not schema.exists(conn, table, key):
+            raise JournalError(f"{self._path}: no {what} {key!r} in the journal")
+
+    def _newest(self, table: str, at: str, sandbox_id: str | None, limit: int) -> list[Row]:
+        where = "" if sandbox_id is None else " WHERE sandbox_id = ?"
+        args = () if sandbox_id is None else (sandbox_id,)
+        sql = f"SELECT * FROM {table}{where} ORDER BY {at} DESC, id DESC LIMIT ?"
+        return self._select(sql, (*args, limit))
+
+    def _select(self, sql: str, args: tuple[object, ...]) -> list[Row]:
+        with self._read("read") as conn:
+            return [schema.as_dict(r) for r in conn.execute(sql, args)]
+
+    @contextlib.contextmanager
+    def _write(self, what: str) -> Iterator[sqlite3.Connection]:
+        with self._transaction(True, what) as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _read(self, what: str) -> Iterator[sqlite3.Connection]:
+        with self._transaction(False, what) as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _transaction(self, write: bool, what: str) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._errors(what):
+            if self._conn is None:
+                raise JournalError(f"{self._path}: {what}: the journal is closed")
+            conn = self._conn
+            if write:
+                schema.begin_immediate(conn, self._busy_timeout_s)
+            else:
+                conn.execute("BEGIN DEFERRED")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise JournalError(f"{self._path}: {what}: {exc}") from exc

@@ -1,0 +1,84 @@
+"""What egressd serves, on disk: one JSON file per sandbox under the run dir.
+
+A record is written (atomically) once the sandbox is served and after each policy swap,
+and removed when the sandbox is deleted. Stopping egressd leaves the records (and the
+kernel's rules) in place, so the next egressd adopts them; `egressd observer` reads the
+same records to know which sandboxes to watch.
+
+    <run dir>/ID.json  {id, kind, netns, cgroup, freezer, uplink_netns, upstream,
+                        policy, policy_sha256, lo_raised, created_at, daemon_pid}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from egress.store.paths import run_dir
+
+DEFAULT_RUN_DIR = "daemon"  # under egress's run dir (/run/egress)
+
+
+def default_run_dir() -> Path:
+    return run_dir() / DEFAULT_RUN_DIR
+
+
+@dataclass
+class Record:
+    id: str
+    kind: str  # "created" (egress made netns, veth, cgroup) or "attached"
+    netns: str
+    cgroup: str
+    policy: str  # the policy text, as the API received it
+    freezer: str | None = None
+    uplink_netns: str | None = None
+    upstream: str | None = None
+    lo_raised: bool = False
+    created_at: float = 0.0
+    daemon_pid: int = 0
+
+    @property
+    def policy_sha256(self) -> str:
+        return hashlib.sha256(self.policy.encode()).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "policy_sha256": self.policy_sha256}
+
+
+def save(directory: Path, record: Record) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    target = directory / f"{record.id}.json"
+    tmp = target.with_name(f".{record.id}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record.to_json(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+def remove(directory: Path, sandbox_id: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (directory / f"{sandbox_id}.json").unlink()
+
+
+def load(directory: Path, sandbox_id: str) -> Record | None:
+    """One sandbox's record, or None if it has none (deleted) or it can't be read."""
+    try:
+        data = json.loads((directory / f"{sandbox_id}.json").read_text())
+        fields = set(Record.__dataclass_fields__)
+        return Record(**{k: v for k, v in data.items() if k in fields})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def load_all(directory: Path) -> list[Record]:
+    """Every readable record; unreadable ones are skipped (a crash mid-write leaves only
+    the .tmp file, never a torn record)."""
+    found = (load(directory, path.stem) for path in sorted(directory.glob("*.json")))
+    return [record for record in found if record is not None]
