@@ -21,6 +21,21 @@ class Mode(enum.Enum):
     AUDIT = "audit"
 
 
+class Layer(enum.StrEnum):
+    """The two freeze layers (DESIGN.md invariant 4): who saw a violation."""
+
+    INLINE = "inline"  # the resolver and its NFLOG reader
+    OBSERVER = "observer"  # the separate process that trusts nothing the inline says
+
+
+class SandboxState(enum.StrEnum):
+    """A sandbox's state in the journal's sandboxes table."""
+
+    RUNNING = "running"
+    FROZEN = "frozen"
+    EXITED = "exited"
+
+
 class Action(enum.Enum):
     """What happens on a violation of a class."""
 
@@ -247,7 +262,7 @@ class Violation:
     """One thing a sandbox tried that its policy does not allow, with its evidence."""
 
     cls: ViolationClass
-    layer: str  # inline | observer
+    layer: str  # a Layer
     rule: str  # the rule that decided, or why none did
     detail: str  # what happened, for a person
     at: float  # unix time the layer saw it

@@ -7,6 +7,13 @@ the same ones: nothing here needs to be allocated.
 from __future__ import annotations
 
 TABLE = "egress"  # inet table in the sandbox netns
+# The sets the resolver fills with `ip . proto . port` elements learned from DNS answers.
+ALLOW4 = "allow4"
+ALLOW6 = "allow6"
+ALLOW_SETS = (ALLOW4, ALLOW6)
+# Flows whose connect froze the sandbox: their next SYN is reset once it is resumed.
+HELD4 = "held4"
+HELD6 = "held6"
 RESOLVER4 = "127.0.0.53"  # the sandbox's resolver, on its own loopback
 INLINE_GROUP = 100  # NFLOG group read by the inline layer
 OBSERVER_GROUP = 101  # NFLOG group read by the observer layer

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from egress.datapath.constants import ALLOW4, ALLOW6
 from egress.model import IPAddress, Policy, Ports
 
 
@@ -24,6 +25,19 @@ class SetUpdate:
 
     def is_empty(self) -> bool:
         return not self.elements4 and not self.elements6
+
+    def by_set(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(set name, elements) for allow4 and allow6, in that order."""
+        return ((ALLOW4, self.elements4), (ALLOW6, self.elements6))
+
+
+@dataclass(frozen=True, slots=True)
+class SetAdd:
+    """One add for the kernel: these elements into one set, with one timeout."""
+
+    set_name: str  # ALLOW4 or ALLOW6
+    elements: tuple[str, ...]
+    timeout_s: int
 
 
 def clamp_ttl(ttl: int, policy: Policy) -> int:
@@ -76,11 +90,24 @@ class ExpiryBook:
             groups.setdefault(need, []).append(e)
         return groups
 
+    def plan_adds(self, update: SetUpdate, now: float) -> tuple[SetAdd, ...]:
+        """``update`` as the adds that carry it out: per set, one per timeout needed."""
+        return tuple(
+            SetAdd(set_name, tuple(group), timeout)
+            for set_name, elements in update.by_set()
+            for timeout, group in self.plan(elements, update.timeout_s, now).items()
+        )
+
+    def fresh_update(self, update: SetUpdate, now: float) -> SetUpdate:
+        """The part of ``update`` no earlier answer allows right now (safe to take back)."""
+        fresh4 = tuple(self.fresh(update.elements4, now))
+        return SetUpdate(fresh4, tuple(self.fresh(update.elements6, now)), 0)
+
     def fresh(self, elements: tuple[str, ...], now: float) -> list[str]:
         """The elements no earlier answer allows right now (the ones safe to take back)."""
         return [e for e in elements if self._expiry.get(e, 0.0) <= now]
 
-    def record(self, elements: list[str], timeout_s: int, now: float) -> None:
+    def record(self, elements: list[str] | tuple[str, ...], timeout_s: int, now: float) -> None:
         for e in elements:
             self._expiry[e] = max(self._expiry.get(e, 0.0), now + timeout_s)
         if len(self._expiry) > self.max_entries:

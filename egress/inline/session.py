@@ -24,7 +24,7 @@ from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer, FreezeEvent
 from egress.kernel.nflog import NflogListener
-from egress.model import Violation, ViolationClass
+from egress.model import Layer, Violation, ViolationClass
 from egress.sandbox.lifecycle import Sandbox
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
@@ -89,7 +89,7 @@ class Session:
             if cls is not None:
                 pol = self.sb.policy
                 self.on_violation(
-                    drop_violation(pol, cls, event.flow, event.uid, event.timestamp, "inline")
+                    drop_violation(pol, cls, event.flow, event.uid, event.timestamp, Layer.INLINE)
                 )
 
     def on_violation(self, v: Violation) -> None:
@@ -127,12 +127,12 @@ class Session:
         cls = ViolationClass.LAYER_LOSS
         self.on_violation(
             Violation(
-                cls,
-                "inline",
-                "spec.violations.layer_loss",
-                "the observer layer died",
-                time.time(),
-                self.sb.policy.action(cls),
+                cls=cls,
+                layer=Layer.INLINE,
+                rule="spec.violations.layer_loss",
+                detail="the observer layer died",
+                at=time.time(),
+                action=self.sb.policy.action(cls),
             )
         )
 

@@ -29,8 +29,7 @@ from egress.inline.server import ResolverServer
 from egress.kernel.nft import NftHandle
 from egress.model import IPAddress, Policy
 from egress.policy.matcher import Matcher
-from egress.resolver import wire
-from egress.resolver.actions import Action, AllowThenReply, Reply
+from egress.resolver.actions import Action, AllowThenReply
 from egress.sandbox.lifecycle import Sandbox
 from egress.store.paths import read_template
 from egress.tunnel import scorer_for
@@ -45,63 +44,33 @@ class Learned:
     until: float
 
 
-def question(reply: bytes) -> tuple[str, int] | None:
-    """(name, type) of the question a reply answers, or None if it has none."""
-    if len(reply) < 12 or reply[4:6] != b"\x00\x01":
-        return None
-    labels: list[bytes] = []
-    pos = 12
-    while pos < len(reply) and reply[pos] != 0:
-        n = reply[pos]
-        if n & 0xC0:
-            return None  # the question section is never compressed
-        labels.append(reply[pos + 1 : pos + 1 + n])
-        pos += 1 + n
-    if pos + 5 > len(reply):
-        return None
-    return wire.name_text(labels), int.from_bytes(reply[pos + 1 : pos + 3], "big")
-
-
-def element_ip(element: str) -> IPAddress:
-    return ipaddress.ip_address(element.split(" . ", 1)[0].strip())
-
-
 class TrackingResolver(ResolverServer):
-    """A ResolverServer that remembers which question put which addresses in the sets,
-    and that releases no answer the current policy would not give (an upstream reply to a
-    question asked before a swap is decided under the policy in force when it arrives)."""
+    """A ResolverServer that remembers which question put which addresses in the sets.
+    (An upstream reply to a question asked before a swap is decided by the core under the
+    policy in force when it arrives.)"""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.learned: dict[tuple[str, int], Learned] = {}
 
-    def perform(self, actions: list[Action]) -> None:
-        out: list[Action] = []
-        for action in actions:
-            if isinstance(action, AllowThenReply) and action.replies:
-                out.extend(self._track(action))
-            else:
-                out.append(action)
-        super().perform(out)
+    def allow(self, action: AllowThenReply) -> list[Action]:
+        self._track(action)
+        return super().allow(action)
 
-    def _track(self, action: AllowThenReply) -> list[Action]:
-        q = question(action.replies[0][1])
-        if q is None:
-            return [action]
-        if not self.core.audit and not self.core.matcher.decide(*q).allowed:
-            return [Reply(client, fallback) for client, _, fallback in action.replies]
+    def _track(self, action: AllowThenReply) -> None:
+        """Remember the addresses this question put in the sets, from the core's own
+        action (its question, its addresses, its timeout): nothing is parsed again."""
         now = time.time()
-        ips = {element_ip(e) for e in action.update.elements4 + action.update.elements6}
+        q = (action.qname, action.qtype)
         seen = self.learned.get(q)
         until = now + action.update.timeout_s
         if seen is None:
             if len(self.learned) >= MAX_TRACKED:
                 self.learned = {k: v for k, v in self.learned.items() if v.until > now}
-            self.learned[q] = Learned(ips, until)
+            self.learned[q] = Learned(set(action.ips), until)
         else:
-            seen.ips |= ips
+            seen.ips.update(action.ips)
             seen.until = max(seen.until, until)
-        return [action]
 
     def justified(self, policy: Policy, now: float) -> set[str]:
         """Set elements that a still-allowed question justifies under ``policy``."""
@@ -138,15 +107,13 @@ class TrackingResolver(ResolverServer):
     def seed_expiry(self) -> None:
         """Learn when the elements already in the sets expire (an adopted sandbox), so
         no answer shortens them: the kernel remembers what our predecessor allowed."""
-        now = time.monotonic()
-        for set_name in ("allow4", "allow6"):
+        for set_name in c.ALLOW_SETS:
             try:
                 elements = self.nft.list_set("inet", c.TABLE, set_name)
             except EgressError:
                 continue  # nothing to keep: answers set their own timeouts
-            for e in elements:
-                if e["expires"]:
-                    self.expiry.record([e["key"]], int(e["expires"]), now)
+            left = [(e["key"], int(e["expires"])) for e in elements if e["expires"]]
+            self.core.seed_expiry(left, time.time())
 
     def forget_unjustified(self, keep_names: Matcher) -> None:
         self.learned = {q: v for q, v in self.learned.items() if keep_names.decide(*q).allowed}
@@ -157,7 +124,7 @@ def swap_text(nft: NftHandle, policy: Policy, keep: set[str]) -> tuple[str, int]
     lines = [f"flush chain inet {c.TABLE} {chain}" for chain in CHAINS]
     lines.append(render_sandbox(read_template("sandbox.nft"), policy))
     removed = 0
-    for set_name in ("allow4", "allow6"):
+    for set_name in c.ALLOW_SETS:
         gone = [e["key"] for e in nft.list_set("inet", c.TABLE, set_name)]
         gone = [key for key in gone if key not in keep]
         removed += len(gone)

@@ -29,15 +29,15 @@ from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import netns_exists
 from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
-from egress.model import Policy, Violation, ViolationClass
+from egress.model import Layer, Policy, Violation, ViolationClass
 from egress.policy.matcher import Matcher
-from egress.policy.rrtypes import type_name
 from egress.resolver import wire
+from egress.resolver.judge import QueryScorer, judge
 from egress.store.journal import Journal
 from egress.tunnel import scorer_for
 
 TICK_S = 0.1
-LAYER = "observer"
+LAYER = Layer.OBSERVER
 
 
 @dataclass
@@ -136,73 +136,9 @@ class Observer:
 
     def judge(self, event: NflogEvent) -> Violation | None:
         """The observer's own verdict on one copied packet."""
-        cls = drop_class(event.prefix)
-        if cls is not None:
+        if drop_class(event.prefix) is not None:
             self.drops_seen += 1
-            return drop_violation(self.policy, cls, event.flow, event.uid, event.timestamp, LAYER)
-        if event.prefix == c.DNS_LOG_PREFIX and event.packet is not None:
-            return self._judge_query(event)
-        return None
-
-    def _judge_query(self, event: NflogEvent) -> Violation | None:
-        assert event.packet is not None
-        try:
-            q = wire.parse_query(event.packet.payload)
-        except wire.WireError:
-            return None  # the resolver answers FORMERR; nothing leaves
-        qtype = type_name(q.qtype)
-        if not wire.is_hostname(q.qname):  # binary labels: no rule names them, tunnels do
-            shaped = self.matcher.decide(wire.hostname_shape(q.qname), q.qtype)
-            if shaped.name_allowed and shaped.rule is not None:
-                found = wire.BinaryName(q.qname, shaped.rule.describe())
-                return self._tunnel(event, q, found.describe())
-            cls, reason = ViolationClass.DENIED_NAME, "a name is letters, digits, '-' and '_'"
-        else:
-            decision = self.matcher.decide(q.qname, q.qtype)
-            if decision.allowed:
-                return self._score(event, q)
-            cls = (
-                ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
-            )
-            reason = decision.reason
-        detail = f"query {q.qname or '.'} {qtype}"
-        return Violation(
-            cls,
-            LAYER,
-            reason,
-            detail,
-            event.timestamp,
-            self.policy.action(cls),
-            event.flow,
-            event.uid,
-            q.qname or ".",
-            qtype,
-        )
-
-    def _score(self, event: NflogEvent, q: wire.Query) -> Violation | None:
-        """The observer's own tunnel scorer, on every allowed query it sees."""
-        if self.scorer is None:
-            return None
-        finding = self.scorer.observe_query(q.qname, q.qtype)
-        if finding is None:
-            return None
-        return self._tunnel(event, q, finding.describe())
-
-    def _tunnel(self, event: NflogEvent, q: wire.Query, why: str) -> Violation:
-        qtype = type_name(q.qtype)
-        cls = ViolationClass.TUNNEL
-        return Violation(
-            cls,
-            LAYER,
-            "spec.tunnel",
-            f"query {q.qname} {qtype}: {why}",
-            event.timestamp,
-            self.policy.action(cls),
-            None,
-            event.uid,
-            q.qname,
-            qtype,
-        )
+        return verdict_on(event, self.policy, self.matcher, self.scorer)
 
     def _dropped(self) -> int | None:
         try:
@@ -242,6 +178,32 @@ class Observer:
             self.policy.action(cls),
         )
         self._act(v)
+
+
+def verdict_on(
+    event: NflogEvent, policy: Policy, matcher: Matcher, scorer: QueryScorer | None
+) -> Violation | None:
+    """What one packet the kernel copied to the observer says (pure: testable unrooted).
+
+    A logged drop is its class's violation; a DNS query gets ``resolver.judge``'s verdict,
+    the same the inline layer's core acts on; anything else says nothing."""
+    cls = drop_class(event.prefix)
+    if cls is not None:
+        return drop_violation(policy, cls, event.flow, event.uid, event.timestamp, LAYER)
+    if event.prefix != c.DNS_LOG_PREFIX or event.packet is None:
+        return None
+    try:
+        q = wire.parse_query(event.packet.payload)
+    except wire.WireError:
+        return None  # the resolver answers FORMERR; nothing leaves
+    verdict = judge(q, matcher, scorer)
+    if verdict.allowed:
+        return None
+    # A tunnel is the name's doing, not one flow's: keyed by the question alone.
+    flow = None if verdict.cls is ViolationClass.TUNNEL else event.flow
+    return verdict.violation(
+        q, layer=LAYER, policy=policy, at=event.timestamp, flow=flow, uid=event.uid
+    )
 
 
 def _pidfd(pid: int | None) -> int | None:

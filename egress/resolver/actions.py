@@ -1,12 +1,17 @@
-"""What the resolver core asks its shell to do. The shell performs them in order."""
+"""What the resolver core asks its shell to do. The shell performs them in order.
+
+One exchange goes back into the core as an event: after an ``AllowThenReply`` the shell
+tells ``ResolverCore.on_allowed(token, acked, now, late=...)`` what the kernel answered,
+and performs the actions that returns (the replies, or SERVFAILs and a ``Revoke``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from egress.datapath.elements import SetUpdate
-from egress.model import Violation
+from egress.datapath.elements import SetAdd, SetUpdate
+from egress.model import IPAddress, Violation
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,17 +22,41 @@ class Reply:
     data: bytes
 
 
+class Release(NamedTuple):
+    """One client's answer, and what it gets instead if the kernel does not allow it."""
+
+    client: object
+    data: bytes
+    fallback: bytes  # SERVFAIL
+
+
 @dataclass(frozen=True, slots=True)
 class AllowThenReply:
-    """Add ``update`` to the sandbox's sets and wait for the kernel's ack; then send each
-    ``(client, data, fallback)`` reply and call ``on_allowed`` (which caches the answer).
-    If the update fails or takes longer than the deadline, send each ``fallback``
-    (SERVFAIL) instead and call nothing: nothing is released, or remembered as released,
-    that the kernel does not already allow."""
+    """Perform ``adds`` in order (the elements of ``update``, grouped by the timeout each
+    needs, planned once in the core); each one must be acked by the kernel. Then call
+    ``core.on_allowed(token, acked, now, late=...)`` with how many were acked and whether
+    the last ack came after ``SET_UPDATE_DEADLINE_S``, and perform what it returns: the
+    ``replies``' data if all were acked in time, their fallbacks (SERVFAIL) otherwise.
+    Nothing is released, or remembered as released, that the kernel does not allow.
+
+    ``qname``/``qtype`` is the question and ``ips`` the addresses it allows: what egressd
+    tracks to keep exactly the justified elements across a policy swap."""
+
+    token: int
+    update: SetUpdate
+    adds: tuple[SetAdd, ...]
+    replies: tuple[Release, ...]
+    qname: str
+    qtype: int
+    ips: tuple[IPAddress, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Revoke:
+    """Delete these elements again (they were acked too late to be trusted; an earlier
+    answer's elements are not among them). Best effort: a failure changes nothing."""
 
     update: SetUpdate
-    replies: tuple[tuple[object, bytes, bytes], ...]
-    on_allowed: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,4 +76,4 @@ class Report:
     violation: Violation
 
 
-Action = Reply | AllowThenReply | Forward | Report
+Action = Reply | AllowThenReply | Revoke | Forward | Report

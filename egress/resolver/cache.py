@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from egress.datapath.elements import SetUpdate
+from egress.model import IPAddress
 from egress.resolver import wire
 
 _TTL = struct.Struct("!I")
@@ -27,6 +28,7 @@ class Entry:
     expires_at: float
     update: SetUpdate | None  # the elements this answer allows (None: no addresses)
     allowed_until: float  # when the kernel's set elements for them expire
+    ips: tuple[IPAddress, ...] = ()  # the addresses ``update`` allows
 
     def remaining(self, now: float) -> int:
         return max(0, int(self.expires_at - now))
@@ -72,10 +74,11 @@ def make_entry(
     now: float,
     update: SetUpdate | None,
     allowed_s: int,
+    ips: tuple[IPAddress, ...] = (),
 ) -> Entry:
     """``offsets``: where the message's TTLs are (``wire.ttl_offsets`` finds them)."""
     ttls = tuple(_TTL.unpack_from(message, off)[0] for off in offsets)
-    return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s)
+    return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s, ips)
 
 
 def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:

@@ -4,26 +4,50 @@
                  └▶ matcher: denied? ─▶ Report + NXDOMAIN/REFUSED (never forwarded)
                  └▶ allowed ─▶ Forward (our own ID, lowercased name, our EDNS)
     upstream reply ─▶ filter (chain, types, rebinding) ─▶ AllowThenReply (sets first)
+    on_allowed(token, acked) ─▶ the replies (cached), or SERVFAIL (+ Revoke if too late)
+
+The verdict on a query is ``judge.judge``'s, the same the observer layer gives. The set
+update is planned here, once (``ExpiryBook``: no answer shortens what an earlier one
+allowed), and the kernel's answer comes back as the ``on_allowed`` event.
 
 No sockets and no clock of its own: the shells (the sandbox's asyncio server, egressd)
-perform the actions and call back with upstream replies and failures.
+perform the actions and call back with upstream replies, failures and set acks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from egress.datapath.elements import SetUpdate, clamp_ttl, plan_update
-from egress.model import DeniedResponse, DnsRule, Mode, Policy, Ports, Violation, ViolationClass
+from egress.datapath.elements import ExpiryBook, SetAdd, SetUpdate, clamp_ttl, plan_update
+from egress.model import (
+    DeniedResponse,
+    DnsRule,
+    Layer,
+    Mode,
+    Policy,
+    Ports,
+    Violation,
+    ViolationClass,
+)  # fmt: skip
 from egress.policy.matcher import Matcher
 from egress.policy.rrtypes import type_name
 from egress.resolver import cache as cache_mod
 from egress.resolver import message, wire
-from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
+from egress.resolver.actions import (
+    Action,
+    AllowThenReply,
+    Forward,
+    Release,
+    Reply,
+    Report,
+    Revoke,
+)  # fmt: skip
 from egress.resolver.answer import Filtered, Finding, filter_answer, record_ip
 from egress.resolver.cache import Cache, Entry
+from egress.resolver.judge import QueryScorer, Verdict, judge
+
+LAYER = Layer.INLINE
 
 
 @dataclass
@@ -50,21 +74,22 @@ REPLAY_MAX_QUERY = 512
 REPLAY_MAX_REPLY = 1500
 
 
-class TunnelFinding(Protocol):
-    def describe(self) -> str: ...
+@dataclass(slots=True)
+class Allowing:
+    """An AllowThenReply the kernel has not answered yet (see ``on_allowed``)."""
 
-
-class QueryScorer(Protocol):
-    """What the core needs of a tunnel scorer (``egress.tunnel.TunnelScorer`` fits): it
-    sees every allowed query before it is forwarded, and the upstream's rcode after."""
-
-    def observe_query(self, name: str, qtype: int) -> TunnelFinding | None: ...
-
-    def observe_response(self, name: str, rcode: int) -> None: ...
+    adds: tuple[SetAdd, ...]
+    replies: tuple[Release, ...]
+    fresh: SetUpdate  # what this answer alone allows: taken back if acked too late
+    planned_at: float
+    entry: Entry
+    key: bytes | None  # cache the entry under it once allowed (None: a refresh)
+    timeout_s: int
 
 
 ADDRESS_TYPES = (1, 28)  # A, AAAA
 REFUSAL_TTL_S = 60  # how long a withheld answer is answered from cache, not asked again
+ALLOWING_MAX = 65_536  # set updates awaiting their ack: the shell answers each at once
 
 
 class ResolverCore:
@@ -91,6 +116,8 @@ class ResolverCore:
         self._replay: dict[bytes, tuple[float, bytes]] = {}
         self._replays = 0
         self._next_token = 0
+        self.expiry = ExpiryBook()  # when each element we added expires in the kernel
+        self.allowing: dict[int, Allowing] = {}
         self.set_policy(policy)
 
     @property
@@ -167,64 +194,28 @@ class ResolverCore:
             return [Reply(client, data)]
         # The kernel would forget these addresses before the client stops using the answer.
         timeout = clamp_ttl(remaining, self.policy)
-        update = plan_update_refresh(entry, timeout)
-
-        def refreshed() -> None:
-            entry.allowed_until = now + timeout
-
-        return [AllowThenReply(update, ((client, data, self._servfail(q)),), refreshed)]
+        update = SetUpdate(entry.update.elements4, entry.update.elements6, timeout)
+        release = (Release(client, data, self._servfail(q)),)
+        return [self._allow(update, release, entry, None, now, q.qname, q.qtype)]
 
     def _decide(self, q: wire.Query, waiter: Waiter, now: float) -> list[Action]:
-        if q.qclass != wire.CLASS_IN:
-            return self._deny(q, waiter, now, ViolationClass.DENIED_TYPE,
-                              "only class IN is answered", f"class {q.qclass}")  # fmt: skip
-        if not wire.is_hostname(q.qname):  # binary labels: no rule names them, tunnels do
-            shaped = self.matcher.decide(wire.hostname_shape(q.qname), q.qtype)
-            if shaped.name_allowed and shaped.rule is not None:
-                found = wire.BinaryName(q.qname, shaped.rule.describe())
-                return self._tunnel(q, waiter, now, found, shaped.rule)
-            why = "a name is letters, digits, '-' and '_'"
-            return self._deny(q, waiter, now, ViolationClass.DENIED_NAME, why, "not a hostname")
-        decision = self.matcher.decide(q.qname, q.qtype)
-        if decision.allowed:
-            finding = self.scorer.observe_query(q.qname, q.qtype) if self.scorer else None
-            if finding is not None:
-                return self._tunnel(q, waiter, now, finding, decision.rule)
+        verdict = judge(q, self.matcher, self.scorer)
+        if verdict.allowed:
             self._stats["allowed"] += 1
-            return self._forward(q, waiter, decision.rule)
-        cls = ViolationClass.DENIED_TYPE if decision.name_allowed else ViolationClass.DENIED_NAME
-        return self._deny(q, waiter, now, cls, decision.reason, "")
-
-    def _deny(
-        self, q: wire.Query, waiter: Waiter, now: float, cls: ViolationClass, why: str, extra: str
-    ) -> list[Action]:
+            return self._forward(q, waiter, verdict.rule)
         self._stats["denied"] += 1
-        detail = f"query {q.qname or '.'} {_type_name(q.qtype)}" + (f" ({extra})" if extra else "")
-        report = Report(self._violation(cls, why, detail, now, q.qname, q.qtype))
+        report = Report(verdict.violation(q, layer=LAYER, policy=self.policy, at=now))
         if self.audit and q.qclass == wire.CLASS_IN:
-            return [report, *self._forward(q, waiter, None)]
-        if cls is ViolationClass.DENIED_NAME and (
+            # Audit: record, then answer as a forwarder would (a tunnel under its zone's rule).
+            return [report, *self._forward(q, waiter, verdict.rule)]
+        return [report, Reply(waiter.client, wire.error_reply(q, self._refusal(verdict)))]
+
+    def _refusal(self, verdict: Verdict) -> int:
+        if verdict.cls is ViolationClass.DENIED_NAME and (
             self.policy.dns.denied_response is DeniedResponse.NXDOMAIN
         ):
-            return [report, Reply(waiter.client, wire.error_reply(q, wire.NXDOMAIN))]
-        return [report, Reply(waiter.client, wire.error_reply(q, wire.REFUSED))]
-
-    def _tunnel(
-        self,
-        q: wire.Query,
-        waiter: Waiter,
-        now: float,
-        finding: TunnelFinding,
-        rule: DnsRule | None,
-    ) -> list[Action]:
-        """Not forwarded (the name is the data); audit mode reports and forwards."""
-        self._stats["denied"] += 1
-        detail = f"query {q.qname} {_type_name(q.qtype)}: {finding.describe()}"
-        cls = ViolationClass.TUNNEL
-        report = Report(self._violation(cls, "spec.tunnel", detail, now, q.qname, q.qtype))
-        if self.audit:
-            return [report, *self._forward(q, waiter, rule)]
-        return [report, Reply(waiter.client, wire.error_reply(q, wire.REFUSED))]
+            return wire.NXDOMAIN
+        return wire.REFUSED
 
     def _forward(self, q: wire.Query, waiter: Waiter, rule: DnsRule | None) -> list[Action]:
         token = self.inflight.get(q.key)
@@ -247,7 +238,7 @@ class ResolverCore:
             return []  # late or duplicate: already answered
         try:
             response = _parse_response(data)
-        except Exception:  # garbage (WireError, or any of dnslib's many errors): unusable
+        except wire.WireError:  # garbage (message.from_dnslib translates dnslib's errors)
             return self.on_upstream_failure(token, now)
         if not _matches(response, p):
             return []  # not the answer to our question: ignore it (spoofing, stale reply)
@@ -281,34 +272,84 @@ class ResolverCore:
             del self.inflight[key]
 
     def _answer(self, p: Pending, response: message.Response, now: float) -> list[Action]:
-        if p.rule is None:
+        rule = p.rule
+        if rule is not None and not self.audit:
+            # Decided under the policy in force now: egressd may have swapped it since the
+            # question went upstream, and an answer it no longer allows is not released.
+            decision = self.matcher.decide(p.qname, p.qtype)
+            if not decision.allowed:
+                return [Reply(w.client, self._servfail(w.query)) for w in p.waiters]
+            rule = decision.rule
+        if rule is None:
             filtered = _unfiltered(response)
         else:
-            filtered = filter_answer(response, p.qname, p.qtype, p.rule, self.matcher, self.policy)
+            filtered = filter_answer(response, p.qname, p.qtype, rule, self.matcher, self.policy)
         actions: list[Action] = [self._finding(f, p, now) for f in filtered.findings]
-        if self.audit and p.rule is not None and filtered.findings:
+        if self.audit and rule is not None and filtered.findings:
             filtered = _unfiltered(response)  # audit: record, then answer as a forwarder would
         if filtered.refused:
             return actions + self._refuse_all(p, now)
-        entry = self._entry(p, filtered, now)
+        entry = self._entry(p, rule, filtered, now)
         key = p.waiters[0].query.key
-
-        def remember() -> None:
+        replies = tuple(
+            Release(w.client, cache_mod.render(entry, w.query, now, w.max_size),
+                    self._servfail(w.query))
+            for w in p.waiters
+        )  # fmt: skip
+        if entry.update is None or entry.update.is_empty():
             if entry.expires_at > now:
                 self.cache.put(key, entry)
-
-        replies = [
-            (w.client, cache_mod.render(entry, w.query, now, w.max_size), self._servfail(w.query))
-            for w in p.waiters
-        ]
-        if entry.update is None or entry.update.is_empty():
-            remember()
-            return actions + [Reply(c, d) for c, d, _ in replies]
+            return actions + [Reply(r.client, r.data) for r in replies]
         # Cached only once the kernel has the addresses: a SERVFAIL'd answer must not
         # come back from the cache as if its addresses were allowed.
-        return [*actions, AllowThenReply(entry.update, tuple(replies), remember)]
+        return [*actions, self._allow(entry.update, replies, entry, key, now, p.qname, p.qtype)]
 
-    def _entry(self, p: Pending, filtered: Filtered, now: float) -> Entry:
+    # -- the kernel's sets ---------------------------------------------------------------
+
+    def _allow(
+        self,
+        update: SetUpdate,
+        replies: tuple[Release, ...],
+        entry: Entry,
+        key: bytes | None,
+        now: float,
+        qname: str,
+        qtype: int,
+    ) -> AllowThenReply:
+        self._next_token += 1
+        token = self._next_token
+        adds = self.expiry.plan_adds(update, now)
+        fresh = self.expiry.fresh_update(update, now)
+        if len(self.allowing) >= ALLOWING_MAX:  # a shell that never answers: stay bounded
+            self.allowing.pop(next(iter(self.allowing)))
+        self.allowing[token] = Allowing(adds, replies, fresh, now, entry, key, update.timeout_s)
+        return AllowThenReply(token, update, adds, replies, qname, qtype, entry.ips)
+
+    def on_allowed(self, token: int, acked: int, now: float, *, late: bool = False) -> list[Action]:
+        """The kernel acked the first ``acked`` adds of AllowThenReply ``token`` (all of
+        them: the answer is released; fewer: SERVFAIL). ``late``: the acks came after the
+        deadline, so the client gets SERVFAIL and what this answer alone added goes."""
+        a = self.allowing.pop(token, None)
+        if a is None:
+            return []
+        for add in a.adds[:acked]:
+            self.expiry.record(add.elements, add.timeout_s, a.planned_at)
+        if acked < len(a.adds) or late:
+            revoke: list[Action] = [Revoke(a.fresh)] if late and not a.fresh.is_empty() else []
+            return [*revoke, *(Reply(r.client, r.fallback) for r in a.replies)]
+        if a.key is None:
+            a.entry.allowed_until = a.planned_at + a.timeout_s
+        elif a.entry.expires_at > a.planned_at:
+            self.cache.put(a.key, a.entry)
+        return [Reply(r.client, r.data) for r in a.replies]
+
+    def seed_expiry(self, elements: list[tuple[str, int]], now: float) -> None:
+        """(element, seconds left) the kernel already holds (an adopted sandbox): no
+        answer shortens what a predecessor allowed."""
+        for element, left in elements:
+            self.expiry.record((element,), left, now)
+
+    def _entry(self, p: Pending, rule: DnsRule | None, filtered: Filtered, now: float) -> Entry:
         cap = self.policy.dns.ttl_max
         ip_ttl = min((t for _, t in filtered.ips), default=0)
         for rr in filtered.answers:
@@ -324,8 +365,9 @@ class ResolverCore:
         timeout = clamp_ttl(min(ip_ttl, cap), self.policy)
         update = None
         if filtered.ips:
-            update = plan_update([ip for ip, _ in filtered.ips], self._ports(p.rule), timeout)
-        return cache_mod.make_entry(msg, offsets, ttl, now, update, timeout)
+            update = plan_update([ip for ip, _ in filtered.ips], self._ports(rule), timeout)
+        ips = tuple(dict.fromkeys(ip for ip, _ in filtered.ips))
+        return cache_mod.make_entry(msg, offsets, ttl, now, update, timeout, ips)
 
     def _ports(self, rule: DnsRule | None) -> Ports:
         if rule is None or rule.ports.is_empty():
@@ -351,20 +393,13 @@ class ResolverCore:
         return wire.error_reply(q, wire.SERVFAIL)
 
     def _finding(self, f: Finding, p: Pending, now: float) -> Report:
-        return Report(self._violation(f.cls, f.rule, f.detail, now, p.qname, p.qtype))
-
-    def _violation(
-        self, cls: ViolationClass, rule: str, detail: str, now: float, qname: str, qtype: int
-    ) -> Violation:
-        return Violation(
-            cls, "inline", rule, detail, now, self.policy.action(cls),
-            qname=qname or ".", qtype=_type_name(qtype),
+        return Report(
+            Violation(
+                cls=f.cls, layer=LAYER, rule=f.rule, detail=f.detail, at=now,
+                action=self.policy.action(f.cls), qname=p.qname or ".",
+                qtype=type_name(p.qtype),
+            )
         )  # fmt: skip
-
-
-def plan_update_refresh(entry: Entry, timeout: int) -> SetUpdate:
-    assert entry.update is not None
-    return SetUpdate(entry.update.elements4, entry.update.elements6, timeout)
 
 
 def _parse_response(data: bytes) -> message.Response:
@@ -387,9 +422,3 @@ def _unfiltered(response: message.Response) -> Filtered:
         if rr.rtype in (message.A, message.AAAA):
             out.ips.append((record_ip(rr), rr.ttl))
     return out
-
-
-def _type_name(qtype: int) -> str:
-    # The policy's spelling, the same one the observer uses: the layers' journal keys
-    # must match for unknown types too (TYPE65399, not "65399").
-    return type_name(qtype)

@@ -10,7 +10,7 @@ from dnslib import AAAA, CNAME, EDNS0, QTYPE, RR, SOA, TXT, A, DNSRecord
 from egress.model import ViolationClass
 from egress.policy import parse_policy
 from egress.resolver import wire
-from egress.resolver.actions import AllowThenReply, Forward, Reply, Report
+from egress.resolver.actions import AllowThenReply, Forward, Reply, Report, Revoke
 from egress.resolver.core import ResolverCore
 
 POLICY = """
@@ -32,11 +32,11 @@ spec:
 
 
 def acked(c: ResolverCore, token: int, data: bytes, now: float) -> list:
-    """The shell's side of a successful set update: on_allowed runs after the ack."""
+    """The shell's side of a successful set update: every add acked, on time."""
     actions = c.on_upstream_reply(token, data, now)
     for a in actions:
-        if isinstance(a, AllowThenReply) and a.on_allowed is not None:
-            a.on_allowed()
+        if isinstance(a, AllowThenReply):
+            c.on_allowed(a.token, len(a.adds), now)
     return actions
 
 
@@ -231,8 +231,7 @@ def test_cache_hit_refreshes_the_set_when_it_would_lapse_first() -> None:
     assert hit.update.timeout_s == 550
     # Until the kernel acks the refresh, a hit asks for it again.
     assert isinstance(c.on_query(query("allowed.test"), "c", False, 55.0)[0], AllowThenReply)
-    assert hit.on_allowed is not None
-    hit.on_allowed()
+    c.on_allowed(hit.token, len(hit.adds), 55.0)
     [again] = c.on_query(query("allowed.test"), "c", False, 60.0)
     assert isinstance(again, Reply)
 
@@ -369,8 +368,7 @@ def test_no_replay_while_the_sets_may_need_a_refresh() -> None:
     [refresh] = c.on_query(q, "c", False, 50.0)
     assert isinstance(refresh, AllowThenReply)
     assert c.replay(q, 50.5) is None  # a refresh goes through the shell's set update
-    assert refresh.on_allowed is not None
-    refresh.on_allowed()
+    c.on_allowed(refresh.token, len(refresh.adds), 50.5)
     [plain] = c.on_query(q, "c", False, 51.0)
     assert isinstance(plain, Reply) and c.replay(q, 51.5) is not None
 
@@ -469,8 +467,10 @@ def test_an_answer_is_cached_only_once_the_kernel_has_its_addresses() -> None:
     rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
     [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
     assert isinstance(act, AllowThenReply)
-    # The set update failed (the shell sent SERVFAIL and did not call on_allowed):
-    # the retry must go upstream again, not come back from the cache.
+    # The set update failed: the client gets SERVFAIL, and the retry must go upstream
+    # again, not come back from the cache.
+    [servfail] = c.on_allowed(act.token, 0, 0.5)
+    assert isinstance(servfail, Reply) and servfail.data == act.replies[0].fallback
     assert only(c.on_query(query("allowed.test"), "c", False, 1.0), Forward)
 
 
@@ -484,3 +484,68 @@ def test_address_ttls_never_outlive_the_kernels_timeout() -> None:
     [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
     assert act.update.timeout_s == 10
     assert [r.ttl for r in DNSRecord.parse(act.replies[0][1]).rr] == [10, 10]
+
+
+def test_the_core_plans_timeouts_so_no_answer_shortens_an_earlier_one() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=300)
+    [first] = acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
+    assert [(a.set_name, a.timeout_s) for a in first.adds] == [("allow4", 300)]
+    # 100 s later another name answers the same address with a 5 s TTL: 200 s are left.
+    [fwd2] = c.on_query(query("x.cdn.test"), "c", False, 100.0)
+    rr2 = RR("x.cdn.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=5)
+    [second] = c.on_upstream_reply(fwd2.token, upstream_answer(fwd2, rr2), 100.0)
+    assert [(a.timeout_s, a.elements) for a in second.adds] == [(200, second.update.elements4)]
+    assert (second.qname, second.qtype, [str(ip) for ip in second.ips]) == (
+        "x.cdn.test", 1, ["203.0.113.10"],
+    )  # fmt: skip
+
+
+def test_an_ack_too_late_is_servfail_and_takes_back_only_what_this_answer_added() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=300)
+    acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
+    [fwd2] = c.on_query(query("x.cdn.test"), "c", False, 10.0)
+    records = (
+        RR("x.cdn.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),  # allowed already
+        RR("x.cdn.test", QTYPE.A, rdata=A("203.0.113.20"), ttl=60),  # new
+    )
+    [act] = c.on_upstream_reply(fwd2.token, upstream_answer(fwd2, *records), 10.0)
+    revoke, servfail = c.on_allowed(act.token, len(act.adds), 10.5, late=True)
+    assert isinstance(revoke, Revoke)
+    assert revoke.update.elements4 == ("203.0.113.20 . tcp . 80", "203.0.113.20 . tcp . 443")
+    assert isinstance(servfail, Reply) and servfail.data == act.replies[0].fallback
+    assert c.on_allowed(act.token, len(act.adds), 10.5) == []  # answered once only
+    assert only(c.on_query(query("x.cdn.test"), "c", False, 11.0), Forward)  # not cached
+
+
+def test_a_partial_ack_is_servfail_and_books_only_the_acked_adds() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=300)
+    acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
+    [fwd2] = c.on_query(query("x.cdn.test"), "c", False, 100.0)
+    records = (
+        RR("x.cdn.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),  # 200 s left: its own add
+        RR("x.cdn.test", QTYPE.A, rdata=A("203.0.113.30"), ttl=60),
+    )
+    [act] = c.on_upstream_reply(fwd2.token, upstream_answer(fwd2, *records), 100.0)
+    assert [a.timeout_s for a in act.adds] == [200, 60]
+    [servfail] = c.on_allowed(act.token, 1, 100.0)  # the second add failed
+    assert isinstance(servfail, Reply) and servfail.data == act.replies[0].fallback
+    assert c.expiry.fresh(("203.0.113.30 . tcp . 443",), 101.0) == ["203.0.113.30 . tcp . 443"]
+    assert c.expiry.fresh(("203.0.113.10 . tcp . 443",), 101.0) == []
+
+
+def test_an_answer_arriving_after_a_swap_that_removed_its_name_is_servfail() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    narrower, _ = parse_policy(POLICY.format(mode="enforce", denied="nxdomain")
+                               .replace("      - allowed.test\n", ""), "t.yaml")  # fmt: skip
+    c.set_policy(narrower)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.1)
+    assert isinstance(act, Reply)
+    assert DNSRecord.parse(act.data).header.rcode == wire.SERVFAIL
