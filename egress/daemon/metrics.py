@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.errors import EgressError
-from egress.inline.server import Latencies
+from egress.inline.upstream import Latencies
 
 from .registry import Registry, Served
 

@@ -20,18 +20,16 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 
 from egress.datapath import constants as c
-from egress.datapath.elements import ExpiryBook, SetUpdate
 from egress.errors import EgressError
+from egress.inline.sets import SetWriter
 from egress.inline.tcp_front import TcpClient, TcpFront
-from egress.inline.upstream import UpstreamPool, recv_frame, set_mark
+from egress.inline.upstream import Latencies, UpstreamPool, recv_frame, set_mark
 from egress.kernel.netns import in_netns
 from egress.kernel.nft import NftHandle
-from egress.kernel.nft_sets import SET_UPDATE_DEADLINE_S, NetlinkSets
 from egress.model import Policy, Violation
-from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report
+from egress.resolver.actions import Action, AllowThenReply, Forward, Reply, Report, Revoke
 from egress.resolver.core import ResolverCore
 from egress.resolver.ratelimit import TokenBucket
 from egress.tunnel import scorer_for
@@ -61,38 +59,6 @@ def make_core(policy: Policy, upstream_count: int) -> ResolverCore:
     return ResolverCore(policy, upstream_count, secrets.randbits, scorer=scorer)
 
 
-@dataclass
-class SetStats:
-    updates: int = 0
-    failures: int = 0
-    slow: int = 0
-    last_ms: float = 0.0
-
-
-class Latencies:
-    """A histogram: a count per bucket (``counts[i]``: at most ``bounds[i]``, above the one
-    before; the last: above every bound), their sum and count. Fixed memory, however many
-    are observed; ``egress.daemon.metrics`` renders it the cumulative way Prometheus wants.
-    The default bounds suit upstream DNS round trips (seconds): a lab or LAN answers in
-    under a millisecond, the internet in 1-250 ms, and the timeout is 2 s.
-    """
-
-    UPSTREAM_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...] = UPSTREAM_S) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), -1)
-        self.counts[index] += 1
-        self.sum += value
-        self.count += 1
-
-
 class ResolverServer:
     """Serves one sandbox. ``on_violation`` receives each inline verdict as it happens."""
 
@@ -118,14 +84,13 @@ class ResolverServer:
         self.listen_addr = listen_addr
         self.port = port
         self.timeout_s = timeout_s
-        self.sets = SetStats()
-        self.expiry = ExpiryBook()  # no answer may shorten what an earlier one allowed
+        self.writer = SetWriter(nft)
+        self.sets = self.writer.stats
         self.internal_errors = 0
         self.last_internal_error = ""
         self.dropped_replies = 0
         self.mark = mark  # SO_MARK of upstream sockets (UpstreamPool)
         self.pool = UpstreamPool(upstreams, upstream_netns, mark)
-        self._sets: NetlinkSets | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._udp: socket.socket | None = None
         self._tcp: TcpFront | None = None
@@ -170,14 +135,12 @@ class ResolverServer:
             udp.setblocking(False)
             tcp.setblocking(False)
             self.pool.refill()
-            self._sets = _open_sets(self.nft)
+            self.writer.open()
         except BaseException:
             udp.close()
             tcp.close()
             self.pool.close()
-            if self._sets is not None:
-                self._sets.close()
-                self._sets = None
+            self.writer.close()
             raise
         self._udp = udp
         self._tcp = TcpFront(tcp, self._tcp_query, self._admit_tcp)
@@ -246,9 +209,7 @@ class ResolverServer:
         if self._refill is not None:
             self._refill.cancel()
         self.pool.close()
-        if self._sets is not None:
-            self._sets.close()
-            self._sets = None
+        self.writer.close()
 
     # -- the listening UDP socket --------------------------------------------------------
 
@@ -347,66 +308,19 @@ class ResolverServer:
             if isinstance(action, Reply):
                 action.client.send(action.data)  # type: ignore[attr-defined]
             elif isinstance(action, AllowThenReply):
-                ok = self.allow(action.update)
-                if ok and action.on_allowed is not None:
-                    action.on_allowed()
-                for client, data, fallback in action.replies:
-                    client.send(data if ok else fallback)  # type: ignore[attr-defined]
+                self.perform(self.allow(action))
             elif isinstance(action, Forward):
                 self._forward(action)
             elif isinstance(action, Report):
                 self.on_violation(action.violation)
+            elif isinstance(action, Revoke):
+                self.writer.revoke(action.update)
 
-    def allow(self, update: SetUpdate) -> bool:
-        """Put the addresses in the kernel's sets; True only once the kernel has them."""
-        start = time.monotonic()
-        fresh = {
-            "allow4": self.expiry.fresh(update.elements4, start),
-            "allow6": self.expiry.fresh(update.elements6, start),
-        }
-        try:
-            for family_set, elements in (
-                ("allow4", update.elements4),
-                ("allow6", update.elements6),
-            ):
-                for timeout, group in self.expiry.plan(elements, update.timeout_s, start).items():
-                    self._add(family_set, tuple(group), timeout)
-                    self.expiry.record(group, timeout, start)
-        except (EgressError, OSError, ValueError, struct.error):  # any failure: SERVFAIL
-            self.sets.failures += 1
-            return False
-        elapsed = time.monotonic() - start
-        self.sets.updates += 1
-        self.sets.last_ms = elapsed * 1000
-        if elapsed > SET_UPDATE_DEADLINE_S:
-            # Too late to trust: the client gets SERVFAIL, so take the addresses back too.
-            self.sets.slow += 1
-            with contextlib.suppress(EgressError):
-                # Only what this answer added: an earlier answer's elements stay allowed.
-                self._revoke(SetUpdate(tuple(fresh["allow4"]), tuple(fresh["allow6"]), 0))
-            return False
-        return True
-
-    def _add(self, family_set: str, elements: tuple[str, ...], timeout_s: int) -> None:
-        if self._sets is not None:
-            try:
-                self._sets.add(family_set, elements, timeout_s)
-                return
-            except (ValueError, KeyError):
-                pass  # not elements this writer understands: libnftables knows more
-        self.nft.add_elements("inet", c.TABLE, family_set, list(elements), timeout_s)
-
-    def _revoke(self, update: SetUpdate) -> None:
-        for family_set, elements in (("allow4", update.elements4), ("allow6", update.elements6)):
-            if not elements:
-                continue
-            if self._sets is not None:
-                try:
-                    self._sets.delete(family_set, elements)
-                    continue
-                except (ValueError, KeyError, OSError):
-                    pass  # libnftables says why, or skips the ones already gone
-            self.nft.delete_elements("inet", c.TABLE, family_set, list(elements), missing_ok=True)
+    def allow(self, action: AllowThenReply) -> list[Action]:
+        """Put the planned elements in the kernel's sets, one add at a time, each acked;
+        the core hears how far it got (and whether in time) and says what to send."""
+        done = self.writer.apply(action.adds)
+        return self.core.on_allowed(action.token, done.acked, time.time(), late=done.late)
 
     def handle_query(self, data: bytes, client: UdpClient | TcpClient, tcp: bool) -> None:
         """One query in; never raises: a bug must cost one answer, not the server."""
@@ -553,11 +467,3 @@ def _kernel_drops(sock: socket.socket) -> int:
     except OSError:
         return -1  # unknown: not counted
     return int(struct.unpack_from("=I", info, 4 * sk_meminfo_drops)[0])
-
-
-def _open_sets(nft: NftHandle) -> NetlinkSets | None:
-    """A netlink writer in the netns of the sandbox's nft handle (None: use libnftables)."""
-    try:
-        return NetlinkSets(nft.netns)
-    except (OSError, EgressError, AttributeError):
-        return None

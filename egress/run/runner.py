@@ -25,8 +25,8 @@ from typing import Any
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError
-from egress.freeze.enforcer import Enforcer
-from egress.inline.server import ResolverServer, make_core
+from egress.inline import wiring
+from egress.inline.server import ResolverServer
 from egress.inline.session import Session, wait_for_exit
 from egress.inline.upstream import parse_upstream, resolve_upstreams
 from egress.model import Policy
@@ -178,18 +178,10 @@ def _shield_teardown() -> None:
 # -- serving -----------------------------------------------------------------------------
 
 
-def _resolver(sb: sbx.Sandbox, opts: RunOptions, session: Session) -> ResolverServer:
-    upstreams = resolve_upstreams(sb.policy.dns.upstreams)
+def _upstreams(sb: sbx.Sandbox, opts: RunOptions) -> list[tuple[str, int]]:
     if opts.upstream:
-        upstreams = [parse_upstream(opts.upstream)]
-    return ResolverServer(
-        make_core(sb.policy, len(upstreams)),
-        upstreams,
-        sb.nft,
-        session.on_violation,
-        sb.netns,
-        opts.uplink_netns,
-    )
+        return [parse_upstream(opts.upstream)]
+    return resolve_upstreams(sb.policy.dns.upstreams)
 
 
 def _review_hint(opts: RunOptions) -> str:
@@ -205,10 +197,11 @@ async def _serve(
     result: RunResult,
 ) -> None:
     loop = asyncio.get_running_loop()
-    enforcer = Enforcer(sb.id, sb.policy, "inline", journal, sb.cgroup)
-    session = Session(sb, enforcer, opts.decision_timeout, _review_hint(opts))
+    session, resolver = wiring.make_for_run(
+        sb, journal, _review_hint(opts), _upstreams(sb, opts), opts.uplink_netns,
+        opts.decision_timeout,
+    )  # fmt: skip
     result.session = session
-    loop.add_reader(session.listener.fileno(), session.on_nflog)
     observer_fd = os.pidfd_open(observer.pid)
 
     def observer_gone() -> None:
@@ -216,23 +209,22 @@ async def _serve(
         session.observer_died()
 
     loop.add_reader(observer_fd, observer_gone)
-    resolver = _resolver(sb, opts, session)
-    await resolver.start()
-    watcher = loop.create_task(session.watch_frozen())
+    watcher: asyncio.Task[None] | None = None
     try:
+        await resolver.start()
+        watcher = loop.create_task(session.watch_frozen())
         procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
         proc = workload.spawn(sb.netns, user, opts.argv, procs)
         result.exit_code = await wait_for_exit(proc.pid, session)
         proc.returncode = result.exit_code  # reaped already; keep Popen from reaping again
     finally:
         session.stopping = True
-        watcher.cancel()
-        await resolver.close()
-        loop.remove_reader(session.listener.fileno())
+        if watcher is not None:
+            watcher.cancel()
         with contextlib.suppress(ValueError, OSError):
             loop.remove_reader(observer_fd)
         os.close(observer_fd)
-        session.close()
+        await wiring.stop(session, resolver)
         _resolver_counters(resolver, result)
 
 
