@@ -8,6 +8,7 @@ precise message per problem.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class EgressError(Exception):
@@ -58,12 +59,61 @@ class UpstreamError(EgressError):
     """No upstream DNS server gave a usable answer."""
 
 
-class SandboxError(EgressError):
-    """A sandbox could not be created, entered, or torn down."""
-
-
 class JournalError(EgressError):
     """The violation journal could not be opened or written."""
+
+
+class SandboxError(EgressError):
+    """A sandbox could not be created, entered, attached, served or torn down."""
+
+
+class AlreadyAttached(SandboxError):
+    """Raised by ``sandbox.attach`` when the netns already holds an ``inet egress`` table
+    (another egress serves it); egressd's registry answers it as a ``Conflict``."""
+
+
+class Stopped(SandboxError):
+    """Raised by ``egressctl run`` on SIGTERM or SIGHUP before its command started: it
+    tears down what it made and goes."""
+
+
+class NotFound(SandboxError):
+    """Raised by egressd when no sandbox it serves (or that its journal knows) has the id
+    a request names."""
+
+
+class Conflict(SandboxError):
+    """Raised by egressd when a request collides with what it already serves: an id or
+    netns in use, a resume of a sandbox that is not frozen."""
+
+
+class Busy(SandboxError):
+    """Raised by egressd while it hands its sandboxes to a successor: changes wait for
+    the new one."""
+
+
+class Refused(SandboxError):
+    """Raised in a new egressd when the running one is alive and turned the handoff down
+    (one is already under way): the new one must not start beside it."""
+
+
+class BadRequest(EgressError):
+    """Raised by egressd's API on a request it cannot read: malformed JSON, a missing,
+    mistyped or unknown field, a bad query parameter. ``where`` names the part at fault."""
+
+    def __init__(self, message: str, where: object = None) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+class DaemonError(EgressError):
+    """Raised by egressctl's client when egressd cannot be reached, or refused the request;
+    ``status`` and ``data`` are its HTTP status and JSON error (0 and None if unreached)."""
+
+    def __init__(self, message: str, status: int = 0, data: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.data = data
 
 
 class LabError(EgressError):
@@ -79,3 +129,7 @@ class ZoneFileError(LabError):
         self.where = where
         self.message = message
         super().__init__(f"{where}: {message}")
+
+
+class LabExistsError(LabError):
+    """Raised by ``Lab.up`` when the lab (or one of its netns) is already there."""

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from egress.errors import EgressError
+from egress.errors import DaemonError, EgressError
 from egress.store.paths import run_dir
 
 FMT = argparse.RawDescriptionHelpFormatter
@@ -34,15 +34,6 @@ TIMEOUT_S = 120.0
 
 def default_socket() -> str:
     return str(run_dir() / "egressd.sock")
-
-
-class DaemonError(EgressError):
-    """egressd could not be reached, or refused the request (with its JSON error)."""
-
-    def __init__(self, message: str, status: int = 0, data: Any = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.data = data
 
 
 class _UnixConnection(http.client.HTTPConnection):

@@ -24,21 +24,25 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from egress.errors import DatapathError, EgressError, JournalError, PolicyError, UpstreamError
+from egress.errors import (
+    BadRequest,
+    Busy,
+    Conflict,
+    DatapathError,
+    EgressError,
+    JournalError,
+    NotFound,
+    PolicyError,
+    UpstreamError,
+)
 
 from . import metrics
-from .registry import Busy, Conflict, NotFound, Registry
+from .registry import Registry
 
 REGISTRY: web.AppKey[Registry] = web.AppKey("registry", Registry)
 OPENAPI = Path(__file__).with_name("openapi.yaml")
 MAX_BODY = 1 << 20  # a policy is a few KB; a MB is generous
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BadRequest(EgressError):
-    def __init__(self, message: str, where: object = None) -> None:
-        super().__init__(message)
-        self.where = where
 
 
 def error(status: int, message: str, where: object = None, **extra: Any) -> web.Response:
