@@ -123,7 +123,9 @@ class Registry:
         try:
             return self.served[sandbox_id]
         except KeyError:
-            raise NotFound(f"no sandbox {sandbox_id!r} is served by this egressd") from None
+            raise NotFound(
+                f"no sandbox {sandbox_id!r} is served by this egressd", where=sandbox_id
+            ) from None
 
     def _changing(self) -> None:
         if self.paused:
