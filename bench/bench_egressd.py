@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egress.cli.daemon_cmds import Client, DaemonError
+from egress.cli.client import Client
+from egress.errors import DaemonError
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
 from egress.sandbox.lifecycle import teardown_claim

@@ -106,7 +106,7 @@ class Egressd:
     """An egressd of our own; stopped by its own PID only."""
 
     def __init__(self, workdir: Path) -> None:
-        from egress.cli.daemon_cmds import Client
+        from egress.cli.client import Client
 
         self.socket = str(workdir / "egressd.sock")
         argv = [sys.executable, "-m", "egress.daemon.main", "--socket", self.socket,

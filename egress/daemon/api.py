@@ -24,21 +24,15 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from egress.errors import DatapathError, EgressError, JournalError, PolicyError, UpstreamError
+from egress.errors import BadRequest, EgressError, NotFound
 
 from . import metrics
-from .registry import Busy, Conflict, NotFound, Registry
+from .registry import Registry
 
 REGISTRY: web.AppKey[Registry] = web.AppKey("registry", Registry)
 OPENAPI = Path(__file__).with_name("openapi.yaml")
 MAX_BODY = 1 << 20  # a policy is a few KB; a MB is generous
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BadRequest(EgressError):
-    def __init__(self, message: str, where: object = None) -> None:
-        super().__init__(message)
-        self.where = where
 
 
 def error(status: int, message: str, where: object = None, **extra: Any) -> web.Response:
@@ -49,23 +43,8 @@ def error(status: int, message: str, where: object = None, **extra: Any) -> web.
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadRequest as exc:
-        return error(400, str(exc), exc.where)
-    except PolicyError as exc:
-        problems = [str(p) for p in exc.problems]
-        return error(422, "the policy is invalid", "policy", problems=problems)
-    except UpstreamError as exc:
-        return error(422, str(exc), "upstream")
-    except NotFound as exc:
-        return error(404, str(exc), request.match_info.get("id"))
-    except Conflict as exc:
-        return error(409, str(exc))
-    except Busy as exc:
-        return error(503, str(exc))
-    except (DatapathError, JournalError) as exc:
-        return error(500, str(exc))
-    except EgressError as exc:  # SandboxError: a netns, cgroup or uplink that won't do
-        return error(422, str(exc))
+    except EgressError as exc:  # each error knows its status and body (egress.errors)
+        return web.json_response(exc.http_body(), status=exc.http_status)
     except web.HTTPException as exc:
         if exc.status >= 400:
             return error(exc.status, exc.reason, request.path)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from egress.errors import SandboxError
+from egress.errors import Refused, SandboxError
 
 SOCKET_NAME = "handoff.sock"
 MAX_MESSAGE = 1 << 20
@@ -118,10 +118,6 @@ class Taken:
 
 
 # -- the new egressd ---------------------------------------------------------------------
-
-
-class Refused(SandboxError):
-    """The running egressd is alive and turned the handoff down (one is under way)."""
 
 
 def take_over(run_dir: Path) -> Taken | None:

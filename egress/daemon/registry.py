@@ -30,7 +30,15 @@ from typing import Any, TypeVar
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
-from egress.errors import EgressError, SandboxError, UpstreamError
+from egress.errors import (
+    AlreadyAttached,
+    Busy,
+    Conflict,
+    EgressError,
+    NotFound,
+    SandboxError,
+    UpstreamError,
+)
 from egress.inline import wiring
 from egress.inline.session import Session
 from egress.inline.swap import TrackingResolver, swap
@@ -48,18 +56,6 @@ from . import handoff
 
 _T = TypeVar("_T")
 _ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")
-
-
-class NotFound(SandboxError):
-    """No served sandbox has this id."""
-
-
-class Conflict(SandboxError):
-    """The request collides with what is already served."""
-
-
-class Busy(SandboxError):
-    """egressd is handing its sandboxes to a successor; changes wait for it."""
 
 
 @dataclass
@@ -127,7 +123,9 @@ class Registry:
         try:
             return self.served[sandbox_id]
         except KeyError:
-            raise NotFound(f"no sandbox {sandbox_id!r} is served by this egressd") from None
+            raise NotFound(
+                f"no sandbox {sandbox_id!r} is served by this egressd", where=sandbox_id
+            ) from None
 
     def _changing(self) -> None:
         if self.paused:
@@ -210,7 +208,7 @@ class Registry:
                 sb, lo_raised = await _in_thread(
                     attach_mod.attach, sid, policy, netns_ref, cgroup, freezer
                 )
-            except attach_mod.AlreadyAttached as exc:
+            except AlreadyAttached as exc:
                 raise Conflict(str(exc)) from None
             record = rundir.Record(
                 sid, "attached", netns_ref, cgroup, policy_text, freezer, uplink_netns,

@@ -41,8 +41,8 @@ pytest fixture (tests/privileged/conftest.py), and the ``Lab`` class::
 
 from __future__ import annotations
 
-from egress.errors import LabError, ZoneFileError
-from egress.lab.control import DEFAULT_NAME, Lab, LabExistsError
+from egress.errors import LabError, LabExistsError, ZoneFileError
+from egress.lab.control import DEFAULT_NAME, Lab
 from egress.lab.querylog import read_query_log
 from egress.lab.zones import DEFAULT_ZONES_FILE, ZoneSet, load_zones, parse_zones
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from egress.errors import LabError
+from egress.errors import LabError, LabExistsError
 from egress.lab import nsutil, state, topology
 from egress.lab.querylog import read_query_log
 from egress.lab.state import LabState, ProcRecord
@@ -36,10 +36,6 @@ READY_SECONDS = 20.0
 RELOAD_SECONDS = 5.0
 PROBE_SECONDS = 0.5
 _MODULE_MARK = "egress.lab."  # how lab server processes are recognised
-
-
-class LabExistsError(LabError):
-    """``Lab.up`` found the lab (or its netns) already there."""
 
 
 class Lab:

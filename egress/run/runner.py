@@ -24,7 +24,7 @@ from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
-from egress.errors import EgressError, SandboxError
+from egress.errors import EgressError, SandboxError, Stopped
 from egress.inline import wiring
 from egress.inline.server import ResolverServer
 from egress.inline.session import Session, wait_for_exit
@@ -152,10 +152,6 @@ def _run(
 # -- signals outside the event loop -----------------------------------------------------
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-class Stopped(SandboxError):
-    """SIGTERM or SIGHUP before the command started: tear down and go."""
 
 
 def _stop_on_signals() -> None:

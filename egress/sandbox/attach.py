@@ -23,7 +23,7 @@ import time
 from egress.datapath import constants as c
 from egress.datapath.addressing import SandboxNet
 from egress.datapath.render import render_sandbox
-from egress.errors import EgressError, SandboxError
+from egress.errors import AlreadyAttached, EgressError, SandboxError
 from egress.kernel import netns
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
@@ -36,10 +36,6 @@ NO_NET = SandboxNet(-1, ipaddress.IPv4Network("0.0.0.0/32"), ipaddress.IPv6Netwo
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
-
-
-class AlreadyAttached(SandboxError):
-    """The netns already holds an ``inet egress`` table (another egress serves it)."""
 
 
 def attach(

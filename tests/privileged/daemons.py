@@ -17,7 +17,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from egress.cli.daemon_cmds import Client, DaemonError
+from egress.cli.client import Client
+from egress.errors import DaemonError
 from egress.kernel.nft import NftHandle
 from egress.sandbox.lifecycle import teardown_claim
 from egress.store import claims

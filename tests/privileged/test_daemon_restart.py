@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from egress.cli.daemon_cmds import DaemonError
 from egress.daemon import handoff
+from egress.errors import DaemonError
 from egress.kernel.cgroup import Cgroup
 from egress.lab import Lab
 from tests.privileged.daemons import ROOT, Daemon, dig, egressd

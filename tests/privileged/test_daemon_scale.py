@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from egress.cli.daemon_cmds import DaemonError
+from egress.errors import DaemonError
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
