@@ -36,6 +36,20 @@ class SandboxState(enum.StrEnum):
     EXITED = "exited"
 
 
+class SandboxKind(enum.StrEnum):
+    """Who made a served sandbox's netns and cgroup."""
+
+    CREATED = "created"  # egress: netns, veth, cgroup, address claim
+    ATTACHED = "attached"  # another runtime (a container, a pod); egress adds rules only
+
+
+class ReviewAction(enum.StrEnum):
+    """What a person (or the decision timeout) decides for a frozen sandbox."""
+
+    RESUME = "resume"
+    KILL = "kill"
+
+
 class Action(enum.Enum):
     """What happens on a violation of a class."""
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from egress.cli.client import Client, default_socket
 from egress.errors import DaemonError, EgressError
+from egress.model import SandboxKind, SandboxState
 
 FMT = argparse.RawDescriptionHelpFormatter
 
@@ -186,13 +187,13 @@ def cmd_exec(args: argparse.Namespace) -> int:
         raise EgressError("sandbox exec: give the command after --, e.g. -- sh -c 'curl ...'")
     user = workload.resolve_user(args.user)
     data = _run(args, "GET", f"/v1/sandboxes/{args.sandbox}", None)
-    if data["kind"] != "created":
+    if data["kind"] != SandboxKind.CREATED:
         # Its netns and cgroup are another runtime's (their resolv.conf, their way in).
         raise EgressError(
             f"sandbox {args.sandbox} is attached to a netns another runtime made; "
             "start its processes through that runtime"
         )
-    if data["state"] == "frozen":
+    if data["state"] == SandboxState.FROZEN:
         raise EgressError(f"sandbox {args.sandbox} is frozen; resume or kill it first")
     procs = [os.path.join(data["cgroup"], "cgroup.procs")]
     if data.get("freezer"):

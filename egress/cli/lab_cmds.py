@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from egress.lab import DEFAULT_NAME, Lab, LabError, LabExistsError
-from egress.lab.state import state_dir
+from egress.lab.state import lab_dir
 
 LAB_EPILOG = """\
 examples:
@@ -113,7 +113,7 @@ def _action(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--name", default=DEFAULT_NAME, help=f"lab name (default {DEFAULT_NAME})")
-    parser.add_argument("--state-dir", help=f"state directory (default {state_dir()})")
+    parser.add_argument("--state-dir", help=f"state directory (default {lab_dir()})")
     return parser
 
 
@@ -167,7 +167,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    path = Path(state_dir(args.state_dir)) / f"{args.name}.json"
+    path = Path(lab_dir(args.state_dir)) / f"{args.name}.json"
     if not path.exists():
         if args.json:
             print(json.dumps({"name": args.name, "state": "down"}))

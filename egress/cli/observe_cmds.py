@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_observe(args: argparse.Namespace) -> int:
     from egress.observer.layer import Observer, ObserverConfig
-    from egress.store.journal import state_dir
+    from egress.store.paths import state_dir
 
     if args.freezer is not None and args.cgroup is None:
         raise SandboxError("--freezer needs --cgroup (the v2 directory it mirrors)")

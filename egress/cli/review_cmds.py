@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from egress.errors import EgressError, SandboxError
+from egress.model import ReviewAction, SandboxState
 
 if TYPE_CHECKING:
     from egress.kernel.cgroup import Cgroup
@@ -112,7 +113,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         removed.append(claim.id)
         with contextlib.suppress(EgressError), _journal(args) as journal:
             if journal.sandbox(claim.id) is not None:
-                journal.set_sandbox_state(claim.id, "exited")
+                journal.set_sandbox_state(claim.id, SandboxState.EXITED)
     for sandbox_id in removed:
         print(f"sandbox {sandbox_id} removed")
     if not removed and not failed:
@@ -121,7 +122,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _journal(args: argparse.Namespace) -> Any:
-    from egress.store.journal import Journal, state_dir
+    from egress.store.journal import Journal
+    from egress.store.paths import state_dir
 
     return Journal.open(state_dir(args.state_dir))
 
@@ -130,7 +132,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     with _journal(args) as journal:
         rows = [_live_state(r) for r in journal.sandboxes()]
     if not args.all:
-        rows = [r for r in rows if r["state"] != "exited"]
+        rows = [r for r in rows if r["state"] != SandboxState.EXITED]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -164,14 +166,16 @@ def _live_state(row: dict[str, Any]) -> dict[str, Any]:
             "observer_pid",
         )
     }
-    if out["state"] == "exited":
+    if out["state"] == SandboxState.EXITED:
         return out
     try:
         frozen = sandbox_cgroup(row).is_frozen()
     except EgressError:
-        out["state"] = "exited"  # its cgroup is gone: whatever ran it died without saying so
+        out["state"] = (
+            SandboxState.EXITED
+        )  # its cgroup is gone: whatever ran it died without saying so
         return out
-    out["state"] = "frozen" if frozen else "running"
+    out["state"] = SandboxState.FROZEN if frozen else SandboxState.RUNNING
     for key in ("inline_pid", "observer_pid"):
         pid = out[key]
         if isinstance(pid, int) and not alive(pid):
@@ -242,7 +246,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
         if row is None:
             raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path} (see egressctl ps)")
         try:
-            if row["state"] == "exited":
+            if row["state"] == SandboxState.EXITED:
                 raise SandboxError("exited")
             cgroup = sandbox_cgroup(row)
         except EgressError:
@@ -251,7 +255,7 @@ def cmd_decide(args: argparse.Namespace) -> int:
             ) from None
         note = args.note or _who()
         journal.record_decision(args.sandbox, args.action, os.getuid(), time.time(), note)
-        if args.action == "resume":
+        if args.action == ReviewAction.RESUME:
             cgroup.thaw()
             print(f"sandbox {args.sandbox} resumed")
         else:

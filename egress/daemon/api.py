@@ -25,6 +25,7 @@ import yaml
 from aiohttp import web
 
 from egress.errors import BadRequest, EgressError, NotFound
+from egress.model import ReviewAction
 
 from . import metrics
 from .registry import Registry
@@ -114,11 +115,11 @@ async def show(request: web.Request) -> web.Response:
 
 
 async def resume(request: web.Request) -> web.Response:
-    return await _decide(request, "resume")
+    return await _decide(request, ReviewAction.RESUME)
 
 
 async def kill(request: web.Request) -> web.Response:
-    return await _decide(request, "kill")
+    return await _decide(request, ReviewAction.KILL)
 
 
 async def _decide(request: web.Request, action: str) -> web.Response:

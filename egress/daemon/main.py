@@ -21,8 +21,8 @@ from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
 from egress.observer.supervisor import Supervisor
 from egress.store import rundir
-from egress.store.journal import Journal, state_dir
-from egress.store.paths import run_dir
+from egress.store.journal import Journal
+from egress.store.paths import run_dir, state_dir
 
 from . import handoff, sidecar
 from .api import make_app
@@ -61,7 +61,7 @@ sandbox, restarted on a policy swap), freezing the cgroup the run dir's record n
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", metavar="DIR", default=str(rundir.default_run_dir()),
+    p.add_argument("--run-dir", metavar="DIR", default=str(rundir.records_dir()),
                    help="where served sandboxes are recorded (default: %(default)s)")  # fmt: skip
     p.add_argument(
         "--state-dir",

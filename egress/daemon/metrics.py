@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from egress.datapath import constants as c
 from egress.errors import EgressError
 from egress.inline.upstream import Latencies
+from egress.model import SandboxKind
 
 from .registry import Registry, Served
 
@@ -70,7 +71,7 @@ def render(registry: Registry, kernel: dict[str, Kernel]) -> str:
     out = _Out()
     served = registry.list()
     out.family("egress_sandboxes", "gauge", "Sandboxes this egressd serves.")
-    for kind in ("created", "attached"):
+    for kind in SandboxKind:
         out.sample("egress_sandboxes", sum(s.record.kind == kind for s in served), kind=kind)
     out.family("egress_sandboxes_created_total", "counter", "Sandboxes created or attached.")
     out.sample("egress_sandboxes_created_total", registry.created_total)

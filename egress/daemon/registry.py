@@ -44,7 +44,7 @@ from egress.inline.session import Session
 from egress.inline.swap import TrackingResolver, swap
 from egress.inline.upstream import parse_upstream, resolve_upstreams
 from egress.kernel.nflog import NflogListener
-from egress.model import Policy
+from egress.model import Policy, ReviewAction, SandboxKind, SandboxState
 from egress.policy import parse_policy
 from egress.sandbox import attach as attach_mod
 from egress.sandbox import lifecycle as sbx
@@ -81,13 +81,13 @@ class Served:
             "policy": self.sb.policy.name,
             "policy_sha256": r.policy_sha256,
             "mode": self.sb.policy.mode.value,
-            "state": "frozen" if frozen else "running",
+            "state": SandboxState.FROZEN if frozen else SandboxState.RUNNING,
             "netns": r.netns,
             "cgroup": r.cgroup,
             "freezer": r.freezer,
             "uplink_netns": r.uplink_netns,
             "upstream": r.upstream,
-            "address4": None if r.kind == "attached" else str(self.sb.net.address4),
+            "address4": None if r.kind == SandboxKind.ATTACHED else str(self.sb.net.address4),
             "created_at": r.created_at,
             "violations": len(self.session.state.violations),
             "dns": self.resolver.core.stats,
@@ -166,8 +166,9 @@ class Registry:
         upstreams = _upstreams(policy, upstream)
         sb = await _in_thread(sbx.create, policy, self.pools, uplink_netns)
         record = rundir.Record(
-            sb.id, "created", sb.netns, sb.cgroup.v2_path, policy_text, sb.cgroup.freezer_path,
-            uplink_netns, upstream, created_at=time.time(), daemon_pid=os.getpid(),
+            id=sb.id, kind=SandboxKind.CREATED, netns=sb.netns, cgroup=sb.cgroup.v2_path,
+            policy=policy_text, freezer=sb.cgroup.freezer_path, uplink_netns=uplink_netns,
+            upstream=upstream, created_at=time.time(), daemon_pid=os.getpid(),
         )  # fmt: skip
         return await self._serve(sb, record, upstreams, fresh=True)
 
@@ -211,8 +212,10 @@ class Registry:
             except AlreadyAttached as exc:
                 raise Conflict(str(exc)) from None
             record = rundir.Record(
-                sid, "attached", netns_ref, cgroup, policy_text, freezer, uplink_netns,
-                upstream, lo_raised, time.time(), os.getpid(),
+                id=sid, kind=SandboxKind.ATTACHED, netns=netns_ref, cgroup=cgroup,
+                policy=policy_text, freezer=freezer, uplink_netns=uplink_netns,
+                upstream=upstream, lo_raised=lo_raised, created_at=time.time(),
+                daemon_pid=os.getpid(),
             )  # fmt: skip
             return await self._serve(sb, record, upstreams, fresh=True)
         finally:
@@ -265,7 +268,7 @@ class Registry:
             if fresh:
                 await _in_thread(_destroy_quietly, sb)
                 with contextlib.suppress(EgressError):
-                    self.journal.set_sandbox_state(sb.id, "exited")
+                    self.journal.set_sandbox_state(sb.id, SandboxState.EXITED)
             raise
         served = self.served[sb.id] = Served(record, sb, session, resolver)
         self.created_total += fresh
@@ -330,7 +333,7 @@ class Registry:
     async def _adopt(self, record: rundir.Record, handed: handoff.Handed | None) -> None:
         policy = parse(record.policy)
         upstreams = _upstreams(policy, record.upstream)
-        if record.kind == "created":
+        if record.kind == SandboxKind.CREATED:
             sb = await _in_thread(adopt_created, record, policy)
         else:
             sb = await _in_thread(
@@ -355,14 +358,14 @@ class Registry:
         """A person's resume or kill: journaled first (with the caller's uid), then done."""
         served = self.get(sandbox_id)
         cgroup = served.sb.cgroup
-        if action == "resume" and not cgroup.is_frozen():
+        if action == ReviewAction.RESUME and not cgroup.is_frozen():
             raise Conflict(f"sandbox {sandbox_id} is not frozen; nothing to resume")
         self.journal.record_decision(sandbox_id, action, uid, time.time(), note)
-        await _in_thread(cgroup.thaw if action == "resume" else cgroup.kill)
+        await _in_thread(cgroup.thaw if action == ReviewAction.RESUME else cgroup.kill)
         _log(f"{action} {sandbox_id} by uid {uid}")
-        if action == "resume":
+        if action == ReviewAction.RESUME:
             with contextlib.suppress(EgressError):
-                self.journal.set_sandbox_state(sandbox_id, "running")
+                self.journal.set_sandbox_state(sandbox_id, SandboxState.RUNNING)
 
     async def delete(self, sandbox_id: str) -> None:
         """Tear down what egress made, or detach from what it didn't."""
@@ -379,7 +382,7 @@ class Registry:
         finally:
             rundir.remove(self.run_dir, sandbox_id)
             with contextlib.suppress(EgressError):
-                self.journal.set_sandbox_state(sandbox_id, "exited")
+                self.journal.set_sandbox_state(sandbox_id, SandboxState.EXITED)
 
     def set_policy(self, sandbox_id: str, policy_text: str) -> dict[str, Any]:
         """Swap the policy in one event-loop turn: nft rules, set elements, resolver."""
@@ -401,7 +404,7 @@ class Registry:
         with contextlib.suppress(OSError):
             rundir.save(self.run_dir, served.record)
         with contextlib.suppress(EgressError):  # what `egressctl ps` shows
-            state = "frozen" if served.sb.cgroup.is_frozen() else "running"
+            state = SandboxState.FROZEN if served.sb.cgroup.is_frozen() else SandboxState.RUNNING
             self.journal.set_sandbox_state(sandbox_id, state, policy=policy.name)
         return {"removed_elements": removed, "swap_ms": round((time.monotonic() - start) * 1e3, 2)}
 

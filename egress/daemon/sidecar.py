@@ -42,12 +42,12 @@ from egress.inline.upstream import parse_upstream, resolve_upstreams, set_mark
 from egress.kernel import netns
 from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.nft import NftHandle
-from egress.model import Policy
+from egress.model import Policy, SandboxState
 from egress.policy import parse_policy
 from egress.sandbox import lifecycle as sbx
 from egress.sandbox.attach import NO_NET
-from egress.store.journal import Journal, state_dir
-from egress.store.paths import read_template
+from egress.store.journal import Journal
+from egress.store.paths import read_template, state_dir
 
 from .registry import _ID as SANDBOX_ID
 
@@ -269,7 +269,7 @@ async def _serve(
 ) -> int:
     stop = _stop_on_signals()  # from here on a SIGTERM ends it the orderly way
     pid = os.getpid()
-    state = "frozen" if sb.cgroup.is_frozen() else "running"
+    state = SandboxState.FROZEN if sb.cgroup.is_frozen() else SandboxState.RUNNING
     if resumed:
         journal.set_sandbox_state(sb.id, state, netns=sb.netns, inline_pid=pid, owner_pid=pid,
                                   policy=sb.policy.name)  # fmt: skip
@@ -288,7 +288,7 @@ async def _serve(
         if cfg.remove_on_exit or how == "loaded":  # nothing of ours stays behind
             sb.nft.delete_table("inet", c.TABLE)
         with contextlib.suppress(EgressError):
-            journal.set_sandbox_state(sb.id, "exited")
+            journal.set_sandbox_state(sb.id, SandboxState.EXITED)
         raise
     ups = ", ".join(f"{h}:{p}" for h, p in cfg.upstreams)
     ms = (time.monotonic() - started) * 1e3
@@ -310,7 +310,7 @@ def _leave(sb: sbx.Sandbox, journal: Journal, remove: bool) -> None:
         return
     sb.nft.delete_table("inet", c.TABLE)
     with contextlib.suppress(EgressError):
-        journal.set_sandbox_state(sb.id, "exited")
+        journal.set_sandbox_state(sb.id, SandboxState.EXITED)
     print(f"egressd sidecar: stopped serving {sb.id}; table inet {c.TABLE} removed",
           file=sys.stderr)  # fmt: skip
 

@@ -24,7 +24,7 @@ from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer, FreezeEvent
 from egress.kernel.nflog import NflogListener
-from egress.model import Layer, Violation, ViolationClass
+from egress.model import Layer, ReviewAction, Violation, ViolationClass
 from egress.sandbox.lifecycle import Sandbox
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
@@ -210,7 +210,7 @@ class Session:
                 with contextlib.suppress(EgressError):
                     self.enforcer.journal.record_decision(
                         self.sb.id,
-                        "kill",
+                        ReviewAction.KILL,
                         os.getuid(),
                         time.time(),
                         f"--decision-timeout {self.decision_timeout:g} s passed",
@@ -297,7 +297,11 @@ def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, session: Session
             # all, journaled like any other kill.
             with contextlib.suppress(EgressError, OSError):
                 session.enforcer.journal.record_decision(
-                    session.sb.id, "kill", os.getuid(), time.time(), f"{sig.name} at egressctl run"
+                    session.sb.id,
+                    ReviewAction.KILL,
+                    os.getuid(),
+                    time.time(),
+                    f"{sig.name} at egressctl run",
                 )
                 session.sb.cgroup.kill()
             return

@@ -93,7 +93,7 @@ class Lab:
         load_zones(zones_path)  # a bad zone file fails here, before anything is created
         if os.geteuid() != 0:
             raise LabError("lab up needs root: it creates network namespaces")
-        directory = state.state_dir(state_dir)
+        directory = state.lab_dir(state_dir)
         with state.locked(directory):
             path = directory / f"{name}.json"
             if path.exists():
@@ -260,7 +260,7 @@ class Lab:
     def load(cls, name: str = DEFAULT_NAME, *, state_dir: str | Path | None = None) -> Lab:
         """The lab ``name`` as recorded by whoever brought it up."""
         topology.validate_name(name)
-        path = state.state_dir(state_dir) / f"{name}.json"
+        path = state.lab_dir(state_dir) / f"{name}.json"
         st = state.load_state(path)
         if st is None:
             raise LabError(f"lab {name} is not up (no state file {path})")
@@ -271,7 +271,7 @@ class Lab:
         """Tear down lab ``name`` whether or not its state file survived; True if
         anything was found."""
         topology.validate_name(name)
-        path = state.state_dir(state_dir) / f"{name}.json"
+        path = state.lab_dir(state_dir) / f"{name}.json"
         st = state.load_state(path)
         if st is not None:
             cls(st, path).down()

@@ -25,14 +25,15 @@ from typing import Any
 
 from egress.errors import LabError
 
-DEFAULT_STATE_DIR = Path("/run/egress/lab")
+DEFAULT_LAB_DIR = Path("/run/egress/lab")
 STATE_VERSION = 1
 TERM_SECONDS = 3.0
 KILL_SECONDS = 2.0
 
 
-def state_dir(override: str | Path | None = None) -> Path:
-    return Path(override or os.environ.get("EGRESS_LAB_DIR") or DEFAULT_STATE_DIR)
+def lab_dir(override: str | Path | None = None) -> Path:
+    """Where labs keep their state: ``override``, else $EGRESS_LAB_DIR, else /run/egress/lab."""
+    return Path(override or os.environ.get("EGRESS_LAB_DIR") or DEFAULT_LAB_DIR)
 
 
 @dataclass

@@ -29,12 +29,13 @@ from egress.inline import wiring
 from egress.inline.server import ResolverServer
 from egress.inline.session import Session, wait_for_exit
 from egress.inline.upstream import parse_upstream, resolve_upstreams
-from egress.model import Policy
+from egress.model import Policy, ReviewAction, SandboxState
 from egress.observer.process import ObserverProcess
 from egress.sandbox import lifecycle as sbx
 from egress.sandbox import workload
 from egress.store import claims
-from egress.store.journal import Journal, default_state_dir
+from egress.store.journal import Journal
+from egress.store.paths import default_state_dir
 
 
 @dataclass
@@ -129,7 +130,7 @@ def _run(
             owner_pid=os.getpid(),
         )
         observer.begin(sb.id, sb.netns)
-        journal.set_sandbox_state(sb.id, "running", observer_pid=observer.pid)
+        journal.set_sandbox_state(sb.id, SandboxState.RUNNING, observer_pid=observer.pid)
         asyncio.run(_serve(sb, opts, user, journal, observer, result))
     finally:
         _shield_teardown()
@@ -143,7 +144,7 @@ def _run(
         finally:
             if not opts.keep:
                 with contextlib.suppress(EgressError):
-                    journal.set_sandbox_state(sb.id, "exited")
+                    journal.set_sandbox_state(sb.id, SandboxState.EXITED)
             if opts.report:
                 _write_report(opts.report, result.to_json(policy, opts, user.name))
     return result.exit_code
@@ -244,7 +245,9 @@ def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
             result.freeze_latency_ms = first.get("latency_ms")
             decisions = journal.decisions(sb.id, limit=1)
             if decisions:
-                result.outcome = {"resume": "resumed", "kill": "killed"}[decisions[0]["action"]]
+                result.outcome = {ReviewAction.RESUME: "resumed", ReviewAction.KILL: "killed"}[
+                    decisions[0]["action"]
+                ]
     if result.session:
         result.counters["violations"] = result.session.state.seen
         result.counters["violations_not_journaled"] = result.session.state.unjournaled

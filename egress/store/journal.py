@@ -31,7 +31,6 @@ sqlite3 and OS errors become JournalError here, once, with the file's path.
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
 import threading
 import time
@@ -40,24 +39,13 @@ from pathlib import Path
 from types import TracebackType
 
 from egress.errors import JournalError
-from egress.model import Violation, ViolationClass
+from egress.model import SandboxState, Violation, ViolationClass
 from egress.store import journal_schema as schema
 
-DEFAULT_STATE_DIR = "/var/lib/egress"
 JOURNAL_FILE = "journal.db"
 BUSY_TIMEOUT_S = 10.0
 
 Row = schema.Row
-
-
-def default_state_dir() -> Path:
-    """$EGRESS_STATE_DIR, else /var/lib/egress."""
-    return Path(os.environ.get("EGRESS_STATE_DIR") or DEFAULT_STATE_DIR)
-
-
-def state_dir(option: str | Path | None = None) -> Path:
-    """``--state-dir`` if given, else $EGRESS_STATE_DIR, else /var/lib/egress."""
-    return Path(option) if option else default_state_dir()
 
 
 class Journal:
@@ -125,7 +113,7 @@ class Journal:
         netns: str | None = None,
         cgroup: str | None = None,
         created_at: float | None = None,
-        state: str = "running",
+        state: str = SandboxState.RUNNING,
         inline_pid: int | None = None,
         observer_pid: int | None = None,
         owner_pid: int | None = None,
@@ -150,7 +138,7 @@ class Journal:
         unknown = sorted(set(fields) - set(schema.SANDBOX_FIELDS))
         if unknown:
             raise JournalError(f"{self._path}: not a sandbox field: {', '.join(unknown)}")
-        if state == "exited":
+        if state == SandboxState.EXITED:
             fields.setdefault("ended_at", time.time())
         sets = "".join(f", {name} = ?" for name in fields)
         with self._write(f"set state of sandbox {sandbox_id!r}") as conn:

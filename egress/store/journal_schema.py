@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from egress.errors import JournalError
-from egress.model import Violation
+from egress.model import ReviewAction, SandboxState, Violation
 
 Row = dict[str, Any]
 
-SANDBOX_STATES = ("running", "frozen", "exited")
-DECISION_ACTIONS = ("resume", "kill")
+SANDBOX_STATES = tuple(SandboxState)
+DECISION_ACTIONS = tuple(ReviewAction)
 
 # Columns ``set_sandbox_state`` may change besides ``state``. A closed list, because the
 # names are spliced into SQL.

@@ -10,11 +10,22 @@ import egress
 from egress.errors import EgressError
 
 DEFAULT_RUN_DIR = "/run/egress"
+DEFAULT_STATE_DIR = "/var/lib/egress"
 
 
 def run_dir() -> Path:
-    """Volatile state (claims, lab state): EGRESS_RUN_DIR, default /run/egress."""
+    """Volatile state (claims, egressd's records): EGRESS_RUN_DIR, default /run/egress."""
     return Path(os.environ.get("EGRESS_RUN_DIR", DEFAULT_RUN_DIR))
+
+
+def default_state_dir() -> Path:
+    """Durable state (the journal): $EGRESS_STATE_DIR, else /var/lib/egress."""
+    return Path(os.environ.get("EGRESS_STATE_DIR") or DEFAULT_STATE_DIR)
+
+
+def state_dir(option: str | Path | None = None) -> Path:
+    """``--state-dir`` if given, else $EGRESS_STATE_DIR, else /var/lib/egress."""
+    return Path(option) if option else default_state_dir()
 
 
 def template_dir() -> Path:

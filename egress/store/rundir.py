@@ -21,17 +21,18 @@ from typing import Any
 
 from egress.store.paths import run_dir
 
-DEFAULT_RUN_DIR = "daemon"  # under egress's run dir (/run/egress)
+RECORDS_SUBDIR = "daemon"  # under egress's run dir (/run/egress)
 
 
-def default_run_dir() -> Path:
-    return run_dir() / DEFAULT_RUN_DIR
+def records_dir() -> Path:
+    """Where egressd keeps its records by default: /run/egress/daemon (``--run-dir``)."""
+    return run_dir() / RECORDS_SUBDIR
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Record:
     id: str
-    kind: str  # "created" (egress made netns, veth, cgroup) or "attached"
+    kind: str  # a SandboxKind
     netns: str
     cgroup: str
     policy: str  # the policy text, as the API received it

@@ -26,7 +26,8 @@ import pytest
 from egress.errors import JournalError
 from egress.model import Action, Flow, Violation, ViolationClass
 from egress.store import journal_schema
-from egress.store.journal import Journal, default_state_dir, state_dir
+from egress.store.journal import Journal
+from egress.store.paths import default_state_dir, state_dir
 
 T0 = 1_700_000_000.0
 
