@@ -86,7 +86,14 @@ def serve(netns: str, uplink: str, policy_file: str, loop_kind: str, score: str)
     scorer = make_scorer(policy) if score == "score" else None
     core = ResolverCore(policy, 1, secrets.randbits, scorer=scorer)  # type: ignore[arg-type]
     nft = NftHandle.open(netns)
-    server = ResolverServer(core, [(LAB_DNS, 53)], nft, lambda v: None, netns, uplink)
+    server = ResolverServer(
+        core=core,
+        upstreams=[(LAB_DNS, 53)],
+        nft=nft,
+        on_violation=lambda v: None,
+        listen_netns=netns,
+        upstream_netns=uplink,
+    )
 
     async def main() -> None:
         await server.start()

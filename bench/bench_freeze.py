@@ -205,7 +205,12 @@ def journal_throughput(state: Path, n: int = 2000) -> float:
         j.record_violation(
             "tp",
             Violation(
-                ViolationClass.BLOCKED_CONNECT, "inline", "r", f"d{i}", time.time(), Action.BLOCK
+                cls=ViolationClass.BLOCKED_CONNECT,
+                layer="inline",
+                rule="r",
+                detail=f"d{i}",
+                at=time.time(),
+                action=Action.BLOCK,
             ),
         )
     rate = n / (time.perf_counter() - start)

@@ -29,9 +29,14 @@ from egress.store.journal import Journal
 def _violation(layer: str, i: int) -> Violation:
     flow = Flow("tcp", "10.0.0.2", "203.0.113.7", 40000 + i % 20000, 443)
     return Violation(
-        ViolationClass.BLOCKED_CONNECT, layer, "no connect.allow rule matches",
-        f"tcp connect to 203.0.113.7:443 (#{i})", time.time(), Action.FREEZE, flow=flow,
-    )  # fmt: skip
+        cls=ViolationClass.BLOCKED_CONNECT,
+        layer=layer,
+        rule="no connect.allow rule matches",
+        detail=f"tcp connect to 203.0.113.7:443 (#{i})",
+        at=time.time(),
+        action=Action.FREEZE,
+        flow=flow,
+    )
 
 
 def _write(state: Path, layer: str, n: int) -> tuple[list[float], float]:

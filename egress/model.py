@@ -271,7 +271,7 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Violation:
     """One thing a sandbox tried that its policy does not allow, with its evidence."""
 

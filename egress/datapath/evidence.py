@@ -27,4 +27,7 @@ def drop_violation(
         rule = "default deny: no connect.allow rule or DNS-learned address allows it"
     what = str(flow) if flow is not None else "a packet the kernel could not describe"
     detail = f"{what} {verb}" + (f" (uid {uid})" if uid is not None else "")
-    return Violation(cls, layer, rule, detail, at, policy.action(cls), flow, uid)
+    return Violation(
+        cls=cls, layer=layer, rule=rule, detail=detail, at=at, action=policy.action(cls),
+        flow=flow, uid=uid,
+    )  # fmt: skip

@@ -64,6 +64,7 @@ class ResolverServer:
 
     def __init__(
         self,
+        *,
         core: ResolverCore,
         upstreams: list[tuple[str, int]],
         nft: NftHandle,

@@ -47,6 +47,7 @@ class SessionState:
 class Session:
     def __init__(
         self,
+        *,
         sb: Sandbox,
         enforcer: Enforcer,
         decision_timeout: float | None,
@@ -177,9 +178,11 @@ class Session:
             return None
         ev = row.get("evidence") or {}
         cls = ViolationClass(row["class"])
-        v = Violation(cls, row["layer"], row["rule"], row["detail"], row["at"],
-                      self.sb.policy.action(cls), None, ev.get("uid"), ev.get("qname"),
-                      ev.get("qtype"))  # fmt: skip
+        v = Violation(
+            cls=cls, layer=row["layer"], rule=row["rule"], detail=row["detail"], at=row["at"],
+            action=self.sb.policy.action(cls), uid=ev.get("uid"), qname=ev.get("qname"),
+            qtype=ev.get("qtype"),
+        )  # fmt: skip
         latency = freezes[0].get("latency_ms") or 0.0
         return FreezeEvent(v, vid, float(latency), row.get("process") or {})
 

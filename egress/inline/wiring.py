@@ -90,8 +90,10 @@ def _make(
 ) -> tuple[Session, ResolverServer]:
     loop = asyncio.get_running_loop()
     enforcer = Enforcer(sb.id, sb.policy, Layer.INLINE, journal, sb.cgroup)
-    session = Session(sb, enforcer, decision_timeout, review_hint, listener,
-                      freeze_off_loop=freeze_off_loop)  # fmt: skip
+    session = Session(
+        sb=sb, enforcer=enforcer, decision_timeout=decision_timeout, review_hint=review_hint,
+        listener=listener, freeze_off_loop=freeze_off_loop,
+    )  # fmt: skip
     try:
         loop.add_reader(session.listener.fileno(), session.on_nflog)
         server = TrackingResolver if tracking else ResolverServer

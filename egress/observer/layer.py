@@ -154,12 +154,12 @@ class Observer:
         unlogged = packets - self.drops_seen
         if unlogged > 0 and unlogged == self.unlogged_last:  # stable over a tick: not lag
             v = Violation(
-                ViolationClass.BLOCKED_CONNECT,
-                LAYER,
-                "default deny",
-                f"{unlogged} dropped packets beyond the log's rate limit",
-                time.time(),
-                self.policy.action(ViolationClass.BLOCKED_CONNECT),
+                cls=ViolationClass.BLOCKED_CONNECT,
+                layer=LAYER,
+                rule="default deny",
+                detail=f"{unlogged} dropped packets beyond the log's rate limit",
+                at=time.time(),
+                action=self.policy.action(ViolationClass.BLOCKED_CONNECT),
             )
             self.drops_seen = packets
             self._act(v)
@@ -170,12 +170,12 @@ class Observer:
             return  # the sandbox ended with its inline layer: not a loss
         cls = ViolationClass.LAYER_LOSS
         v = Violation(
-            cls,
-            LAYER,
-            "spec.violations.layer_loss",
-            f"the inline layer (pid {self.cfg.watch_pid}) died; DNS is no longer answered",
-            time.time(),
-            self.policy.action(cls),
+            cls=cls,
+            layer=LAYER,
+            rule="spec.violations.layer_loss",
+            detail=f"the inline layer (pid {self.cfg.watch_pid}) died; DNS is no longer answered",
+            at=time.time(),
+            action=self.policy.action(cls),
         )
         self._act(v)
 

@@ -53,8 +53,9 @@ with Journal.open(state) as j:
             continue
         flow = Flow("tcp", "10.0.0.2", "203.0.113.7", 40000 + i % 20000, 443)
         pad = "x" * (i % 7 * 400)  # some commits span several pages
-        v = Violation(ViolationClass.BLOCKED_CONNECT, layer, "no rule",
-                      f"{layer} #{i} {pad}", time.time(), Action.FREEZE, flow=flow)
+        v = Violation(cls=ViolationClass.BLOCKED_CONNECT, layer=layer, rule="no rule",
+                      detail=f"{layer} #{i} {pad}", at=time.time(), action=Action.FREEZE,
+                      flow=flow)
         if mode == "lying":
             vid = j._insert_violation(j._conn, sandbox, v)
             if i == 49:
@@ -83,16 +84,31 @@ def _violation(
     dport: int = 443,
 ) -> Violation:
     flow = Flow("tcp", "10.0.0.2", "203.0.113.7", 40000, dport)
-    return Violation(cls, layer, "no rule", "connect refused", at, Action.FREEZE, flow=flow)
+    return Violation(
+        cls=cls,
+        layer=layer,
+        rule="no rule",
+        detail="connect refused",
+        at=at,
+        action=Action.FREEZE,
+        flow=flow,
+    )
 
 
 def _dns_violation(
     at: float = T0, layer: str = "inline", qname: str = "Evil.Example."
 ) -> Violation:
     return Violation(
-        ViolationClass.DENIED_NAME, layer, "no dns rule", "query", at, Action.BLOCK,
-        uid=1000, qname=qname, qtype="TXT",
-    )  # fmt: skip
+        cls=ViolationClass.DENIED_NAME,
+        layer=layer,
+        rule="no dns rule",
+        detail="query",
+        at=at,
+        action=Action.BLOCK,
+        uid=1000,
+        qname=qname,
+        qtype="TXT",
+    )
 
 
 @pytest.fixture

@@ -107,8 +107,10 @@ async def serving(nft: FakeNft) -> tuple[ResolverServer, Stub, asyncio.DatagramT
     policy, _ = parse_policy(POLICY, "t.yaml")
     core = ResolverCore(policy, 1, random.Random(3).getrandbits)
     upstream = transport.get_extra_info("sockname")
-    server = ResolverServer(core, [upstream], nft, lambda v: None, None, None,  # type: ignore[arg-type]
-                            listen_addr="127.0.0.1", port=0, timeout_s=0.3)  # fmt: skip
+    server = ResolverServer(
+        core=core, upstreams=[upstream], nft=nft, on_violation=lambda v: None,  # type: ignore[arg-type]
+        listen_netns=None, upstream_netns=None, listen_addr="127.0.0.1", port=0, timeout_s=0.3,
+    )  # fmt: skip
     await server.start()
     return server, stub, transport
 

@@ -48,14 +48,18 @@ class FakeSandbox:
 
 
 def violation(cls: ViolationClass, action: Action) -> Violation:
-    return Violation(cls, "inline", "rule", "detail", time.time(), action)
+    return Violation(
+        cls=cls, layer="inline", rule="rule", detail="detail", at=time.time(), action=action
+    )
 
 
 def test_a_freeze_goes_ahead_of_queued_records_and_off_the_loop() -> None:
     async def main() -> None:
         enforcer = FakeEnforcer()
-        session = Session(FakeSandbox(), enforcer, None, "", FakeListener(),  # type: ignore[arg-type]
-                          freeze_off_loop=True)  # fmt: skip
+        session = Session(
+            sb=FakeSandbox(), enforcer=enforcer, decision_timeout=None, review_hint="",  # type: ignore[arg-type]
+            listener=FakeListener(), freeze_off_loop=True,  # type: ignore[arg-type]
+        )  # fmt: skip
         loop_thread = threading.current_thread().name
         started = time.monotonic()
         for _ in range(4):

@@ -347,8 +347,14 @@ def test_a_freeze_by_the_observer_alone_still_gets_the_review_and_the_timeout(la
     from egress.model import Action, Violation, ViolationClass
 
     with agent_run(lab, policy(), "connect", "--decision-timeout", "1") as run:
-        v = Violation(ViolationClass.BLOCKED_CONNECT, "observer", "default deny",
-                      "seen by the observer only", time.time(), Action.FREEZE)  # fmt: skip
+        v = Violation(
+            cls=ViolationClass.BLOCKED_CONNECT,
+            layer="observer",
+            rule="default deny",
+            detail="seen by the observer only",
+            at=time.time(),
+            action=Action.FREEZE,
+        )
         with run.journal() as j:
             j.record_for_freeze(run.id, v, 2.0, time.time())
         run.cgroup.freeze()

@@ -67,8 +67,8 @@ def box(lab: Lab) -> Iterator[Sandbox]:
 async def served(sb: Sandbox, lab: Lab) -> AsyncIterator[ResolverServer]:
     seen: list[Violation] = []
     server = ResolverServer(
-        make_core(sb.policy, 1), [(lab.dns4, 53)], sb.nft, seen.append, sb.netns,
-        lab.uplink_netns,
+        core=make_core(sb.policy, 1), upstreams=[(lab.dns4, 53)], nft=sb.nft,
+        on_violation=seen.append, listen_netns=sb.netns, upstream_netns=lab.uplink_netns,
     )  # fmt: skip
     await server.start()
     try:

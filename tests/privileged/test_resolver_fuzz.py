@@ -357,8 +357,10 @@ async def run(
     stub.sock.setblocking(False)
     loop.add_reader(stub.sock.fileno(), stub.readable)
     core = ResolverCore(policy, 1, secrets.randbits)  # type: ignore[arg-type]
-    server = ResolverServer(core, [stub.sock.getsockname()], nft, violations.append, ns, ns,
-                            timeout_s=0.5)  # fmt: skip
+    server = ResolverServer(
+        core=core, upstreams=[stub.sock.getsockname()], nft=nft, on_violation=violations.append,
+        listen_netns=ns, upstream_netns=ns, timeout_s=0.5,
+    )  # fmt: skip
     await server.start()
     try:
         sent, replies = await fuzz(server, ns, random.Random(SEED))
