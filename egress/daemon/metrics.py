@@ -61,7 +61,7 @@ def read_kernel(served: list[Served]) -> dict[str, Kernel]:
         with contextlib.suppress(EgressError):
             for set_name in ("allow4", "allow6"):
                 sets[set_name] = len(s.sb.nft.list_set("inet", c.TABLE, set_name))
-            dropped = s.sb.nft.counter("inet", c.TABLE, "dropped")[0]
+            dropped = s.sb.nft.counter("inet", c.TABLE, "dropped").packets
         out[s.id] = Kernel(sets, dropped)
     return out
 

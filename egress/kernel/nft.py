@@ -21,7 +21,7 @@ import os
 import re
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import nftables
 
@@ -75,6 +75,11 @@ def use_worker() -> NftWorker:
     if _worker is None:
         _worker = NftWorker()
     return _worker
+
+
+class Counter(NamedTuple):
+    packets: int
+    bytes: int
 
 
 class _WorkerContext:
@@ -257,12 +262,12 @@ class NftHandle:
 
     # ---- counters and tables ------------------------------------------------------
 
-    def counter(self, family: str, table: str, name: str) -> tuple[int, int]:
-        """(packets, bytes) of a named counter object."""
+    def counter(self, family: str, table: str, name: str) -> Counter:
+        """The packets and bytes of a named counter object."""
         ref = f"{_family(family)} {_name('table', table)} {_name('counter', name)}"
         for item in self._run_json(f"list counter {ref}"):
             if "counter" in item:
-                return int(item["counter"]["packets"]), int(item["counter"]["bytes"])
+                return Counter(int(item["counter"]["packets"]), int(item["counter"]["bytes"]))
         raise DatapathError(f"counter {ref} not found")
 
     def table_exists(self, family: str, table: str) -> bool:

@@ -142,7 +142,7 @@ class Observer:
 
     def _dropped(self) -> int | None:
         try:
-            return self.nft.counter("inet", c.TABLE, "dropped")[0]
+            return self.nft.counter("inet", c.TABLE, "dropped").packets
         except EgressError:
             return None
 

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 from egress.errors import JournalError
 from egress.model import SandboxState, Violation, ViolationClass
@@ -46,6 +47,17 @@ JOURNAL_FILE = "journal.db"
 BUSY_TIMEOUT_S = 10.0
 
 Row = schema.Row
+
+
+class Recorded(NamedTuple):
+    violation_id: int
+    first: bool  # this call created the row (else it added a detection to it)
+
+
+class FreezeRecorded(NamedTuple):
+    violation_id: int
+    first: bool
+    freeze_id: int | None  # None: a person already decided on this violation's freeze
 
 
 class Journal:
@@ -178,9 +190,7 @@ class Journal:
         with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
             return self._insert_violation(conn, sandbox_id, violation)
 
-    def record_or_detect(
-        self, sandbox_id: str, violation: Violation, within_s: float
-    ) -> tuple[int, bool]:
+    def record_or_detect(self, sandbox_id: str, violation: Violation, within_s: float) -> Recorded:
         """``find_recent_violation`` then record or detect, as one transaction.
 
         Two layers seeing the same packet race; done in two calls, both may insert.
@@ -191,19 +201,19 @@ class Journal:
 
     def _record_or_detect(
         self, conn: sqlite3.Connection, sandbox_id: str, violation: Violation, within_s: float
-    ) -> tuple[int, bool]:
+    ) -> Recorded:
         key = schema.violation_key(violation)
         args = (sandbox_id, violation.cls.value, key,
                 violation.at - within_s, violation.at + within_s)  # fmt: skip
         row = conn.execute(schema.FIND_SQL + " AND at <= ?" + schema.NEWEST, args).fetchone()
         if row is None:
-            return self._insert_violation(conn, sandbox_id, violation), True
+            return Recorded(self._insert_violation(conn, sandbox_id, violation), True)
         self._add_detection(conn, int(row[0]), violation.layer, violation.at)
-        return int(row[0]), False
+        return Recorded(int(row[0]), False)
 
     def record_for_freeze(
         self, sandbox_id: str, violation: Violation, within_s: float, at: float
-    ) -> tuple[int, bool, int | None]:
+    ) -> FreezeRecorded:
         """``record_or_detect`` and ``record_freeze_request`` as ONE durable commit: the
         freeze path pays one fsync before the freeze instead of two.
 
@@ -214,8 +224,9 @@ class Journal:
         with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
             vid, first = self._record_or_detect(conn, sandbox_id, violation, within_s)
             if not first and self._decided(conn, vid):
-                return vid, first, None
-            return vid, first, self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
+                return FreezeRecorded(vid, first, None)
+            freeze_id = self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
+            return FreezeRecorded(vid, first, freeze_id)
 
     def record_detection(self, violation_id: int, layer: str, at: float) -> None:
         """Note that ``layer`` also saw violation ``violation_id`` at ``at`` (first sighting)."""
