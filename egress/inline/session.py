@@ -202,6 +202,16 @@ class Session:
             )
             self._monitor = asyncio.get_running_loop().create_task(self._await_decision())
 
+    def kill(self, note: str) -> None:
+        """Kill every process of the sandbox, journaled like a person's kill; a journal
+        that cannot take the record does not keep the sandbox alive."""
+        try:
+            self.enforcer.journal.record_decision(
+                self.sb.id, ReviewAction.KILL, os.getuid(), time.time(), note
+            )
+        finally:
+            self.sb.cgroup.kill()
+
     async def _await_decision(self) -> None:
         """Hold until a person thaws or kills it, or the decision timeout kills it."""
         deadline = (
@@ -211,14 +221,7 @@ class Session:
             if deadline is not None and time.monotonic() >= deadline:
                 self.state.timed_out = True
                 with contextlib.suppress(EgressError):
-                    self.enforcer.journal.record_decision(
-                        self.sb.id,
-                        ReviewAction.KILL,
-                        os.getuid(),
-                        time.time(),
-                        f"--decision-timeout {self.decision_timeout:g} s passed",
-                    )
-                self.sb.cgroup.kill()
+                    self.kill(f"--decision-timeout {self.decision_timeout:g} s passed")
                 return
             await asyncio.sleep(FROZEN_POLL_S)
 
@@ -299,14 +302,7 @@ def _install_signals(loop: asyncio.AbstractEventLoop, pid: int, session: Session
             # A second Ctrl-C, or one while frozen (a frozen task can't take it): end it
             # all, journaled like any other kill.
             with contextlib.suppress(EgressError, OSError):
-                session.enforcer.journal.record_decision(
-                    session.sb.id,
-                    ReviewAction.KILL,
-                    os.getuid(),
-                    time.time(),
-                    f"{sig.name} at egressctl run",
-                )
-                session.sb.cgroup.kill()
+                session.kill(f"{sig.name} at egressctl run")
             return
         # The command has its own session (no controlling terminal: it can't inject
         # input into ours or take it over), so the terminal's signals reach it only

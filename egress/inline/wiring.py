@@ -8,9 +8,10 @@ writer) and a resolver on 127.0.0.53 in the sandbox's netns. They differ only in
   (``mark``) so that the sandbox's ruleset lets exactly them through;
 - whether a freeze runs off the event loop (egressd and the sidecar: other sandboxes'
   answers, or the API, must not wait for it) and how long a frozen sandbox waits for a
-  person (``decision_timeout``, `run` only);
-- whether the resolver tracks which question allowed which address (``tracking``: a live
-  policy swap needs it; `run` never swaps).
+  person (``decision_timeout``, `run` only).
+The resolver is a TrackingResolver in all three: it remembers which question allowed
+which address, which a live policy swap needs (egressd, the sidecar's restart) and which
+costs `run` a dict update per allowed answer.
 
     make ─▶ Enforcer ─▶ Session (its NFLOG socket on the loop) ─▶ resolver
          (the caller seeds the resolver if it adopts one, then awaits resolver.start())
@@ -38,44 +39,7 @@ class Inline(NamedTuple):
     resolver: TrackingResolver
 
 
-class InlineRun(NamedTuple):
-    session: Session
-    resolver: ResolverServer
-
-
 def make(
-    sb: Sandbox,
-    journal: Journal,
-    review_hint: str,
-    upstreams: list[tuple[str, int]],
-    upstream_netns: str | None,
-    *,
-    listener: NflogListener | None = None,
-    mark: int | None = None,
-) -> Inline:
-    """egressd's and the sidecar's inline layer of ``sb``, reading NFLOG already; its
-    resolver (a TrackingResolver, for policy swaps) is not started."""
-    session, resolver = _make(sb, journal, review_hint, upstreams, upstream_netns,
-                              listener=listener, mark=mark, tracking=True)  # fmt: skip
-    assert isinstance(resolver, TrackingResolver)
-    return Inline(session, resolver)
-
-
-def make_for_run(
-    sb: Sandbox,
-    journal: Journal,
-    review_hint: str,
-    upstreams: list[tuple[str, int]],
-    upstream_netns: str | None,
-    decision_timeout: float | None,
-) -> InlineRun:
-    """`egressctl run`'s inline layer: one sandbox on this loop, so a freeze acts at once."""
-    session, resolver = _make(sb, journal, review_hint, upstreams, upstream_netns,
-                              decision_timeout=decision_timeout, freeze_off_loop=False)  # fmt: skip
-    return InlineRun(session, resolver)
-
-
-def _make(
     sb: Sandbox,
     journal: Journal,
     review_hint: str,
@@ -86,8 +50,14 @@ def _make(
     mark: int | None = None,
     decision_timeout: float | None = None,
     freeze_off_loop: bool = True,
-    tracking: bool = False,
-) -> tuple[Session, ResolverServer]:
+) -> Inline:
+    """The inline layer of ``sb``, reading NFLOG already; its resolver is not started.
+
+    ``freeze_off_loop``: egressd and the sidecar (True) keep a freeze off the event loop
+    other sandboxes' answers and the API share; `egressctl run` (False) serves one sandbox
+    and acts at once. ``decision_timeout``: how long a frozen sandbox waits for a person
+    (`run`'s --decision-timeout). ``listener``: an NFLOG socket a predecessor egressd
+    handed over, already bound to the inline group."""
     loop = asyncio.get_running_loop()
     enforcer = Enforcer(sb.id, sb.policy, Layer.INLINE, journal, sb.cgroup)
     session = Session(
@@ -96,8 +66,7 @@ def _make(
     )  # fmt: skip
     try:
         loop.add_reader(session.listener.fileno(), session.on_nflog)
-        server = TrackingResolver if tracking else ResolverServer
-        resolver = server(
+        resolver = TrackingResolver(
             core=make_core(sb.policy, len(upstreams)),
             upstreams=upstreams,
             nft=sb.nft,
@@ -109,7 +78,7 @@ def _make(
     except BaseException:
         _close_session(session, False)
         raise
-    return session, resolver
+    return Inline(session, resolver)
 
 
 async def stop(

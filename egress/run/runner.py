@@ -194,9 +194,9 @@ async def _serve(
     result: RunResult,
 ) -> None:
     loop = asyncio.get_running_loop()
-    session, resolver = wiring.make_for_run(
+    session, resolver = wiring.make(
         sb, journal, _review_hint(opts), _upstreams(sb, opts), opts.uplink_netns,
-        opts.decision_timeout,
+        decision_timeout=opts.decision_timeout, freeze_off_loop=False,
     )  # fmt: skip
     result.session = session
     observer_fd = os.pidfd_open(observer.pid)
