@@ -184,3 +184,15 @@ class ZoneFileError(LabError):
 
 class LabExistsError(LabError):
     """Raised by ``Lab.up`` when the lab (or one of its netns) is already there."""
+
+
+class WireError(EgressError):
+    """Bytes that are not a DNS message egress can answer (``egress.resolver.wire``, and
+    dnslib's errors translated in ``egress.resolver.message``). ``rcode`` says how to
+    refuse a query (None: drop it silently, e.g. a response, which would make the resolver
+    a reflector)."""
+
+    def __init__(self, reason: str, rcode: int | None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.rcode = rcode

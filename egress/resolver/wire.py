@@ -10,6 +10,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from egress.errors import WireError
+
+__all__ = ["WireError"]  # raised here; defined with every other error in egress.errors
+
 HEADER = struct.Struct("!HHHHHH")
 QR = 0x8000
 OPCODE_MASK = 0x7800
@@ -28,16 +32,6 @@ _PLAIN_BYTES = b"abcdefghijklmnopqrstuvwxyz0123456789-_*"
 _PLAIN = frozenset(_PLAIN_BYTES)
 _LOWER = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
 OUR_EDNS_SIZE = 1232  # the DNS flag day 2020 size: no IP fragmentation
-
-
-class WireError(Exception):
-    """The bytes are not a DNS query we can answer; ``rcode`` says how to refuse it
-    (None: drop silently, e.g. for responses, which would make us a reflector)."""
-
-    def __init__(self, reason: str, rcode: int | None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.rcode = rcode
 
 
 @dataclass(frozen=True, slots=True)
