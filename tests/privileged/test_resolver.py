@@ -14,9 +14,9 @@ import time
 import pytest
 
 from egress.lab import Lab
-from tests.privileged.sandboxes import (
+from tests.support import SYSTEM_PYTHON
+from tests.support.sandboxes import (
     EGRESSCTL,
-    SYSTEM_PYTHON,
     env,
     policy_file,
     run_probe,
