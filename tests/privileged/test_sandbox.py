@@ -158,6 +158,9 @@ def test_rules_hold_with_no_egress_process_alive(lab: Lab) -> None:
             assert allowed["ok"]
         finally:
             proc.kill()
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
             if sandbox_id:
                 cleanup(sandbox_id)
         assert sandbox_id and leftovers(sandbox_id, lab.uplink_netns) == []

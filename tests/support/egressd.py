@@ -88,6 +88,7 @@ class Egressd:
         self.pids: set[int] = set()  # every egressd started here: their claims are ours
         self.proc: subprocess.Popen[bytes] | None = None
         self.lines: Lines | None = None
+        self.retired: list[subprocess.Popen[bytes]] = []  # replaced, exiting by themselves
 
     def argv(self, *options: str) -> list[str]:
         return [*EGRESSD, *options, "--socket", self.socket, "--run-dir", str(self.run_dir),
@@ -106,6 +107,8 @@ class Egressd:
     def adopt(self, proc: subprocess.Popen[bytes]) -> None:
         """From now on ``proc`` is the egressd this one stops and reads."""
         assert proc.stdout is not None
+        if self.proc is not None and self.proc is not proc:
+            self.retired.append(self.proc)  # its pipe stays open: it may still write
         self.proc, self.lines = proc, Lines(proc.stdout.fileno())
 
     def line(self, timeout: float = START_S) -> str:
@@ -124,16 +127,11 @@ class Egressd:
     def stop(self, sig: int = signal.SIGTERM) -> str:
         """Stop it (if it runs; killed if ``sig`` does not end it in time); returns what
         it wrote to stderr so far."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=STOP_S)
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
+        if self.proc is not None:
+            _end(self.proc, sig)
+        for old in self.retired:
+            _end(old, signal.SIGKILL)  # a replaced egressd exits by itself; else, killed
+        self.retired.clear()
         return self.stderr()
 
     def stderr(self) -> str:
@@ -191,6 +189,19 @@ class Egressd:
             if claim.id in self.made or ours:
                 left += teardown_claim(claim)
         return left
+
+
+def _end(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal ``proc`` (by its PID, if it still runs), wait for it, close its pipe."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_S)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 @contextmanager
