@@ -40,7 +40,6 @@ import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,14 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.support
+
 from egress.cli.client import Client
 from egress.errors import DaemonError
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
-from egress.sandbox.lifecycle import teardown_claim
-from egress.store import claims
+from tests.support.egressd import Egressd
+from tests.support.labs import lab_name
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICY = """\
 apiVersion: egress/v1
 kind: Policy
@@ -84,49 +84,15 @@ def pct(xs: list[float], q: float) -> float:
 # -- egressd ---------------------------------------------------------------------------------
 
 
-class Egressd:
-    """Our own egressd, in its own session (a Ctrl-C at the terminal reaches only us, so
-    the sandboxes can still be deleted through its API); stopped by its pid."""
+def create(daemon: Egressd, i: int, uplink: str) -> dict[str, Any]:
+    return daemon.create(POLICY.format(i=i), uplink)
 
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.socket = str(directory / "egressd.sock")
-        argv = [sys.executable, "-m", "egress.daemon.main", "--socket", self.socket]
-        argv += ["--run-dir", str(directory / "run"), "--state-dir", str(directory / "state")]
-        with open(directory / "stderr", "w") as err:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         cwd=ROOT, start_new_session=True)  # fmt: skip
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "serving" not in line:
-            self.stop()
-            raise RuntimeError(f"egressd did not start: {line!r} {self.stderr()[-2000:]}")
-        self.client = Client(self.socket)
 
-    def stderr(self) -> str:
-        return (self.dir / "stderr").read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.communicate()
-
-    def create(self, i: int, uplink: str) -> dict[str, Any]:
-        body = {"policy": POLICY.format(i=i), "uplink_netns": uplink}
-        return dict(self.client.call("POST", "/v1/sandboxes", body))
-
-    def delete(self, sid: str) -> None:
-        self.client.call("DELETE", f"/v1/sandboxes/{sid}")
-
-    def memory(self) -> tuple[float, float, int]:
-        """(egressd's VmRSS, its children's, its open fds); MB, MB, count."""
-        own = vm_rss(self.proc.pid)
-        kids = sum(vm_rss(pid) for pid in children(self.proc.pid))
-        return own, kids, len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+def memory(daemon: Egressd) -> tuple[float, float, int]:
+    """(egressd's VmRSS, its children's, its open fds); MB, MB, count."""
+    own = vm_rss(daemon.pid)
+    kids = sum(vm_rss(pid) for pid in children(daemon.pid))
+    return own, kids, len(os.listdir(f"/proc/{daemon.pid}/fd"))
 
 
 def vm_rss(pid: int) -> float:
@@ -285,7 +251,7 @@ class Bench:
         while len(self.boxes) < n:
             t0 = time.perf_counter()
             try:
-                self.boxes.append(self.daemon.create(next(self.counter), self.uplink))
+                self.boxes.append(create(self.daemon, next(self.counter), self.uplink))
             except DaemonError as exc:
                 self.failed = f"create #{len(self.boxes) + 1} failed: {exc} ({exc.status})"
                 break
@@ -301,7 +267,7 @@ class Bench:
         made: list[str] = []
 
         def one(i: int) -> None:
-            made.append(self.daemon.create(i, self.uplink)["id"])
+            made.append(create(self.daemon, i, self.uplink)["id"])
 
         with ThreadPoolExecutor(k) as pool:
             start = time.perf_counter()
@@ -317,7 +283,7 @@ class Bench:
 
     def measure(self, seq: tuple[list[float], float]) -> Step:
         a = self.args
-        rss = self.daemon.memory()
+        rss = memory(self.daemon)
         burst, burst_del = self.burst(a.burst) if a.burst and not self.failed else ("-", "-")
         direct = resolver_socket(self.uplink, LAB_DNS)
         try:
@@ -334,8 +300,9 @@ class Bench:
 
     def delete_all(self, threads: int = 4) -> tuple[int, float]:
         """Delete every sandbox our egressd serves; (how many, deletes/s)."""
+        api: Client = self.daemon.client
         with contextlib.suppress(DaemonError):
-            ids = [r["id"] for r in self.daemon.client.call("GET", "/v1/sandboxes")]
+            ids = [r["id"] for r in api.call("GET", "/v1/sandboxes")]
             start = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(lambda sid: _quietly(self.daemon.delete, sid), ids))
@@ -395,8 +362,11 @@ def run(args: argparse.Namespace) -> None:
     daemon: Egressd | None = None
     bench: Bench | None = None
     try:
-        lab = Lab.up(name=f"egbd{secrets.token_hex(2)}")
-        daemon = Egressd(workdir)
+        lab = Lab.up(name=lab_name("egbd"))
+        # Its own session: a Ctrl-C at the terminal reaches only us, so the sandboxes can
+        # still be deleted through its API.
+        daemon = Egressd(workdir, own_session=True)
+        daemon.start()
         bench = Bench(daemon, lab.uplink_netns, args)
         show_header(args)
         first: Step | None = None
@@ -420,14 +390,10 @@ def run(args: argparse.Namespace) -> None:
             if count:
                 print(f"deleted {count} sandboxes through the API, {rate:.1f}/s (4 threads)")
         if daemon is not None:
-            daemon.stop()
-        uplink = lab.uplink_netns if lab is not None else None
-        for claim in claims.load_all():
-            # Ours (the lab is): e.g. a create still running when Ctrl-C came, which the
-            # list above missed and the stopped egressd left in the kernel.
-            if uplink is not None and claim.uplink_netns == uplink:
-                print(f"  tearing down {claim.id} by its claim", file=sys.stderr)
-                teardown_claim(claim)
+            # Also what our egressd left in the kernel: e.g. a create still running when
+            # Ctrl-C came, which the list above missed.
+            for problem in daemon.cleanup():
+                print(f"  cleanup: {problem}", file=sys.stderr)
         if lab is not None:
             lab.down()
         shutil.rmtree(workdir, ignore_errors=True)

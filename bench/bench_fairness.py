@@ -32,9 +32,7 @@ import argparse
 import contextlib
 import os
 import re
-import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +42,12 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.support
+
+from egress.cli.client import Client
+from tests.support.egressd import Egressd, egressd
+from tests.support.labs import running_lab
+
 POLICY = """
 apiVersion: egress/v1
 kind: Policy
@@ -102,72 +105,31 @@ print(sent, answered)
 # -- egressd -------------------------------------------------------------------------------
 
 
-class Egressd:
-    """An egressd of our own; stopped by its own PID only."""
+def create(daemon: Egressd, name: str, uplink: str) -> dict[str, Any]:
+    return daemon.create(POLICY.format(name=name, limit=""), uplink)
 
-    def __init__(self, workdir: Path) -> None:
-        from egress.cli.client import Client
 
-        self.socket = str(workdir / "egressd.sock")
-        argv = [sys.executable, "-m", "egress.daemon.main", "--socket", self.socket,
-                "--run-dir", str(workdir / "run"),
-                "--state-dir", str(workdir / "state")]  # fmt: skip
-        with open(workdir / "egressd.stderr", "a") as err:
-            self.proc = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT
-            )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "serving" not in line:
-            self.stop()
-            raise RuntimeError(f"egressd did not start: {line!r}, see {workdir}/egressd.stderr")
-        self.client = Client(self.socket)
-        self.made: list[str] = []
+def set_policy(daemon: Egressd, sid: str, name: str, limit: str) -> None:
+    text = POLICY.format(name=name, limit=limit)
+    daemon.client.call("PUT", f"/v1/sandboxes/{sid}/policy", {"policy": text})
 
-    def create(self, name: str, uplink: str) -> dict[str, Any]:
-        body = {"policy": POLICY.format(name=name, limit=""), "uplink_netns": uplink}
-        box = dict(self.client.call("POST", "/v1/sandboxes", body))
-        self.made.append(box["id"])
-        return box
 
-    def set_policy(self, sid: str, name: str, limit: str) -> None:
-        text = POLICY.format(name=name, limit=limit)
-        self.client.call("PUT", f"/v1/sandboxes/{sid}/policy", {"policy": text})
-
-    def metric(self, name: str, sid: str) -> float:
-        text = self.client.request("GET", "/metrics")[1]
-        m = re.search(rf'^{name}{{sandbox="{sid}"}} (\S+)$', text, re.MULTILINE)
-        return float(m.group(1)) if m else float("nan")
-
-    def stop(self) -> None:
-        for sid in getattr(self, "made", []):
-            with contextlib.suppress(Exception):
-                self.client.call("DELETE", f"/v1/sandboxes/{sid}")
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
+def metric(daemon: Egressd, name: str, sid: str) -> float:
+    api: Client = daemon.client
+    text = api.request("GET", "/metrics")[1]
+    m = re.search(rf'^{name}{{sandbox="{sid}"}} (\S+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else float("nan")
 
 
 @contextlib.contextmanager
 def setup() -> Iterator[tuple[Egressd, dict[str, Any], dict[str, Any], Path]]:
-    from egress.lab import Lab
-
     workdir = Path(tempfile.mkdtemp(prefix="egress-bench-fair-"))
-    lab = Lab.up(name=f"eglf{secrets.token_hex(2)}")
-    daemon = None
     try:
-        daemon = Egressd(workdir)
-        victim = daemon.create("victim", lab.uplink_netns)
-        flooder = daemon.create("flooder", lab.uplink_netns)
-        yield daemon, victim, flooder, workdir
+        with running_lab(prefix="eglf") as lab, egressd(workdir / "state") as daemon:
+            victim = create(daemon, "victim", lab.uplink_netns)
+            flooder = create(daemon, "flooder", lab.uplink_netns)
+            yield daemon, victim, flooder, workdir
     finally:
-        if daemon is not None:
-            daemon.stop()
-        lab.down()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -260,20 +222,20 @@ def run_case(
     qfile: Path, args: argparse.Namespace,
 ) -> dict[str, Any]:  # fmt: skip
     """The victim's latencies while the flooder floods (``kind``) or idles (None)."""
-    dropped = daemon.metric("egress_dns_rate_limited_total", flooder["id"])
+    dropped = metric(daemon, "egress_dns_rate_limited_total", flooder["id"])
     flood = None
     if kind is not None:
         flood = Flood(kind, flooder["netns"], qfile, args.seconds + 2, args.flood_procs)
     try:
         if flood is not None:
             time.sleep(1.0)  # the flood at full speed before the victim starts
-        cpu, start = cpu_seconds(daemon.proc.pid), time.monotonic()
+        cpu, start = cpu_seconds(daemon.pid), time.monotonic()
         ms, vcounts = victim_run(victim["netns"], qfile, args.seconds)
-        busy = (cpu_seconds(daemon.proc.pid) - cpu) / (time.monotonic() - start)
+        busy = (cpu_seconds(daemon.pid) - cpu) / (time.monotonic() - start)
     finally:
         flood_counts = flood.finish(30) if flood is not None else None
     out: dict[str, Any] = {"ms": ms, "victim": vcounts, "flood": flood_counts, "cpu": [busy]}
-    out["dropped"] = daemon.metric("egress_dns_rate_limited_total", flooder["id"]) - dropped
+    out["dropped"] = metric(daemon, "egress_dns_rate_limited_total", flooder["id"]) - dropped
     out["seconds"] = args.seconds + 2
     return out
 
@@ -335,7 +297,7 @@ def run(args: argparse.Namespace) -> None:
             for _ in range(args.rounds)
         ]
         results = [pool([r[i] for r in rounds]) for i in range(len(cases))]
-        daemon.set_policy(flooder["id"], "flooder-unlimited", UNLIMITED)
+        set_policy(daemon, flooder["id"], "flooder-unlimited", UNLIMITED)
         time.sleep(1.0)  # the stale backlog a raw flood leaves in the socket is read first
         for c, kind in (("d", "dnsperf"), ("e", "raw")):
             prime(flooder["netns"], qfile)  # a swap empties the cache

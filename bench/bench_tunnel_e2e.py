@@ -2,7 +2,7 @@
 
 Each case is a fresh sandbox in a throwaway lab, the tunnel server in the lab's internet
 netns and the client as root inside the sandbox (netns and cgroup), exactly as
-tests/privileged/test_tunnel.py runs them (helpers: tests/privileged/tunnels.py). Per case:
+tests/privileged/test_tunnel.py runs them (helpers: tests/support/tunnels.py). Per case:
 
 - queries / bytes: queries for the tunnel zone the lab DNS server received, and their
   subdomain text (left of t.lab.test / d.lab.test), before the freeze was requested
@@ -35,10 +35,10 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.privileged.tunnels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.support
 
 from egress.lab import Lab
-from tests.privileged import tunnels as tn
+from tests.support import tunnels as tn
 
 HEADER = (
     "case",

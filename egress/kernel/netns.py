@@ -35,6 +35,20 @@ _MNT_DETACH = 2
 # thread only thread-self tells the truth.
 _SELF_NS = "/proc/thread-self/ns/net"
 
+# A new netns copies part of its sysctls from the host's (which part, the kernel's
+# net.core.devconf_inherit_init_net decides): once anything turns the host's forwarding on,
+# every new netns would forward too. Each netns made here starts from these instead: no
+# forwarding (an uplink turns its own on, see egress.sandbox.uplink) and IPv6 enabled,
+# which every sandbox's addresses and rules assume.
+NEW_NETNS_SYSCTLS = (
+    ("net/ipv4/conf/all/forwarding", "0"),
+    ("net/ipv4/conf/default/forwarding", "0"),
+    ("net/ipv6/conf/all/forwarding", "0"),
+    ("net/ipv6/conf/default/forwarding", "0"),
+    ("net/ipv6/conf/all/disable_ipv6", "0"),
+    ("net/ipv6/conf/default/disable_ipv6", "0"),
+)
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _run_dir_ready = False
 
@@ -135,18 +149,30 @@ def create_netns(name: str) -> None:
 
 
 def _unshare_and_pin(path: str) -> None:
-    """unshare(CLONE_NEWNET) on this thread, bind the new netns to path, switch back."""
+    """unshare(CLONE_NEWNET) on this thread, set its sysctls, bind the new netns to path,
+    switch back."""
     saved = os.open(_SELF_NS, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if _libc.unshare(CLONE_NEWNET) != 0:
             raise _os_error("unshare(CLONE_NEWNET)")
         try:
+            _write_sysctls(NEW_NETNS_SYSCTLS)
             if _libc.mount(_SELF_NS.encode(), path.encode(), b"none", _MS_BIND, None) != 0:
                 raise _os_error(f"bind mount {path}")
         finally:
             _restore(saved)
     finally:
         os.close(saved)
+
+
+def _write_sysctls(settings: tuple[tuple[str, str], ...]) -> None:
+    """Write /proc/sys/KEY = VALUE for the netns this thread is in (see set_sysctl)."""
+    for key, value in settings:
+        try:
+            with open(f"/proc/sys/{key}", "w") as f:
+                f.write(f"{value}\n")
+        except OSError as exc:
+            raise OSError(exc.errno, f"sysctl {key}={value}: {exc.strerror}") from exc
 
 
 def _unlink_quietly(path: str) -> None:

@@ -25,6 +25,7 @@ import ipaddress
 import json
 import os
 import signal
+import socket
 import struct
 import sys
 import time
@@ -43,6 +44,12 @@ from egress.lab.zones import Relay, ZoneSet, load_zones, parse_hostport
 
 TCP_IDLE_SECONDS = 10.0
 DEFAULT_RELAY_TIMEOUT = 5.0
+# A resolver that was busy (an egressd re-executing, a cold cache) forwards its backlog in
+# one burst. The default receive buffer (rmem_default, 208 KiB) holds ~250 queries, and
+# the rest would be dropped before this server saw them, so the lab would fail queries no
+# real upstream fails. 8 MiB holds ~10,000.
+UDP_RCVBUF = 8 << 20
+_SO_RCVBUFFORCE = 33  # not exported by the socket module; root may exceed rmem_max
 
 
 class LabDnsServer:
@@ -70,6 +77,7 @@ class LabDnsServer:
                 lambda: _UdpProtocol(self), local_addr=(host, port)
             )
             self._udp.append(transport)
+            _grow_rcvbuf(transport.get_extra_info("socket"))
             port = transport.get_extra_info("sockname")[1]
             server = await asyncio.start_server(self._tcp_client, host, port, reuse_address=True)
             self._tcp.append(server)
@@ -173,6 +181,14 @@ class LabDnsServer:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
+
+
+def _grow_rcvbuf(sock: Any) -> None:
+    """UDP_RCVBUF, forced past rmem_max when root (the lab is), else as much as allowed."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, UDP_RCVBUF)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RCVBUF)
 
 
 class _UdpProtocol(asyncio.DatagramProtocol):

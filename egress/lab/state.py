@@ -130,12 +130,16 @@ def is_ours(record: ProcRecord) -> bool:
     """Still the process we started: same start time (PID plus start tick identify a
     process for the life of the system) and the same program. Only the program name is
     compared, because some programs rewrite the rest of their argv (iodine blanks its
-    password); before ``ip netns exec`` has exec'd, the program is still ``ip``."""
+    password); before ``ip netns exec`` has exec'd, the program is still ``ip``, and while
+    it execs, the kernel shows an empty command line (the new image's arguments are not in
+    place yet: a busy machine makes that window wide enough to hit)."""
     if proc_starttime(record.pid) != record.starttime:
         return False
     cmdline = proc_cmdline(record.pid)
-    if not cmdline:
+    if cmdline is None:
         return False
+    if not cmdline:
+        return True  # mid-exec; the pid and start time already say it is the same process
     wrapped = record.argv[:3] == ["ip", "netns", "exec"] and len(record.argv) > 4
     return cmdline[0] == record.argv[0] or (wrapped and cmdline[0] == record.argv[4])
 

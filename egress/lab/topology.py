@@ -14,8 +14,9 @@ Addresses (documentation/benchmark ranges only, RFC 2544, 5737, 3849)::
                      2001:db8:80::10-12                     HTTP, UDP echo
 
 IPv6 addresses use ``nodad`` so they are usable at once (DAD would hold them tentative
-for a second or more). Forwarding stays off in both netns: the inet netns is an end host,
-and forwarding in the uplink netns is egress's decision, not the lab's.
+for a second or more). Forwarding is off in both netns: the inet netns is an end host,
+and forwarding in the uplink netns is egress's decision, not the lab's. Both are set, not
+inherited: a new netns copies the host's forwarding, which may be on.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ HTTP6 = ("2001:db8:80::10", "2001:db8:80::11", "2001:db8:80::12")
 # ANY_PORT; the DNS server names them ip-198-19-A-B.any.lab.test. Tests that need many
 # distinct destinations (one new IP per DNS answer) use them.
 ANY4, ANY_PORT, ANY_ZONE = "198.19.0.0/16", 8081, "any.lab.test"
+
+# Set in both netns as soon as they exist (see the module docstring): no forwarding, IPv6 on.
+SYSCTLS = (
+    "net.ipv4.conf.all.forwarding=0",
+    "net.ipv4.conf.default.forwarding=0",
+    "net.ipv6.conf.all.forwarding=0",
+    "net.ipv6.conf.default.forwarding=0",
+    "net.ipv6.conf.all.disable_ipv6=0",
+    "net.ipv6.conf.default.disable_ipv6=0",
+)
 
 NETNS_DIR = Path("/run/netns")
 IP_TIMEOUT = 20.0
@@ -126,6 +137,7 @@ def create(name: str, created: list[str]) -> None:
     for netns in (up, inet):
         run_ip(["netns", "add", netns])
         created.append(netns)
+        run_ip(["netns", "exec", netns, "sysctl", "-q", "-w", *SYSCTLS])
     run_ip(["-n", up, "link", "add", UPLINK_IF, "type", "veth", "peer", "name", INET_IF,
             "netns", inet])  # fmt: skip
     run_ip(["-n", up, "-batch", "-"], "\n".join(uplink_commands()) + "\n")

@@ -17,62 +17,30 @@ Use::
 
 from __future__ import annotations
 
-import functools
 import os
-import secrets
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from egress.lab import Lab
-
-
-@functools.cache
-def netns_unavailable() -> str | None:
-    """Why this machine cannot run privileged tests, or None if it can."""
-    if os.geteuid() != 0:
-        return "needs root: privileged tests create network namespaces"
-    probe = f"eglp{secrets.token_hex(3)}"
-    try:
-        done = subprocess.run(
-            ["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot run `ip netns add`: {exc}"
-    if done.returncode != 0:
-        return f"`ip netns add` fails here: {done.stderr.strip()}"
-    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=10)
-    return None
-
-
-def skip_unless_root() -> None:
-    """Skip the calling test (or module, at import) unless netns can be created."""
-    reason = netns_unavailable()
-    if reason:
-        pytest.skip(reason)
+from tests.support.labs import lab_name, running_lab
+from tests.support.netns import netns_unavailable
 
 
 @pytest.fixture(scope="session")
 def require_root() -> None:
     """Request this (or ``usefixtures("require_root")``) to skip without root/netns."""
-    skip_unless_root()
-
-
-def lab_name() -> str:
-    # Short: the lab's netns names derive from it, and humans read them in `ip netns`.
-    return f"egl{secrets.token_hex(2)}"
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
 def lab(require_root: None) -> Iterator[Lab]:
     """A lab with the default zones, shared by the tests of one module."""
-    the_lab = Lab.up(name=lab_name())
-    try:
+    with running_lab() as the_lab:
         yield the_lab
-    finally:
-        the_lab.down()
 
 
 @pytest.fixture

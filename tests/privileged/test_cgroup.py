@@ -21,11 +21,11 @@ import pytest
 from egress.errors import SandboxError
 from egress.kernel import cgroup as cg_mod
 from egress.kernel.cgroup import Cgroup, find_mounts, parse_mountinfo
-from tests.privileged._helpers import SYSTEM_PYTHON, skip_reason
+from tests.support import SYSTEM_PYTHON
 
 pytestmark = [
     pytest.mark.privileged,
-    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+    pytest.mark.usefixtures("require_root"),
 ]
 
 PARENT = f"egress-test-{os.getpid()}"

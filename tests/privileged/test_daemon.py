@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,8 +23,10 @@ from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.nft import NftHandle
 from egress.lab import Lab
 from egress.store.journal import Journal
-from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON, unique
-from tests.privileged.daemons import ROOT, Daemon, dig, egressd, set_ips
+from tests.support import NOBODY, SYSTEM_PYTHON
+from tests.support.egressd import Egressd, egressd, read_until
+from tests.support.netns import unique
+from tests.support.probes import dig, set_ips, wait_until
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -51,7 +54,7 @@ def policy(name: str, *names: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def daemon(lab: Lab, state_dir: Path) -> Iterator[Daemon]:
+def daemon(lab: Lab, state_dir: Path) -> Iterator[Egressd]:
     with egressd(state_dir) as d:
         yield d
 
@@ -78,17 +81,12 @@ def connect(netns: str, ip: str) -> None:
     subprocess.run(["ip", "netns", "exec", netns, SYSTEM_PYTHON, "-c", code], timeout=20)
 
 
-def wait_frozen(cgroup: Cgroup, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cgroup.is_frozen():
-            return True
-        time.sleep(0.02)
-    return False
+def wait_frozen(cgroup: Cgroup, timeout: float = 20.0) -> bool:
+    return wait_until(cgroup.is_frozen, timeout)
 
 
 def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
-    daemon: Daemon, lab: Lab, state_dir: Path
+    daemon: Egressd, lab: Lab, state_dir: Path
 ) -> None:
     boxes = []
     try:
@@ -153,7 +151,7 @@ def burst(netns: str, n: int) -> int:
 
 
 def test_metrics_count_rate_limited_queries_and_time_upstream_round_trips(
-    daemon: Daemon, lab: Lab
+    daemon: Egressd, lab: Lab
 ) -> None:
     limited = policy("limited", "allowed.lab.test").replace(
         "    allow:", "    rate_limit: {qps: 1, burst: 2}\n    allow:"
@@ -180,7 +178,7 @@ def test_metrics_count_rate_limited_queries_and_time_upstream_round_trips(
         daemon.client.call("DELETE", f"/v1/sandboxes/{sid}")
 
 
-def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Daemon, lab: Lab) -> None:
+def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Egressd, lab: Lab) -> None:
     box = daemon.create(policy("swap", "allowed.lab.test", "mail.lab.test"), lab.uplink_netns)
     try:
         assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]
@@ -244,7 +242,7 @@ def hand_made(tag: str) -> Iterator[tuple[str, Cgroup]]:
 
 
 def test_attach_enforces_freezes_and_detaches_leaving_the_netns_as_it_was(
-    daemon: Daemon, lab: Lab, state_dir: Path
+    daemon: Egressd, lab: Lab, state_dir: Path
 ) -> None:
     with hand_made("att") as (ns, cgroup), sleeper(ns, cgroup):
         before = _snapshot(ns)
@@ -269,7 +267,7 @@ def test_attach_enforces_freezes_and_detaches_leaving_the_netns_as_it_was(
         assert "blocked_connect" in kinds and "denied_name" in kinds
 
 
-def test_clients_without_access_to_the_socket_are_refused(daemon: Daemon) -> None:
+def test_clients_without_access_to_the_socket_are_refused(daemon: Egressd) -> None:
     st = os.stat(daemon.socket)
     assert (st.st_mode & 0o777, st.st_uid) == (0o660, 0)
     os.chmod(daemon.dir, 0o755)  # nobody may reach the directory, not the socket
@@ -303,12 +301,10 @@ def test_sigterm_leaves_rules_and_a_new_egressd_adopts(lab: Lab, state_dir: Path
 def test_observer_layer_freezes_with_egressd_killed(lab: Lab, state_dir: Path) -> None:
     with egressd(state_dir) as d:
         box = d.create(policy("obs", "allowed.lab.test"), lab.uplink_netns)
-        argv = [sys.executable, "-m", "egress.daemon.main", "observer",
-                "--run-dir", str(d.run_dir), "--state-dir", str(state_dir)]  # fmt: skip
-        observer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
+        observer = d.observer()
         try:
             # Its child says so once it has bound the sandbox's observer NFLOG group.
-            wait_for_output(observer, f"watching {box['id']} (created")
+            read_until(observer, f"watching {box['id']} (created")
             with Journal.open(state_dir) as journal:  # what `egressctl ps` shows
                 watcher = (journal.sandbox(box["id"]) or {}).get("observer_pid")
             assert isinstance(watcher, int) and watcher != observer.pid
@@ -362,19 +358,6 @@ def connector(netns: str, cgroup: Cgroup, ip: str) -> Iterator[subprocess.Popen[
         proc.wait(timeout=10)
 
 
-def wait_for_output(proc: subprocess.Popen[bytes], needle: str, timeout: float = 20.0) -> None:
-    """Read proc's stderr until needle shows; fail at the deadline or if it exits first."""
-    import select
-
-    assert proc.stderr is not None
-    fd, seen, deadline = proc.stderr.fileno(), b"", time.monotonic() + timeout
-    while needle.encode() not in seen:
-        ready = select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]
-        chunk = os.read(fd, 4096) if ready else b""
-        assert chunk, f"no {needle!r} within {timeout} s; stderr: {seen.decode()}"
-        seen += chunk
-
-
 def test_observer_layer_watches_attached_sandboxes_with_egressd_killed(
     lab: Lab, state_dir: Path
 ) -> None:
@@ -383,12 +366,10 @@ def test_observer_layer_watches_attached_sandboxes_with_egressd_killed(
                 "policy": policy("oba", "allowed.lab.test"), "uplink_netns": lab.uplink_netns,
                 "id": ns[-20:].replace(".", "-")}  # fmt: skip
         box = d.client.call("POST", "/v1/sandboxes/attach", body)
-        argv = [sys.executable, "-m", "egress.daemon.main", "observer",
-                "--run-dir", str(d.run_dir), "--state-dir", str(state_dir)]  # fmt: skip
-        observer = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
+        observer = d.observer()
         try:
             # Logged once the child has bound the observer NFLOG group in the netns.
-            wait_for_output(observer, f"watching {box['id']} (attached")
+            read_until(observer, f"watching {box['id']} (attached")
             d.stop(signal.SIGKILL)  # only the observer layer is left, and the kernel's rules
             with connector(ns, cgroup, "192.0.2.7") as proc:  # through the dummy link
                 assert wait_frozen(cgroup)
@@ -407,7 +388,9 @@ def test_observer_layer_watches_attached_sandboxes_with_egressd_killed(
         d.start()  # adopts it, so cleanup detaches it through the API
 
 
-def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(daemon: Daemon, lab: Lab) -> None:
+def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(
+    daemon: Egressd, lab: Lab
+) -> None:
     """`egressctl sandbox exec` puts CMD in the sandbox's netns and cgroup, unprivileged:
     it resolves through the sandbox's resolver, and its blocked connect freezes it and is
     attributed to it; a kill through the API ends it (exit 137)."""
@@ -426,12 +409,18 @@ def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(daemon: Daemon
     proc = subprocess.Popen([*exec_, SYSTEM_PYTHON, "-c", blocked])
     cg = Cgroup.attach_existing(box["cgroup"], box.get("freezer"))
     try:
-        deadline = time.monotonic() + 10
-        while not cg.is_frozen() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_frozen(cg)
         assert cg.is_frozen(), daemon.stderr()
-        with Journal.open(daemon.state) as journal:
-            rows = [v for v in journal.violations(box["id"]) if v["class"] == "blocked_connect"]
+
+        def blocked() -> list[dict[str, Any]]:
+            with Journal.open(daemon.state) as journal:
+                found = journal.violations(box["id"])
+            return [v for v in found if v["class"] == "blocked_connect"]
+
+        # The freeze is journaled first; the process behind it is read afterwards, with the
+        # sandbox still, and attached to the record: wait for that, not only for the freeze.
+        wait_until(lambda: any(v["process"] for v in blocked()))
+        rows = blocked()
         assert rows and marker in (rows[0]["process"] or {}).get("cmdline", ""), rows
         refused = subprocess.run([*exec_, "/bin/true"], capture_output=True, text=True,
                                  timeout=30)  # fmt: skip

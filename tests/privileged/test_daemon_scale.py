@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 import select
@@ -29,9 +30,9 @@ from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
 from egress.sandbox import workload
-from tests.privileged import dnsperf
-from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON
-from tests.privileged.daemons import Daemon, egressd, set_ips
+from tests.support import NOBODY, SYSTEM_PYTHON, dnsperf
+from tests.support.egressd import Egressd, egressd
+from tests.support.probes import set_ips
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -186,7 +187,7 @@ def wait_frozen(cgroup: Cgroup, timeout: float = 5.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def daemon(lab: Lab, state_dir: Path) -> Iterator[Daemon]:
+def daemon(lab: Lab, state_dir: Path) -> Iterator[Egressd]:
     with egressd(state_dir) as d:
         yield d
 
@@ -206,7 +207,7 @@ class Fleet:
 
 
 @contextmanager
-def served(daemon: Daemon, policies: list[str], uplink: str) -> Iterator[Fleet]:
+def served(daemon: Egressd, policies: list[str], uplink: str) -> Iterator[Fleet]:
     """Sandboxes created through the API and deleted through it on the way out (which
     kills whatever is in their cgroups, frozen or not); then their workers are reaped."""
     fleet = Fleet()
@@ -230,7 +231,7 @@ def served(daemon: Daemon, policies: list[str], uplink: str) -> Iterator[Fleet]:
 
 
 def test_fifty_sandboxes_resolve_only_their_own_names_and_freeze_alone(
-    daemon: Daemon, lab: Lab
+    daemon: Egressd, lab: Lab
 ) -> None:
     own = [anyip(7, i + 1) for i in range(N)]
     other = [own[(i + 1) % N] for i in range(N)]  # the next sandbox's name and address
@@ -295,11 +296,32 @@ def dns_ask(sock: socket.socket, name: str) -> tuple[int, list[str]]:
     return data[3] & 0xF, answer_ips(data)
 
 
+def swap_each_in_and_out(
+    daemon: Egressd, box: dict[str, Any], sock: socket.socket, keep_names: list[str],
+    swaps: list[float],
+) -> None:  # fmt: skip
+    """Each DROP name swapped in (resolved, its address allowed), then out (refused, its
+    address gone at once); every swap's time appended to ``swaps``."""
+    sid, ns = box["id"], box["netns"]
+    for name, ip in DROP:
+        r = daemon.client.call("PUT", f"/v1/sandboxes/{sid}/policy",
+                               {"policy": policy("plus", [*keep_names, name])})  # fmt: skip
+        swaps.append(r["swap_ms"])
+        assert dns_ask(sock, name) == (NOERROR, [ip])
+        assert ip in set_ips(ns)
+        r = daemon.client.call("PUT", f"/v1/sandboxes/{sid}/policy",
+                               {"policy": policy("keep", keep_names)})  # fmt: skip
+        swaps.append(r["swap_ms"])
+        assert dns_ask(sock, name) == (REFUSED, [])  # at once, not at the TTL
+        assert ip not in set_ips(ns)
+        assert r["removed_elements"] == 1  # its ip . tcp . 8081, nothing else
+        time.sleep(0.4)
+
+
 def test_policy_swap_under_1000_qps_loses_nothing_and_removes_names_at_once(
-    daemon: Daemon, lab: Lab, tmp_path: Path
+    daemon: Egressd, lab: Lab
 ) -> None:
-    queries = tmp_path / "queries.txt"
-    queries.write_text("".join(f"{name} A\n" for name, _ in KEEP))
+    queries = [f"{name} A" for name, _ in KEEP]
     keep_names = [name for name, _ in KEEP]
     with served(daemon, [policy("keep", keep_names)], lab.uplink_netns) as fleet:
         sid, ns = fleet.boxes[0]["id"], fleet.boxes[0]["netns"]
@@ -307,32 +329,18 @@ def test_policy_swap_under_1000_qps_loses_nothing_and_removes_names_at_once(
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.settimeout(3)
         sock.connect(("127.0.0.53", 53))
-        argv = ["ip", "netns", "exec", ns, "dnsperf", "-s", "127.0.0.53", "-d", str(queries),
-                "-Q", str(RATE), "-l", str(SECONDS)]  # fmt: skip
-        perf = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Fed for as long as the swaps take (a busy machine takes longer), at least SECONDS
+        # of queries; -b: answers held up by a swap come in a burst (see test_daemon_restart).
+        options = ["-Q", str(RATE), "-b", "4096"]
         swaps = []
         try:
-            time.sleep(0.8)  # dnsperf is under way
-            for name, ip in DROP:
-                r = daemon.client.call("PUT", f"/v1/sandboxes/{sid}/policy",
-                                       {"policy": policy("plus", [*keep_names, name])})  # fmt: skip
-                swaps.append(r["swap_ms"])
-                assert dns_ask(sock, name) == (NOERROR, [ip])
-                assert ip in set_ips(ns)
-                r = daemon.client.call("PUT", f"/v1/sandboxes/{sid}/policy",
-                                       {"policy": policy("keep", keep_names)})  # fmt: skip
-                swaps.append(r["swap_ms"])
-                assert dns_ask(sock, name) == (REFUSED, [])  # at once, not at the TTL
-                assert ip not in set_ips(ns)
-                assert r["removed_elements"] == 1  # its ip . tcp . 8081, nothing else
-                time.sleep(0.4)
-            assert perf.poll() is None, "dnsperf ended before the last swap: too slow here?"
-            text, _ = perf.communicate(timeout=SECONDS + 30)
+            with dnsperf.dnsperf(ns, itertools.cycle(queries), *options) as perf:
+                time.sleep(0.8)  # dnsperf is under way
+                swap_each_in_and_out(daemon, fleet.boxes[0], sock, keep_names, swaps)
+                assert perf.running(), "dnsperf ended before the last swap: too slow here?"
+                text = perf.finish(at_least=RATE * SECONDS)
         finally:
             sock.close()
-            if perf.poll() is None:
-                perf.kill()
-                perf.wait(timeout=10)
         figures = dnsperf.figures(text)
         print(f"dnsperf: {figures}; swap_ms: {swaps}")
         assert figures["lost"] == 0 and figures["completed"] == figures["sent"], text

@@ -23,9 +23,9 @@ from egress.kernel.cgroup import Cgroup
 from egress.lab import Lab
 from egress.store import claims
 from egress.store.journal import Journal
-from tests.privileged.sandboxes import (
+from tests.support import SYSTEM_PYTHON
+from tests.support.sandboxes import (
     EGRESSCTL,
-    SYSTEM_PYTHON,
     cleanup,
     env,
     leftovers,
@@ -169,6 +169,9 @@ class Run:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
         cleanup(self.id)
 
 

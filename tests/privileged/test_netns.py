@@ -14,19 +14,11 @@ import pytest
 
 from egress.errors import SandboxError
 from egress.kernel import netns
-from tests.privileged._helpers import (
-    Pair,
-    ifname,
-    ns_inode,
-    sandbox_pair,
-    scratch_netns,
-    skip_reason,
-    unique,
-)
+from tests.support.netns import Pair, ifname, ns_inode, sandbox_pair, scratch_netns, unique
 
 pytestmark = [
     pytest.mark.privileged,
-    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+    pytest.mark.usefixtures("require_root"),
 ]
 
 SIOCGSKNS = 0x894C  # ioctl: an fd for the netns a socket belongs to

@@ -16,18 +16,12 @@ from egress.errors import DatapathError
 from egress.kernel import netns
 from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
-from tests.privileged._helpers import (
-    NOBODY,
-    SYSTEM_PYTHON,
-    Pair,
-    run_as_nobody,
-    sandbox_pair,
-    skip_reason,
-)
+from tests.support import NOBODY, SYSTEM_PYTHON
+from tests.support.netns import Pair, run_as_nobody, sandbox_pair
 
 pytestmark = [
     pytest.mark.privileged,
-    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+    pytest.mark.usefixtures("require_root"),
 ]
 
 RULES = """

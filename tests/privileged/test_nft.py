@@ -15,11 +15,11 @@ from egress.kernel import netns
 from egress.kernel.nft import NftHandle
 from egress.kernel.nft_sets import NetlinkSets
 from egress.kernel.nft_worker import NftWorker
-from tests.privileged._helpers import scratch_netns, skip_reason
+from tests.support.netns import scratch_netns
 
 pytestmark = [
     pytest.mark.privileged,
-    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+    pytest.mark.usefixtures("require_root"),
 ]
 
 TABLE = """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from egress.kernel import netns
-from tests.privileged._helpers import unique
+from tests.support.netns import unique
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 

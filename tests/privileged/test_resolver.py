@@ -14,9 +14,9 @@ import time
 import pytest
 
 from egress.lab import Lab
-from tests.privileged.sandboxes import (
+from tests.support import SYSTEM_PYTHON
+from tests.support.sandboxes import (
     EGRESSCTL,
-    SYSTEM_PYTHON,
     env,
     policy_file,
     run_probe,
@@ -167,17 +167,17 @@ def test_an_ip_is_forgotten_after_its_clamped_ttl(lab: Lab) -> None:
         argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns,
                 "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]  # fmt: skip
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
-        try:
-            assert proc.stdout is not None
-            first = json.loads(proc.stdout.readline())
-            assert first["ok"] and first["address"] == "203.0.113.11", first
-            netns = _sandbox_netns(proc.pid)
-            _wait_until_set_forgets(netns, "203.0.113.11", deadline_s=10)
-        finally:
-            go.touch()
-        rest = [json.loads(line) for line in proc.stdout]
-        proc.wait(timeout=30)
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env()) as proc:
+            try:
+                assert proc.stdout is not None
+                first = json.loads(proc.stdout.readline())
+                assert first["ok"] and first["address"] == "203.0.113.11", first
+                netns = _sandbox_netns(proc.pid)
+                _wait_until_set_forgets(netns, "203.0.113.11", deadline_s=10)
+            finally:
+                go.touch()
+            rest = [json.loads(line) for line in proc.stdout]
+            proc.wait(timeout=30)
     assert not rest[-1]["ok"], rest
 
 

@@ -1,7 +1,7 @@
 """Issue 3: `egressctl run` with kernel-enforced default-deny egress, against the lab.
 
 Every test runs the real command: a netns, veth, nftables, cgroup and an unprivileged
-workload (tests/privileged/probe.py) that tries things and says what happened.
+workload (tests/support/probe.py) that tries things and says what happened.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 from egress.kernel import netns
 from egress.lab import Lab
 from egress.store import claims
-from tests.privileged.sandboxes import (
+from tests.support import NOBODY, SYSTEM_PYTHON
+from tests.support.sandboxes import (
     EGRESSCTL,
-    SYSTEM_PYTHON,
     cleanup,
     env,
     leftovers,
@@ -29,7 +29,6 @@ from tests.privileged.sandboxes import (
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
-NOBODY = 65534
 POLICY = """
 apiVersion: egress/v1
 kind: Policy
@@ -159,6 +158,9 @@ def test_rules_hold_with_no_egress_process_alive(lab: Lab) -> None:
             assert allowed["ok"]
         finally:
             proc.kill()
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
             if sandbox_id:
                 cleanup(sandbox_id)
         assert sandbox_id and leftovers(sandbox_id, lab.uplink_netns) == []

@@ -40,12 +40,12 @@ from egress.policy import load_policy
 from egress.sandbox import uplink as uplink_mod
 from egress.store.journal import Journal
 from egress.store.paths import read_template
-from tests.privileged._helpers import NOBODY, SYSTEM_PYTHON, scratch_netns, unique
-from tests.privileged.sandboxes import policy_file, workdir
+from tests.support import NOBODY, ROOT, SYSTEM_PYTHON
+from tests.support.netns import scratch_netns, unique
+from tests.support.sandboxes import policy_file, workdir
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
-ROOT = Path(__file__).resolve().parents[2]
 SIDECAR = [sys.executable, "-m", "egress.daemon.main", "sidecar"]
 POLICIES = sorted(ROOT.joinpath("policies").glob("*.yaml"))
 POLICY = """

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from egress.lab import Lab
-from tests.privileged import tunnels as tn
-from tests.privileged.sandboxes import leftovers
+from tests.support import tunnels as tn
+from tests.support.sandboxes import leftovers
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 

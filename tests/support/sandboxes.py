@@ -23,9 +23,9 @@ from egress.kernel import netns
 from egress.kernel.cgroup import find_mounts
 from egress.sandbox.lifecycle import teardown_claim
 from egress.store import claims
+from tests.support import ROOT, SYSTEM_PYTHON
 
 EGRESSCTL = [sys.executable, "-m", "egress.cli.main"]
-SYSTEM_PYTHON = "/usr/bin/python3"  # the workload user can't read the venv
 PROBE = Path(__file__).with_name("probe.py")
 
 
@@ -84,7 +84,7 @@ def run_probe(
 def env() -> dict[str, str]:
     # The workload inherits this; SUDO_USER would change the default user.
     out = {k: v for k, v in os.environ.items() if k != "SUDO_USER"}
-    out["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    out["PYTHONPATH"] = str(ROOT)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Helpers for the privileged tests of the runtime shells (netns, nft, NFLOG, cgroup).
+"""Scratch namespaces for the tests of the kernel shells (netns, nft, NFLOG, cgroup).
 
 Other test sessions may run on the same machine at the same time, so every namespace,
 interface and cgroup name carries this process's pid and a counter. Everything made here
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -17,11 +18,9 @@ from dataclasses import dataclass
 from functools import cache
 
 from egress.kernel import netns
+from tests.support import NOBODY, SYSTEM_PYTHON
 
-NOBODY = 65534
 _counter = itertools.count(1)
-# stdlib-only code runs under Debian's python3 as nobody, who cannot read the venv.
-SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 def unique(tag: str) -> str:
@@ -35,17 +34,21 @@ def ifname(tag: str) -> str:
 
 
 @cache
-def skip_reason() -> str | None:
-    """Why the privileged tests cannot run here, or None if they can."""
+def netns_unavailable() -> str | None:
+    """Why this machine cannot run the privileged tests, or None if it can."""
     if os.geteuid() != 0:
         return "needs root: creates network namespaces, nftables rulesets and cgroups"
     if shutil.which("ip") is None:
         return "iproute2 (`ip`) is not installed"
-    probe = unique("probe")
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"`ip netns add` is impossible here: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    probe = f"eglp{secrets.token_hex(3)}"
+    try:
+        done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                              timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run `ip netns add`: {exc}"
+    if done.returncode != 0:
+        return f"`ip netns add` is impossible here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=10)
     return None
 
 

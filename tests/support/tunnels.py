@@ -43,7 +43,8 @@ from egress.kernel.cgroup import Cgroup
 from egress.lab import Lab
 from egress.store import claims
 from egress.store.journal import Journal
-from tests.privileged.sandboxes import EGRESSCTL, SYSTEM_PYTHON, cleanup, env, workdir
+from tests.support import SYSTEM_PYTHON
+from tests.support.sandboxes import EGRESSCTL, cleanup, env, workdir
 
 T_ZONE, D_ZONE = "t.lab.test", "d.lab.test"
 IODINE_PORT, DNS2TCP_PORT = 5353, 5354  # where the lab relays T_ZONE and D_ZONE (zones.yaml)
