@@ -56,7 +56,9 @@ def make_core(policy: Policy, upstream_count: int) -> ResolverCore:
     """The resolver core one sandbox is served with, in every wiring (run, egressd):
     random upstream IDs from the OS, and the policy's tunnel scorer on the wall clock."""
     scorer = scorer_for(policy.tunnel, time.time)
-    return ResolverCore(policy, upstream_count, secrets.randbits, scorer=scorer)
+    return ResolverCore(
+        policy, upstream_count, secrets.randbits, scorer=scorer, monotonic=time.monotonic
+    )
 
 
 class ResolverServer:
@@ -320,7 +322,11 @@ class ResolverServer:
     def allow(self, action: AllowThenReply) -> list[Action]:
         """Put the planned elements in the kernel's sets, one add at a time, each acked;
         the core hears how far it got (and whether in time) and says what to send."""
-        done = self.writer.apply(action.adds)
+        try:
+            done = self.writer.apply(action.adds)
+        except Exception as exc:  # a bug in the writer: its clients get SERVFAIL, not silence
+            self._internal(exc)
+            return self.core.on_allowed(action.token, 0, time.time())
         return self.core.on_allowed(action.token, done.acked, time.time(), late=done.late)
 
     def handle_query(self, data: bytes, client: UdpClient | TcpClient, tcp: bool) -> None:
@@ -402,8 +408,8 @@ class ResolverServer:
             # else: not the answer to our question (spoofed, stale): keep listening
             self.perform(actions)
         except Exception as exc:
-            self._forget(token)
             self._internal(exc)
+            self._upstream_failed(token)  # still pending? then SERVFAIL, not a lost question
 
     def _upstream_failed(self, token: int) -> None:
         self._forget(token)
@@ -436,6 +442,7 @@ class ResolverServer:
             self.perform(actions)
         except Exception as exc:
             self._internal(exc)
+            self._upstream_failed(fwd.token)  # still pending? then SERVFAIL
             return
         if not actions and fwd.token in self.core.pending:
             # Not the answer to our question, and a TCP exchange carries one frame: no

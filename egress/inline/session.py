@@ -209,8 +209,9 @@ class Session:
             self.enforcer.journal.record_decision(
                 self.sb.id, ReviewAction.KILL, os.getuid(), time.time(), note
             )
-        finally:
-            self.sb.cgroup.kill()
+        except EgressError as exc:
+            print(f"egress: could not journal the kill ({note}): {exc}", file=sys.stderr)
+        self.sb.cgroup.kill()
 
     async def _await_decision(self) -> None:
         """Hold until a person thaws or kills it, or the decision timeout kills it."""
@@ -220,8 +221,7 @@ class Session:
         while self.sb.cgroup.is_frozen():
             if deadline is not None and time.monotonic() >= deadline:
                 self.state.timed_out = True
-                with contextlib.suppress(EgressError):
-                    self.kill(f"--decision-timeout {self.decision_timeout:g} s passed")
+                self.kill(f"--decision-timeout {self.decision_timeout:g} s passed")
                 return
             await asyncio.sleep(FROZEN_POLL_S)
 

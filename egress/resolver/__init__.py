@@ -8,10 +8,13 @@ Its part of the flow (DESIGN.md)::
     query bytes ─ core.replay: the same bytes answered within the last second? ─▶ reply bytes
         │ (no)
         ▼ wire.parse_query (header + question by hand) ─▶ cache hit? ─▶ Reply (cache.render)
-        ▼ miss: matcher (+ tunnel scorer) ─ denied ─▶ Report + NXDOMAIN/REFUSED, never forwarded
+        ▼ miss: judge.judge (matcher + tunnel scorer) ─ denied ─▶ Report + NXDOMAIN/REFUSED,
+        │       never forwarded (the observer layer calls the same judge)
         ▼ allowed ─▶ Forward (our ID, lowercased name, our EDNS)
     upstream bytes ─ message.parse (dnslib only for rare types) ─▶ answer.filter_answer
-        (CNAME chain, types, rebinding) ─▶ message.build ─▶ AllowThenReply (sets, then reply)
+        (CNAME chain, types, rebinding; re-decided under the policy in force now)
+        ─▶ message.build ─▶ AllowThenReply (the adds planned by datapath's ExpiryBook)
+    core.on_allowed(token, acked, late) ─▶ the replies (cached), or SERVFAIL (+ Revoke)
 
 The shells (egress.inline.server, egressd) perform the actions: send, forward, add
 the set elements and wait for the kernel's ack, journal the reports.

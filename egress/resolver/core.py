@@ -81,7 +81,8 @@ class Allowing:
     adds: tuple[SetAdd, ...]
     replies: tuple[Release, ...]
     fresh: SetUpdate  # what this answer alone allows: taken back if acked too late
-    planned_at: float
+    planned_at: float  # the wall clock ``now`` (cache times)
+    booked_at: float  # the book's clock (kernel timeouts are relative: no wall-clock steps)
     entry: Entry
     key: bytes | None  # cache the entry under it once allowed (None: a refresh)
     timeout_s: int
@@ -100,8 +101,13 @@ class ResolverCore:
         randbits: Callable[[int], int],
         cache_size: int = 10_000,
         scorer: QueryScorer | None = None,
+        monotonic: Callable[[], float] | None = None,
     ) -> None:
+        """``monotonic``: the clock the ExpiryBook keeps kernel timeouts on (the shell
+        passes time.monotonic, so a wall-clock step neither shortens an element an earlier
+        answer allowed nor revokes one it still needs). None: the ``now`` passed in."""
         self.n_upstreams = n_upstreams
+        self._monotonic = monotonic
         self.randbits = randbits
         # Cache hits skip the scorer: nothing leaves the host, and a repeat adds nothing.
         self.scorer = scorer
@@ -273,9 +279,10 @@ class ResolverCore:
 
     def _answer(self, p: Pending, response: message.Response, now: float) -> list[Action]:
         rule = p.rule
-        if rule is not None and not self.audit:
+        if not self.audit:
             # Decided under the policy in force now: egressd may have swapped it since the
-            # question went upstream, and an answer it no longer allows is not released.
+            # question went upstream (from audit mode, too, where a denied name goes up
+            # with no rule), and an answer it no longer allows is not released.
             decision = self.matcher.decide(p.qname, p.qtype)
             if not decision.allowed:
                 return [Reply(w.client, self._servfail(w.query)) for w in p.waiters]
@@ -318,11 +325,14 @@ class ResolverCore:
     ) -> AllowThenReply:
         self._next_token += 1
         token = self._next_token
-        adds = self.expiry.plan_adds(update, now)
-        fresh = self.expiry.fresh_update(update, now)
+        booked = self._book_time(now)
+        adds = self.expiry.plan_adds(update, booked)
+        fresh = self.expiry.fresh_update(update, booked)
         if len(self.allowing) >= ALLOWING_MAX:  # a shell that never answers: stay bounded
             self.allowing.pop(next(iter(self.allowing)))
-        self.allowing[token] = Allowing(adds, replies, fresh, now, entry, key, update.timeout_s)
+        self.allowing[token] = Allowing(
+            adds, replies, fresh, now, booked, entry, key, update.timeout_s
+        )  # fmt: skip
         return AllowThenReply(token, update, adds, replies, qname, qtype, entry.ips)
 
     def on_allowed(self, token: int, acked: int, now: float, *, late: bool = False) -> list[Action]:
@@ -333,7 +343,7 @@ class ResolverCore:
         if a is None:
             return []
         for add in a.adds[:acked]:
-            self.expiry.record(add.elements, add.timeout_s, a.planned_at)
+            self.expiry.record(add.elements, add.timeout_s, a.booked_at)
         if acked < len(a.adds) or late:
             revoke: list[Action] = [Revoke(a.fresh)] if late and not a.fresh.is_empty() else []
             return [*revoke, *(Reply(r.client, r.fallback) for r in a.replies)]
@@ -346,8 +356,12 @@ class ResolverCore:
     def seed_expiry(self, elements: list[tuple[str, int]], now: float) -> None:
         """(element, seconds left) the kernel already holds (an adopted sandbox): no
         answer shortens what a predecessor allowed."""
+        booked = self._book_time(now)
         for element, left in elements:
-            self.expiry.record((element,), left, now)
+            self.expiry.record((element,), left, booked)
+
+    def _book_time(self, now: float) -> float:
+        return now if self._monotonic is None else self._monotonic()
 
     def _entry(self, p: Pending, rule: DnsRule | None, filtered: Filtered, now: float) -> Entry:
         cap = self.policy.dns.ttl_max

@@ -549,3 +549,30 @@ def test_an_answer_arriving_after_a_swap_that_removed_its_name_is_servfail() -> 
     [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.1)
     assert isinstance(act, Reply)
     assert DNSRecord.parse(act.data).header.rcode == wire.SERVFAIL
+
+
+def test_an_audit_answer_to_a_denied_name_is_not_released_after_a_swap_to_enforce() -> None:
+    c = core(mode="audit")
+    [_, fwd] = c.on_query(query("denied.test"), "c", False, 0.0)  # reported, forwarded
+    assert isinstance(fwd, Forward)
+    enforce, _ = parse_policy(POLICY.format(mode="enforce", denied="nxdomain"), "t.yaml")
+    c.set_policy(enforce)
+    rr = RR("denied.test", QTYPE.A, rdata=A("203.0.113.66"), ttl=60)
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.1)
+    assert isinstance(act, Reply)
+    assert DNSRecord.parse(act.data).header.rcode == wire.SERVFAIL
+    assert not c.cache._entries  # and nothing cached as if it were allowed
+
+
+def test_the_expiry_book_keeps_the_monotonic_clock_when_the_wall_clock_steps() -> None:
+    mono = [0.0]
+    policy, _ = parse_policy(POLICY.format(mode="enforce", denied="nxdomain"), "t.yaml")
+    c = ResolverCore(policy, 2, random.Random(7).getrandbits, monotonic=lambda: mono[0])
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=300)
+    acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
+    mono[0] = 100.0  # 100 s pass; the wall clock jumps 1,000 s ahead
+    [fwd2] = c.on_query(query("x.cdn.test"), "c", False, 1100.0)
+    rr2 = RR("x.cdn.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=5)
+    [second] = c.on_upstream_reply(fwd2.token, upstream_answer(fwd2, rr2), 1100.0)
+    assert [a.timeout_s for a in second.adds] == [200]  # not shortened to 5 s
