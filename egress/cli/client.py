@@ -1,9 +1,10 @@
 """egressctl's HTTP client for egressd's API, over its unix socket.
 
-It lives in egress.cli rather than in egress.daemon: the entry points are independent
-layers (pyproject's import-linter contract), and a stdlib HTTP connection over AF_UNIX is
-all it takes. ``Client.call`` returns the decoded JSON; anything else is a ``DaemonError``:
-egressd unreachable (no socket, no permission), or its JSON refusal with the status.
+It lives in egress.cli rather than in egress.daemon: egressctl talks to egressd only
+over its socket (an import-linter contract forbids egress.cli to import egress.daemon),
+and a stdlib HTTP connection over AF_UNIX is all it takes. ``Client.call`` returns the
+decoded JSON; anything else is a ``DaemonError``: egressd unreachable (no socket, no
+permission), or its JSON refusal with the status.
 """
 
 from __future__ import annotations

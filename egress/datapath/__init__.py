@@ -2,9 +2,12 @@
 
     Policy ──render_sandbox()──▶ nft text for the sandbox netns (nft-templates/sandbox.nft)
     SandboxNet ──render_uplink()──▶ nft text for the uplink netns (nft-templates/uplink.nft)
-    DNS answer IPs + rule ──set_elements()──▶ "ip . proto . port" elements for allow4/allow6
-    index in pool ──addressing.allocate()──▶ the sandbox's v4/v6 link networks
+    DNS answer IPs + rule ──elements.plan_update()──▶ "ip . proto . port" for allow4/allow6
+        ──ExpiryBook.plan_adds()──▶ one add per set and timeout (no answer shortens another)
+    pool ──addressing.Pools──▶ the sandbox's v4/v6 link networks (first_free index)
+    NFLOG payload ──packet.parse_ip_packet()──▶ Packet; evidence.drop_violation()
 
-The kernel adapters load the text in one atomic transaction and send the elements through
-an in-process libnftables handle; the templates themselves are read by the caller.
+The kernel adapters load the text in one atomic transaction (kernel.nft); the resolver's
+adds go over egress's own netlink socket (kernel.nft_sets, libnftables as the fallback);
+the templates themselves are read by the caller.
 """

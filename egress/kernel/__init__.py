@@ -8,6 +8,7 @@
     cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill
 
 They carry out what the layers above decide and know nothing of policies, resolvers or the
-journal (an import-linter contract checks it). OS and third-party errors are translated
-here, once, into ``egress.errors``.
+journal (an import-linter contract checks it). libnftables' and pyroute2's errors are
+translated here, once, into ``egress.errors``; the raw netlink set writer (nft_sets.py)
+raises OSError/ValueError on the hot path, which its one caller (inline.sets) handles.
 """

@@ -9,7 +9,7 @@ sandbox's resolver at once. This child holds a handful of descriptors, forever b
 the child enters the netns, makes a fresh context (~0.06 ms), runs it and answers.
 
 The resolver's hot path does not come here: set elements are written over egress's own
-netlink socket (nft_netlink.py), which never calls select(). What comes here is what
+netlink socket (nft_sets.py), which never calls select(). What comes here is what
 runs once per sandbox or per request: loading a ruleset, a policy swap, listing a set.
 
 Protocol on stdin/stdout: a 4-byte big-endian length, then JSON. Request

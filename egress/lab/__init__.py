@@ -24,7 +24,7 @@ namespaces that no route leads out of::
 
 All addresses are documentation or benchmark ranges (RFC 5737, 3849, 2544) and names are
 under .test (RFC 2606); nothing is ever added to the host namespace. The DNS server
-(dns_server.py) is authoritative for the zones in a YAML file (zones.py; default
+(dns.py) is authoritative for the zones in a YAML file (zones.py; default
 zones.yaml: lab.test and evil.test, with CNAMEs, rebinding answers, a >512-byte answer, a
 slow one, a wildcard) and relays tunnel zones (t.lab.test, d.lab.test) as raw bytes to
 iodined/dns2tcpd started inside NAME-inet. It logs every packet it receives, first, to a

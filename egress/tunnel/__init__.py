@@ -4,7 +4,7 @@ Its part of the flow (see DESIGN.md: the resolver calls it for every query the p
 allows, BEFORE forwarding it; a verdict means "don't forward, freeze")::
 
     query name, qtype
-        │  names.split_name: PSL registered domain (zone) + subdomain labels
+        │  labels.split_name: PSL registered domain (zone) + subdomain labels
         ▼
     features.score_name ──▶ NameScore: lengths, character mix, entropy normalised by
         │                   length and alphabet, word-likeness, raw bytes, case flips,
