@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 
 from egress.datapath import constants as c
 from egress.errors import EgressError
-from egress.inline.sets import SetWriter
+from egress.inline.sets import SetStats, SetWriter
 from egress.inline.tcp_front import TcpClient, TcpFront
 from egress.inline.upstream import Latencies, UpstreamPool, recv_frame, set_mark
 from egress.kernel.netns import in_netns
@@ -88,7 +88,6 @@ class ResolverServer:
         self.port = port
         self.timeout_s = timeout_s
         self.writer = SetWriter(nft)
-        self.sets = self.writer.stats
         self.internal_errors = 0
         self.last_internal_error = ""
         self.dropped_replies = 0
@@ -149,6 +148,11 @@ class ResolverServer:
         self._tcp = TcpFront(tcp, self._tcp_query, self._admit_tcp)
         self._tcp.start()
         loop.add_reader(udp.fileno(), self._udp_readable)
+
+    @property
+    def sets(self) -> SetStats:
+        """The set writer's counts (updates, failures, late acks, last duration)."""
+        return self.writer.stats
 
     @property
     def listening(self) -> tuple[socket.socket, socket.socket]:

@@ -27,11 +27,9 @@ from egress.model import (
     Mode,
     Policy,
     Ports,
-    Violation,
     ViolationClass,
-)  # fmt: skip
+)
 from egress.policy.matcher import Matcher
-from egress.policy.rrtypes import type_name
 from egress.resolver import cache as cache_mod
 from egress.resolver import message, wire
 from egress.resolver.actions import (
@@ -42,10 +40,10 @@ from egress.resolver.actions import (
     Reply,
     Report,
     Revoke,
-)  # fmt: skip
+)
 from egress.resolver.answer import Filtered, Finding, filter_answer, record_ip
 from egress.resolver.cache import Cache, Entry
-from egress.resolver.judge import QueryScorer, Verdict, judge
+from egress.resolver.judge import QueryScorer, Verdict, dns_violation, judge
 
 LAYER = Layer.INLINE
 
@@ -64,6 +62,7 @@ class Pending:
     qname: str
     qtype: int
     rule: DnsRule | None  # None: a denied name forwarded only because of audit mode
+    matcher: Matcher  # the policy it was decided under (set_policy makes a new one)
     waiters: list[Waiter] = field(default_factory=list)
     upstream: int = 0
     tcp: bool = False
@@ -230,7 +229,7 @@ class ResolverCore:
             return []
         self._next_token += 1
         token = self._next_token
-        p = Pending(token, self.randbits(16), q.qname, q.qtype, rule, [waiter])
+        p = Pending(token, self.randbits(16), q.qname, q.qtype, rule, self.matcher, [waiter])
         self.pending[token] = p
         self.inflight[q.key] = token
         self._stats["forwarded"] += 1
@@ -279,10 +278,10 @@ class ResolverCore:
 
     def _answer(self, p: Pending, response: message.Response, now: float) -> list[Action]:
         rule = p.rule
-        if not self.audit:
-            # Decided under the policy in force now: egressd may have swapped it since the
-            # question went upstream (from audit mode, too, where a denied name goes up
-            # with no rule), and an answer it no longer allows is not released.
+        if p.matcher is not self.matcher and not self.audit:
+            # egressd swapped the policy since the question went upstream (from audit mode
+            # too, where a denied name goes up with no rule): decided again under the one
+            # in force now, and an answer it no longer allows is not released.
             decision = self.matcher.decide(p.qname, p.qtype)
             if not decision.allowed:
                 return [Reply(w.client, self._servfail(w.query)) for w in p.waiters]
@@ -408,11 +407,8 @@ class ResolverCore:
 
     def _finding(self, f: Finding, p: Pending, now: float) -> Report:
         return Report(
-            Violation(
-                cls=f.cls, layer=LAYER, rule=f.rule, detail=f.detail, at=now,
-                action=self.policy.action(f.cls), qname=p.qname or ".",
-                qtype=type_name(p.qtype),
-            )
+            dns_violation(f.cls, f.rule, f.detail, p.qname, p.qtype,
+                          layer=LAYER, policy=self.policy, at=now)
         )  # fmt: skip
 
 

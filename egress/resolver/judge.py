@@ -65,18 +65,30 @@ class Verdict:
     ) -> Violation:
         """The violation this verdict is, as ``layer`` saw it (with its evidence)."""
         assert self.cls is not None, "an allowed query is no violation"
-        return Violation(
-            cls=self.cls,
-            layer=layer,
-            rule=self.reason,
-            detail=self.detail,
-            at=at,
-            action=policy.action(self.cls),
-            flow=flow,
-            uid=uid,
-            qname=q.qname or ".",
-            qtype=type_name(q.qtype),
-        )
+        return dns_violation(self.cls, self.reason, self.detail, q.qname, q.qtype,
+                             layer=layer, policy=policy, at=at, flow=flow, uid=uid)  # fmt: skip
+
+
+def dns_violation(
+    cls: ViolationClass,
+    rule: str,
+    detail: str,
+    qname: str,
+    qtype: int,
+    *,
+    layer: str,
+    policy: Policy,
+    at: float,
+    flow: Flow | None = None,
+    uid: int | None = None,
+) -> Violation:
+    """A violation about the question ``qname``/``qtype``, spelled the one way both layers
+    must: the journal pairs their records by the question (the root as ".", an unknown
+    type as the policy writes it, TYPE65399), so a second spelling would be two events."""
+    return Violation(
+        cls=cls, layer=layer, rule=rule, detail=detail, at=at, action=policy.action(cls),
+        flow=flow, uid=uid, qname=qname or ".", qtype=type_name(qtype),
+    )  # fmt: skip
 
 
 def judge(q: wire.Query, matcher: Matcher, scorer: QueryScorer | None) -> Verdict:
