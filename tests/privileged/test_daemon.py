@@ -203,6 +203,37 @@ def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Egressd, 
         daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
+def test_an_audit_answer_in_flight_across_a_swap_to_enforce_is_not_released(
+    daemon: Egressd, lab: Lab
+) -> None:
+    """Audit mode forwards a denied name; the policy goes to enforce while the upstream
+    (lag.lab.test answers after 1.5 s, inside egressd's 2 s upstream timeout) still
+    holds the question. The answer arriving then
+    must be SERVFAIL, its address must not enter the sandbox's set, and asked again the
+    name must not go upstream (nor come back from a cache)."""
+    audit = policy("audit", "mail.lab.test").replace("  dns:", "  mode: audit\n  dns:")
+    box = daemon.create(audit, lab.uplink_netns)
+    argv = ["ip", "netns", "exec", box["netns"], "dig", "+tries=1", "+time=10",
+            "@127.0.0.53", "lag.lab.test"]  # fmt: skip
+    try:
+        lab.clear_queries()
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as asker:
+            assert wait_until(lambda: lab.saw("lag.lab.test"), 10), "never forwarded"
+            daemon.client.call(
+                "PUT", f"/v1/sandboxes/{box['id']}/policy",
+                {"policy": policy("enforce", "mail.lab.test")},
+            )  # fmt: skip
+            out, _ = asker.communicate(timeout=30)
+        assert "status: SERVFAIL" in out, out
+        assert "203.0.113.12" not in set_ips(box["netns"])
+        lab.clear_queries()
+        assert dig(box["netns"], "lag.lab.test") == ""
+        assert not lab.saw("lag.lab.test")  # denied now: never sent upstream
+        assert "203.0.113.12" not in set_ips(box["netns"])
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
 def _snapshot(netns: str) -> list[str]:
     out = []
     ip = ["ip", "-n", netns]
