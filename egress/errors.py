@@ -24,6 +24,7 @@ class EgressError(Exception):
     """Root of every error egress raises on purpose."""
 
     http_status: ClassVar[int] = 422
+    exit_code: ClassVar[int] = 1  # what egressctl exits with
 
     def http_body(self) -> dict[str, Any]:
         """``{"error": message, "where": the part of the request at fault, or None}``."""
@@ -91,6 +92,13 @@ class JournalError(EgressError):
 
 class SandboxError(EgressError):
     """A sandbox could not be created, entered, attached, served or torn down."""
+
+
+class UsageError(SandboxError):
+    """Bad input that nothing was made for: an unknown or root --user, an invalid --env
+    name, an exhausted uid range. egressctl exits 2, as for a bad policy."""
+
+    exit_code: ClassVar[int] = 2
 
 
 class AlreadyAttached(SandboxError):

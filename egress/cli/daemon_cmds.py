@@ -13,7 +13,6 @@ The HTTP client they use is ``egress.cli.client``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from egress.cli.client import Client, default_socket
-from egress.errors import DaemonError, EgressError
+from egress.errors import DaemonError, EgressError, UsageError
 from egress.model import SandboxKind, SandboxState
 
 FMT = argparse.RawDescriptionHelpFormatter
@@ -87,14 +86,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
              "egressctl sandbox exec --user agent 3f2a1c -- python3 agent.py")  # fmt: skip
     e.description = (
         "Run CMD in the sandbox as egressctl run runs its command: it joins the sandbox's\n"
-        "cgroup before it execs (so a freeze stops it and names it), enters its netns, and\n"
-        "drops to --user with no capabilities and no_new_privs. Waits for it and exits with\n"
-        "its status (128+N if killed by signal N); SIGINT and SIGTERM are passed on."
+        "cgroup before it execs (so a freeze stops it and names it), enters its netns, in\n"
+        "a PID namespace and a view of the host of its own (see `egressctl run --help`),\n"
+        "as the sandbox's own uid with no capabilities and no_new_privs. Waits for it and\n"
+        "exits with its status (128+N if killed by signal N); SIGINT, SIGTERM and SIGHUP\n"
+        "are passed on. Execs of one sandbox share its uid and $HOME."
     )
     e.add_argument(
         "--user", metavar="NAME|UID",
-        help="run as this user (default: the sudo user, else nobody; never root)",
+        help="run as this existing account, never root (default: the sandbox's own uid)",
     )  # fmt: skip
+    e.add_argument("--workdir", metavar="DIR", help="read-write, CMD starts here (default: .)")
+    e.add_argument("--ro-bind", action="append", default=[], metavar="PATH[:DEST]",
+                   help="show host PATH read-only at DEST; repeatable")  # fmt: skip
+    e.add_argument("--bind", action="append", default=[], metavar="PATH[:DEST]",
+                   help="show host PATH read-write at DEST; repeatable")  # fmt: skip
+    e.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="pass NAME to CMD; repeatable")  # fmt: skip
+    e.add_argument("--env-file", action="append", default=[], metavar="FILE",
+                   help="pass the NAME[=VALUE] lines of FILE")  # fmt: skip
     e.add_argument("sandbox", metavar="ID")
     e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     e.set_defaults(func=cmd_exec)
@@ -178,14 +188,18 @@ def cmd_set_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from egress.sandbox import workload
+    from egress.sandbox import view, workload
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
         raise EgressError("sandbox exec: give the command after --, e.g. -- sh -c 'curl ...'")
-    user = workload.resolve_user(args.user)
+    named = workload.named_user(args.user) if args.user is not None else None
+    env_items = [i for path in args.env_file for i in workload.parse_env_file(path)]
+    extra = workload.resolve_env([*env_items, *args.env], os.environ)
+    binds = [view.Bind.parse(b, writable=False) for b in args.ro_bind]
+    binds += [view.Bind.parse(b, writable=True) for b in args.bind]
     data = _run(args, "GET", f"/v1/sandboxes/{args.sandbox}", None)
     if data["kind"] != SandboxKind.CREATED:
         # Its netns and cgroup are another runtime's (their resolv.conf, their way in).
@@ -195,16 +209,27 @@ def cmd_exec(args: argparse.Namespace) -> int:
         )
     if data["state"] == SandboxState.FROZEN:
         raise EgressError(f"sandbox {args.sandbox} is frozen; resume or kill it first")
+    if named is not None:
+        who = named
+        workload.print_warning(workload.shared_user_warning(who))
+    elif data.get("uid") is not None:
+        who = workload.allocated_user(data["id"], int(data["uid"]))
+    else:
+        raise UsageError(
+            f"sandbox {args.sandbox} has no uid of its own (an older egressd made it); "
+            "give --user NAME"
+        )
     procs = [os.path.join(data["cgroup"], "cgroup.procs")]
     if data.get("freezer"):
         procs.append(os.path.join(data["freezer"], "cgroup.procs"))
-    proc = workload.spawn(data["netns"], user, argv, procs)
-
-    def forward(sig: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, sig)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, forward)
-    code = proc.wait()
+    the_view = view.prepare(data["id"], data["netns"], who, args.workdir or os.getcwd(), binds)
+    try:
+        env = workload.build_env(who, extra, os.environ)
+        proc = workload.spawn(data["id"], data["netns"], who, argv, the_view, env, procs)
+        forward = workload.signal_forwarder(proc)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda signum, _frame: forward(signum))
+        code = proc.popen.wait()
+    finally:
+        the_view.close()
     return 128 - code if code < 0 else code

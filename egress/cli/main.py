@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except EgressError as exc:
         print(f"egressctl: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -13,7 +13,17 @@ RUN_EPILOG = f"""\
 The command runs in a new network namespace whose nftables rules allow only what the
 policy names, inside its own cgroup, as an unprivileged user with no capabilities.
 Everything egress created is removed when it exits (unless --keep). Exit status is the
-command's own; 127 when it does not exist; 137 when it was killed after a freeze.
+command's own; 127 when it does not exist; 137 when it was killed after a freeze; 2 when
+egressctl refused its arguments (nothing was made then).
+
+Isolation: by default the command runs under a uid and gid of its own (from --uid-range),
+in its own PID namespace (`kill -9 -1` ends only the sandbox's processes), seeing a root
+it was given: read-only /usr, /bin, /lib*, /etc; its own /proc and a minimal /dev;
+private /tmp, /var/tmp, /dev/shm, /run and $HOME; the working directory read-write; and
+nothing else of the host unless --ro-bind or --bind names it. Files it writes in the
+working directory and in --bind paths belong to you (the sudo user) afterwards. Only
+PATH, LANG, LC_*, TERM and TZ pass from your environment, plus what --env names. It
+cannot create user namespaces or set set-uid/set-gid bits.
 
 A violation whose policy action is `freeze` stops every process of the sandbox at once
 (cgroup freezer), records it in the journal with the process behind it, prints what
@@ -47,7 +57,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--policy", required=True, metavar="P", help="policy file (YAML)")
     p.add_argument("--uplink-netns", metavar="N", help="netns holding the veth's host end")
     p.add_argument("--upstream", metavar="IP[:PORT]", help="DNS upstream (overrides policy)")
-    p.add_argument("--user", metavar="U", help="run CMD as U (default: $SUDO_USER, else nobody)")
+    p.add_argument(
+        "--user", metavar="U",
+        help="run CMD as the existing account U, never root (default: a uid of its own)",
+    )  # fmt: skip
+    p.add_argument(
+        "--workdir", metavar="DIR",
+        help="the directory CMD starts in, read-write (default: the current directory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ro-bind", action="append", default=[], metavar="PATH[:DEST]",
+        help="show host PATH read-only at DEST (default: the same path); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--bind", action="append", default=[], metavar="PATH[:DEST]",
+        help="show host PATH read-write at DEST; repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--env", action="append", default=[], metavar="NAME[=VALUE]",
+        help="pass NAME to CMD (its value here, or VALUE); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--env-file", action="append", default=[], metavar="FILE",
+        help="pass the NAME[=VALUE] lines of FILE, as --env does",
+    )  # fmt: skip
+    p.add_argument(
+        "--uid-range", metavar="START-END",
+        help="uids for sandboxes' workloads (default: $EGRESS_UID_RANGE or "
+        "2000000000-2000065535)",
+    )  # fmt: skip
     p.add_argument("--report", metavar="FILE", help="write a JSON report of the run to FILE")
     p.add_argument("--keep", action="store_true", help="leave the sandbox in place afterwards")
     p.add_argument("--subnet-pool", metavar="CIDR[,CIDR6]", help="address pools for sandboxes")
@@ -89,6 +127,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from egress.run.runner import RunOptions, run
+    from egress.sandbox.view import Bind
+    from egress.sandbox.workload import parse_env_file
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
@@ -102,8 +142,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     policy, warnings = load_policy_with_warnings(args.policy)
     for w in warnings:
         print(w, file=sys.stderr)
+    env = [item for path in args.env_file for item in parse_env_file(path)] + list(args.env)
+    binds = [Bind.parse(b, writable=False) for b in args.ro_bind]
+    binds += [Bind.parse(b, writable=True) for b in args.bind]
     opts = RunOptions(
         argv=argv,
+        workdir=args.workdir,
+        binds=binds,
+        env=env,
+        uid_range=args.uid_range,
         uplink_netns=args.uplink_netns,
         pools=Pools.parse(args.subnet_pool),
         user=args.user,

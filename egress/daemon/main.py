@@ -20,7 +20,7 @@ from egress import __version__
 from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
 from egress.observer.supervisor import Supervisor
-from egress.store import rundir
+from egress.store import rundir, uids
 from egress.store.journal import Journal
 from egress.store.paths import run_dir, state_dir
 
@@ -99,6 +99,11 @@ def serve_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not serve the sandboxes an earlier egressd left in --run-dir",
     )
+    p.add_argument(
+        "--uid-range", metavar="START-END",
+        help="uids for created sandboxes' workloads (default: $EGRESS_UID_RANGE or "
+        "2000000000-2000065535)",
+    )  # fmt: skip
     _common(p)
     return p
 
@@ -191,7 +196,9 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     state = state_dir(args.state_dir)
     journal = Journal.open(state)
     hint = f" --state-dir {args.state_dir}" if args.state_dir else ""
-    registry = Registry(journal, run_dir, review_hint=hint)
+    uid_range = uids.parse_range(args.uid_range)
+    uids.check_range(uid_range)
+    registry = Registry(journal, run_dir, review_hint=hint, uid_range=uid_range)
     runner: web.AppRunner | None = None
     api: socket.socket | None = None
     giver: handoff.Giver | None = None

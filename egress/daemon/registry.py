@@ -49,7 +49,7 @@ from egress.policy import parse_policy
 from egress.sandbox import attach as attach_mod
 from egress.sandbox import lifecycle as sbx
 from egress.sandbox.adopt import adopt_created
-from egress.store import rundir
+from egress.store import rundir, uids
 from egress.store.journal import Journal
 
 from . import handoff
@@ -87,6 +87,7 @@ class Served:
             "freezer": r.freezer,
             "uplink_netns": r.uplink_netns,
             "upstream": r.upstream,
+            "uid": r.uid,  # the workload's own uid and gid (created sandboxes)
             "address4": None if r.kind == SandboxKind.ATTACHED else str(self.sb.net.address4),
             "created_at": r.created_at,
             "violations": len(self.session.state.violations),
@@ -101,8 +102,10 @@ class Registry:
         run_dir: Path,
         pools: Pools | None = None,
         review_hint: str = "",
+        uid_range: range | None = None,
     ) -> None:
         self.journal = journal
+        self.uid_range = uid_range if uid_range is not None else uids.parse_range(None)
         self.run_dir = run_dir
         self.pools = pools or Pools.parse(None)
         self.review_hint = review_hint
@@ -164,11 +167,11 @@ class Registry:
     ) -> Served:
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
-        sb = await _in_thread(sbx.create, policy, self.pools, uplink_netns)
+        sb = await _in_thread(sbx.create, policy, self.pools, uplink_netns, self.uid_range)
         record = rundir.Record(
             id=sb.id, kind=SandboxKind.CREATED, netns=sb.netns, cgroup=sb.cgroup.v2_path,
             policy=policy_text, freezer=sb.cgroup.freezer_path, uplink_netns=uplink_netns,
-            upstream=upstream, created_at=time.time(), daemon_pid=os.getpid(),
+            upstream=upstream, created_at=time.time(), daemon_pid=os.getpid(), uid=sb.uid,
         )  # fmt: skip
         return await self._serve(sb, record, upstreams, fresh=True)
 

@@ -265,8 +265,9 @@ def review_block(sandbox_id: str, event: FreezeEvent, hint: str, timeout: float 
 # -- the command's life ------------------------------------------------------------------
 
 
-async def wait_for_exit(pid: int, session: Session) -> int:
-    """The command's exit status (128+N if killed by signal N), forwarding signals."""
+async def wait_for_exit(pid: int, session: Session, signal_to: int | None = None) -> int:
+    """The command's exit status (128+N if killed by signal N), forwarding signals to
+    ``signal_to`` (the sandbox's PID 1), else to ``pid``."""
     loop = asyncio.get_running_loop()
     pidfd = os.pidfd_open(pid)
     done = loop.create_future()
@@ -276,7 +277,7 @@ async def wait_for_exit(pid: int, session: Session) -> int:
             done.set_result(None)
 
     loop.add_reader(pidfd, exited)
-    _install_signals(loop, pid, session)
+    _install_signals(loop, pid if signal_to is None else signal_to, session)
     try:
         await done
         _, status = os.waitpid(pid, 0)

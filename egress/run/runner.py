@@ -24,7 +24,7 @@ from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
-from egress.errors import EgressError, SandboxError, Stopped
+from egress.errors import EgressError, SandboxError, Stopped, UsageError
 from egress.inline import wiring
 from egress.inline.server import ResolverServer
 from egress.inline.session import Session, wait_for_exit
@@ -32,8 +32,9 @@ from egress.inline.upstream import parse_upstream, resolve_upstreams
 from egress.model import Policy, ReviewAction, SandboxState
 from egress.observer.process import ObserverProcess
 from egress.sandbox import lifecycle as sbx
-from egress.sandbox import workload
-from egress.store import claims
+from egress.sandbox import view, workload
+from egress.sandbox.view import Identity
+from egress.store import claims, uids
 from egress.store.journal import Journal
 from egress.store.paths import default_state_dir
 
@@ -50,6 +51,10 @@ class RunOptions:
     upstream: str | None = None  # --upstream IP[:PORT], instead of the policy's upstreams
     state_dir: str | None = None
     decision_timeout: float | None = None
+    workdir: str | None = None  # default: the current directory
+    binds: Sequence[view.Bind] = ()  # --ro-bind / --bind
+    env: Sequence[str] = ()  # --env and --env-file items, NAME or NAME=VALUE
+    uid_range: str | None = None  # --uid-range; default $EGRESS_UID_RANGE or uids' default
 
 
 @dataclass
@@ -64,14 +69,19 @@ class RunResult:
     outcome: str | None = None
     frozen: bool = False
     freeze_latency_ms: float | None = None
+    workdir: str = ""
+    env_names: list[str] = field(default_factory=list)
 
-    def to_json(self, policy: Policy, opts: RunOptions, user: str) -> dict[str, object]:
+    def to_json(self, policy: Policy, opts: RunOptions, who: Identity) -> dict[str, object]:
         return {
             "sandbox": self.sandbox,
             "policy": policy.name,
             "mode": policy.mode.value,
             "command": list(opts.argv),
-            "user": user,
+            "user": who.name,
+            "uid": who.uid,
+            "workdir": self.workdir,
+            "env": self.env_names,  # names only: values may be secrets
             "exit_code": self.exit_code,
             "frozen": self.frozen,
             "outcome": self.outcome,
@@ -94,7 +104,19 @@ def run(policy: Policy, opts: RunOptions) -> int:
     """Run the command in a new sandbox; returns its exit status."""
     if os.geteuid() != 0:
         raise SandboxError("egressctl run needs root (it creates a network namespace); use sudo")
-    user = workload.resolve_user(opts.user)
+    # Everything the user got wrong is found before anything is made.
+    named = workload.named_user(opts.user) if opts.user is not None else None
+    extra_env = workload.resolve_env(opts.env, os.environ)
+    workdir = os.path.realpath(opts.workdir or os.getcwd())
+    if not os.path.isdir(workdir) or workdir == "/":
+        raise UsageError(f"--workdir {workdir}: give an existing directory other than /")
+    uid_range = None
+    if named is None:
+        uid_range = uids.parse_range(opts.uid_range)
+        uids.check_range(uid_range)
+    else:
+        workload.print_warning(workload.shared_user_warning(named))
+    plan = _Plan(named, uid_range, extra_env, workdir)
     state = Path(opts.state_dir) if opts.state_dir else default_state_dir()
     _stop_on_signals()
     observer = ObserverProcess.fork(policy, state)  # before any SQLite connection exists
@@ -104,21 +126,36 @@ def run(policy: Policy, opts: RunOptions) -> int:
         observer.stop(timeout=0)
         raise
     try:
-        return _run(policy, opts, user, journal, observer)
+        return _run(policy, opts, plan, journal, observer)
     finally:
         observer.stop()
         journal.close()
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What run checked before making anything."""
+
+    named: Identity | None  # --user, else None: a uid of the sandbox's own
+    uid_range: range | None
+    env: dict[str, str]
+    workdir: str
+
+
 def _run(
     policy: Policy,
     opts: RunOptions,
-    user: workload.User,
+    plan: _Plan,
     journal: Journal,
     observer: ObserverProcess,
 ) -> int:
-    sb = sbx.create(policy, opts.pools, opts.uplink_netns)
-    result = RunResult(sb.id, kept=opts.keep)
+    sb = sbx.create(policy, opts.pools, opts.uplink_netns, plan.uid_range)
+    if plan.named is not None:
+        who = plan.named
+    else:
+        assert sb.uid is not None
+        who = workload.allocated_user(sb.id, sb.uid)
+    result = RunResult(sb.id, kept=opts.keep, workdir=plan.workdir, env_names=sorted(plan.env))
     result.timings_ms["create"] = round(sb.created_s * 1000, 2)
     try:
         journal.record_sandbox(
@@ -131,7 +168,7 @@ def _run(
         )
         observer.begin(sb.id, sb.netns)
         journal.set_sandbox_state(sb.id, SandboxState.RUNNING, observer_pid=observer.pid)
-        asyncio.run(_serve(sb, opts, user, journal, observer, result))
+        asyncio.run(_serve(sb, opts, who, plan, journal, observer, result))
     finally:
         _shield_teardown()
         # Each step on its own: one failing must not skip the teardown or the report.
@@ -146,7 +183,7 @@ def _run(
                 with contextlib.suppress(EgressError):
                     journal.set_sandbox_state(sb.id, SandboxState.EXITED)
             if opts.report:
-                _write_report(opts.report, result.to_json(policy, opts, user.name))
+                _write_report(opts.report, result.to_json(policy, opts, who))
     return result.exit_code
 
 
@@ -188,7 +225,8 @@ def _review_hint(opts: RunOptions) -> str:
 async def _serve(
     sb: sbx.Sandbox,
     opts: RunOptions,
-    user: workload.User,
+    who: Identity,
+    plan: _Plan,
     journal: Journal,
     observer: ObserverProcess,
     result: RunResult,
@@ -207,14 +245,21 @@ async def _serve(
 
     loop.add_reader(observer_fd, observer_gone)
     watcher: asyncio.Task[None] | None = None
+    the_view: view.View | None = None
     try:
         await resolver.start()
         watcher = loop.create_task(session.watch_frozen())
         procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
-        proc = workload.spawn(sb.netns, user, opts.argv, procs)
-        result.exit_code = await wait_for_exit(proc.pid, session)
-        proc.returncode = result.exit_code  # reaped already; keep Popen from reaping again
+        the_view = view.prepare(sb.id, sb.netns, who, plan.workdir, opts.binds)
+        env = workload.build_env(who, plan.env, os.environ)
+        started = time.monotonic()
+        proc = workload.spawn(sb.id, sb.netns, who, opts.argv, the_view, env, procs)
+        result.timings_ms["spawn"] = round((time.monotonic() - started) * 1000, 2)
+        result.exit_code = await wait_for_exit(proc.pid, session, signal_to=proc.init_pid)
+        proc.popen.returncode = result.exit_code  # reaped already; keep Popen from it
     finally:
+        if the_view is not None:
+            the_view.close()
         session.stopping = True
         if watcher is not None:
             watcher.cancel()

@@ -31,7 +31,7 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
     )
     sb = Sandbox(
         record.id, policy, net, claim.netns, claim.host_if, claim.uplink_netns,
-        cgroup, nft,
+        cgroup, nft, uid=claim.uid,
     )  # fmt: skip
 
     def teardown() -> None:

@@ -24,6 +24,7 @@ from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
 from egress.sandbox import uplink as uplink_mod
+from egress.sandbox import view
 from egress.store import claims
 from egress.store.paths import read_template
 
@@ -45,6 +46,7 @@ class Sandbox:
     cgroup: Cgroup
     nft: NftHandle
     created_s: float = 0.0  # create-to-ready time
+    uid: int | None = None  # the workload's own uid (and gid), when egress allocated one
     _undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
 
     def add_undo(self, what: str, step: Callable[[], None]) -> None:
@@ -73,8 +75,12 @@ def _unwind(undo: list[tuple[str, Callable[[], None]]]) -> list[str]:
     return failures
 
 
-def create(policy: Policy, pools: Pools, uplink_netns: str | None) -> Sandbox:
-    """Make a ready sandbox for ``policy``; on any failure nothing is left behind."""
+def create(
+    policy: Policy, pools: Pools, uplink_netns: str | None, uid_range: range | None = None
+) -> Sandbox:
+    """Make a ready sandbox for ``policy``; on any failure nothing is left behind.
+
+    With ``uid_range``, the sandbox gets a workload uid of its own from that range."""
     if uplink_netns is not None and not netns.netns_exists(uplink_netns):
         raise SandboxError(
             f"uplink netns {uplink_netns!r} does not exist (see `ip netns list`; "
@@ -84,7 +90,7 @@ def create(policy: Policy, pools: Pools, uplink_netns: str | None) -> Sandbox:
     sandbox_id = new_id()
     undo: list[tuple[str, Callable[[], None]]] = []
     try:
-        claim = claims.claim(sandbox_id, pools, uplink_netns)
+        claim = claims.claim(sandbox_id, pools, uplink_netns, uid_range)
         # Last out: the claim goes with the uplink table check, under one lock, so of
         # sandboxes ending together exactly the last one removes the shared table.
         undo.append(("address claim", lambda: uplink_mod.detach(uplink_netns, sandbox_id)))
@@ -114,10 +120,13 @@ def _build(
     undo.append(("nft handle", nft.close))
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
     uplink_mod.attach(uplink)
+    # Undone after the cgroup (newest first): its processes are dead by then, so the
+    # mounts of their view and their $HOME can go.
+    undo.append((f"workload files of {claim.id}", lambda: view.remove(claim.id)))
     cgroup = Cgroup.create(claim.id)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
     _write_resolv_conf(name, undo)
-    return Sandbox(claim.id, policy, net, name, host_if, uplink, cgroup, nft, 0.0, undo)
+    return Sandbox(claim.id, policy, net, name, host_if, uplink, cgroup, nft, 0.0, claim.uid, undo)
 
 
 def _addresses(net: SandboxNet, name: str, host_if: str, uplink: str | None) -> None:
@@ -173,6 +182,7 @@ def teardown_claim(claim: claims.Claim) -> list[str]:
         ("address claim", lambda: uplink_mod.detach(claim.uplink_netns, claim.id)),
         (f"netns {claim.netns}", lambda: netns.remove_netns(claim.netns)),
         (f"veth {claim.host_if}", lambda: netns.delete_link(claim.host_if, claim.uplink_netns)),
+        (f"workload files of {claim.id}", lambda: view.remove(claim.id)),
         (f"cgroup {claim.id}", lambda: _remove_cgroup_by_name(claim.id)),
         (
             f"{ETC_NETNS / claim.netns}",

@@ -1,71 +1,190 @@
-"""Start the user's command inside a sandbox, unprivileged.
+"""Start the user's command inside a sandbox: its own uid, PID namespace and view.
 
-The child joins the sandbox's cgroup before it execs anything (so nothing it forks can be
-born outside), then ``ip netns exec`` enters the netns and gives it a private mount
-namespace with the sandbox's resolv.conf, and ``setpriv`` drops to the workload user with
-no capabilities (bounding, inheritable, ambient) and no_new_privs, so no setuid binary
-can win them back.
+    egressctl (root) ─fork─▶ join the sandbox's cgroup(s), enter the Landlock domain
+        ─exec─▶ nsenter --net=<the sandbox's netns>
+        ─exec─▶ bwrap: new mount, PID, IPC, UTS (and cgroup) namespaces; the view
+                (sandbox/view.py); the seccomp filter (kernel/confine.py)
+        ─exec─▶ setpriv: the workload's uid and gid, no supplementary groups, no
+                capabilities (bounding, inheritable, ambient), no_new_privs
+        ─exec─▶ tini, PID 1 of the namespace: reaps orphans, passes signals on to CMD,
+                exits with CMD's status (128+N when a signal N ended it)
+        ─fork+exec─▶ CMD
+
+The child joins the cgroup before it execs anything, so nothing it forks is born outside.
+bubblewrap's own process stays outside the PID namespace as root, waits for PID 1 and
+exits with its status; signals for the command go to PID 1 (``Workload.init_pid``, which
+bwrap reports on --info-fd), never to bwrap, which would die of them and leave the
+command running. Inside, ``kill -9 -1`` reaches only the sandbox's own processes: the
+namespace holds nothing else, and PID 1 is immune to it.
+
+Only an allowlist of the caller's environment reaches CMD: PATH, LANG, LC_*, TERM and TZ,
+plus HOME, USER and LOGNAME set for the sandbox, plus what --env and --env-file name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import re
+import select
 import shutil
 import subprocess
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from egress.errors import SandboxError
+from egress.errors import SandboxError, UsageError
+from egress.kernel import confine
+from egress.sandbox.view import Identity, View
+
+TOOLS = {"bwrap": "bubblewrap", "nsenter": "util-linux", "setpriv": "util-linux"}
+TINI = "/usr/bin/tini"  # inside the view; /usr is the host's
+SETPRIV = "/usr/bin/setpriv"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PASSED = ("PATH", "LANG", "TERM", "TZ")  # and every LC_*
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+INFO_TIMEOUT_S = 10.0  # bwrap writes its info at once; a busy host may delay it a little
 
 
-@dataclass(frozen=True)
-class User:
-    name: str
-    uid: int
-    gid: int
-    home: str
+# -- who ----------------------------------------------------------------------------------
 
 
-def resolve_user(spec: str | None) -> User:
-    """--user NAME|UID; default: the invoking sudo user, else nobody. Never root."""
-    if spec is None:
-        sudo_user = os.environ.get("SUDO_USER")
-        spec = sudo_user if sudo_user and sudo_user != "root" else "nobody"
+def named_user(spec: str) -> Identity:
+    """--user NAME|UID: an existing account, never root."""
     try:
         entry = pwd.getpwuid(int(spec)) if spec.isdigit() else pwd.getpwnam(spec)
-    except (KeyError, ValueError):
-        raise SandboxError(f"--user {spec}: no such user") from None
+    except (KeyError, ValueError, OverflowError):
+        raise UsageError(
+            f"--user {spec}: no such user; name an existing account, or leave --user out "
+            "to give the workload a uid of its own"
+        ) from None
     if entry.pw_uid == 0:
-        raise SandboxError("--user: the workload never runs as root; pick another user")
-    return User(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+        raise UsageError("--user: the workload never runs as root; pick another user")
+    return Identity(entry.pw_name, entry.pw_uid, entry.pw_gid, f"/home/{entry.pw_name}", False)
 
 
-# A netns does not separate Unix sockets that live at filesystem paths: through them a
-# host service (systemd-resolved, nscd, avahi, D-Bus, a user's session bus) would resolve
-# names or open connections from the host's own network. Each of these directories, where
-# it exists, is covered by an empty read-only tmpfs in the workload's mount namespace.
-MASKED_DIRS = (
-    "/run/dbus", "/run/systemd/resolve", "/run/nscd", "/run/avahi-daemon", "/run/user",
-    "/var/run/dbus", "/var/run/nscd", "/var/run/avahi-daemon",
-)  # fmt: skip
-_MASK_SCRIPT = (
-    'while [ "$1" != -- ]; do '
-    'if [ -d "$1" ] && [ ! -L "$1" ]; then '
-    'mount -t tmpfs -o ro,nosuid,nodev,noexec,size=4k egress-masked "$1" || exit 126; fi; '
-    'shift; done; shift; exec "$@"'
-)
+def allocated_user(sandbox_id: str, uid: int) -> Identity:
+    """The uid egress allocated for the sandbox (gid = uid), named after it inside."""
+    name = f"egress-{sandbox_id}"
+    return Identity(name, uid, uid, f"/home/{name}", True)
 
 
-def command_line(netns: str, user: User, argv: Sequence[str]) -> list[str]:
-    ip = shutil.which("ip") or "/usr/sbin/ip"
-    setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+def processes_of(uid: int, outside_cgroup: str | None = None) -> list[int]:
+    """Pids running as ``uid`` that are not in the sandbox's cgroup: a shared --user."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/cgroup") as f:
+                cgroups = f.read()
+        except OSError:
+            continue
+        if outside_cgroup and outside_cgroup in cgroups:
+            continue
+        pids.append(int(entry.name))
+    return pids
+
+
+def shared_user_warning(who: Identity) -> str | None:
+    if who.allocated:
+        return None
+    pids = processes_of(who.uid)
+    if not pids:
+        return None
+    return (
+        f"egressctl: warning: --user {who.name} also runs {len(pids)} process(es) outside "
+        f"the sandbox (e.g. pid {pids[0]}); they are not confined, and the sandbox shares "
+        "files and IPC with them. Leave --user out to give the workload a uid of its own."
+    )
+
+
+# -- environment --------------------------------------------------------------------------
+
+
+def parse_env_file(path: str) -> list[str]:
+    """NAME=VALUE or NAME per line; blank lines and # comments skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise UsageError(f"--env-file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--env-file {path}: not UTF-8 text") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        name = text.partition("=")[0]
+        if not _NAME.match(name):
+            raise UsageError(f"{path}:{n}: {name!r} is not a variable name "
+                             "([A-Za-z_][A-Za-z0-9_]*)")  # fmt: skip
+        out.append(text)
+    return out
+
+
+def resolve_env(passed: Sequence[str], caller: Mapping[str, str]) -> dict[str, str]:
+    """--env NAME=VALUE / NAME (the caller's value) → {NAME: VALUE}, checked, in order."""
+    out: dict[str, str] = {}
+    for item in passed:
+        name, sep, value = item.partition("=")
+        if not _NAME.match(name):
+            raise UsageError(
+                f"--env {item!r}: {name!r} is not a variable name ([A-Za-z_][A-Za-z0-9_]*)"
+            )
+        if not sep:
+            if name not in caller:
+                raise UsageError(f"--env {name}: not set in egressctl's environment; "
+                                 f"give a value with --env {name}=VALUE")  # fmt: skip
+            value = caller[name]
+        out[name] = value
+    return out
+
+
+def build_env(who: Identity, extra: Mapping[str, str], caller: Mapping[str, str]) -> dict[str, str]:
+    """CMD's environment: the allowlist, the sandbox's identity, then --env."""
+    env = {k: v for k, v in caller.items() if k in PASSED or k.startswith("LC_")}
+    env.setdefault("PATH", DEFAULT_PATH)
+    env.update(HOME=who.home, USER=who.name, LOGNAME=who.name)
+    env.update(extra)
+    return env
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+    if path is None:
+        raise SandboxError(f"{name} not found; install {TOOLS[name]} (`make setup` does)")
+    return path
+
+
+def command_line(
+    netns: str,
+    who: Identity,
+    argv: Sequence[str],
+    view: View,
+    sandbox_id: str,
+    seccomp_fd: int,
+    info_fd: int,
+) -> list[str]:
     return [
-        ip, "netns", "exec", netns,
-        "/bin/sh", "-c", _MASK_SCRIPT, "egress-mask", *MASKED_DIRS, "--",
-        setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
+        tool("nsenter"), f"--net=/run/netns/{netns}", "--",
+        tool("bwrap"),
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--hostname", f"egress-{sandbox_id}", "--as-pid-1", "--new-session",
+        *view.args,
+        "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
+        "--",
+        SETPRIV, f"--reuid={who.uid}", f"--regid={who.gid}", "--clear-groups",
         "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs",
-        "--", *argv,
+        "--",
+        TINI, "--", *argv,
     ]  # fmt: skip
 
 
@@ -80,19 +199,96 @@ def join_cgroups(procs_files: list[str]) -> None:
             os.close(fd)
 
 
+@dataclass
+class Workload:
+    """A started command: ``pid`` is bwrap (wait on it), ``init_pid`` PID 1 (signal it)."""
+
+    pid: int
+    init_pid: int
+    popen: subprocess.Popen[bytes]
+
+
 def spawn(
-    netns: str, user: User, argv: Sequence[str], procs_files: list[str]
-) -> subprocess.Popen[bytes]:
+    sandbox_id: str,
+    netns: str,
+    who: Identity,
+    argv: Sequence[str],
+    view: View,
+    env: Mapping[str, str],
+    procs_files: list[str],
+) -> Workload:
     """Start argv in the sandbox; stdin/stdout/stderr are the caller's own."""
-    env = dict(os.environ, HOME=user.home, USER=user.name, LOGNAME=user.name)
+    if not os.path.exists(TINI):
+        raise SandboxError(f"{TINI} not found; install tini (`make setup` does)")
+    scope = confine.landlock_scoper()
+
+    def in_child() -> None:
+        join_cgroups(procs_files)
+        if scope is not None:
+            scope()
+
+    seccomp_fd = confine.seccomp_fd()
+    info_r, info_w = os.pipe()
     try:
-        return subprocess.Popen(
-            command_line(netns, user, argv),
-            env=env,
-            preexec_fn=lambda: join_cgroups(procs_files),
-            # Its own session: no controlling terminal, so it can neither push input into
-            # the shell egressctl was started from (TIOCSTI) nor take the terminal over.
-            start_new_session=True,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:  # e.g. its cgroup is gone
-        raise SandboxError(f"cannot start the workload: {exc}") from None
+        cmd = command_line(netns, who, argv, view, sandbox_id, seccomp_fd, info_w)
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                env=dict(env),
+                preexec_fn=in_child,
+                pass_fds=(seccomp_fd, info_w),
+                # Its own session: no controlling terminal, so it can neither push input
+                # into the shell egressctl was started from (TIOCSTI) nor take it over.
+                start_new_session=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:  # e.g. its cgroup is gone
+            raise SandboxError(f"cannot start the workload: {exc}") from None
+        os.close(info_w)
+        info_w = -1
+        init_pid = _read_init_pid(info_r, proc)
+    finally:
+        os.close(seccomp_fd)
+        if info_w >= 0:
+            os.close(info_w)
+        os.close(info_r)
+    return Workload(proc.pid, init_pid, proc)
+
+
+def _read_init_pid(fd: int, proc: subprocess.Popen[bytes]) -> int:
+    """bwrap's --info-fd JSON names PID 1's host pid; EOF first means bwrap failed (its
+    own message is on stderr already)."""
+    import json
+
+    data = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], INFO_TIMEOUT_S)
+        if not ready:
+            _kill(proc)
+            raise SandboxError(f"the sandbox did not start within {INFO_TIMEOUT_S:.0f} s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        with contextlib.suppress(ValueError):
+            return int(json.loads(data)["child-pid"])
+    code = proc.wait()
+    raise SandboxError(f"bubblewrap could not build the sandbox (exit {code}); see above")
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    proc.wait()
+
+
+def signal_forwarder(workload: Workload) -> Callable[[int], None]:
+    def forward(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workload.init_pid, sig)
+
+    return forward
+
+
+def print_warning(text: str | None) -> None:
+    if text:
+        print(text, file=sys.stderr, flush=True)

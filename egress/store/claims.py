@@ -18,6 +18,7 @@ from pathlib import Path
 
 from egress.datapath.addressing import Pools, first_free
 from egress.errors import SandboxError
+from egress.store import uids
 from egress.store.paths import run_dir
 
 
@@ -33,6 +34,7 @@ class Claim:
     net6: str = ""
     cgroup: str = ""
     keep: bool = False
+    uid: int | None = None  # the workload's uid and gid, from store/uids.py's range
 
 
 def sandboxes_dir() -> Path:
@@ -79,17 +81,25 @@ def is_stale(claim: Claim) -> bool:
     return not alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
 
 
-def claim(sandbox_id: str, pools: Pools, uplink_netns: str | None) -> Claim:
+def claim(
+    sandbox_id: str, pools: Pools, uplink_netns: str | None, uid_range: range | None = None
+) -> Claim:
     """Atomically take the lowest address block of ``pools`` that overlaps no live
-    sandbox's (sandboxes started with other --subnet-pool values included)."""
+    sandbox's (sandboxes started with other --subnet-pool values included) and, with
+    ``uid_range``, the lowest uid of it no live sandbox or process holds."""
     with locked():
         used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        held: set[int] = set()
         for existing in load_all():
             if is_stale(existing):
                 release(existing.id)
-            elif existing.net4 and existing.net6:
+                continue
+            if existing.net4 and existing.net6:
                 used += [ipaddress.ip_network(existing.net4), ipaddress.ip_network(existing.net6)]
+            if existing.uid is not None:
+                held.add(existing.uid)
         net = first_free(pools, used)
+        uid = uids.pick(uid_range, held) if uid_range is not None else None
         new = Claim(
             id=sandbox_id,
             index=net.index,
@@ -99,6 +109,7 @@ def claim(sandbox_id: str, pools: Pools, uplink_netns: str | None) -> Claim:
             host_if=f"eg-{sandbox_id}",
             uplink_netns=uplink_netns,
             owner_pid=os.getpid(),
+            uid=uid,
         )
         save(new)
         return new

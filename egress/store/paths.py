@@ -11,11 +11,19 @@ from egress.errors import EgressError
 
 DEFAULT_RUN_DIR = "/run/egress"
 DEFAULT_STATE_DIR = "/var/lib/egress"
+DEFAULT_WORKLOADS_DIR = "/var/lib/egress/workloads"
 
 
 def run_dir() -> Path:
     """Volatile state (claims, egressd's records): EGRESS_RUN_DIR, default /run/egress."""
     return Path(os.environ.get("EGRESS_RUN_DIR", DEFAULT_RUN_DIR))
+
+
+def workloads_dir() -> Path:
+    """Per-sandbox workload files (private $HOME, mount points): EGRESS_WORKLOADS_DIR,
+    default /var/lib/egress/workloads. On disk, not under /run: a $HOME holds caches
+    (pip, npm) that must not fill the host's /run tmpfs."""
+    return Path(os.environ.get("EGRESS_WORKLOADS_DIR", DEFAULT_WORKLOADS_DIR))
 
 
 def default_state_dir() -> Path:

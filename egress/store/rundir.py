@@ -42,6 +42,7 @@ class Record:
     lo_raised: bool = False
     created_at: float = 0.0
     daemon_pid: int = 0
+    uid: int | None = None  # the workload's uid and gid (created sandboxes)
 
     @property
     def policy_sha256(self) -> str:

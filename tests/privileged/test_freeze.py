@@ -30,6 +30,7 @@ from tests.support.sandboxes import (
     env,
     leftovers,
     policy_file,
+    run_in,
     workdir,
 )
 
@@ -103,7 +104,7 @@ class Run:
         self.board = board
         (d / "agent.py").write_text(AGENT)
         self.report = d / "report.json"
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, text)), "--uplink-netns",
+        argv = [*run_in(d), "--policy", str(policy_file(d, text)), "--uplink-netns",
                 lab.uplink_netns, "--report", str(self.report), *extra, "--",
                 SYSTEM_PYTHON, str(d / "agent.py"), str(board), what]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

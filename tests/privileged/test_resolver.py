@@ -16,9 +16,9 @@ import pytest
 from egress.lab import Lab
 from tests.support import SYSTEM_PYTHON
 from tests.support.sandboxes import (
-    EGRESSCTL,
     env,
     policy_file,
+    run_in,
     run_probe,
     workdir,
 )
@@ -164,7 +164,7 @@ def test_an_ip_is_forgotten_after_its_clamped_ttl(lab: Lab) -> None:
             {"op": "wait_file", "path": str(go)},
             {"op": "tcp", "host": "203.0.113.11", "port": 80, "http": False},
         ]
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns,
                 "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]  # fmt: skip
         with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env()) as proc:

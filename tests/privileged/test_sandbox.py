@@ -16,13 +16,15 @@ import pytest
 from egress.kernel import netns
 from egress.lab import Lab
 from egress.store import claims
-from tests.support import NOBODY, SYSTEM_PYTHON
+from egress.store.uids import parse_range
+from tests.support import SYSTEM_PYTHON
 from tests.support.sandboxes import (
     EGRESSCTL,
     cleanup,
     env,
     leftovers,
     policy_file,
+    run_in,
     run_probe,
     workdir,
 )
@@ -81,13 +83,16 @@ def test_static_allow_reachable_and_everything_else_blocked_fast(lab: Lab) -> No
         assert key in seen, (key, list(seen))
         v = seen[key]
         assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}, v
-        assert v["uid"] == NOBODY
+        assert v["uid"] == out.report["uid"] and v["uid"] in EGRESS_UIDS
         assert v["flow"]["src"] and v["flow"]["sport"]
     assert any(k[0] == "icmp" and k[1] == "203.0.113.10" for k in seen), list(seen)
     [dns] = [v for v in out.violations("foreign_dns") if v["flow"]["dst"] == lab.dns4]
-    assert dns["flow"]["dport"] == 53 and dns["uid"] == NOBODY
+    assert dns["flow"]["dport"] == 53 and dns["uid"] == out.report["uid"]
     assert out.report["counters"]["dropped_packets"] >= 6
     assert leftovers(out.report["sandbox"], lab.uplink_netns) == []
+
+
+EGRESS_UIDS = parse_range(None)
 
 
 def test_workload_cannot_touch_the_rules(lab: Lab) -> None:
@@ -102,7 +107,7 @@ def test_workload_cannot_touch_the_rules(lab: Lab) -> None:
     ]
     out = run_probe(POLICY, steps, lab.uplink_netns)
     me, nft_list, nft_flush, link_down, raw, blocked, allowed = out.steps
-    assert me["uid"] == NOBODY and me["gid"] != 0
+    assert me["uid"] == me["gid"] == out.report["uid"] and me["uid"] in EGRESS_UIDS
     assert me["caps"]["CapEff"] == me["caps"]["CapPrm"] == me["caps"]["CapBnd"] == "0" * 16
     assert me["caps"]["CapAmb"] == "0" * 16
     assert "nameserver 127.0.0.53" in me["resolv"]
@@ -137,7 +142,7 @@ def test_rules_hold_with_no_egress_process_alive(lab: Lab) -> None:
             {"op": "udp", "host": "203.0.113.10", "port": 9999},
             {"op": "tcp", "host": "203.0.113.10", "port": 80},
         ]
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, str(d / "probe.py"),
                 json.dumps(steps)]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
@@ -169,7 +174,7 @@ def test_rules_hold_with_no_egress_process_alive(lab: Lab) -> None:
 def test_nothing_is_left_after_a_killed_command(lab: Lab) -> None:
     with workdir() as d:
         report = d / "r.json"
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns, "--report", str(report),
                 "--", "/bin/sh", "-c", "sleep 30 & kill -9 $$"]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=60)
@@ -194,7 +199,7 @@ def test_twenty_sandboxes_are_isolated_from_each_other(lab: Lab) -> None:
                 {"op": "tcp", "host": "203.0.113.11", "port": 20000 + i, "http": False},
             ]
             report = d / f"r{i}.json"
-            argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+            argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                     "--uplink-netns", lab.uplink_netns, "--report", str(report),
                     "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]  # fmt: skip
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env()))
@@ -221,7 +226,7 @@ def test_a_sandbox_reaches_no_other_sandbox_and_not_the_uplink(lab: Lab) -> None
             {"op": "myaddr", "publish": str(board)},
             {"op": "wait_file", "path": str(go)},
         ]
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, str(d / "probe.py"),
                 json.dumps(holder_steps)]  # fmt: skip
         holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
@@ -257,7 +262,7 @@ def test_a_policy_with_errors_creates_nothing(lab: Lab) -> None:
     before = set(netns_list())
     with workdir() as d:
         bad = policy_file(d, POLICY.replace("proto: tcp}", "proto: tcpx}", 1))
-        done = subprocess.run([*EGRESSCTL, "run", "--policy", str(bad), "--uplink-netns",
+        done = subprocess.run([*run_in(d), "--policy", str(bad), "--uplink-netns",
                                lab.uplink_netns, "--", "true"],
                               capture_output=True, text=True, env=env())  # fmt: skip
     assert done.returncode == 2
@@ -268,7 +273,7 @@ def test_a_policy_with_errors_creates_nothing(lab: Lab) -> None:
 
 def test_missing_uplink_netns() -> None:
     with workdir() as d:
-        done = subprocess.run([*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        done = subprocess.run([*run_in(d), "--policy", str(policy_file(d, POLICY)),
                                "--uplink-netns", "no-such-uplink", "--", "true"],
                               capture_output=True, text=True, env=env())  # fmt: skip
     assert done.returncode == 1
@@ -279,7 +284,7 @@ def test_missing_uplink_netns() -> None:
 def test_missing_command_exits_127(lab: Lab) -> None:
     with workdir() as d:
         report = d / "r.json"
-        done = subprocess.run([*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        done = subprocess.run([*run_in(d), "--policy", str(policy_file(d, POLICY)),
                                "--uplink-netns", lab.uplink_netns, "--report", str(report),
                                "--", "/no/such/command"],
                               capture_output=True, text=True, env=env())  # fmt: skip
@@ -292,14 +297,14 @@ def test_exhausted_subnet_pool(lab: Lab) -> None:
     with workdir() as d:
         go = d / "go"
         steps = [{"op": "myaddr"}, {"op": "wait_file", "path": str(go)}]
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)), "--uplink-netns",
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)), "--uplink-netns",
                 lab.uplink_netns, *pool, "--", SYSTEM_PYTHON, str(d / "probe.py"),
                 json.dumps(steps)]  # fmt: skip
         first = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
         try:
             assert first.stdout is not None
             assert json.loads(first.stdout.readline())["address"] == "10.99.0.2"
-            second = subprocess.run([*EGRESSCTL, "run", "--policy", str(d / "policy.yaml"),
+            second = subprocess.run([*run_in(d), "--policy", str(d / "policy.yaml"),
                                      "--uplink-netns", lab.uplink_netns, *pool, "--", "true"],
                                     capture_output=True, text=True, env=env())  # fmt: skip
             assert second.returncode == 1
@@ -330,7 +335,7 @@ def test_sigterm_is_forwarded_and_everything_is_removed(lab: Lab) -> None:
     with workdir() as d:
         report = d / "r.json"
         script = "trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.1; done"
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns, "--report", str(report),
                 "--", "/bin/sh", "-c", script]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env())
@@ -350,7 +355,7 @@ def test_interrupt_twice_ends_a_command_that_ignores_it(lab: Lab) -> None:
     with workdir() as d:
         report = d / "r.json"
         script = "trap '' INT; echo ready; while :; do sleep 0.1; done"
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns, "--report", str(report),
                 "--", "/bin/sh", "-c", script]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -371,7 +376,7 @@ def test_interrupt_twice_ends_a_command_that_ignores_it(lab: Lab) -> None:
 def test_keep_leaves_the_sandbox_and_gc_removes_it(lab: Lab) -> None:
     with workdir() as d:
         report = d / "r.json"
-        argv = [*EGRESSCTL, "run", "--keep", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--keep", "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", lab.uplink_netns, "--report", str(report),
                 "--", "true"]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=60)

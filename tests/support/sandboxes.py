@@ -29,6 +29,12 @@ EGRESSCTL = [sys.executable, "-m", "egress.cli.main"]
 PROBE = Path(__file__).with_name("probe.py")
 
 
+def run_in(d: Path) -> list[str]:
+    """`egressctl run` with ``d`` as the workload's working directory: the only part of
+    the host's tree, besides the system's, that the workload sees."""
+    return [*EGRESSCTL, "run", "--workdir", str(d)]
+
+
 @dataclass
 class Outcome:
     rc: int
@@ -71,7 +77,16 @@ def run_probe(
 ) -> Outcome:
     with workdir() as d:
         report = d / "report.json"
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, policy)), "--report", str(report)]
+        argv = [
+            *EGRESSCTL,
+            "run",
+            "--workdir",
+            str(d),
+            "--policy",
+            str(policy_file(d, policy)),
+            "--report",
+            str(report),
+        ]
         if uplink:
             argv += ["--uplink-netns", uplink]
         argv += [*(extra or []), "--", SYSTEM_PYTHON, str(d / "probe.py"), json.dumps(steps)]

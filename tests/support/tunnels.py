@@ -299,6 +299,8 @@ class Sandbox:
         argv = [
             *EGRESSCTL,
             "run",
+            "--workdir",
+            str(d),
             "--policy",
             str(d / "policy.yaml"),
             "--uplink-netns",

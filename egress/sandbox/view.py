@@ -1,0 +1,332 @@
+"""The workload's view of the host: a root it is given, not the host's.
+
+bubblewrap builds it in a new mount namespace from an empty tmpfs root:
+
+    /usr /bin /sbin /lib*   read-only, the host's (its tools and libraries)
+    /etc                    read-only, the host's, with the sandbox's resolv.conf and
+                            nsswitch.conf, and passwd/group that name the workload's user
+    /proc                   its own (the PID namespace's): only the sandbox's processes
+    /dev                    minimal: null zero full random urandom tty, its own pts
+    /tmp /var/tmp /dev/shm  private tmpfs (1777); /run a private empty tmpfs
+    $HOME                   private and writable: <workloads dir>/<id>/home, kept for the
+                            sandbox's life, shared by its execs, removed at teardown
+    the working directory   read-write (--workdir, default the current directory)
+    --ro-bind / --bind      exactly the paths they name, nothing else
+
+A Unix socket, a secret or a tool anywhere else on the host is simply not there.
+
+Ownership: the working directory and every bind are idmapped mounts (kernel/idmap.py)
+that show the invoking user's files (``SUDO_UID``, else root) as the workload's and store
+what the workload writes as the invoking user's. Files it leaves behind need no chown:
+they already belong to whoever ran the command. (An ACL would leave the user's tree
+edited; a chown at teardown would walk the tree and fail on a crash.) The set-uid bits
+that would make this dangerous are refused by the seccomp filter (kernel/confine.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from egress.errors import SandboxError, UsageError
+from egress.kernel import idmap
+from egress.store.paths import workloads_dir
+
+ETC_NETNS = Path("/etc/netns")
+# Where the host keeps its programs and libraries; symlinks (merged /usr) are kept as
+# symlinks.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+# A bind may not cover the parts of the view egress builds itself.
+_RESERVED = ("/", "/proc", "/dev", "/etc/resolv.conf", "/etc/nsswitch.conf")
+_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, \ as \ooo
+
+
+@dataclass(frozen=True)
+class Bind:
+    """--ro-bind / --bind PATH[:DEST]: a host path the workload may see (and write)."""
+
+    source: str
+    dest: str
+    writable: bool
+
+    @classmethod
+    def parse(cls, spec: str, writable: bool) -> Bind:
+        flag = "--bind" if writable else "--ro-bind"
+        path, sep, dest = spec.partition(":")
+        if not path:
+            raise UsageError(f"{flag} {spec!r}: give PATH or PATH:DEST")
+        source = os.path.realpath(path)
+        if not os.path.exists(source):
+            raise UsageError(f"{flag} {spec}: {path}: no such file or directory")
+        dest = dest if sep else source
+        if not dest.startswith("/") or "\0" in dest:
+            raise UsageError(f"{flag} {spec}: DEST must be an absolute path")
+        dest = os.path.normpath(dest)
+        if dest in _RESERVED:
+            raise UsageError(f"{flag} {spec}: {dest} is part of the view egress builds")
+        return cls(source, dest, writable)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who the workload runs as, and what it is called inside."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str  # the path of $HOME inside the view
+    allocated: bool  # a uid of egress's range (no passwd entry on the host)
+
+
+def invoking_user() -> tuple[int, int]:
+    """The person behind the command: sudo's SUDO_UID/SUDO_GID, else our own ids."""
+    try:
+        uid, gid = int(os.environ["SUDO_UID"]), int(os.environ["SUDO_GID"])
+    except (KeyError, ValueError):
+        return os.getuid(), os.getgid()
+    return uid, gid
+
+
+def sandbox_passwd(who: Identity, host_lines: Sequence[str]) -> str:
+    """The host's passwd with the workload's entry added (or its home pointed inside)."""
+    out = []
+    for line in host_lines:
+        parts = line.split(":")
+        if len(parts) == 7 and parts[2] == str(who.uid):
+            if who.allocated:
+                continue  # an account the range check missed; ours wins inside
+            parts[5] = who.home
+            line = ":".join(parts)
+        out.append(line)
+    if who.allocated:
+        out.append(f"{who.name}:x:{who.uid}:{who.gid}:egress sandbox:{who.home}:/bin/sh")
+    return "\n".join(out) + "\n"
+
+
+def sandbox_group(who: Identity, host_lines: Sequence[str]) -> str:
+    ours = str(who.gid)
+    out = [ln for ln in host_lines if not (who.allocated and ln.split(":")[2:3] == [ours])]
+    if who.allocated:
+        out.append(f"{who.name}:x:{who.gid}:")
+    return "\n".join(out) + "\n"
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _etc_target(name: str) -> str:
+    """Where the view's copy of /etc/NAME goes: through a host symlink (resolv.conf often
+    points into /run), to the path it resolves to."""
+    host = f"/etc/{name}"
+    return os.path.realpath(host) if os.path.islink(host) else host
+
+
+def root_args() -> list[str]:
+    """The read-only system part of the view and the private scratch places."""
+    args: list[str] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    args += ["--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev"]
+    args += ["--perms", "0755", "--dir", "/var"]
+    for d in PRIVATE_TMP:
+        args += ["--perms", "1777", "--tmpfs", d]
+    args += ["--perms", "0755", "--tmpfs", "/run"]
+    return args
+
+
+# What root_args already made; every other directory on the way to a mount point is made
+# explicitly, 0755: bubblewrap would make it 0700 (root's), and the workload could not
+# reach what is mounted below.
+_MADE = frozenset({"/", "/usr", "/etc", "/proc", "/dev", "/var", "/run", *PRIVATE_TMP})
+
+
+def parents_args(dest: str, made: set[str]) -> list[str]:
+    """``--dir`` for each directory above ``dest`` the view does not have yet."""
+    args: list[str] = []
+    parts = dest.strip("/").split("/")[:-1]
+    for i in range(1, len(parts) + 1):
+        path = "/" + "/".join(parts[:i])
+        if path in made or path in _MADE or any(path.startswith(d + "/") for d in SYSTEM_DIRS):
+            continue
+        made.add(path)
+        args += ["--perms", "0755", "--dir", path]
+    return args
+
+
+@dataclass
+class View:
+    """One exec's view, prepared on the host; ``close`` undoes this exec's part."""
+
+    args: list[str]
+    workdir: str
+    home: str
+    _mounts: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        for target in reversed(self._mounts):
+            with contextlib.suppress(SandboxError):
+                idmap.unmount(target)
+            with contextlib.suppress(OSError):
+                if os.path.isdir(target):
+                    os.rmdir(target)
+                else:
+                    os.unlink(target)
+        self._mounts.clear()
+
+
+def prepare(
+    sandbox_id: str,
+    netns: str,
+    who: Identity,
+    workdir: str,
+    binds: Sequence[Bind],
+    owner: tuple[int, int] | None = None,
+) -> View:
+    """Make the host-side pieces of the view and the bwrap arguments that assemble it."""
+    workdir = os.path.realpath(workdir)
+    if not os.path.isdir(workdir):
+        raise UsageError(f"--workdir {workdir}: not a directory")
+    if workdir == "/":
+        raise UsageError("--workdir /: give the workload a project directory, not the root")
+    owner = owner or invoking_user()
+    base = workloads_dir() / sandbox_id
+    _private_dir(base.parent, 0o711, 0, 0)
+    _private_dir(base, 0o711, 0, 0)
+    home = base / "home"
+    _private_dir(home, 0o700, who.uid, who.gid)
+    etc = base / "etc"
+    _private_dir(etc, 0o755, 0, 0)
+    _write(etc / "passwd", sandbox_passwd(who, _lines("/etc/passwd")))
+    _write(etc / "group", sandbox_group(who, _lines("/etc/group")))
+
+    args = root_args()
+    made: set[str] = set()
+    netns_etc = ETC_NETNS / netns
+    for name in ("resolv.conf", "nsswitch.conf"):
+        target = _etc_target(name)
+        args += [*parents_args(target, made), "--ro-bind", str(netns_etc / name), target]
+    for name in ("passwd", "group"):
+        args += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+    args += [*parents_args(who.home, made), "--bind", str(home), who.home]
+
+    view = View(args, workdir, who.home)
+    mnt = base / "mnt" / f"{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        mapping = idmap.IdMap(owner[0], owner[1], who.uid, who.gid)
+        needs_idmap = (owner[0], owner[1]) != (who.uid, who.gid)
+        for n, bind in enumerate([Bind(workdir, workdir, True), *binds]):
+            source = bind.source
+            if needs_idmap:
+                source = _idmapped(mnt, n, bind, mapping, view)
+            view.args += parents_args(bind.dest, made)
+            view.args += ["--bind" if bind.writable else "--ro-bind", source, bind.dest]
+    except BaseException:
+        view.close()
+        with contextlib.suppress(OSError):
+            mnt.rmdir()
+        raise
+    view.args += ["--chdir", workdir]
+    return view
+
+
+def _idmapped(mnt: Path, n: int, bind: Bind, mapping: idmap.IdMap, view: View) -> str:
+    _private_dir(mnt.parent, 0o700, 0, 0)
+    _private_dir(mnt, 0o700, 0, 0)
+    target = mnt / str(n)
+    if os.path.isdir(bind.source):
+        target.mkdir(mode=0o700)
+    else:
+        target.touch(mode=0o600)
+    view._mounts.append(str(target))
+    attrs = idmap.MOUNT_ATTR_NOSUID | idmap.MOUNT_ATTR_NODEV
+    if not bind.writable:
+        attrs |= idmap.MOUNT_ATTR_RDONLY
+    idmap.mount_idmapped(bind.source, str(target), mapping, attrs)
+    return str(target)
+
+
+def _private_dir(path: Path, mode: int, uid: int, gid: int) -> None:
+    try:
+        path.mkdir(mode=mode, exist_ok=True)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise SandboxError(f"{path}: exists and is not a directory")
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            os.chown(path, uid, gid, follow_symlinks=False)
+        os.chmod(path, mode)
+    except OSError as exc:
+        raise SandboxError(f"{path}: {exc.strerror}") from None
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+# -- teardown ------------------------------------------------------------------------------
+
+
+def _mounts_under(root: str) -> list[str]:
+    found = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), line.split()[4].decode())
+            if point == root or point.startswith(root + "/"):
+                found.append(point)
+    return found
+
+
+def remove(sandbox_id: str) -> None:
+    """Remove a sandbox's workload files: unmount first, then delete without ever
+    crossing into another filesystem (an idmapped mount there is the user's own tree)."""
+    base = str(workloads_dir() / sandbox_id)
+    if not os.path.lexists(base):
+        return
+    for point in sorted(_mounts_under(base), key=len, reverse=True):
+        idmap.unmount(point)
+    left = _mounts_under(base)
+    if left:
+        raise SandboxError(f"{base}: still mounted at {left[0]}; not removing it")
+    _remove_tree(base)
+
+
+def _remove_tree(root: str) -> None:
+    device = os.lstat(root).st_dev
+    for path in _depth_first(root, device):
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise SandboxError(f"{path}: {exc.strerror}") from None
+
+
+def _depth_first(path: str, device: int) -> Iterator[str]:
+    st = os.lstat(path)
+    if st.st_dev != device:
+        raise SandboxError(f"{path}: another filesystem is mounted here; not removing it")
+    if stat.S_ISDIR(st.st_mode):
+        with os.scandir(path) as entries:
+            children = [e.path for e in entries]
+        for child in children:
+            yield from _depth_first(child, device)
+    yield path

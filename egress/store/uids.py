@@ -1,0 +1,144 @@
+"""The uids (and equal gids) egress hands to sandboxes' workloads.
+
+Each created sandbox's workload runs under a uid of its own, so nothing it does can reach
+a process, file or IPC object of anyone else's: ``kill -9 -1`` finds nobody, ptrace finds
+nobody, and nothing on the host is owned by it. The uid is taken with the sandbox's
+address claim (store/claims.py), under the same lock, so concurrent ``egressctl run``s and
+egressd never pick the same one; it is freed when the claim goes (teardown, or ``gc``
+after a crash) and is never handed out while any process of it still lives.
+
+Default range: 2000000000-2000065535 (EGRESS_UID_RANGE, --uid-range). systemd's
+allocation table (systemd.io/UIDS-GIDS) leaves 1879048192…2147352575 unused: it sits
+above the container ranges systemd-nspawn picks from (524288…1879048191) and the
+subordinate ids shadow's useradd hands out (/etc/subuid: SUB_UID_MIN 100000 up to
+SUB_UID_MAX 600100000 by default), below systemd's foreign-UID range (from 2147352576)
+and below 2^31, past which some tools misread ids as negative. Nothing else on a stock
+Debian host allocates there; egress still checks, at every allocation, that no account
+(passwd, group) and no /etc/subuid or /etc/subgid entry overlaps the range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import pwd
+from collections.abc import Iterable
+from pathlib import Path
+
+from egress.errors import UsageError
+
+DEFAULT_UID_RANGE = "2000000000-2000065535"
+ENV = "EGRESS_UID_RANGE"
+
+
+def parse_range(text: str | None) -> range:
+    """``START-END`` (inclusive) → range; None means $EGRESS_UID_RANGE, else the default."""
+    spec = text or os.environ.get(ENV) or DEFAULT_UID_RANGE
+    start_s, sep, end_s = spec.partition("-")
+    try:
+        if not sep:
+            raise ValueError
+        start, end = int(start_s), int(end_s)
+    except ValueError:
+        raise UsageError(
+            f"uid range {spec!r}: write it as START-END, e.g. {DEFAULT_UID_RANGE}"
+        ) from None
+    if not 1000 <= start <= end < 2**31 - 1:
+        raise UsageError(f"uid range {spec!r}: it must lie within 1000-2147483646 and START <= END")
+    return range(start, end + 1)
+
+
+def _subid_overlaps(ids: range, files: Iterable[str]) -> list[str]:
+    found = []
+    for name in files:
+        try:
+            lines = Path(name).read_text().splitlines()
+        except OSError:
+            continue
+        for n, line in enumerate(lines, 1):
+            parts = line.strip().split(":")
+            if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+                continue
+            lo, count = int(parts[1]), int(parts[2])
+            if lo < ids.stop and ids.start < lo + count:
+                found.append(f"{name}:{n} ({parts[0]}: {lo}-{lo + count - 1})")
+    return found
+
+
+def check_range(ids: range, subid_files: Iterable[str] = ("/etc/subuid", "/etc/subgid")) -> None:
+    """Refuse a range that overlaps subordinate ids someone else was given."""
+    overlaps = _subid_overlaps(ids, subid_files)
+    if overlaps:
+        raise UsageError(
+            f"uid range {ids.start}-{ids.stop - 1} overlaps subordinate ids in "
+            f"{', '.join(overlaps)}; pick another with --uid-range or {ENV}"
+        )
+
+
+def live_uids(ids: range, proc: str = "/proc") -> set[int]:
+    """uids of ``ids`` that some living process on the host runs under.
+
+    /proc/PID belongs to the task's effective uid, so one stat per process finds them;
+    only those are read further, for their real and saved uids and to skip zombies (dead:
+    they hold nothing of the uid but an entry their parent has yet to reap). A process
+    whose effective uid is another while its real or saved one is in the range is a
+    set-uid program run by a sandbox's uid, which no_new_privs rules out inside one.
+    """
+    found: set[int] = set()
+    try:
+        entries = list(os.scandir(proc))
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid not in ids:
+                continue
+            with open(f"{proc}/{entry.name}/status", "rb") as f:
+                status = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        state = uid_line = b""
+        for line in status.splitlines():
+            if line.startswith(b"State:"):
+                state = line
+            elif line.startswith(b"Uid:"):
+                uid_line = line
+                break
+        if b"(zombie)" in state or not uid_line:
+            continue
+        with contextlib.suppress(ValueError):
+            found.update(u for u in map(int, uid_line.split()[1:4]) if u in ids)
+    return found
+
+
+def _account_exists(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        pass
+    try:
+        grp.getgrgid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+def pick(ids: range, taken: set[int]) -> int:
+    """The lowest uid of ``ids`` no claim holds, no process runs as and no account names.
+
+    Call with the claims lock held; ``taken`` is what live claims hold.
+    """
+    check_range(ids)
+    busy = taken | live_uids(ids)
+    for uid in ids:
+        if uid not in busy and not _account_exists(uid):
+            return uid
+    raise UsageError(
+        f"no free uid left in {ids.start}-{ids.stop - 1} ({len(busy)} held by sandboxes or "
+        f"their processes); end some sandboxes (`egressctl gc` reclaims crashed ones) or "
+        f"widen --uid-range / {ENV}"
+    )

@@ -1,0 +1,614 @@
+"""The workload's own identity, PID namespace and view of the host: attacks from inside.
+
+Each test is an attack an agent could run as the workload, and checks what reached the
+target (a process still alive, a socket nobody connected to, a file nobody wrote), not
+only what egress reported. The invoking user is uid 1000 (SUDO_UID/SUDO_GID, as sudo sets
+them); victims run as that user, in a concurrent `egressctl run`, and in egressd's
+sandboxes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from egress.errors import DaemonError
+from egress.kernel import confine
+from egress.kernel.cgroup import Cgroup
+from egress.lab import Lab
+from egress.store import claims, uids
+from egress.store.paths import workloads_dir
+from tests.support import SYSTEM_PYTHON
+from tests.support.egressd import Egressd, Lines, egressd
+from tests.support.sandboxes import EGRESSCTL, cleanup, env, leftovers
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: isolation}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [allowed.lab.test]
+  connect:
+    allow:
+      - {cidr: 203.0.113.10/32, ports: [80], proto: tcp}
+  violations: {blocked_connect: block, foreign_dns: block}
+"""
+LINE_S = 60.0  # a line from a sandboxed process: seconds at worst on a busy 2-vCPU host
+EGRESS_UIDS = uids.parse_range(None)
+
+
+def invoker() -> tuple[int, int]:
+    """An unprivileged account that stands for the person who ran sudo."""
+    for entry in pwd.getpwall():
+        if 1000 <= entry.pw_uid < 60000:
+            return entry.pw_uid, entry.pw_gid
+    pytest.skip("no regular (uid 1000-59999) account on this machine to act as the sudo user")
+
+
+def sudo_env(**extra: str) -> dict[str, str]:
+    uid, gid = invoker()
+    name = pwd.getpwuid(uid).pw_name
+    return {**env(), "SUDO_UID": str(uid), "SUDO_GID": str(gid), "SUDO_USER": name, **extra}
+
+
+@contextmanager
+def project(owner: tuple[int, int] | None = None) -> Iterator[Path]:
+    """A working directory owned by the invoking user, with the policy beside it."""
+    path = Path(tempfile.mkdtemp(prefix="egress-iso-"))
+    try:
+        path.chmod(0o755)
+        (path / "policy.yaml").write_text(POLICY)
+        uid, gid = owner or invoker()
+        os.chown(path, uid, gid)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Running:
+    """A sandboxed command that prints lines and waits on stdin between steps."""
+
+    def __init__(self, argv: list[str], environ: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=environ,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        self.out = Lines(self.proc.stdout.fileno())
+
+    def line(self) -> str:
+        got = self.out.next(LINE_S)
+        if not got:
+            raise AssertionError(f"no line from the sandbox; stderr: {self.stderr()}")
+        return got
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = LINE_S) -> int:
+        with suppress(BrokenPipeError, OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        return self.proc.wait(timeout=timeout)
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None or self.proc.stderr is None:
+            return "(still running)"
+        return self.proc.stderr.read().decode(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=LINE_S)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            with suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
+
+
+def run_argv(lab: Lab, d: Path, *options: str) -> list[str]:
+    return [*EGRESSCTL, "run", "--workdir", str(d), "--policy", str(d / "policy.yaml"),
+            "--uplink-netns", lab.uplink_netns, *options]  # fmt: skip
+
+
+def run(lab: Lab, d: Path, *args: str, environ: dict[str, str] | None = None, **kw: Any):
+    options, sep, cmd = list(args), [], []
+    if "--" in options:
+        i = options.index("--")
+        options, sep, cmd = options[:i], ["--"], options[i + 1 :]
+    return subprocess.run(
+        [*run_argv(lab, d, *options), *sep, *cmd], capture_output=True, text=True,
+        env=environ or sudo_env(), timeout=120, **kw,
+    )  # fmt: skip
+
+
+def namespaces() -> set[str]:
+    return set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+
+
+def made_since(before: set[str]) -> list[str]:
+    """Sandbox namespaces that appeared since ``before`` and that no live sandbox claims:
+    what a refused run would have left. (Other tests' sandboxes may come and go on a
+    shared machine; theirs are claimed by a live process.)"""
+    live = {c.netns for c in claims.load_all() if claims.alive(c.owner_pid)}
+    return sorted(n for n in namespaces() - before if n.startswith("egress-") and n not in live)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with suppress(OSError):
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    return False
+
+
+WAITER = "echo ready; read x; echo alive"
+
+
+@pytest.fixture(scope="module")
+def daemon(lab: Lab, state_dir: Path) -> Iterator[Egressd]:
+    with egressd(state_dir) as d:
+        yield d
+
+
+def drop(daemon: Egressd, sandbox_id: str) -> None:
+    """Delete a sandbox unless the test already did."""
+    with suppress(DaemonError):
+        daemon.delete(sandbox_id)
+
+
+def exec_argv(daemon: Egressd, sandbox_id: str, d: Path, *options: str) -> list[str]:
+    return [*EGRESSCTL, "sandbox", "exec", "--daemon", daemon.socket, "--workdir", str(d),
+            *options, sandbox_id, "--"]  # fmt: skip
+
+
+# -- kill -9 -1 ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["run", "run --user", "sandbox exec"])
+def test_kill_minus_one_ends_only_the_sandboxs_own_processes(
+    lab: Lab, daemon: Egressd, via: str
+) -> None:
+    """`kill -9 -1` inside: the invoking user's process outside, a concurrent `egressctl
+    run`, two egressd sandboxes and egress's own processes survive; the attacker's own
+    child dies. With `--user` naming the invoking user, its process outside survives too
+    (the PID namespace, not the uid, is what protects it)."""
+    uid, gid = invoker()
+    with ExitStack() as stack:
+        d = stack.enter_context(project())
+        outside = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}",
+                                    "--clear-groups", "sleep", "600"])  # fmt: skip
+        stack.callback(lambda: (outside.kill(), outside.wait()))
+        other = Running(run_argv(lab, d, "--", "/bin/sh", "-c", WAITER), sudo_env())
+        stack.callback(other.kill)
+        assert other.line() == "ready"
+        boxes = [daemon.create(POLICY, lab.uplink_netns) for _ in range(2)]
+        for box in boxes:
+            stack.callback(drop, daemon, box["id"])
+        execs = [Running([*exec_argv(daemon, b["id"], d), "/bin/sh", "-c", WAITER], sudo_env())
+                 for b in boxes]  # fmt: skip
+        for e in execs:
+            stack.callback(e.kill)
+            assert e.line() == "ready"
+        attack = ["/bin/sh", "-c", 'sleep 600 & child=$!; kill -9 -1; wait $child; echo "child=$?"']
+        if via == "sandbox exec":
+            box = daemon.create(POLICY, lab.uplink_netns)
+            stack.callback(drop, daemon, box["id"])
+            done = subprocess.run([*exec_argv(daemon, box["id"], d), *attack], capture_output=True,
+                                  text=True, env=sudo_env(), timeout=120)  # fmt: skip
+        elif via == "run --user":
+            done = run(lab, d, "--user", str(uid), "--", *attack)
+            assert "warning: --user" in done.stderr and "outside the sandbox" in done.stderr
+        else:
+            done = run(lab, d, "--", *attack)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "child=137", done  # its own child died of it
+        assert alive(outside.pid), "the invoking user's process outside was killed"
+        assert alive(daemon.pid) and alive(other.proc.pid)
+        for r in (other, *execs):
+            r.send("go")
+            assert r.line() == "alive"
+            assert r.finish() == 0
+
+
+# -- processes outside ----------------------------------------------------------------------
+
+INSPECT = r"""
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class IOV(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+out = {}
+for pid in map(int, sys.argv[1:]):
+    r = {}
+    try: os.kill(pid, 0); r["kill"] = "ok"
+    except OSError as e: r["kill"] = e.errno
+    try: os.close(os.pidfd_open(pid)); r["pidfd"] = "ok"
+    except OSError as e: r["pidfd"] = e.errno
+    r["ptrace"] = "ok" if libc.ptrace(16, pid, None, None) == 0 else ctypes.get_errno()
+    buf = ctypes.create_string_buffer(8)
+    local, remote = IOV(ctypes.addressof(buf), 8), IOV(0x400000, 8)
+    n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    r["vm_readv"] = "ok" if n >= 0 else ctypes.get_errno()
+    out[pid] = r
+out["proc"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+print(json.dumps(out), flush=True)
+input()
+"""
+
+
+def test_no_process_outside_can_be_signalled_traced_or_read(lab: Lab) -> None:
+    """kill, pidfd_open, ptrace and process_vm_readv on pids outside all fail, and /proc
+    lists exactly the sandbox's processes (what its cgroup holds, less bwrap's monitor)."""
+    uid, gid = invoker()
+    with project() as d:
+        outside = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}",
+                                    "--clear-groups", "sleep", "600"])  # fmt: skip
+        targets = [str(p) for p in (outside.pid, os.getpid(), os.getppid())]
+        (d / "inspect.py").write_text(INSPECT)
+        r = Running(run_argv(lab, d, "--", SYSTEM_PYTHON, str(d / "inspect.py"), *targets),
+                    sudo_env())  # fmt: skip
+        try:
+            seen = json.loads(r.line())
+            [claim] = [c for c in claims.load_all() if c.owner_pid == r.proc.pid]
+            in_cgroup = Cgroup.open(claim.id).pids()
+            r.send("")
+            assert r.finish() == 0, r.stderr()
+        finally:
+            r.kill()
+            outside.kill()
+            outside.wait()
+    for pid in (outside.pid, os.getpid(), os.getppid()):
+        assert all(v != "ok" for v in seen[str(pid)].values()), (pid, seen[str(pid)])
+    # Inside, pid 1 is the sandbox's own init, not the host's: same uid, so visible, but
+    # it is tini, not systemd or the test.
+    assert len(seen["proc"]) == len(in_cgroup) - 1, (seen["proc"], in_cgroup)
+    assert max(seen["proc"]) < 100 and outside.pid not in seen["proc"]
+
+
+# -- the view -------------------------------------------------------------------------------
+
+CONNECT = r"""
+import json, socket, sys
+out = {}
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        out[path] = "connected"
+    except OSError as e:
+        out[path] = e.errno
+    s.close()
+print(json.dumps(out))
+"""
+
+
+@contextmanager
+def unix_proxies(paths: list[Path]) -> Iterator[list[str]]:
+    """A 0777 listening socket at each path; yields what connected (by path)."""
+    got: list[str] = []
+    socks = []
+    made_dirs = []
+    try:
+        for path in paths:
+            if not path.parent.exists():
+                path.parent.mkdir(parents=True)
+                made_dirs.append(path.parent)
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(path))
+            os.chmod(path, 0o777)
+            s.listen(8)
+            s.settimeout(0.2)
+            socks.append((str(path), s))
+        stop = threading.Event()
+
+        def serve() -> None:
+            while not stop.is_set():
+                for name, s in socks:
+                    with suppress(OSError):
+                        conn, _ = s.accept()
+                        got.append(name)
+                        conn.close()
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        yield got
+        stop.set()
+        t.join(timeout=10)
+    finally:
+        for name, s in socks:
+            s.close()
+            with suppress(OSError):
+                os.unlink(name)
+        for directory in reversed(made_dirs):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_host_unix_sockets_and_files_outside_the_view_are_not_there(lab: Lab) -> None:
+    uid, _ = invoker()
+    tag = f"egress-iso-{os.getpid()}"
+    paths = [
+        Path(p)
+        for p in (
+            f"/tmp/{tag}.sock", f"/var/tmp/{tag}.sock", f"/dev/shm/{tag}.sock",
+            f"/run/user/{uid}/{tag}.sock", f"/var/lib/{tag}/proxy.sock", f"/srv/{tag}/proxy.sock",
+        )
+    ]  # fmt: skip
+    with project() as d, unix_proxies(paths) as connected:
+        # Control: the same connect from the host reaches every proxy.
+        host = subprocess.run([SYSTEM_PYTHON, "-c", CONNECT, *map(str, paths)],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert set(json.loads(host.stdout).values()) == {"connected"}, host
+        connected.clear()
+        (d / "connect.py").write_text(CONNECT)
+        secret = Path(f"/srv/{tag}/secret.txt")
+        secret.write_text("s3cret")
+        done = run(lab, d, "--", SYSTEM_PYTHON, str(d / "connect.py"), *map(str, paths))
+        assert done.returncode == 0, done.stderr
+        inside = json.loads(done.stdout)
+        assert all(v == 2 for v in inside.values()), inside  # ENOENT: not there at all
+        assert connected == [], connected  # and nothing reached any proxy
+        done = run(lab, d, "--", "/bin/cat", str(secret))
+        assert done.returncode == 1 and "No such file" in done.stderr
+        # Neither are egress's own files, nor the host's sockets directories.
+        done = run(lab, d, "--", "/bin/sh", "-c",
+                   "ls /run /var/lib /srv /home 2>&1; ls /run/egress 2>&1 || true")  # fmt: skip
+        assert tag not in done.stdout and "sandboxes" not in done.stdout, done.stdout
+
+
+def test_ro_bind_and_bind_expose_exactly_what_they_name(lab: Lab) -> None:
+    uid, gid = invoker()
+    base = Path(tempfile.mkdtemp(prefix="egress-iso-binds-", dir="/srv"))
+    try:
+        for sub in ("ro", "rw", "hidden"):
+            (base / sub).mkdir()
+            (base / sub / "f.txt").write_text(sub)
+            os.chown(base / sub, uid, gid)
+            os.chown(base / sub / "f.txt", uid, gid)
+        with project() as d:
+            script = (
+                "cat /data/ro/f.txt; echo; cat /data/rw/f.txt; echo;"
+                " touch /data/ro/new 2>/dev/null; echo ro_write=$?;"
+                " echo made > /data/rw/new; echo rw_write=$?;"
+                f" ls {base}/hidden 2>/dev/null; echo hidden=$?; ls /data"
+            )
+            binds = ["--ro-bind", f"{base / 'ro'}:/data/ro", "--bind", f"{base / 'rw'}:/data/rw"]
+            done = run(lab, d, *binds, "--", "/bin/sh", "-c", script)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["ro", "rw", "ro_write=1", "rw_write=0", "hidden=2",
+                                       "ro", "rw"], done.stdout  # fmt: skip
+        made = base / "rw" / "new"
+        assert made.read_text() == "made\n" and (made.stat().st_uid, made.stat().st_gid) == (
+            uid,
+            gid,
+        )
+        assert not (base / "ro" / "new").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_files_written_in_the_workdir_belong_to_the_invoking_user(lab: Lab) -> None:
+    """Afterwards the invoking user reads, changes and removes them without sudo; the
+    workload can't leave a set-uid or set-gid file behind (on disk it would be theirs)."""
+    uid, gid = invoker()
+    script = (
+        "mkdir -p a/b && echo one > a/b/f && chmod 600 a/b/f && echo two > top"
+        " && cp /bin/true prog && chmod 755 prog;"
+        " chmod u+s prog; echo suid=$?; chmod g+s prog; echo sgid=$?;"
+        " install -m 4755 /bin/true prog2; echo install=$?;"
+        " python3 -c 'import os; os.open(\"p3\", os.O_CREAT | os.O_WRONLY, 0o6755)'; echo open=$?"
+    )
+    with project() as d:
+        done = run(lab, d, "--", "/bin/sh", "-c", script)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["suid=1", "sgid=1", "install=1", "open=1"], done.stdout
+        # install made prog2 and then failed to set its mode: there, with no bit set.
+        for path in [d / "a", d / "a/b", d / "a/b/f", d / "top", d / "prog", d / "prog2"]:
+            st = path.stat()
+            assert (st.st_uid, st.st_gid) == (uid, gid), path
+            assert not st.st_mode & 0o6000, (path, oct(st.st_mode))
+        edit = f"cd {d} && cat a/b/f && echo changed >> a/b/f && rm -rf a top prog prog2 && ls"
+        as_user = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                   "/bin/sh", "-c", edit]  # fmt: skip
+        after = subprocess.run(as_user, capture_output=True, text=True, timeout=30)
+        assert after.returncode == 0, after.stderr
+        assert after.stdout.split() == ["one", "policy.yaml"], after.stdout
+
+
+# -- environment -----------------------------------------------------------------------------
+
+
+def test_only_the_allowlist_and_env_flags_reach_the_command(lab: Lab) -> None:
+    secret = "egress-secret-" + os.urandom(6).hex()
+    environ = sudo_env(AWS_SECRET_ACCESS_KEY=secret, FROM_CALLER="caller-value", LC_TIME="C")
+    with project() as d:
+        (d / "vars.env").write_text("# a comment\n\nFROM_FILE=file-value\nFROM_CALLER\n")
+        report = d / "report.json"
+        done = run(lab, d, "--report", str(report), "--env", "GIVEN=given-value",
+                   "--env-file", str(d / "vars.env"), "--", SYSTEM_PYTHON, "-c",
+                   "import json, os; print(json.dumps(dict(os.environ)))",
+                   environ=environ)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        inside = json.loads(done.stdout)
+        text = report.read_text()
+    assert secret not in done.stdout and "AWS_SECRET_ACCESS_KEY" not in inside
+    assert inside["GIVEN"] == "given-value" and inside["FROM_FILE"] == "file-value"
+    assert inside["FROM_CALLER"] == "caller-value" and inside["LC_TIME"] == "C"
+    user = inside["USER"]
+    assert user.startswith("egress-") and inside["LOGNAME"] == user
+    assert inside["HOME"] == f"/home/{user}" and "SUDO_USER" not in inside
+    expected = {"PATH", "LANG", "TERM", "TZ", "HOME", "USER", "LOGNAME", "PWD", "GIVEN",
+                "FROM_FILE", "FROM_CALLER", "LC_TIME", "LC_ALL", "LC_CTYPE"}  # fmt: skip
+    extra = set(inside) - expected
+    assert not extra, extra
+    data = json.loads(text)
+    assert data["env"] == ["FROM_CALLER", "FROM_FILE", "GIVEN"]
+    assert "given-value" not in text and "file-value" not in text and secret not in text
+
+
+# -- uids ------------------------------------------------------------------------------------
+
+
+def test_concurrent_runs_and_egressd_sandboxes_get_distinct_uids_freed_at_teardown(
+    lab: Lab, daemon: Egressd
+) -> None:
+    with ExitStack() as stack:
+        d = stack.enter_context(project())
+        runs = [Running(run_argv(lab, d, "--", "/bin/sh", "-c", "id -u; read x; true"), sudo_env())
+                for _ in range(2)]  # fmt: skip
+        for r in runs:
+            stack.callback(r.kill)
+        run_uids = [int(r.line()) for r in runs]
+        boxes = []
+        for _ in range(50):
+            box = daemon.create(POLICY, lab.uplink_netns)
+            stack.callback(drop, daemon, box["id"])
+            boxes.append(box)
+        box_uids = [b["uid"] for b in daemon.client.call("GET", "/v1/sandboxes") if b["id"] in
+                    {x["id"] for x in boxes}]  # fmt: skip
+        every = run_uids + box_uids
+        assert len(every) == 52 and len(set(every)) == 52, every
+        assert all(u in EGRESS_UIDS for u in every)
+        # An exec of an egressd sandbox runs as that sandbox's uid.
+        argv = [*exec_argv(daemon, boxes[0]["id"], d), "id", "-u"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=sudo_env())
+        assert done.stdout.strip() == str(boxes[0]["uid"]), done
+        for r in runs:
+            assert r.finish() == 0
+        for b in boxes:
+            daemon.delete(b["id"])
+    held = {c.uid for c in claims.load_all()}
+    assert not held & set(every), held
+    assert not uids.live_uids(EGRESS_UIDS) & set(every)
+
+
+def test_a_killed_runs_uid_is_reclaimed_by_gc_and_an_exhausted_range_refused(lab: Lab) -> None:
+    """With a one-uid range: a second run is refused (exit 2, nothing made) while the
+    first holds it, also after the first `egressctl run` was SIGKILLed (its workload still
+    lives); `egressctl gc` ends the workload and frees the uid; a process of that uid
+    outside any sandbox also keeps it from being handed out."""
+    one = "2000100000-2000100000"
+    environ = sudo_env(EGRESS_UID_RANGE=one)
+    with project() as d:
+        first = Running(run_argv(lab, d, "--", "/bin/sh", "-c", "id -u; read x; true"), environ)
+        try:
+            assert first.line() == "2000100000"
+            [claim] = [c for c in claims.load_all() if c.owner_pid == first.proc.pid]
+            first.proc.kill()
+            first.proc.wait(timeout=LINE_S)
+            assert uids.live_uids(range(2000100000, 2000100001)) == {2000100000}
+            before = namespaces()
+            refused = run(lab, d, "--", "true", environ=environ)
+            assert refused.returncode == 2 and "no free uid" in refused.stderr, refused
+            assert made_since(before) == []
+            gc = subprocess.run([*EGRESSCTL, "gc"], capture_output=True, text=True,
+                                env=environ, timeout=120)  # fmt: skip
+            assert gc.returncode == 0, gc.stderr
+            assert leftovers(claim.id, lab.uplink_netns) == []
+            assert not (workloads_dir() / claim.id).exists()
+            assert uids.live_uids(range(2000100000, 2000100001)) == set()
+            again = run(lab, d, "--", "id", "-u", environ=environ)
+            assert again.returncode == 0 and again.stdout.strip() == "2000100000", again
+            squatter = subprocess.Popen(["setpriv", "--reuid=2000100000", "--regid=2000100000",
+                                         "--clear-groups", "sleep", "600"])  # fmt: skip
+            try:
+                refused = run(lab, d, "--", "true", environ=environ)
+                assert refused.returncode == 2 and "no free uid" in refused.stderr, refused
+            finally:
+                squatter.kill()
+                squatter.wait()
+        finally:
+            first.kill()
+            cleanup(claim.id) if "claim" in locals() else None
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--user", "root"], "never runs as root"),
+        (["--user", "0"], "never runs as root"),
+        (["--user", "no-such-user-egress"], "no such user"),
+        (["--env", "1BAD=x"], "not a variable name"),
+        (["--env", "NOT_SET_ANYWHERE_EGRESS"], "not set in egressctl's environment"),
+        (["--uid-range", "5-1"], "uid range"),
+        (["--bind", "/no/such/path"], "no such file or directory"),
+        (["--workdir", "/no/such/dir"], "--workdir"),
+    ],
+)
+def test_bad_input_exits_2_and_makes_nothing(lab: Lab, options: list[str], message: str) -> None:
+    with project() as d:
+        before = namespaces()
+        done = run(lab, d, *options, "--", "true")
+        assert done.returncode == 2, done
+        assert message in done.stderr, done.stderr
+        assert made_since(before) == []
+        assert [c.id for c in claims.load_all() if not claims.alive(c.owner_pid)] == []
+
+
+# -- no privilege back -----------------------------------------------------------------------
+
+
+def test_no_user_namespace_and_no_capability_inside(lab: Lab) -> None:
+    script = (
+        "unshare -r true 2>/dev/null; echo userns=$?;"
+        " unshare -U true 2>/dev/null; echo userns_only=$?;"
+        " grep CapEff /proc/self/status; grep NoNewPrivs /proc/self/status"
+    )
+    with project() as d:
+        done = run(lab, d, "--", "/bin/sh", "-c", script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["userns=1", "userns_only=1", "CapEff:", "0" * 16,
+                                   "NoNewPrivs:", "1"], done.stdout  # fmt: skip
+
+
+def test_landlock_scope_alone_stops_signals_to_processes_outside() -> None:
+    """The second wall, without the PID namespace: a process in egress's Landlock domain
+    cannot signal a process outside it, even one of its own uid."""
+    scope = confine.landlock_scoper()
+    if scope is None:
+        pytest.skip("this kernel has no Landlock signal scoping (Linux 6.12+)")
+    victim = subprocess.Popen(["sleep", "600"])
+    try:
+        done = subprocess.run(["/bin/sh", "-c", f"kill -9 {victim.pid}"], preexec_fn=scope,
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert done.returncode != 0 and "not permitted" in done.stderr, done
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_nothing_is_left_of_the_views_after_runs(lab: Lab) -> None:
+    with project() as d:
+        done = run(lab, d, "--bind", f"{d}:/data", "--", "/bin/sh", "-c", "echo x > /data/y")
+        assert done.returncode == 0, done.stderr
+    mine = [c for c in claims.load_all() if c.owner_pid == os.getpid()]
+    assert not mine
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(workloads_dir()) not in mounts, "an idmapped mount outlived its run"
+    if workloads_dir().exists():
+        assert not [p for p in workloads_dir().iterdir() if p.name not in
+                    {c.id for c in claims.load_all()}]  # fmt: skip
