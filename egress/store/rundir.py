@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from egress.store.paths import private_dir, run_dir, write_private
+from egress.store.paths import private_dir, run_dir, tighten, write_private
 
 RECORDS_SUBDIR = "daemon"  # under egress's run dir (/run/egress)
 
@@ -49,6 +49,14 @@ class Record:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "policy_sha256": self.policy_sha256}
+
+
+def prepare(directory: Path) -> None:
+    """Make the records' directory, or narrow it and the records an older egressd left
+    looser (0755 and 0644 before): they hold policies. OSError as is."""
+    private_dir(directory)
+    for path in directory.glob("*.json"):
+        tighten(path)
 
 
 def save(directory: Path, record: Record) -> None:
