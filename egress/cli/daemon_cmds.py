@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 from egress.cli.client import Client, default_socket
@@ -110,9 +109,17 @@ def _sub(cmds: Any, name: str, text: str, example: str) -> argparse.ArgumentPars
 
 
 def _policy_text(path: str) -> str:
+    """The policy file's text, read once here, in egressctl, and only if the workload
+    could not have changed it (egress.store.trust; PolicyError, exit 2, if it could): the
+    default `sandbox exec` user's uid and gid. egressd journals the sha256 of these bytes."""
+    from egress.sandbox.workload import resolve_user
+    from egress.store.trust import read_policy
+
+    user = resolve_user(None)
+    trusted = read_policy(path, workload_uids={user.uid}, workload_gids={user.gid})
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        return trusted.data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise EgressError(f"--policy {path}: {exc}") from None
 
 

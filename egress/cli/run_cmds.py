@@ -7,7 +7,10 @@ import sys
 
 from egress.datapath.addressing import DEFAULT_POOL4, DEFAULT_POOL6, Pools
 from egress.datapath.render import PLACEHOLDER_UPLINK, render_sandbox, render_uplink
-from egress.policy import load_policy_with_warnings
+from egress.errors import Problem
+from egress.model import Policy
+from egress.policy import load_policy_with_warnings, parse_policy
+from egress.policy.loader import MAX_BYTES
 
 RUN_EPILOG = f"""\
 The command runs in a new network namespace whose nftables rules allow only what the
@@ -99,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    policy, warnings = load_policy_with_warnings(args.policy)
+    policy, warnings, sha256 = _operator_policy(args.policy, args.user)
     for w in warnings:
         print(w, file=sys.stderr)
     opts = RunOptions(
@@ -113,5 +116,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         state_dir=args.state_dir,
         decision_timeout=args.decision_timeout,
+        policy_sha256=sha256,
     )
     return run(policy, opts)
+
+
+def _operator_policy(path: str, user_spec: str | None) -> tuple[Policy, list[Problem], str]:
+    """The policy, its warnings and its sha256, read once from a file the workload could
+    not have changed (egress.store.trust); PolicyError (exit 2) if it could have."""
+    from egress.sandbox.workload import resolve_user
+    from egress.store.trust import read_policy
+
+    user = resolve_user(user_spec)
+    trusted = read_policy(path, workload_uids={user.uid}, workload_gids={user.gid},
+                          max_bytes=MAX_BYTES)  # fmt: skip
+    policy, warnings = parse_policy(trusted.data, path)
+    return policy, warnings, trusted.sha256
