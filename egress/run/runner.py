@@ -50,6 +50,7 @@ class RunOptions:
     upstream: str | None = None  # --upstream IP[:PORT], instead of the policy's upstreams
     state_dir: str | None = None
     decision_timeout: float | None = None
+    policy_sha256: str | None = None  # of the policy file's bytes, as egressctl read them
 
 
 @dataclass
@@ -128,6 +129,7 @@ def _run(
             cgroup=sb.cgroup.v2_path,
             inline_pid=os.getpid(),
             owner_pid=os.getpid(),
+            policy_sha256=opts.policy_sha256,
         )
         observer.begin(sb.id, sb.netns)
         journal.set_sandbox_state(sb.id, SandboxState.RUNNING, observer_pid=observer.pid)
