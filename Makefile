@@ -36,7 +36,12 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $@
 
+# The group that may read egress's own files (journal, claims, egressd's records: 0640,
+# directories 0750) and call `egressd --group egress`. Without it they are root's only.
 setup: $(STAMPS)/venv
+	@getent group egress >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then groupadd --system egress && echo "created system group egress"; \
+		else echo "no group egress (groupadd --system egress as root): egress's files stay root's only"; fi; }
 
 demo: setup
 	@$(VENV)/bin/egressctl demo

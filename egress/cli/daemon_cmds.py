@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 from egress.cli.client import Client, default_socket
@@ -120,9 +119,19 @@ def _sub(cmds: Any, name: str, text: str, example: str) -> argparse.ArgumentPars
 
 
 def _policy_text(path: str) -> str:
+    """The policy file's text, read once here, in egressctl, and only if the workload
+    could not have changed it (egress.store.trust; PolicyError, exit 2, if it could): any
+    uid or gid of the range egress gives sandboxes' workloads ($EGRESS_UID_RANGE, else the
+    default; egressd's --uid-range should be the same). egressd journals the sha256 of
+    these bytes."""
+    from egress.store.trust import read_policy
+    from egress.store.uids import parse_range
+
+    ids = parse_range(None)
+    trusted = read_policy(path, workload_uids=ids, workload_gids=ids)
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        return trusted.data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise EgressError(f"--policy {path}: {exc}") from None
 
 

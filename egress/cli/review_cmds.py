@@ -237,7 +237,19 @@ def _describe(event: dict[str, Any]) -> str:
     if kind == "decision":
         note = f" ({r['note']})" if r.get("note") else ""
         return f"{r['action']} by uid {r['uid']}{note}"
+    if kind == "sandbox_started" and r:
+        return "sandbox started " + _policy_and_uid(r)
     return str(kind).replace("_", " ")
+
+
+def _policy_and_uid(r: dict[str, Any]) -> str:
+    """(policy NAME, sha256 HEX, uid N): which bytes it enforced, and as whom it ran."""
+    parts = [f"policy {r['policy']}"]
+    if r.get("policy_sha256"):
+        parts.append(f"sha256 {r['policy_sha256']}")
+    if r.get("uid") is not None:
+        parts.append(f"uid {r['uid']}")
+    return f"({', '.join(parts)})"
 
 
 def cmd_decide(args: argparse.Namespace) -> int:

@@ -7,7 +7,10 @@ import sys
 
 from egress.datapath.addressing import DEFAULT_POOL4, DEFAULT_POOL6, Pools
 from egress.datapath.render import PLACEHOLDER_UPLINK, render_sandbox, render_uplink
-from egress.policy import load_policy_with_warnings
+from egress.errors import Problem
+from egress.model import Policy
+from egress.policy import load_policy_with_warnings, parse_policy
+from egress.policy.loader import MAX_BYTES
 
 RUN_EPILOG = f"""\
 The command runs in a new network namespace whose nftables rules allow only what the
@@ -139,7 +142,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    policy, warnings = load_policy_with_warnings(args.policy)
+    policy, warnings, sha256 = _operator_policy(args.policy, args.user, args.uid_range)
     for w in warnings:
         print(w, file=sys.stderr)
     env = [item for path in args.env_file for item in parse_env_file(path)] + list(args.env)
@@ -160,5 +163,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         state_dir=args.state_dir,
         decision_timeout=args.decision_timeout,
+        policy_sha256=sha256,
     )
     return run(policy, opts)
+
+
+def _operator_policy(
+    path: str, user_spec: str | None, uid_range: str | None
+) -> tuple[Policy, list[Problem], str]:
+    """The policy, its warnings and its sha256, read once from a file the workload could
+    not have changed (egress.store.trust); PolicyError (exit 2) if it could have. The
+    workload is --user's account, else any uid/gid of the range sandboxes get theirs from."""
+    from collections.abc import Container
+
+    from egress.sandbox.workload import named_user
+    from egress.store.trust import read_policy
+    from egress.store.uids import parse_range
+
+    ids_u: Container[int]
+    ids_g: Container[int]
+    if user_spec is not None:
+        user = named_user(user_spec)
+        ids_u, ids_g = {user.uid}, {user.gid}
+    else:
+        ids_u = ids_g = parse_range(uid_range)
+    trusted = read_policy(path, workload_uids=ids_u, workload_gids=ids_g, max_bytes=MAX_BYTES)
+    policy, warnings = parse_policy(trusted.data, path)
+    return policy, warnings, trusted.sha256

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from egress.errors import Refused, SandboxError
+from egress.store.paths import private_dir
 
 SOCKET_NAME = "handoff.sock"
 MAX_MESSAGE = 1 << 20
@@ -296,7 +297,7 @@ class Giver:
     def listen(self) -> None:
         """Bind under a temporary name, then rename into place: a successor binding its
         own replaces the path atomically, and we never unlink one that isn't ours."""
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         tmp = self.path.with_name(f".{SOCKET_NAME}.{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

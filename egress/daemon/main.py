@@ -22,7 +22,7 @@ from egress.kernel import nft
 from egress.observer.supervisor import Supervisor
 from egress.store import rundir, uids
 from egress.store.journal import Journal
-from egress.store.paths import run_dir, state_dir
+from egress.store.paths import EGRESS_GROUP, egress_gid, private_dir, run_dir, state_dir
 
 from . import handoff, sidecar
 from .api import make_app
@@ -87,7 +87,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"egressd {__version__}")
     p.add_argument("--socket", metavar="PATH", default=DEFAULT_SOCKET,
                    help="the API socket (default: %(default)s), mode 0660, owner root")  # fmt: skip
-    p.add_argument("--group", metavar="G", help="group owning the socket (default: root's)")
+    p.add_argument("--group", metavar="G", help="group owning the socket (default: root's); "
+                   "with the socket in the run dir, egress")  # fmt: skip
     p.add_argument(
         "--replace",
         action="store_true",
@@ -166,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = serve_parser().parse_args(args_in)
         args.argv = [a for a in args_in if a != "--replace"]  # for a re-exec on SIGHUP
         gid = _group(args.group)
+        _check_reach(args.socket, gid)
         return asyncio.run(serve(args, gid))
     except EgressError as exc:
         print(f"egressd: {exc}", file=sys.stderr)
@@ -191,6 +193,10 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     taken = handoff.inherited()  # this process, re-executed on SIGHUP (first: its env)
     nft.use_worker().start()
     run_dir = Path(args.run_dir)
+    try:
+        rundir.prepare(run_dir)  # root's and group egress's only, as an older one may not be
+    except OSError as exc:
+        raise SandboxError(f"--run-dir {run_dir}: {exc.strerror}") from None
     if taken is None and args.replace:
         taken = handoff.take_over(run_dir)
     state = state_dir(args.state_dir)
@@ -290,7 +296,7 @@ def _raise_open_files() -> None:
 def _listen(path: str, gid: int) -> socket.socket:
     """The API socket at ``path`` (0660, root:gid); refuse if another egressd answers."""
     try:
-        Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        _socket_dir(Path(path).parent)
     except OSError as exc:
         raise SandboxError(f"--socket {path}: {exc.strerror}") from None
     if os.path.exists(path):
@@ -319,6 +325,33 @@ def _listen(path: str, gid: int) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+def _socket_dir(parent: Path) -> None:
+    """In egress's run dir the socket's directory is egress's (0750, group egress or
+    root); elsewhere it is the operator's, made 0755 if missing. Either way the socket's
+    own mode decides who connects."""
+    if parent.is_relative_to(run_dir()):
+        private_dir(parent)
+    else:
+        parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+
+
+def _check_reach(socket_path: str, gid: int) -> None:
+    """--group must be able to pass through the socket's directory to reach it."""
+    if Path(socket_path).parent.is_relative_to(run_dir()) and gid not in (0, egress_gid()):
+        raise SandboxError(
+            f"--group {_group_name(gid)}: {socket_path} is in {run_dir()}, which only root "
+            f"and group {EGRESS_GROUP} may enter (0750); use --group {EGRESS_GROUP} "
+            f"(groupadd --system {EGRESS_GROUP} if it is missing) or a --socket elsewhere"
+        )
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def _bound_to(sock: socket.socket, path: str) -> bool:

@@ -260,7 +260,8 @@ class Registry:
                 self.journal.record_sandbox(
                     sb.id, sb.policy.name, netns=sb.netns, cgroup=sb.cgroup.v2_path,
                     inline_pid=os.getpid(), owner_pid=os.getpid(),
-                    freezer=sb.cgroup.freezer_path,
+                    freezer=sb.cgroup.freezer_path, policy_sha256=record.policy_sha256,
+                    uid=sb.uid,
                 )  # fmt: skip
             session, resolver = await self._start(sb, record, upstreams, fresh, handed)
             rundir.save(self.run_dir, record)
@@ -408,7 +409,9 @@ class Registry:
             rundir.save(self.run_dir, served.record)
         with contextlib.suppress(EgressError):  # what `egressctl ps` shows
             state = SandboxState.FROZEN if served.sb.cgroup.is_frozen() else SandboxState.RUNNING
-            self.journal.set_sandbox_state(sandbox_id, state, policy=policy.name)
+            self.journal.set_sandbox_state(
+                sandbox_id, state, policy=policy.name, policy_sha256=served.record.policy_sha256
+            )
         return {"removed_elements": removed, "swap_ms": round((time.monotonic() - start) * 1e3, 2)}
 
     # -- handing over -------------------------------------------------------------------

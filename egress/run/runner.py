@@ -55,6 +55,7 @@ class RunOptions:
     binds: Sequence[view.Bind] = ()  # --ro-bind / --bind
     env: Sequence[str] = ()  # --env and --env-file items, NAME or NAME=VALUE
     uid_range: str | None = None  # --uid-range; default $EGRESS_UID_RANGE or uids' default
+    policy_sha256: str | None = None  # of the policy file's bytes, as egressctl read them
 
 
 @dataclass
@@ -165,6 +166,8 @@ def _run(
             cgroup=sb.cgroup.v2_path,
             inline_pid=os.getpid(),
             owner_pid=os.getpid(),
+            policy_sha256=opts.policy_sha256,
+            uid=who.uid,
         )
         observer.begin(sb.id, sb.netns)
         journal.set_sandbox_state(sb.id, SandboxState.RUNNING, observer_pid=observer.pid)

@@ -118,6 +118,20 @@ def sandbox_group(who: Identity, host_lines: Sequence[str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def hostname(sandbox_id: str) -> str:
+    """The UTS name the workload sees (bwrap --hostname)."""
+    return f"egress-{sandbox_id}"
+
+
+def sandbox_hosts(name: str, host_lines: Sequence[str]) -> str:
+    """The host's /etc/hosts plus the sandbox's own name, as Debian lists a host's name
+    (and on ::1, so an AAAA lookup finds it too):
+    tools that look themselves up (git's default author, Java, sudo) find it in the file
+    and never ask DNS, where the name would be a denied query and, under a freeze policy,
+    a freeze."""
+    return "\n".join([*host_lines, f"127.0.1.1\t{name}", f"::1\t{name}"]) + "\n"
+
+
 def _lines(path: str) -> list[str]:
     try:
         return Path(path).read_text().splitlines()
@@ -212,6 +226,7 @@ def prepare(
     _private_dir(etc, 0o755, 0, 0)
     _write(etc / "passwd", sandbox_passwd(who, _lines("/etc/passwd")))
     _write(etc / "group", sandbox_group(who, _lines("/etc/group")))
+    _write(etc / "hosts", sandbox_hosts(hostname(sandbox_id), _lines("/etc/hosts")))
 
     args = root_args()
     made: set[str] = set()
@@ -219,8 +234,8 @@ def prepare(
     for name in ("resolv.conf", "nsswitch.conf"):
         target = _etc_target(name)
         args += [*parents_args(target, made), "--ro-bind", str(netns_etc / name), target]
-    for name in ("passwd", "group"):
-        args += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+    for name in ("passwd", "group", "hosts"):
+        args += ["--ro-bind", str(etc / name), _etc_target(name)]
     args += [*parents_args(who.home, made), "--bind", str(home), who.home]
 
     view = View(args, workdir, who.home)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from egress.errors import SandboxError, UsageError
 from egress.kernel import confine
-from egress.sandbox.view import Identity, View
+from egress.sandbox.view import Identity, View, hostname
 
 TOOLS = {"bwrap": "bubblewrap", "nsenter": "util-linux", "setpriv": "util-linux"}
 TINI = "/usr/bin/tini"  # inside the view; /usr is the host's
@@ -177,7 +177,7 @@ def command_line(
         tool("nsenter"), f"--net=/run/netns/{netns}", "--",
         tool("bwrap"),
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--hostname", f"egress-{sandbox_id}", "--as-pid-1", "--new-session",
+        "--hostname", hostname(sandbox_id), "--as-pid-1", "--new-session",
         *view.args,
         "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
         "--",

@@ -1,7 +1,10 @@
 """What egress keeps on disk, and where.
 
     paths.py           the run dir (/run/egress, volatile), the state dir (/var/lib/egress),
-                       the nft templates
+                       who may read them (root and group egress: 0750, 0640), the nft
+                       templates
+    trust.py           the operator's policy file: refused if the workload could change it
+                       (sshd's StrictModes), else read once and hashed
     claims.py          which sandbox holds which address block (a lock, a file each)
     journal.py         the violation journal (SQLite, WAL, fsync per record)
     journal_schema.py  its schema, migrations and file modes

@@ -1,7 +1,8 @@
 """Claims on the subnet pool: which sandbox holds which address block.
 
 One JSON file per sandbox under <run dir>/sandboxes/, written under an flock so that
-concurrent ``egressctl run``s never pick the same block. A claim whose owner process is
+concurrent ``egressctl run``s never pick the same block. Directory 0750 and files 0640,
+root's and the egress group's (``paths.private_dir``). A claim whose owner process is
 gone and whose netns no longer exists is stale and is reclaimed.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from egress.datapath.addressing import Pools, first_free
 from egress.errors import SandboxError
 from egress.store import uids
-from egress.store.paths import run_dir
+from egress.store.paths import private_dir, run_dir, tighten, write_private
 
 
 @dataclass
@@ -45,11 +46,12 @@ def sandboxes_dir() -> Path:
 def locked() -> Iterator[None]:
     directory = sandboxes_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        private_dir(directory)
+        fd = os.open(directory / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise SandboxError(f"{directory}: {exc.strerror}") from None
     try:
+        tighten(directory / ".lock")  # egress's group, as everything here
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
@@ -116,10 +118,7 @@ def claim(
 
 
 def save(c: Claim) -> None:
-    path = sandboxes_dir() / f"{c.id}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(c), indent=2))
-    os.replace(tmp, path)
+    write_private(sandboxes_dir() / f"{c.id}.json", json.dumps(asdict(c), indent=2).encode())
 
 
 def release(sandbox_id: str) -> None:

@@ -73,7 +73,7 @@ class Journal:
 
     @classmethod
     def open(cls, state_dir: str | Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> Journal:
-        """Open (creating dir 0700 and file 0600 if needed) and migrate the journal."""
+        """Open (creating dir 0750 and file 0640, egress's group, if needed) and migrate."""
         directory = Path(state_dir)
         path = directory / JOURNAL_FILE
         try:
@@ -130,17 +130,22 @@ class Journal:
         observer_pid: int | None = None,
         owner_pid: int | None = None,
         freezer: str | None = None,
+        policy_sha256: str | None = None,
+        uid: int | None = None,
     ) -> None:
+        """Journal a new sandbox. ``policy`` is its policy's name; ``policy_sha256`` the
+        hex sha256 of the policy file's bytes as egress read them; ``uid`` its workload's."""
         self._check_state(state)
         at = time.time() if created_at is None else created_at
-        row = (sandbox_id, policy, netns, cgroup, freezer, at, state,
-               inline_pid, observer_pid, owner_pid)  # fmt: skip
+        row = (sandbox_id, policy, policy_sha256, netns, cgroup, freezer, at, state,
+               inline_pid, observer_pid, owner_pid, uid)  # fmt: skip
         with self._write(f"record sandbox {sandbox_id!r}") as conn:
             if schema.exists(conn, "sandboxes", sandbox_id):
                 raise JournalError(f"{self._path}: sandbox {sandbox_id!r} is already journaled")
             conn.execute(
-                "INSERT INTO sandboxes (id, policy, netns, cgroup, freezer, created_at, state, "
-                "inline_pid, observer_pid, owner_pid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sandboxes (id, policy, policy_sha256, netns, cgroup, freezer, "
+                "created_at, state, inline_pid, observer_pid, owner_pid, uid) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from egress.errors import JournalError
 from egress.model import ReviewAction, SandboxState, Violation
+from egress.store.paths import new_private_file, private_dir, tighten
 
 Row = dict[str, Any]
 
@@ -27,8 +28,8 @@ DECISION_ACTIONS = tuple(ReviewAction)
 # Columns ``set_sandbox_state`` may change besides ``state``. A closed list, because the
 # names are spliced into SQL.
 SANDBOX_FIELDS = (
-    "policy", "netns", "cgroup", "freezer", "ended_at", "inline_pid", "observer_pid",
-    "owner_pid",
+    "policy", "policy_sha256", "netns", "cgroup", "freezer", "ended_at", "inline_pid",
+    "observer_pid", "owner_pid", "uid",
 )  # fmt: skip
 
 _V1 = (
@@ -86,7 +87,14 @@ _V1 = (
 # `egressctl resume` can thaw both hierarchies without egressd.
 _V2 = ("ALTER TABLE sandboxes ADD COLUMN freezer TEXT",)
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)  # MIGRATIONS[n - 1] brings n - 1 to n
+# v3: which policy bytes the sandbox enforces (sha256, hex, of the file as read once), and
+# the uid its workload runs as.
+_V3 = (
+    "ALTER TABLE sandboxes ADD COLUMN policy_sha256 TEXT",
+    "ALTER TABLE sandboxes ADD COLUMN uid INTEGER",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)  # MIGRATIONS[n - 1] brings n - 1 to n
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -264,22 +272,17 @@ def _is_busy(exc: sqlite3.OperationalError) -> bool:
     return code == sqlite3.SQLITE_BUSY if code is not None else "locked" in str(exc)
 
 
+JOURNAL_FILES = ("", "-wal", "-shm")  # the database and SQLite's companions
+
+
 def make_private(directory: Path, path: Path) -> None:
-    """Create the state dir 0700 and the database file 0600 (SQLite copies its mode to the
-    -wal and -shm files). Existing ones are left as the administrator set them."""
-    try:
-        directory.mkdir(mode=0o700, parents=True)
-        os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return
-    try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+    """The state dir 0750 and the database 0640, root's and the egress group's
+    (``paths.private_dir``); SQLite gives the -wal and -shm files the database's mode and
+    owner. Existing ones made looser (by an older egress) are narrowed, never widened."""
+    private_dir(directory)
+    if not new_private_file(path):
+        for suffix in JOURNAL_FILES:
+            tighten(path.with_name(path.name + suffix))
 
 
 def fsync_dir(directory: Path) -> None:

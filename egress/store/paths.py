@@ -1,8 +1,20 @@
-"""Where egress keeps runtime state, and where it finds its nft templates."""
+"""Where egress keeps runtime state, who may read it, and where it finds its nft templates.
+
+egress's own files (the run dir and everything egress puts under it, the state dir and the
+journal) are root's and the ``egress`` group's only: directories at most 0750, files at
+most 0640, group ``egress`` when that group exists, else root's. A claim names a sandbox's
+netns and addresses, a record holds its whole policy, the journal what it tried: none of
+that is the workload's business. Modes are only ever narrowed (an administrator's 0700
+stays 0700), so a directory an older egress made 0755 is tightened the next time egress
+opens it.
+"""
 
 from __future__ import annotations
 
+import errno
+import grp
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -12,6 +24,9 @@ from egress.errors import EgressError
 DEFAULT_RUN_DIR = "/run/egress"
 DEFAULT_STATE_DIR = "/var/lib/egress"
 DEFAULT_WORKLOADS_DIR = "/var/lib/egress/workloads"
+EGRESS_GROUP = "egress"
+DIR_MODE = 0o750
+FILE_MODE = 0o640
 
 
 def run_dir() -> Path:
@@ -34,6 +49,111 @@ def default_state_dir() -> Path:
 def state_dir(option: str | Path | None = None) -> Path:
     """``--state-dir`` if given, else $EGRESS_STATE_DIR, else /var/lib/egress."""
     return Path(option) if option else default_state_dir()
+
+
+def egress_gid() -> int:
+    """The group that may read egress's files: ``egress`` if it exists, else root's (0)."""
+    try:
+        return grp.getgrnam(EGRESS_GROUP).gr_gid
+    except KeyError:
+        return 0
+
+
+def private_dir(path: Path) -> Path:
+    """Make ``path`` (DIR_MODE, egress's group), or tighten it if it exists; when it lies
+    under the run dir, every directory from the run dir down to it too. OSError as is."""
+    chain = _chain(Path(path))
+    chain[0].parent.mkdir(parents=True, exist_ok=True)  # /run, /var/lib: not ours
+    for directory in chain:
+        try:
+            os.mkdir(directory, 0o700)  # nobody else sees it before its mode is set
+            made = True
+        except FileExistsError:
+            made = False
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _own(fd, DIR_MODE, made)
+        finally:
+            os.close(fd)
+    return Path(path)
+
+
+def _chain(path: Path) -> list[Path]:
+    root = run_dir()
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        return [path]  # e.g. the state dir, or a --run-dir elsewhere
+    chain = [root]
+    for part in parts:
+        chain.append(chain[-1] / part)
+    return chain
+
+
+def tighten(path: Path) -> None:
+    """Narrow an existing file of egress's to FILE_MODE and egress's group (a symlink or
+    a missing file is left alone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+            return
+        raise
+    try:
+        _own(fd, FILE_MODE, made=False)
+    finally:
+        os.close(fd)
+
+
+def new_private_file(path: Path) -> bool:
+    """Create an empty ``path``, FILE_MODE and egress's group; False if it exists."""
+    try:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except FileExistsError:
+        return False
+    try:
+        _own(fd, FILE_MODE, made=True)
+    finally:
+        os.close(fd)
+    return True
+
+
+def write_private(path: Path, data: bytes, *, durable: bool = False) -> None:
+    """Replace ``path`` atomically with ``data``, FILE_MODE and egress's group from the
+    first byte; ``durable``: fsync'd before it takes the name."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _own(fd, FILE_MODE, made=True)  # also a crash's leftover, with whatever mode it had
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _own(fd: int, mode: int, made: bool) -> None:
+    """Narrow to ``mode`` and give egress's group (and, if just ``made``, set ``mode``
+    exactly). The mode first: egress's group never holds more than ``mode`` allows.
+    Only root changes the group; the owner (or root) the mode."""
+    st = os.fstat(fd)
+    euid = os.geteuid()
+    now = stat.S_IMODE(st.st_mode)
+    narrowed = now & mode
+    if narrowed != now and euid in (0, st.st_uid):
+        os.fchmod(fd, narrowed)
+    gid = egress_gid()
+    if st.st_gid != gid and euid == 0:
+        os.fchown(fd, -1, gid)
+    if made and narrowed != mode:
+        os.fchmod(fd, mode)
 
 
 def template_dir() -> Path:

@@ -3,7 +3,8 @@
 A record is written (atomically) once the sandbox is served and after each policy swap,
 and removed when the sandbox is deleted. Stopping egressd leaves the records (and the
 kernel's rules) in place, so the next egressd adopts them; `egressd observer` reads the
-same records to know which sandboxes to watch.
+same records to know which sandboxes to watch. A record holds the sandbox's whole
+policy: directory 0750, files 0640, root's and the egress group's (``paths.private_dir``).
 
     <run dir>/ID.json  {id, kind, netns, cgroup, freezer, uplink_netns, upstream,
                         policy, policy_sha256, lo_raised, created_at, daemon_pid}
@@ -14,12 +15,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from egress.store.paths import run_dir
+from egress.store.paths import private_dir, run_dir, tighten, write_private
 
 RECORDS_SUBDIR = "daemon"  # under egress's run dir (/run/egress)
 
@@ -52,16 +52,18 @@ class Record:
         return {**asdict(self), "policy_sha256": self.policy_sha256}
 
 
+def prepare(directory: Path) -> None:
+    """Make the records' directory, or narrow it and the records an older egressd left
+    looser (0755 and 0644 before): they hold policies. OSError as is."""
+    private_dir(directory)
+    for path in directory.glob("*.json"):
+        tighten(path)
+
+
 def save(directory: Path, record: Record) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    target = directory / f"{record.id}.json"
-    tmp = target.with_name(f".{record.id}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record.to_json(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    private_dir(directory)
+    data = json.dumps(record.to_json()).encode()
+    write_private(directory / f"{record.id}.json", data, durable=True)
 
 
 def remove(directory: Path, sandbox_id: str) -> None:

@@ -9,6 +9,7 @@ committed is in the journal after a SIGKILL, and the file is intact.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -27,7 +28,7 @@ from egress.errors import JournalError
 from egress.model import Action, Flow, Violation, ViolationClass
 from egress.store import journal_schema
 from egress.store.journal import Journal
-from egress.store.paths import default_state_dir, state_dir
+from egress.store.paths import default_state_dir, egress_gid, state_dir
 
 T0 = 1_700_000_000.0
 
@@ -134,18 +135,37 @@ def _raw_check(path: Path) -> tuple[str, str]:
 
 
 def test_open_creates_private_dir_and_files(tmp_path: Path) -> None:
+    """Root's and the egress group's only: 0750 and 0640 whatever the umask, and the
+    -wal and -shm files SQLite makes take the database's mode and group."""
     state = tmp_path / "a" / "state"
-    old = os.umask(0o022)
+    old = os.umask(0o002)
     try:
         j = Journal.open(state)
     finally:
         os.umask(old)
     with j:
         j.record_sandbox("sb1", "p")
-        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        st = state.stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o750, egress_gid())
         for name in ("journal.db", "journal.db-wal", "journal.db-shm"):
-            assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+            st = (state / name).stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o640, egress_gid()), name
     assert j.path == state / "journal.db"
+
+
+def test_open_narrows_what_an_older_egress_left_looser_and_widens_nothing(
+    tmp_path: Path,
+) -> None:
+    loose, tight = tmp_path / "loose", tmp_path / "tight"
+    for state, dir_mode, file_mode in ((loose, 0o777, 0o666), (tight, 0o700, 0o600)):
+        Journal.open(state).close()
+        os.chmod(state, dir_mode)
+        os.chmod(state / "journal.db", file_mode)
+        Journal.open(state).close()
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o750
+    assert stat.S_IMODE((loose / "journal.db").stat().st_mode) == 0o640
+    assert stat.S_IMODE(tight.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tight / "journal.db").stat().st_mode) == 0o600
 
 
 def test_pragmas_wal_full_foreign_keys(journal: Journal) -> None:
@@ -163,7 +183,7 @@ def test_schema_version_recorded_once(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "journal.db")
     rows = conn.execute("SELECT version FROM schema_version").fetchall()
     conn.close()
-    assert rows == [(1,), (journal_schema.SCHEMA_VERSION,)] == [(1,), (2,)]
+    assert rows == [(1,), (2,), (journal_schema.SCHEMA_VERSION,)] == [(1,), (2,), (3,)]
 
 
 def test_a_version_1_journal_is_migrated_keeping_its_rows(tmp_path: Path) -> None:
@@ -183,6 +203,41 @@ def test_a_version_1_journal_is_migrated_keeping_its_rows(tmp_path: Path) -> Non
         journal.record_sandbox("new1", "p", cgroup="/sys/fs/cgroup/x", freezer="/f/x")
         row = journal.sandbox("new1")
         assert row is not None and row["freezer"] == "/f/x"
+
+
+def test_a_version_2_journal_gains_policy_sha256_and_uid_keeping_its_rows(
+    tmp_path: Path,
+) -> None:
+    conn = sqlite3.connect(tmp_path / "journal.db")
+    conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL)")
+    for statement in (*journal_schema.MIGRATIONS[0], *journal_schema.MIGRATIONS[1]):
+        conn.execute(statement)
+    conn.execute("INSERT INTO schema_version VALUES (1, 0), (2, 0)")
+    conn.execute("INSERT INTO sandboxes (id, policy, created_at, state, freezer) "
+                 "VALUES ('old2', 'p', 1.0, 'running', '/f/old2')")  # fmt: skip
+    conn.commit()
+    conn.close()
+    with Journal.open(tmp_path) as journal:
+        row = journal.sandbox("old2")
+        assert row is not None and row["freezer"] == "/f/old2"
+        assert row["policy_sha256"] is None and row["uid"] is None
+        journal.record_sandbox("new2", "p", policy_sha256="ab" * 32, uid=65534)
+        row = journal.sandbox("new2")
+        assert row is not None and (row["policy_sha256"], row["uid"]) == ("ab" * 32, 65534)
+
+
+def test_policy_sha256_and_uid_are_journaled_and_in_the_timeline(journal: Journal) -> None:
+    digest = hashlib.sha256(b"name: p\n").hexdigest()
+    journal.record_sandbox("sb2", "p", policy_sha256=digest, uid=1234, created_at=T0)
+    started = [e for e in journal.events("sb2") if e["kind"] == "sandbox_started"]
+    assert started[0]["record"]["policy_sha256"] == digest
+    assert started[0]["record"]["uid"] == 1234
+    other = hashlib.sha256(b"name: q\n").hexdigest()
+    journal.set_sandbox_state("sb2", "running", policy="q", policy_sha256=other)
+    row = journal.sandbox("sb2")
+    assert row is not None and (row["policy"], row["policy_sha256"]) == ("q", other)
+    untold = journal.sandbox("sb1")  # recorded without them: NULL
+    assert untold is not None and untold["policy_sha256"] is None and untold["uid"] is None
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:

@@ -132,6 +132,16 @@ def leftovers(sandbox_id: str, uplink: str | None) -> list[str]:
     return found
 
 
+def refused(argv: list[str], environ: dict[str, str]) -> tuple[int, str, list[str]]:
+    """Run an `egressctl` that should refuse; (exit code, stderr, what it left: claims it
+    owns and their namespaces, which a sandbox has from its first step on)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=environ)  # fmt: skip
+    _, err = proc.communicate(timeout=120)
+    left = [f"claim {c.id} (netns {c.netns})" for c in claims.load_all() if c.owner_pid == proc.pid]
+    return proc.returncode, err, left
+
+
 def cleanup(sandbox_id: str) -> None:
     for claim in claims.load_all():
         if claim.id == sandbox_id:

@@ -137,3 +137,8 @@ def test_the_command_line_confines_before_it_runs_cmd(monkeypatch: pytest.Monkey
     assert tail[1:3] == [f"--reuid={WHO.uid}", f"--regid={WHO.gid}"]
     assert "--clear-groups" in tail and "--no-new-privs" in tail and "--bounding-set=-all" in tail
     assert tail[-4:] == [workload.TINI, "--", "make", "-j2"]
+
+
+def test_the_sandboxs_own_name_is_in_its_hosts_file() -> None:
+    text = view.sandbox_hosts("egress-abc123", ["127.0.0.1\tlocalhost"])
+    assert text == "127.0.0.1\tlocalhost\n127.0.1.1\tegress-abc123\n::1\tegress-abc123\n"
