@@ -10,7 +10,8 @@ STAMPS := .make
 # from a venv made with --system-site-packages), DNS tools for tests and benchmarks, and the
 # real tunnel tools the detection tests run.
 APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils iodine \
-	dns2tcp dnsmasq-base dnsperf tcpdump procps util-linux bubblewrap tini python3-seccomp
+	dns2tcp dnsmasq-base dnsperf tcpdump procps util-linux bubblewrap tini python3-seccomp \
+	git openssl
 
 .PHONY: help setup demo test test-unit lint bench clean
 

@@ -20,6 +20,8 @@ namespaces that no route leads out of::
                                                  │        2001:db8:80::10-12            │
                                                  │        ports 80 443 8080, UDP echo   │
                                                  │        9999, ICMP echo (kernel)      │
+                                                 │        443 also TLS (the lab's CA)   │
+                                                 │  sites pypi/npm/git.lab.test         │
                                                  └──────────────────────────────────────┘
 
 All addresses are documentation or benchmark ranges (RFC 5737, 3849, 2544) and names are
@@ -30,12 +32,20 @@ slow one, a wildcard) and relays tunnel zones (t.lab.test, d.lab.test) as raw by
 iodined/dns2tcpd started inside NAME-inet. It logs every packet it receives, first, to a
 JSON-lines query log: that log is how tests prove a denied name never reached "upstream".
 
+The web server (web.py) also answers, by Host name, for the sites real tools fetch from
+(sites.py, built at ``up``: a PEP 503 index at pypi.lab.test, an npm registry at
+npm.lab.test, a git repository at git.lab.test), over plain HTTP and, on 443, TLS with a
+certificate from a CA made for the lab (``lab.ca_file``). It logs every request to an
+access log (accesslog.py), so tests can show what a tool fetched and that it fetched
+nothing else.
+
 Entry points: ``egressctl lab up|down|status`` (egress/cli/lab_cmds.py), the ``lab``
 pytest fixture (tests/privileged/conftest.py), and the ``Lab`` class::
 
     lab = Lab.up(name="egl1a2b")        # or Lab.load("egresslab") for one made by the CLI
     lab.run(["dig", f"@{lab.dns4}", "allowed.lab.test", "+short"])
     assert not lab.saw("denied.lab.test")
+    lab.requests()                      # what the web server answered, oldest first
     lab.down()
 """
 

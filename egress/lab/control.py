@@ -26,7 +26,8 @@ from typing import Any
 import yaml
 
 from egress.errors import LabError, LabExistsError
-from egress.lab import nsutil, state, topology
+from egress.lab import nsutil, sites, state, topology
+from egress.lab.accesslog import read_access_log
 from egress.lab.querylog import read_query_log
 from egress.lab.state import LabState, ProcRecord
 from egress.lab.zones import DEFAULT_ZONES_FILE, fqdn, load_zones, parse_hostport
@@ -39,7 +40,8 @@ _MODULE_MARK = "egress.lab."  # how lab server processes are recognised
 
 
 class Lab:
-    """A running lab: two netns, a DNS server and HTTP servers. See the package docstring."""
+    """A running lab: two netns, a DNS server, HTTP servers and the sites real tools fetch
+    from (sites.py). See the package docstring."""
 
     def __init__(
         self,
@@ -58,8 +60,12 @@ class Lab:
         self.http4 = list(st.http4)
         self.http6 = list(st.http6)
         self.query_log = st.query_log
+        self.access_log = st.access_log
         self.zones_file = st.zones_file
         self.run_dir = st.run_dir
+        self.sites = list(st.sites)  # Host names the web server answers from sites_dir
+        self.sites_dir = st.sites_dir
+        self.ca_file = st.ca_file  # the CA behind port 443's certificate; "" without TLS
 
     def __repr__(self) -> str:
         return f"<Lab {self.name} uplink={self.uplink_netns} dns={self.dns4}>"
@@ -119,6 +125,7 @@ class Lab:
             run_dir=str(run_dir),
             dns_status_file=str(run_dir / "dns-status.json"),
             created_at=time.time(),
+            access_log=str(run_dir / "access.jsonl"),
         )
         lab = cls(st, path, {})
         created: list[str] = []
@@ -132,9 +139,12 @@ class Lab:
             topology.create(name, created)
             shutil.copyfile(zones, st.zones_file)
             Path(st.query_log).touch()
+            Path(st.access_log).touch()
+            lab._add_sites(sites.build(run_dir))
             lab._start_servers()
             lab._wait_ready(time.monotonic() + timeout)
             lab.clear_queries()  # the readiness probes are not the tests' queries
+            lab.clear_requests()
             state.save_state(path, st)
             return lab
         except BaseException as exc:
@@ -144,6 +154,12 @@ class Lab:
                 extra = f" (cleanup: {'; '.join(problems)})" if problems else ""
                 raise type(exc)(f"lab up {name} failed: {exc}{extra}") from exc
             raise
+
+    def _add_sites(self, built: sites.Sites) -> None:
+        st = self._st
+        st.sites_dir, st.sites, st.ca_file = built.root, list(built.names), built.ca_file
+        st.tls_cert, st.tls_key = built.cert_file, built.key_file
+        self.sites, self.sites_dir, self.ca_file = list(st.sites), st.sites_dir, st.ca_file
 
     def _start_servers(self) -> None:
         st = self._st
@@ -155,6 +171,9 @@ class Lab:
         http += ["--any-port", str(topology.ANY_PORT)]
         for addr in (*st.http4, *st.http6):
             http += ["--listen", addr]
+        http += ["--access-log", st.access_log, "--sites", st.sites_dir]
+        if st.tls_cert:
+            http += ["--tls-cert", st.tls_cert, "--tls-key", st.tls_key]
         self.spawn(dns, role="dns", netns=st.inet_netns)
         self.spawn(http, role="http", netns=st.inet_netns)
 
@@ -208,6 +227,7 @@ class Lab:
             f"dns {self.dns6}": lambda: self.dns_probe(self.dns6),
             f"http {self.http4[0]}": lambda: self.http_get(self.http4[0]),
             f"http {self.http6[0]}": lambda: self.http_get(self.http6[0]),
+            f"http {self.http6[-1]}:443": lambda: self.http_get(self.http6[-1], 443),
         }
         errors: dict[str, str] = {}
         while probes:
@@ -310,7 +330,10 @@ class Lab:
             "dns6": self.dns6,
             "http": self.http4,
             "http6": self.http6,
+            "sites": self.sites,
+            "ca_file": self.ca_file,
             "query_log": self.query_log,
+            "access_log": self.access_log,
             "state_file": str(self.state_path),
         }
 
@@ -327,6 +350,16 @@ class Lab:
         # The server appends (O_APPEND), so truncating under it is safe.
         with open(self.query_log, "w", encoding="utf-8"):
             pass
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Every request the lab web server has answered since ``up`` (or
+        ``clear_requests``): see accesslog.py for the fields."""
+        return read_access_log(self.access_log) if self.access_log else []
+
+    def clear_requests(self) -> None:
+        if self.access_log:
+            with open(self.access_log, "w", encoding="utf-8"):
+                pass
 
     # -- helpers for tests and the demo ------------------------------------------------
 

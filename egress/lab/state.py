@@ -2,8 +2,9 @@
 
 ``lab up`` and ``lab down`` are separate processes (or a pytest fixture and a CLI), so the
 lab's facts live in ``/run/egress/lab/NAME.json`` (``$EGRESS_LAB_DIR`` overrides the
-directory) with its logs and query log under ``/run/egress/lab/NAME/``. /run is a tmpfs:
-state does not outlive a reboot, and neither do network namespaces.
+directory) with its logs, query and access logs, sites and TLS files under
+``/run/egress/lab/NAME/``. /run is a tmpfs: state does not outlive a reboot, and neither do
+network namespaces.
 
 A PID on disk may have been recycled by the time ``down`` runs. A process is only signalled
 when both its start time (/proc/PID/stat field 22) and its program still match what was
@@ -63,6 +64,13 @@ class LabState:
     processes: list[ProcRecord] = field(default_factory=list)
     created_at: float = 0.0
     version: int = STATE_VERSION
+    # The web server's access log and its sites (sites.py); empty in older state files.
+    access_log: str = ""
+    sites_dir: str = ""
+    sites: list[str] = field(default_factory=list)
+    ca_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LabState:
