@@ -2,7 +2,12 @@
 
 "Ready" is what `egressctl run` waits for before it starts the command's datapath: netns,
 veth, addresses, routes, the sandbox and uplink nft rulesets (one atomic load each) and
-the cgroup. Runs against a throwaway lab uplink; prints figures, asserts nothing.
+the cgroup. "With isolation" adds what the workload's own identity and view cost before
+the command can start: a uid of its own (the claim's /proc scan), its $HOME, passwd,
+group and hosts, and the idmapped working directory. Then the start itself, `/bin/true`
+from fork to exit through nsenter, bubblewrap, setpriv and tini, next to the netns-only
+start egress used before (`ip netns exec` + setpriv), measured in the same run. Runs
+against a throwaway lab uplink; prints figures, asserts nothing.
 
     .venv/bin/python bench/bench_sandbox.py [-n 50] [--max 100]
 """
@@ -10,15 +15,20 @@ the cgroup. Runs against a throwaway lab uplink; prints figures, asserts nothing
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from egress.datapath.addressing import Pools
 from egress.lab import Lab
 from egress.policy import load_policy
 from egress.sandbox import lifecycle as sbx
+from egress.sandbox import view, workload
+from egress.store import uids
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -40,6 +50,39 @@ def create_teardown(n: int, uplink: str) -> tuple[list[float], list[float]]:
         sb.destroy()
         teardowns.append((time.perf_counter() - t0) * 1000)
     return creates, teardowns
+
+
+def isolated(n: int, uplink: str) -> tuple[list[float], list[float], list[float]]:
+    """(create-to-ready with isolation, bwrap start to exit, netns-only start to exit)."""
+    policy = load_policy("policies/python-dev.yaml")
+    ids = uids.parse_range(None)
+    ready, start, plain = [], [], []
+    with tempfile.TemporaryDirectory(prefix="egress-bench-") as work:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sb = sbx.create(policy, Pools.parse(None), uplink, ids)
+            assert sb.uid is not None
+            who = workload.allocated_user(sb.id, sb.uid)
+            the_view = view.prepare(sb.id, sb.netns, who, work, [])
+            ready.append((time.perf_counter() - t0) * 1000)
+            procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
+            try:
+                env = workload.build_env(who, {}, os.environ)
+                t0 = time.perf_counter()
+                w = workload.spawn(sb.id, sb.netns, who, ["/bin/true"], the_view, env, procs)
+                w.popen.wait()
+                start.append((time.perf_counter() - t0) * 1000)
+                argv = ["ip", "netns", "exec", sb.netns, "setpriv", f"--reuid={sb.uid}",
+                        f"--regid={sb.uid}", "--clear-groups", "--bounding-set=-all",
+                        "--no-new-privs", "--", "/bin/true"]  # fmt: skip
+                t0 = time.perf_counter()
+                join = functools.partial(workload.join_cgroups, procs)
+                subprocess.run(argv, check=True, preexec_fn=join)
+                plain.append((time.perf_counter() - t0) * 1000)
+            finally:
+                the_view.close()
+                sb.destroy()
+    return ready, start, plain
 
 
 def growth(max_alive: int, uplink: str, probes: int = 10) -> list[tuple[int, list[float]]]:
@@ -101,6 +144,13 @@ def main() -> int:
         print(f"sandbox lifecycle over {args.n} (policy python-dev, uplink {lab.uplink_netns})")
         print(line("create-to-ready", creates))
         print(line("teardown", teardowns))
+        ready, start, plain = isolated(args.n, lab.uplink_netns)
+        print(line("create-to-ready with isolation", ready))
+        print(line("start /bin/true: bwrap+tini", start))
+        print(line("start /bin/true: netns only (before)", plain))
+        print(f"  isolation adds {statistics.median(ready) - statistics.median(creates):.2f} ms "
+              f"to create-to-ready and {statistics.median(start) - statistics.median(plain):.2f} "
+              "ms to the start (medians)")  # fmt: skip
         print("create time with k sandboxes already alive (10 new ones each):")
         for k, times in growth(args.max, lab.uplink_netns):
             print(line(f"k = {k}", times))
