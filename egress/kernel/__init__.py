@@ -6,6 +6,8 @@
     nft_sets.py    the resolver's set-element adds/deletes as one raw nf_tables batch
     nflog.py       NFLOG listeners: the kernel's drop and DNS evidence, per namespace
     cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill
+    idmap.py       idmapped bind mounts (open_tree, mount_setattr, move_mount)
+    confine.py     the workload's seccomp filter (libseccomp) and Landlock domain
 
 They carry out what the layers above decide and know nothing of policies, resolvers or the
 journal (an import-linter contract checks it). libnftables' and pyroute2's errors are
