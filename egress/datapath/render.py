@@ -184,12 +184,33 @@ def port_set(ranges: tuple[PortRange, ...]) -> str:
 PLACEHOLDER_UPLINK = "<uplink-if>"
 
 
-def render_uplink(template: str, uplink_if: str) -> str:
-    """The shared uplink table, forwarding and masquerading out of ``uplink_if``."""
+def render_uplink(
+    template: str, uplink_if: str, *, guard4: bool = True, guard6: bool = True
+) -> str:
+    """The shared uplink table, forwarding and masquerading out of ``uplink_if``.
+
+    ``guard4``/``guard6``: egress turned forwarding on for ``uplink_if`` itself (IPv4
+    ``conf.IF.forwarding``, IPv6 ``conf.IF.force_forwarding``; it was off), so that replies
+    reach the sandboxes; the guard keeps that from forwarding anything else that enters
+    there. Without it (the host forwarded there already) the host's own routing stands.
+    """
     defines = [
         Define("UPLINK_IF", f'"{uplink_if}"', "the uplink's default-route device"),
         Define("SANDBOX_MARK", hex(c.SANDBOX_CT_MARK), "conntrack mark of sandbox traffic"),
     ]
     # Table names can't be nft variables, so the name is written out.
     lines = "\n".join(d.line() for d in defines)
-    return fill(template, {"defines": lines, "table": c.UPLINK_TABLE})
+    return fill(
+        template,
+        {"defines": lines, "table": c.UPLINK_TABLE, "uplink_guard": _uplink_guard(guard4, guard6)},
+    )
+
+
+def _uplink_guard(guard4: bool, guard6: bool) -> str:
+    if guard4 and guard6:
+        match = ""
+    elif guard4 or guard6:
+        match = f"meta nfproto {'ipv4' if guard4 else 'ipv6'} "
+    else:
+        return "\t\t# (no guard: the host forwarded on $UPLINK_IF before egress came)"
+    return f"\t\t{match}iifname $UPLINK_IF drop"

@@ -38,15 +38,22 @@ _SELF_NS = "/proc/thread-self/ns/net"
 # A new netns copies part of its sysctls from the host's (which part, the kernel's
 # net.core.devconf_inherit_init_net decides): once anything turns the host's forwarding on,
 # every new netns would forward too. Each netns made here starts from these instead: no
-# forwarding (an uplink turns its own on, see egress.sandbox.uplink) and IPv6 enabled,
-# which every sandbox's addresses and rules assume.
+# forwarding (an uplink forwards on egress's interfaces only, see egress.sandbox.uplink)
+# and IPv6 enabled, which every sandbox's addresses and rules assume.
 NEW_NETNS_SYSCTLS = (
-    ("net/ipv4/conf/all/forwarding", "0"),
+    ("net/ipv4/conf/all/forwarding", "0"),  # also net.ipv4.ip_forward: the same knob
     ("net/ipv4/conf/default/forwarding", "0"),
     ("net/ipv6/conf/all/forwarding", "0"),
     ("net/ipv6/conf/default/forwarding", "0"),
     ("net/ipv6/conf/all/disable_ipv6", "0"),
     ("net/ipv6/conf/default/disable_ipv6", "0"),
+)
+# The same, for knobs only some kernels have: written where they exist. force_forwarding
+# (Linux 6.17+) forwards IPv6 arriving on one interface whatever the global setting says;
+# a new interface copies it from default, which a netns may copy from the host's.
+NEW_NETNS_SYSCTLS_IF_PRESENT = (
+    ("net/ipv6/conf/all/force_forwarding", "0"),
+    ("net/ipv6/conf/default/force_forwarding", "0"),
 )
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -157,6 +164,7 @@ def _unshare_and_pin(path: str) -> None:
             raise _os_error("unshare(CLONE_NEWNET)")
         try:
             _write_sysctls(NEW_NETNS_SYSCTLS)
+            _write_sysctls(NEW_NETNS_SYSCTLS_IF_PRESENT, if_present=True)
             if _libc.mount(_SELF_NS.encode(), path.encode(), b"none", _MS_BIND, None) != 0:
                 raise _os_error(f"bind mount {path}")
         finally:
@@ -165,12 +173,16 @@ def _unshare_and_pin(path: str) -> None:
         os.close(saved)
 
 
-def _write_sysctls(settings: tuple[tuple[str, str], ...]) -> None:
-    """Write /proc/sys/KEY = VALUE for the netns this thread is in (see set_sysctl)."""
+def _write_sysctls(settings: tuple[tuple[str, str], ...], if_present: bool = False) -> None:
+    """Write /proc/sys/KEY = VALUE for the netns this thread is in (see set_sysctl);
+    with ``if_present``, a key this kernel lacks is skipped."""
     for key, value in settings:
         try:
             with open(f"/proc/sys/{key}", "w") as f:
                 f.write(f"{value}\n")
+        except FileNotFoundError:
+            if not if_present:
+                raise
         except OSError as exc:
             raise OSError(exc.errno, f"sysctl {key}={value}: {exc.strerror}") from exc
 
@@ -355,12 +367,32 @@ def set_sysctl(netns: str | None, key: str, value: str | int) -> None:
 
 
 def get_sysctl(netns: str | None, key: str) -> str:
+    value = find_sysctl(netns, key)
+    if value is None:
+        raise SandboxError(f"sysctl {key} in {netns or 'host netns'}: no such key")
+    return value
+
+
+def find_sysctl(netns: str | None, key: str) -> str | None:
+    """A sysctl's value, or None if there is no such key (an older kernel, a link gone)."""
     path = _sysctl_path(key)
     try:
         with in_netns(netns), open(path) as f:
             return f.read().strip()
+    except FileNotFoundError:
+        return None
     except OSError as exc:
         raise SandboxError(f"sysctl {key} in {netns or 'host netns'}: {exc}") from exc
+
+
+def netns_inode(netns: str | None) -> int:
+    """The inode of a netns (None: the calling thread's): tells a netns from a later one
+    pinned under the same name."""
+    path = _SELF_NS if netns is None else netns_path(netns)
+    try:
+        return os.stat(path).st_ino
+    except OSError as exc:
+        raise SandboxError(f"netns {netns or 'of this thread'}: {exc.strerror}") from exc
 
 
 def _sysctl_path(key: str) -> str:

@@ -61,6 +61,12 @@ SYSCTLS = (
     "net.ipv6.conf.all.disable_ipv6=0",
     "net.ipv6.conf.default.disable_ipv6=0",
 )
+# The same for knobs only newer kernels have (Linux 6.17+: per-interface IPv6 forwarding,
+# which new interfaces copy from default): set where they exist (``sysctl -e``).
+SYSCTLS_IF_PRESENT = (
+    "net.ipv6.conf.all.force_forwarding=0",
+    "net.ipv6.conf.default.force_forwarding=0",
+)
 
 NETNS_DIR = Path("/run/netns")
 IP_TIMEOUT = 20.0
@@ -138,6 +144,7 @@ def create(name: str, created: list[str]) -> None:
         run_ip(["netns", "add", netns])
         created.append(netns)
         run_ip(["netns", "exec", netns, "sysctl", "-q", "-w", *SYSCTLS])
+        run_ip(["netns", "exec", netns, "sysctl", "-q", "-e", "-w", *SYSCTLS_IF_PRESENT])
     run_ip(["-n", up, "link", "add", UPLINK_IF, "type", "veth", "peer", "name", INET_IF,
             "netns", inet])  # fmt: skip
     run_ip(["-n", up, "-batch", "-"], "\n".join(uplink_commands()) + "\n")

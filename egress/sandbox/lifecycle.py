@@ -119,7 +119,7 @@ def _build(
     nft = NftHandle.open(name)
     undo.append(("nft handle", nft.close))
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
-    uplink_mod.attach(uplink)
+    uplink_mod.attach(uplink, host_if)
     # Undone after the cgroup (newest first): its processes are dead by then, so the
     # mounts of their view and their $HOME can go.
     undo.append((f"workload files of {claim.id}", lambda: view.remove(claim.id)))

@@ -106,9 +106,8 @@ def uplink(lab: Lab) -> Iterator[str]:
     uplink_mod.attach(lab.uplink_netns)
     try:
         yield lab.uplink_netns
-    finally:
-        with NftHandle.open(lab.uplink_netns) as nft:
-            nft.delete_table("inet", c.UPLINK_TABLE)
+    finally:  # as the last sandbox would: forwarding put back, the table removed
+        uplink_mod.detach(lab.uplink_netns, "no-claim")
 
 
 def _run(*argv: str) -> None:
@@ -133,6 +132,7 @@ def hand_made(uplink: str) -> Iterator[Box]:
                  "peer", "name", "eth0", "netns", name)  # fmt: skip
             _run("ip", "-n", uplink, "addr", "add", "10.213.0.1/30", "dev", host_if)
             _run("ip", "-n", uplink, "link", "set", host_if, "up")
+            uplink_mod.attach(uplink, host_if)  # forwarding on for this veth's host end
             for cmd in (
                 ["addr", "add", "10.213.0.2/30", "dev", "eth0"],
                 ["link", "set", "eth0", "up"],
