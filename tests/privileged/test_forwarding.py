@@ -35,7 +35,7 @@ from egress.sandbox import uplink as uplink_mod
 from egress.store import claims
 from tests.support import SYSTEM_PYTHON
 from tests.support.netns import unique
-from tests.support.sandboxes import EGRESSCTL, cleanup, env, policy_file, workdir
+from tests.support.sandboxes import EGRESSCTL, cleanup, env, policy_file, run_in, workdir
 from tests.support.sandboxes import leftovers as all_leftovers
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
@@ -228,7 +228,7 @@ def sandbox(
     with workdir() as d:
         go, err_path = d / "go", d / "stderr"
         steps = [*first, {"op": "wait_file", "path": str(go), "timeout": 90}, *then]
-        argv = [*EGRESSCTL, "run", "--policy", str(policy_file(d, POLICY)),
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
                 "--uplink-netns", world.up, "--", SYSTEM_PYTHON, str(d / "probe.py"),
                 json.dumps(steps)]  # fmt: skip
         with open(err_path, "w") as err:
