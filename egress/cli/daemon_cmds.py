@@ -16,13 +16,15 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from egress.cli.client import Client, default_socket
-from egress.errors import DaemonError, EgressError
+from egress.errors import DaemonError, EgressError, SandboxError
+from egress.kernel.cgroup import Cgroup
 from egress.model import SandboxKind, SandboxState
 
 FMT = argparse.RawDescriptionHelpFormatter
@@ -89,7 +91,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "Run CMD in the sandbox as egressctl run runs its command: it joins the sandbox's\n"
         "cgroup before it execs (so a freeze stops it and names it), enters its netns, and\n"
         "drops to --user with no capabilities and no_new_privs. Waits for it and exits with\n"
-        "its status (128+N if killed by signal N); SIGINT and SIGTERM are passed on."
+        "its status (128+N if killed by signal N); SIGINT and SIGTERM are passed on.\n"
+        "A frozen sandbox is refused; if it freezes while CMD runs, this says so and waits."
     )
     e.add_argument(
         "--user", metavar="NAME|UID",
@@ -193,8 +196,12 @@ def cmd_exec(args: argparse.Namespace) -> int:
             f"sandbox {args.sandbox} is attached to a netns another runtime made; "
             "start its processes through that runtime"
         )
-    if data["state"] == SandboxState.FROZEN:
-        raise EgressError(f"sandbox {args.sandbox} is frozen; resume or kill it first")
+    cgroup = Cgroup.attach_existing(data["cgroup"], data.get("freezer"))
+    # egressd's answer may be a moment old: the kernel's word, right before the start.
+    # A child joining a frozen cgroup would stop before its first instruction.
+    if data["state"] == SandboxState.FROZEN or cgroup.is_frozen():
+        raise SandboxError(f"sandbox {args.sandbox} is frozen; resume or kill it first: "
+                           f"{_decide_hint(args.sandbox)}")  # fmt: skip
     procs = [os.path.join(data["cgroup"], "cgroup.procs")]
     if data.get("freezer"):
         procs.append(os.path.join(data["freezer"], "cgroup.procs"))
@@ -206,5 +213,36 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
+    _wait_saying_frozen(proc.pid, args.sandbox, cgroup)
     code = proc.wait()
     return 128 - code if code < 0 else code
+
+
+WATCH_S = 0.2  # how soon a freeze of the running command is told (v1 has no notification)
+
+
+def _decide_hint(sandbox_id: str) -> str:
+    return (f"`egressctl resume {sandbox_id}` lets it go on, `egressctl kill {sandbox_id}` "
+            f"ends it (why: `egressctl journal --sandbox {sandbox_id}`)")  # fmt: skip
+
+
+def _wait_saying_frozen(pid: int, sandbox_id: str, cgroup: Cgroup) -> None:
+    """Until the command exits. A frozen command waits, silently, for a person's
+    decision: say so on stderr, once each time the sandbox freezes."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        told = False
+        while not poller.poll(WATCH_S * 1000):
+            try:
+                frozen = cgroup.is_frozen()
+            except EgressError:
+                frozen = False  # its cgroup is gone (deleted): the command ends with it
+            if frozen and not told:
+                print(f"egressctl: sandbox {sandbox_id} froze (a violation); the command "
+                      f"is stopped until you decide: {_decide_hint(sandbox_id)}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            told = frozen
+    finally:
+        os.close(pidfd)
