@@ -9,6 +9,7 @@ Real namespaces, cgroups and egress processes against a lab; every wait is on a 
 
 from __future__ import annotations
 
+import fcntl
 import http.server
 import json
 import os
@@ -34,7 +35,7 @@ from tests.privileged.test_freeze import Run, agent_run, policy
 from tests.support import NOBODY, SYSTEM_PYTHON
 from tests.support.egressd import Egressd, Lines, egressd
 from tests.support.probes import wait_until
-from tests.support.sandboxes import EGRESSCTL, env, leftovers
+from tests.support.sandboxes import EGRESSCTL, cleanup, env, leftovers, policy_file, workdir
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -116,6 +117,52 @@ def quiet(run: Run) -> bool:
         rows = j.violations(run.id)
     layers = {d["layer"] for r in rows for d in r.get("detected_by") or []}
     return len(rows) == 1 and layers == {"inline", "observer"} and bool(rows[0]["process"])
+
+
+@contextmanager
+def kept(lab: Lab) -> Iterator[str]:
+    """A sandbox `egressctl run --keep` left (its command done, nothing of it running)."""
+    with workdir() as d:
+        report = d / "report.json"
+        argv = [*EGRESSCTL, "run", "--keep", "--policy", str(policy_file(d, policy())),
+                "--uplink-netns", lab.uplink_netns, "--report", str(report),
+                "--", "true"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=120)
+        assert done.returncode == 0, done.stderr
+        sandbox_id = json.loads(report.read_text())["sandbox"]
+    try:
+        yield sandbox_id
+    finally:
+        cleanup(sandbox_id)
+
+
+def waiting_for(inode: int) -> int:
+    """How many processes wait for an flock on this inode (/proc/locks: ``->`` lines)."""
+    lines = Path("/proc/locks").read_text().splitlines()
+    return sum(1 for x in lines if "-> FLOCK" in x and f":{inode} " in x)
+
+
+def test_removers_of_one_sandbox_take_turns(lab: Lab) -> None:
+    """Two `egressctl gc` of one sandbox while a third remover (this test) holds it: both
+    wait, then one removes it and the other finds nothing left; neither fails."""
+    with kept(lab) as sid:
+        path = claims.sandboxes_dir() / f"{sid}.json"
+        fd = os.open(path, os.O_RDONLY)
+        procs = []
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # as teardown_claim holds it while it works
+            procs = [subprocess.Popen([*EGRESSCTL, "gc", sid], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env())
+                     for _ in range(2)]  # fmt: skip
+            assert wait_until(lambda: waiting_for(os.fstat(fd).st_ino) == 2, GONE_S)
+            assert netns.netns_exists(f"egress-{sid}")  # neither touched anything meanwhile
+        finally:
+            os.close(fd)
+            outs = [p.communicate(timeout=120) for p in procs]
+        said = [o + e for o, e in outs]
+        assert [p.returncode for p in procs] == [0, 0], said
+        assert all(f"sandbox {sid} removed" in x and "could not" not in x for x in said), said
+        assert left(sid, lab.uplink_netns) == []
 
 
 def test_kill_with_its_run_alive_leaves_the_teardown_to_run(lab: Lab) -> None:
