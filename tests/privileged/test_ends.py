@@ -165,6 +165,25 @@ def test_removers_of_one_sandbox_take_turns(lab: Lab) -> None:
         assert left(sid, lab.uplink_netns) == []
 
 
+def test_a_piece_that_resists_keeps_the_claim_so_gc_can_finish(lab: Lab) -> None:
+    """A cgroup with a child cgroup can't be removed: gc says so and keeps the claim
+    (a claim released anyway would leave the cgroup behind, known to nothing)."""
+    with kept(lab) as sid:
+        child = os.path.join(Cgroup.open(sid).v2_path, "resists")
+        os.mkdir(child)
+        try:
+            first = subprocess.run([*EGRESSCTL, "gc", sid], capture_output=True, text=True,
+                                   env=env(), timeout=120)  # fmt: skip
+            assert first.returncode == 1 and f"cgroup {sid}" in first.stdout, first
+            assert any(c.id == sid for c in claims.load_all())
+        finally:
+            os.rmdir(child)
+        again = subprocess.run([*EGRESSCTL, "gc", sid], capture_output=True, text=True,
+                               env=env(), timeout=120)  # fmt: skip
+        assert again.returncode == 0 and f"sandbox {sid} removed" in again.stdout, again
+        assert left(sid, lab.uplink_netns) == []
+
+
 def test_kill_with_its_run_alive_leaves_the_teardown_to_run(lab: Lab) -> None:
     with agent_run(lab, policy(name="freeze"), "dns") as run:
         run.go()
