@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import sys
 from typing import Any
 
 from egress.cli.client import Client, default_socket
-from egress.errors import DaemonError, EgressError, UsageError
+from egress.errors import DaemonError, EgressError, SandboxError, UsageError
+from egress.kernel.cgroup import Cgroup
 from egress.model import SandboxKind, SandboxState
 
 FMT = argparse.RawDescriptionHelpFormatter
@@ -89,7 +91,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a PID namespace and a view of the host of its own (see `egressctl run --help`),\n"
         "as the sandbox's own uid with no capabilities and no_new_privs. Waits for it and\n"
         "exits with its status (128+N if killed by signal N); SIGINT, SIGTERM and SIGHUP\n"
-        "are passed on. Execs of one sandbox share its uid and $HOME."
+        "are passed on. Execs of one sandbox share its uid and $HOME.\n"
+        "A frozen sandbox is refused; if it freezes while CMD runs, this says so and waits."
     )
     e.add_argument(
         "--user", metavar="NAME|UID",
@@ -216,8 +219,12 @@ def cmd_exec(args: argparse.Namespace) -> int:
             f"sandbox {args.sandbox} is attached to a netns another runtime made; "
             "start its processes through that runtime"
         )
-    if data["state"] == SandboxState.FROZEN:
-        raise EgressError(f"sandbox {args.sandbox} is frozen; resume or kill it first")
+    cgroup = Cgroup.attach_existing(data["cgroup"], data.get("freezer"))
+    # egressd's answer may be a moment old: the kernel's word, right before the start.
+    # A child joining a frozen cgroup would stop before its first instruction.
+    if data["state"] == SandboxState.FROZEN or cgroup.is_frozen():
+        raise SandboxError(f"sandbox {args.sandbox} is frozen; resume or kill it first: "
+                           f"{_decide_hint(args.sandbox)}")  # fmt: skip
     if named is not None:
         who = named
         workload.print_warning(workload.shared_user_warning(who))
@@ -238,7 +245,38 @@ def cmd_exec(args: argparse.Namespace) -> int:
         forward = workload.signal_forwarder(proc)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda signum, _frame: forward(signum))
+        _wait_saying_frozen(proc.pid, args.sandbox, cgroup)
         code = proc.popen.wait()
     finally:
         the_view.close()
     return 128 - code if code < 0 else code
+
+
+WATCH_S = 0.2  # how soon a freeze of the running command is told (v1 has no notification)
+
+
+def _decide_hint(sandbox_id: str) -> str:
+    return (f"`egressctl resume {sandbox_id}` lets it go on, `egressctl kill {sandbox_id}` "
+            f"ends it (why: `egressctl journal --sandbox {sandbox_id}`)")  # fmt: skip
+
+
+def _wait_saying_frozen(pid: int, sandbox_id: str, cgroup: Cgroup) -> None:
+    """Until the command exits. A frozen command waits, silently, for a person's
+    decision: say so on stderr, once each time the sandbox freezes."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        told = False
+        while not poller.poll(WATCH_S * 1000):
+            try:
+                frozen = cgroup.is_frozen()
+            except EgressError:
+                frozen = False  # its cgroup is gone (deleted): the command ends with it
+            if frozen and not told:
+                print(f"egressctl: sandbox {sandbox_id} froze (a violation); the command "
+                      f"is stopped until you decide: {_decide_hint(sandbox_id)}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            told = frozen
+    finally:
+        os.close(pidfd)

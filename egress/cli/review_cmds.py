@@ -10,6 +10,8 @@ import argparse
 import contextlib
 import json
 import os
+import select
+import sys
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -59,7 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     for name, verb in (
         ("resume", "thaw a frozen sandbox; it goes on where it stopped"),
-        ("kill", "kill every process of a sandbox"),
+        ("kill", "kill every process of a sandbox (one whose egressctl run died is removed)"),
     ):
         r = sub.add_parser(
             name,
@@ -86,9 +88,10 @@ def register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "netns, veth, uplink rules, cgroup and address claim. A sandbox kept with "
             "--keep is only removed when named."
         ),
-        epilog="examples:\n  egressctl gc\n  egressctl gc 3f2a1c",
+        epilog="examples:\n  egressctl gc --dry-run\n  egressctl gc\n  egressctl gc 3f2a1c",
     )
     g.add_argument("sandbox", nargs="*", metavar="ID", help="only these (also --keep ones)")
+    g.add_argument("--dry-run", action="store_true", help="only list what it would remove")
     _state_dir_arg(g)
     g.set_defaults(func=cmd_gc)
 
@@ -105,6 +108,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             continue
         if not named and (claims.alive(claim.owner_pid) or claim.keep):
             continue
+        if args.dry_run:
+            removed.append(claim.id)
+            gone = "" if claims.alive(claim.owner_pid) else ", gone"
+            print(f"sandbox {claim.id} would be removed "
+                  f"(netns {claim.netns}; owner pid {claim.owner_pid}{gone})")  # fmt: skip
+            continue
         problems = teardown_claim(claim)
         if problems:
             failed += 1
@@ -114,7 +123,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         with contextlib.suppress(EgressError), _journal(args) as journal:
             if journal.sandbox(claim.id) is not None:
                 journal.set_sandbox_state(claim.id, SandboxState.EXITED)
-    for sandbox_id in removed:
+    for sandbox_id in [] if args.dry_run else removed:
         print(f"sandbox {sandbox_id} removed")
     if not removed and not failed:
         print("nothing to remove")
@@ -271,9 +280,57 @@ def cmd_decide(args: argparse.Namespace) -> int:
             cgroup.thaw()
             print(f"sandbox {args.sandbox} resumed")
         else:
-            cgroup.kill()
+            _kill(cgroup)
             print(f"sandbox {args.sandbox} killed")
+            _report_end(journal, args.sandbox)
     return 0
+
+
+def _kill(cgroup: Cgroup) -> None:
+    """cgroup.kill, where a removal racing it (`egressctl gc`, the observer of a dead
+    `egressctl run`) is no failure: a cgroup that is gone runs nothing."""
+    try:
+        cgroup.kill()
+    except (EgressError, OSError) as exc:
+        if os.path.isdir(cgroup.v2_path):
+            raise SandboxError(f"kill: {exc}") from None
+
+
+END_S = 30.0  # the observer's teardown after a kill: ~0.2 s idle, longer on a busy host
+
+
+def _report_end(journal: Any, sandbox_id: str) -> None:
+    """Who removes a killed sandbox's netns, veth and cgroup. Never this shell: a live
+    `egressctl run` (or egressd) ends its own. If run died, its observer layer does (it
+    took over the journal's owner_pid): wait for it, so the kill returns with the
+    sandbox gone. If nothing alive will, say that `egressctl gc` does."""
+    from egress.store import claims
+
+    row = journal.sandbox(sandbox_id) or {}
+    ender = row.get("owner_pid")
+    if isinstance(ender, int) and ender == row.get("observer_pid"):
+        _wait_exit(ender, END_S)
+        if (journal.sandbox(sandbox_id) or {}).get("state") == SandboxState.EXITED:
+            print(f"sandbox {sandbox_id} removed by its observer layer "
+                  "(its egressctl run had died)")  # fmt: skip
+            return
+    found = [c for c in claims.load_all() if c.id == sandbox_id]
+    if found and not claims.alive(found[0].owner_pid):
+        hint = f"`egressctl gc {sandbox_id}` does"
+        print(f"egressctl: sandbox {sandbox_id}: no egress process is left to remove its "
+              f"netns, veth and cgroup; {hint}", file=sys.stderr)  # fmt: skip
+
+
+def _wait_exit(pid: int, timeout: float) -> None:
+    """Until process ``pid`` has exited, or ``timeout``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
 
 
 def _who() -> str:

@@ -166,6 +166,10 @@ class Cgroup:
     def populated(self) -> bool:
         return _events(_read(os.path.join(self.v2_path, "cgroup.events"))).get("populated") == "1"
 
+    def empty(self) -> bool:
+        """No process left in it, in either hierarchy (SandboxError if it is gone)."""
+        return not self.populated() and not self._v1_pids()
+
     def _dirs(self) -> list[str]:
         return [self.v2_path] + ([self.freezer_path] if self.freezer_path else [])
 
@@ -286,7 +290,7 @@ class Cgroup:
 
     def remove(self) -> None:
         """rmdir both directories (idempotent); SandboxError if tasks remain."""
-        if os.path.isdir(self.v2_path) and (self.populated() or self._v1_pids()):
+        if os.path.isdir(self.v2_path) and not self.empty():
             raise SandboxError(f"cgroup {self.v2_path} still has processes; kill it first")
         for d in reversed(self._dirs()):
             _rmdir(d)

@@ -3,7 +3,8 @@
     kernel NFLOG (observer group: a copy of every DNS query and of every drop)
         ─▶ layer.Observer: egress.resolver.judge on each query, drop evidence, the drop
            counter, the inline layer's pidfd ─▶ its own Enforcer ─▶ journal, freeze
-    process.py     forks one Observer for `egressctl run`
+    process.py     forks one Observer for `egressctl run`; if run dies, that Observer
+                   removes the sandbox once nothing runs in it (`egressctl kill`)
     supervisor.py  `egressd observer`: one forked Observer per sandbox egressd serves
 
 It imports nothing of ``egress.inline`` (an import-linter contract checks it).

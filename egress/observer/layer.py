@@ -6,6 +6,12 @@ rule's counter), parses the DNS queries itself, applies the same policy, and fre
 through its own Enforcer. If the inline layer's process dies, that is a ``layer_loss``
 violation. It exits when the sandbox's netns is gone or on SIGTERM.
 
+Given a ``teardown`` (only `egressctl run`'s own observer is), it also ends what a dead
+inline layer can no longer end: once that process is gone and nothing runs in the
+cgroup any more (`egressctl kill`, or the command finished), it removes the sandbox as
+`run` would have, journals it ended and exits. egressd's observers have none: egressd
+handles its own sandboxes.
+
 The cgroup it freezes is egress's own for the sandbox id, or, given as paths (what
 egressd records), any cgroup: so it also watches sandboxes attached to another runtime's.
 """
@@ -29,7 +35,7 @@ from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import netns_exists
 from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
-from egress.model import Layer, Policy, Violation, ViolationClass
+from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
 from egress.policy.matcher import Matcher
 from egress.resolver import wire
 from egress.resolver.judge import QueryScorer, judge
@@ -55,6 +61,9 @@ class ObserverConfig:
     # observer a moment later; until then this one must not act on the old policy's
     # verdicts (a name the new one allows would be "denied", and maybe frozen for).
     current: Callable[[], bool] | None = None
+    # Removes the sandbox (returns what resisted); called once the watched inline layer
+    # is dead and the cgroup empty. Only where that layer owned the sandbox's end.
+    teardown: Callable[[], list[str]] | None = None
 
     def open_cgroup(self) -> Cgroup:
         if self.cgroup is None:
@@ -71,6 +80,7 @@ class Observer:
         cgroup = cfg.open_cgroup()  # before the journal: a missing cgroup leaves nothing open
         self.journal = Journal.open(cfg.state_dir)
         self.enforcer = Enforcer(cfg.sandbox_id, cfg.policy, LAYER, self.journal, cgroup)
+        self.cgroup = cgroup
         self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP)
         self.nft = NftHandle.open(cfg.netns)
         # Drops counted before this observer bound its group were judged by whoever was
@@ -79,6 +89,7 @@ class Observer:
         self.drops_seen = self._dropped() or 0
         self.unlogged_last = 0
         self.inline_fd = _pidfd(cfg.watch_pid)
+        self.inline_dead = False
         self.stopping = False
 
     def start(self) -> None:
@@ -108,6 +119,7 @@ class Observer:
                 else:
                     self._drain()
             self._check_counter()
+            self._end_if_abandoned()
         with contextlib.suppress(EgressError, OSError):
             self._drain()  # evidence still queued when told to stop is still evidence
         self.close()
@@ -178,6 +190,31 @@ class Observer:
             action=self.policy.action(cls),
         )
         self._act(v)
+        self.inline_dead = True
+        if self.cfg.teardown is not None:
+            # The journal's owner is who ends the sandbox: `egressctl kill` waits for it.
+            with contextlib.suppress(EgressError):
+                self.journal.update_sandbox(self.cfg.sandbox_id, owner_pid=os.getpid())
+
+    def _end_if_abandoned(self) -> None:
+        """The inline layer is dead and nothing runs in the sandbox: remove it."""
+        if not self.inline_dead or self.cfg.teardown is None:
+            return
+        with contextlib.suppress(EgressError):  # a cgroup gone already is empty
+            if not self.cgroup.empty():
+                return
+        try:
+            problems = self.cfg.teardown()
+        except EgressError as exc:
+            problems = [str(exc)]
+        self.stopping = True  # done, either way: what resisted is `egressctl gc`'s now
+        if problems:
+            print(f"egress observer: could not remove the sandbox: {'; '.join(problems)}",
+                  file=sys.stderr)  # fmt: skip
+            return
+        with contextlib.suppress(EgressError):
+            self.journal.set_sandbox_state(self.cfg.sandbox_id, SandboxState.EXITED)
+        print(f"egress observer: sandbox {self.cfg.sandbox_id} removed", file=sys.stderr)
 
 
 def verdict_on(

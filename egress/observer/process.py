@@ -6,7 +6,8 @@ SQLite connection must never cross a fork (the library's lock bookkeeping would 
 with a copy that holds none of the locks). The child waits on a pipe for the sandbox to
 exist, opens its own journal, NFLOG socket and nft handle, says "ready", and from then on
 lives in its own session with its own log, so Ctrl-C and a dying inline layer don't take
-it along.
+it along. If `run` dies, the sandbox's end is the observer's: once nothing runs in it
+any more (after `egressctl kill`), it removes it as `run` would have (``_remover``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from egress.errors import SandboxError
 from egress.model import Policy
 from egress.observer.layer import Observer, ObserverConfig
+from egress.sandbox.lifecycle import teardown_claim
+from egress.store import claims
 
 READY_S = 10.0
 
@@ -93,7 +97,9 @@ def _child(policy: Policy, state_dir: Path, parent: int, command_r: int, ready_w
             os._exit(0)  # `run` failed before the sandbox existed: nothing to watch
         sandbox_id, netns = command.split()
         _log_to(state_dir / f"observer-{sandbox_id}.log")
-        observer = Observer(ObserverConfig(sandbox_id, netns, policy, str(state_dir), parent))
+        cfg = ObserverConfig(sandbox_id, netns, policy, str(state_dir), parent,
+                             teardown=_remover(sandbox_id))  # fmt: skip
+        observer = Observer(cfg)
         os.write(ready_w, b"ready\n")
         os.close(ready_w)
         observer.start()
@@ -104,6 +110,18 @@ def _child(policy: Policy, state_dir: Path, parent: int, command_r: int, ready_w
         print(f"egress observer: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     finally:
         os._exit(code)
+
+
+def _remover(sandbox_id: str) -> Callable[[], list[str]]:
+    """The teardown `run` does at its end, from the sandbox's address claim."""
+
+    def remove() -> list[str]:
+        for claim in claims.load_all():
+            if claim.id == sandbox_id:
+                return teardown_claim(claim)
+        return []  # removed already (`egressctl gc`)
+
+    return remove
 
 
 def _read_all(fd: int) -> str:

@@ -8,6 +8,8 @@ sandbox's own nft table forwards and masquerades its traffic out of the default 
 
 from __future__ import annotations
 
+import fcntl
+import os
 import secrets
 import shutil
 import time
@@ -176,20 +178,60 @@ def teardown_claim(claim: claims.Claim) -> list[str]:
     """Remove a sandbox known only by its claim (its egress process died, or --keep).
 
     The same steps as ``destroy``, each one tolerant of what is already gone; returns what
-    could not be removed.
+    could not be removed. Whoever removes a sandbox this way (`egressctl gc`, the observer
+    of a dead `egressctl run`, egressd, a test) holds its claim file locked meanwhile: of
+    two at once, the second finds the claim gone and has nothing left to do. The claim
+    goes last and only if every other step worked, so what resisted can be retried.
     """
-    undo: list[tuple[str, Callable[[], None]]] = [
-        ("address claim", lambda: uplink_mod.detach(claim.uplink_netns, claim.id)),
-        (f"netns {claim.netns}", lambda: netns.remove_netns(claim.netns)),
-        (f"veth {claim.host_if}", lambda: netns.delete_link(claim.host_if, claim.uplink_netns)),
-        (f"workload files of {claim.id}", lambda: view.remove(claim.id)),
-        (f"cgroup {claim.id}", lambda: _remove_cgroup_by_name(claim.id)),
-        (
-            f"{ETC_NETNS / claim.netns}",
-            lambda: shutil.rmtree(ETC_NETNS / claim.netns, ignore_errors=True),
-        ),
-    ]
-    return _unwind(undo)
+    held = _hold_claim(claim.id)
+    if held is None:
+        return []  # removed meanwhile, by whoever held it before us
+    try:
+        undo: list[tuple[str, Callable[[], None]]] = [
+            (f"netns {claim.netns}", lambda: netns.remove_netns(claim.netns)),
+            (
+                f"veth {claim.host_if}",
+                lambda: netns.delete_link(claim.host_if, claim.uplink_netns),
+            ),
+            # Undone after the cgroup (newest first): its processes are dead by then.
+            (f"workload files of {claim.id}", lambda: view.remove(claim.id)),
+            (f"cgroup {claim.id}", lambda: _remove_cgroup_by_name(claim.id)),
+            (
+                f"{ETC_NETNS / claim.netns}",
+                lambda: shutil.rmtree(ETC_NETNS / claim.netns, ignore_errors=True),
+            ),
+        ]
+        failures = _unwind(undo)
+        if failures:
+            return failures
+        return _unwind([("address claim", lambda: uplink_mod.detach(claim.uplink_netns, claim.id))])
+    finally:
+        os.close(held)
+
+
+def _hold_claim(sandbox_id: str) -> int | None:
+    """The claim file, open and flocked; None if there is no claim (any more).
+
+    A claim is released by unlinking its file, and rewritten by replacing it: a lock
+    taken on a file no longer at the path is retried on the one there now, if any."""
+    path = claims.sandboxes_dir() / f"{sandbox_id}.json"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SandboxError(f"{path}: {exc.strerror}") from None
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            now = os.stat(path).st_ino
+        except FileNotFoundError:
+            now = None
+        if now == os.fstat(fd).st_ino:
+            return fd
+        os.close(fd)
+        if now is None:
+            return None
 
 
 def _remove_cgroup_by_name(name: str) -> None:
