@@ -40,9 +40,12 @@ output (stdout), one key=value per line:
   inet_netns=egresslab-inet        the "internet": DNS, HTTP, tunnel servers
   dns=198.51.100.53                authoritative DNS server (UDP and TCP 53)
   dns6=2001:db8:53::53
-  http=203.0.113.10,...            HTTP on 80, 443 (plain), 8080; UDP echo on 9999
+  http=203.0.113.10,...            HTTP on 80 and 8080, TLS or plain HTTP on 443; UDP echo 9999
   http6=2001:db8:80::10,...
+  sites=pypi.lab.test,...          a package index, an npm registry and a git repo (README)
+  ca_file=/run/egress/lab/egresslab/tls/ca.pem        the CA behind 443's certificate
   query_log=/run/egress/lab/egresslab/queries.jsonl   one JSON line per query received
+  access_log=/run/egress/lab/egresslab/access.jsonl   one JSON line per HTTP request
   state_file=/run/egress/lab/egresslab.json
 
 exit status: 0 up (also when it already was), 1 failed (nothing is left behind)

@@ -59,18 +59,20 @@ LINE_S = 60.0  # a line from a sandboxed process: seconds at worst on a busy 2-v
 EGRESS_UIDS = uids.parse_range(None)
 
 
+# The person who ran sudo: a uid no account and no egress range holds, so the tests need
+# no account of the machine's and touch nobody's files (sudo sets these three).
+INVOKER = (1990000000, 1990000000)
+NOBODY = pwd.getpwnam("nobody")
+
+
 def invoker() -> tuple[int, int]:
-    """An unprivileged account that stands for the person who ran sudo."""
-    for entry in pwd.getpwall():
-        if 1000 <= entry.pw_uid < 60000:
-            return entry.pw_uid, entry.pw_gid
-    pytest.skip("no regular (uid 1000-59999) account on this machine to act as the sudo user")
+    return INVOKER
 
 
 def sudo_env(**extra: str) -> dict[str, str]:
-    uid, gid = invoker()
-    name = pwd.getpwuid(uid).pw_name
-    return {**env(), "SUDO_UID": str(uid), "SUDO_GID": str(gid), "SUDO_USER": name, **extra}
+    uid, gid = INVOKER
+    return {**env(), "SUDO_UID": str(uid), "SUDO_GID": str(gid), "SUDO_USER": "someone",
+            **extra}  # fmt: skip
 
 
 @contextmanager
@@ -188,14 +190,18 @@ def test_kill_minus_one_ends_only_the_sandboxs_own_processes(
 ) -> None:
     """`kill -9 -1` inside: the invoking user's process outside, a concurrent `egressctl
     run`, two egressd sandboxes and egress's own processes survive; the attacker's own
-    child dies. With `--user` naming the invoking user, its process outside survives too
-    (the PID namespace, not the uid, is what protects it)."""
+    child dies. With `--user` naming an account that also runs a process outside, that
+    process survives too (the PID namespace, not the uid, is what protects it)."""
     uid, gid = invoker()
     with ExitStack() as stack:
         d = stack.enter_context(project())
         outside = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}",
                                     "--clear-groups", "sleep", "600"])  # fmt: skip
         stack.callback(lambda: (outside.kill(), outside.wait()))
+        same_uid = subprocess.Popen(["setpriv", f"--reuid={NOBODY.pw_uid}",
+                                     f"--regid={NOBODY.pw_gid}", "--clear-groups",
+                                     "sleep", "600"])  # fmt: skip
+        stack.callback(lambda: (same_uid.kill(), same_uid.wait()))
         other = Running(run_argv(lab, d, "--", "/bin/sh", "-c", WAITER), sudo_env())
         stack.callback(other.kill)
         assert other.line() == "ready"
@@ -214,13 +220,14 @@ def test_kill_minus_one_ends_only_the_sandboxs_own_processes(
             done = subprocess.run([*exec_argv(daemon, box["id"], d), *attack], capture_output=True,
                                   text=True, env=sudo_env(), timeout=120)  # fmt: skip
         elif via == "run --user":
-            done = run(lab, d, "--user", str(uid), "--", *attack)
+            done = run(lab, d, "--user", "nobody", "--", *attack)
             assert "warning: --user" in done.stderr and "outside the sandbox" in done.stderr
         else:
             done = run(lab, d, "--", *attack)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "child=137", done  # its own child died of it
         assert alive(outside.pid), "the invoking user's process outside was killed"
+        assert alive(same_uid.pid), "a process of --user's account outside was killed"
         assert alive(daemon.pid) and alive(other.proc.pid)
         for r in (other, *execs):
             r.send("go")
