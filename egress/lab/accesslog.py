@@ -14,10 +14,10 @@ name the client sent, null over plain HTTP or when it sent none; ``path`` keeps 
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from egress.lab.querylog import JsonLines, read_json_lines
 
 
 def entry(
@@ -49,31 +49,5 @@ def entry(
     }
 
 
-class AccessLog:
-    """Appends entries to a file, one flushed line each."""
-
-    def __init__(self, path: str | Path) -> None:
-        # Append mode: the lab may truncate the file underneath us and writes still land.
-        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def read_access_log(path: str | Path) -> list[dict[str, Any]]:
-    """Every entry so far, oldest first. A partly written last line is skipped."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.split("\n"):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # the last line, mid-write (or an empty tail)
-    return out
+AccessLog = JsonLines  # each line is flushed before the response goes out
+read_access_log = read_json_lines

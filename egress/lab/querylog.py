@@ -44,8 +44,8 @@ def entry(
     }
 
 
-class QueryLog:
-    """Appends entries to a file; each line is flushed before the query is handled."""
+class JsonLines:
+    """Appends entries to a file, one flushed line each (the query log, the access log)."""
 
     def __init__(self, path: str | Path) -> None:
         # Append mode: the lab may truncate the file underneath us and writes still land.
@@ -61,7 +61,7 @@ class QueryLog:
         self._file.close()
 
 
-def read_query_log(path: str | Path) -> list[dict[str, Any]]:
+def read_json_lines(path: str | Path) -> list[dict[str, Any]]:
     """Every entry so far, oldest first. A partly written last line is skipped."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -74,3 +74,7 @@ def read_query_log(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # the last line, mid-write (or an empty tail)
     return out
+
+
+QueryLog = JsonLines  # each line is flushed before the query is handled
+read_query_log = read_json_lines
