@@ -238,13 +238,26 @@ def cmd_exec(args: argparse.Namespace) -> int:
     procs = [os.path.join(data["cgroup"], "cgroup.procs")]
     if data.get("freezer"):
         procs.append(os.path.join(data["freezer"], "cgroup.procs"))
+    # Signals are caught from here on: one that came before CMD started is passed on
+    # once it has, rather than killing egressctl and leaving CMD without its parent.
+    started: list[workload.Workload] = []
+    pending: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if started:
+            workload.signal_forwarder(started[0])(signum)
+        else:
+            pending.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
     the_view = view.prepare(data["id"], data["netns"], who, args.workdir or os.getcwd(), binds)
     try:
         env = workload.build_env(who, extra, os.environ)
         proc = workload.spawn(data["id"], data["netns"], who, argv, the_view, env, procs)
-        forward = workload.signal_forwarder(proc)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda signum, _frame: forward(signum))
+        started.append(proc)
+        for signum in pending:
+            workload.signal_forwarder(proc)(signum)
         _wait_saying_frozen(proc.pid, args.sandbox, cgroup)
         code = proc.popen.wait()
     finally:

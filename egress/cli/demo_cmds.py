@@ -86,13 +86,16 @@ def _run_agent(lab: Any) -> int:
         "policy   demo: resolve allowed.lab.test, *.cdn.lab.test, meta.lab.test; connect port 80;"
         " a blocked connect freezes the sandbox"
     )
-    workdir = Path(tempfile.mkdtemp(prefix="egress-demo-"))
+    base = Path(tempfile.mkdtemp(prefix="egress-demo-"))
     try:
-        workdir.chmod(0o755)  # the agent runs as nobody and must read its script
+        # The agent sees only its working directory; the policy, journal and report stay
+        # beside it, where it can't rewrite them.
+        workdir = base / "work"
+        workdir.mkdir()
         agent = workdir / "agent.py"
         shutil.copy(Path(__file__).with_name("demo_agent.py"), agent)
-        report, state = workdir / "report.json", workdir / "state"
-        policy_path = workdir / "demo.yaml"
+        report, state = base / "report.json", base / "state"
+        policy_path = base / "demo.yaml"
         policy_path.write_text(DEMO_POLICY)
         ctl = [sys.executable, "-m", "egress.cli.main"]
         argv = [
@@ -106,8 +109,8 @@ def _run_agent(lab: Any) -> int:
             lab.uplink_netns,
             "--report",
             str(report),
-            "--user",
-            "nobody",
+            "--workdir",
+            str(workdir),
             "--",
             "/usr/bin/python3",
             str(agent),
@@ -131,7 +134,7 @@ def _run_agent(lab: Any) -> int:
         _narrate(steps, json.loads(report.read_text()), lab, err)
         return 0
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _review(ctl: list[str], state: Path) -> None:
@@ -170,7 +173,8 @@ def _narrate(steps: list[dict[str, Any]], report: dict[str, Any], lab: Any, err:
     by = {s["step"]: s for s in steps}
     say(
         f"\nsandbox  {report['sandbox']} was ready in {report['timings_ms']['create']:.0f} ms; "
-        f"the agent ran as {report['user']} with no capabilities"
+        f"the agent ran as {report['user']} (uid {report.get('uid')}, its own) with no "
+        "capabilities, in its own PID namespace and view of the host"
     )
     say("\nwhat the agent tried:")
     _line(

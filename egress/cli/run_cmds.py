@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from egress.datapath.addressing import DEFAULT_POOL4, DEFAULT_POOL6, Pools
@@ -130,7 +131,13 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from egress.run.runner import RunOptions, run
-    from egress.sandbox.view import Bind
+    from egress.sandbox.view import (
+        Bind,
+        check_policy_location,
+        check_workdir,
+        home_of,
+        invoking_user,
+    )
     from egress.sandbox.workload import parse_env_file
 
     argv = list(args.argv)
@@ -142,15 +149,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    binds = [Bind.parse(b, writable=False) for b in args.ro_bind]
+    binds += [Bind.parse(b, writable=True) for b in args.bind]
+    # Before the policy is read: where it sits may be what is wrong with it.
+    workdir = check_workdir(args.workdir or os.getcwd(), home_of(invoking_user()[0]))
+    check_policy_location(args.policy, workdir, binds)
     policy, warnings, sha256 = _operator_policy(args.policy, args.user, args.uid_range)
     for w in warnings:
         print(w, file=sys.stderr)
     env = [item for path in args.env_file for item in parse_env_file(path)] + list(args.env)
-    binds = [Bind.parse(b, writable=False) for b in args.ro_bind]
-    binds += [Bind.parse(b, writable=True) for b in args.bind]
     opts = RunOptions(
         argv=argv,
-        workdir=args.workdir,
+        workdir=workdir,
         binds=binds,
         env=env,
         uid_range=args.uid_range,

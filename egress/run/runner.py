@@ -24,7 +24,7 @@ from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
-from egress.errors import EgressError, SandboxError, Stopped, UsageError
+from egress.errors import EgressError, SandboxError, Stopped
 from egress.inline import wiring
 from egress.inline.server import ResolverServer
 from egress.inline.session import Session, wait_for_exit
@@ -108,9 +108,9 @@ def run(policy: Policy, opts: RunOptions) -> int:
     # Everything the user got wrong is found before anything is made.
     named = workload.named_user(opts.user) if opts.user is not None else None
     extra_env = workload.resolve_env(opts.env, os.environ)
-    workdir = os.path.realpath(opts.workdir or os.getcwd())
-    if not os.path.isdir(workdir) or workdir == "/":
-        raise UsageError(f"--workdir {workdir}: give an existing directory other than /")
+    workdir = view.check_workdir(opts.workdir or os.getcwd(), view.home_of(view.invoking_user()[0]))
+    if opts.policy_path:
+        view.check_policy_location(opts.policy_path, workdir, opts.binds)
     uid_range = None
     if named is None:
         uid_range = uids.parse_range(opts.uid_range)

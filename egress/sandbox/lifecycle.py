@@ -20,7 +20,7 @@ from pathlib import Path
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
 from egress.datapath.render import render_sandbox
-from egress.errors import EgressError, SandboxError
+from egress.errors import SandboxError
 from egress.kernel import netns
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
@@ -72,7 +72,7 @@ def _unwind(undo: list[tuple[str, Callable[[], None]]]) -> list[str]:
         what, step = undo.pop()
         try:
             step()
-        except (EgressError, OSError) as exc:
+        except Exception as exc:
             failures.append(f"{what}: {exc}")
     return failures
 
@@ -96,6 +96,9 @@ def create(
         # Last out: the claim goes with the uplink table check, under one lock, so of
         # sandboxes ending together exactly the last one removes the shared table.
         undo.append(("address claim", lambda: uplink_mod.detach(uplink_netns, sandbox_id)))
+        # Undone after everything but the claim: the cgroup's processes are dead by then,
+        # so the mounts of their view, their $HOME and the uid's ledger entry can go.
+        undo.append((f"workload files of {sandbox_id}", lambda: view.remove(sandbox_id)))
         sb = _build(policy, pools.network(claim.index), claim, undo)
     except BaseException:
         _unwind(undo)
@@ -122,9 +125,6 @@ def _build(
     undo.append(("nft handle", nft.close))
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
     uplink_mod.attach(uplink, host_if)
-    # Undone after the cgroup (newest first): its processes are dead by then, so the
-    # mounts of their view and their $HOME can go.
-    undo.append((f"workload files of {claim.id}", lambda: view.remove(claim.id)))
     cgroup = Cgroup.create(claim.id)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
     _write_resolv_conf(name, undo)

@@ -40,7 +40,7 @@ from egress.errors import SandboxError
 from egress.kernel import netns
 from egress.kernel.nft import NftHandle
 from egress.store import claims
-from egress.store.paths import read_template, run_dir
+from egress.store.paths import private_dir, read_template, run_dir, write_private
 
 ON = "1"
 V4_ALL = "net/ipv4/conf/all/forwarding"  # net.ipv4.ip_forward is the same knob
@@ -233,14 +233,9 @@ def saved_path(uplink: str | None) -> Path:
 def _save(uplink: str | None, saved: Saved) -> None:
     """Durable before the sysctl changes: a crash right after still knows the old value."""
     path = saved_path(uplink)
-    tmp = path.with_suffix(".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(asdict(saved), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        private_dir(path.parent)
+        write_private(path, json.dumps(asdict(saved), indent=2).encode(), durable=True)
     except OSError as exc:
         raise SandboxError(f"{path}: cannot save the uplink's forwarding: {exc}") from exc
 

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +94,55 @@ def invoking_user() -> tuple[int, int]:
     except (KeyError, ValueError):
         return os.getuid(), os.getgid()
     return uid, gid
+
+
+# A working directory is read-write for the workload: never a place whose files run as
+# someone else, or egress's own.
+_NOT_WORKDIRS = ("/usr", "/etc", "/boot", "/proc", "/sys", "/dev", "/run", "/var/lib/egress",
+                 *SYSTEM_DIRS)  # fmt: skip
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_workdir(workdir: str, owner_home: str | None) -> str:
+    """The working directory, resolved, or UsageError: the workload may write all of it,
+    so it may not be (or hold) the invoking user's home (~/.bashrc, ~/.ssh, ~/.aws run
+    or open things as that user), the root, or a system or egress directory."""
+    real = os.path.realpath(workdir)
+    if not os.path.isdir(real):
+        raise UsageError(f"--workdir {workdir}: not a directory")
+    if real == "/" or any(_within(real, d) for d in _NOT_WORKDIRS):
+        raise UsageError(
+            f"--workdir {real}: a system directory; give the workload a project directory"
+        )
+    if owner_home and _within(os.path.realpath(owner_home), real):
+        raise UsageError(
+            f"--workdir {real}: it is or holds your home directory ({owner_home}), whose "
+            "dotfiles and keys the workload could read and rewrite; give it a project "
+            "directory (cd into one, or --workdir DIR)"
+        )
+    return real
+
+
+def home_of(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_dir or None
+    except KeyError:
+        return None
+
+
+def check_policy_location(policy: str, workdir: str, binds: Sequence[Bind]) -> None:
+    """UsageError if the workload could rewrite the policy file through its view: the
+    working directory and --bind paths are writable to it (as the invoking user)."""
+    real = os.path.realpath(policy)
+    for root in [workdir, *(b.source for b in binds if b.writable)]:
+        if _within(real, os.path.realpath(root)):
+            raise UsageError(
+                f"{policy}: inside {root}, which the workload may write (the next run would "
+                "read what it wrote); keep the policy outside it, e.g. in /etc/egress/"
+            )
 
 
 def sandbox_passwd(who: Identity, host_lines: Sequence[str]) -> str:
@@ -211,16 +262,20 @@ def prepare(
     owner: tuple[int, int] | None = None,
 ) -> View:
     """Make the host-side pieces of the view and the bwrap arguments that assemble it."""
-    workdir = os.path.realpath(workdir)
-    if not os.path.isdir(workdir):
-        raise UsageError(f"--workdir {workdir}: not a directory")
-    if workdir == "/":
-        raise UsageError("--workdir /: give the workload a project directory, not the root")
     owner = owner or invoking_user()
+    workdir = check_workdir(workdir, home_of(owner[0]))
     base = workloads_dir() / sandbox_id
+    try:
+        base.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SandboxError(f"{base.parent}: {exc.strerror}") from None
     _private_dir(base.parent, 0o711, 0, 0)
     _private_dir(base, 0o711, 0, 0)
-    home = base / "home"
+    sweep_dead_execs(sandbox_id)
+    # One home per identity: an exec with --user never takes over the sandbox's own.
+    homes = base / "homes"
+    _private_dir(homes, 0o711, 0, 0)
+    home = homes / str(who.uid)
     _private_dir(home, 0o700, who.uid, who.gid)
     etc = base / "etc"
     _private_dir(etc, 0o755, 0, 0)
@@ -298,50 +353,110 @@ def _write(path: Path, text: str) -> None:
 
 
 def _mounts_under(root: str) -> list[str]:
+    """Mount points at or below ``root``. Fails closed: without mountinfo nothing can be
+    shown to be unmounted, so nothing may be deleted."""
     found = []
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), line.split()[4].decode())
-            if point == root or point.startswith(root + "/"):
-                found.append(point)
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise SandboxError(f"cannot read /proc/self/mountinfo: {exc.strerror}") from None
+    for line in lines:
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), line.split()[4].decode())
+        if point == root or point.startswith(root + "/"):
+            found.append(point)
     return found
 
 
+def _unmount_all(root: str) -> None:
+    for point in sorted(_mounts_under(root), key=len, reverse=True):
+        idmap.unmount(point)
+
+
 def remove(sandbox_id: str) -> None:
-    """Remove a sandbox's workload files: unmount first, then delete without ever
-    crossing into another filesystem (an idmapped mount there is the user's own tree)."""
-    base = str(workloads_dir() / sandbox_id)
+    """Remove a sandbox's workload files, never a byte of what was mounted in them.
+
+    Mount points live only under ``mnt/`` and are removed with rmdir/unlink of the empty
+    point alone, which fails (EBUSY, ENOTEMPTY) rather than delete through a mount that is
+    still attached. The homes, where nothing is ever mounted, are removed by ``rm -rf
+    --one-file-system``: iterative, so no depth or path length the workload chose stops
+    it, and it follows no symlink the workload planted.
+    """
+    base = workloads_dir() / sandbox_id
     if not os.path.lexists(base):
         return
-    for point in sorted(_mounts_under(base), key=len, reverse=True):
-        idmap.unmount(point)
-    left = _mounts_under(base)
+    _unmount_all(str(base))
+    left = _mounts_under(str(base))
     if left:
         raise SandboxError(f"{base}: still mounted at {left[0]}; not removing it")
-    _remove_tree(base)
+    mnt = base / "mnt"
+    if mnt.is_dir() and not mnt.is_symlink():
+        for exec_dir in list(os.scandir(mnt)):
+            _remove_points(exec_dir.path)
+    # Recursively only where nothing is ever mounted: an exec attaching its mount under
+    # mnt/ meanwhile makes the rmdir below fail, never deletes through it.
+    for tree in ("homes", "etc"):
+        rm = subprocess.run(
+            ["rm", "-rf", "--one-file-system", "--", str(base / tree)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if rm.returncode != 0:
+            raise SandboxError(f"{base / tree}: {rm.stderr.strip() or 'rm failed'}")
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            mnt.rmdir()
+        for entry in list(os.scandir(base)):
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.path)
+        base.rmdir()
+    except OSError as exc:
+        raise SandboxError(f"{base}: {exc.strerror}; not removing it") from None
 
 
-def _remove_tree(root: str) -> None:
-    device = os.lstat(root).st_dev
-    for path in _depth_first(root, device):
-        try:
+def _remove_points(exec_dir: str) -> None:
+    """One exec's mount points: empty directories and files, removed one by one."""
+    try:
+        names = os.listdir(exec_dir)
+    except NotADirectoryError:
+        names = None
+    except FileNotFoundError:
+        return
+    try:
+        for name in names or []:
+            path = os.path.join(exec_dir, name)
             if os.path.isdir(path) and not os.path.islink(path):
-                os.rmdir(path)
+                os.rmdir(path)  # ENOTEMPTY/EBUSY if anything is still there: stop
             else:
                 os.unlink(path)
-        except FileNotFoundError:
+        if names is None:
+            os.unlink(exec_dir)
+        else:
+            os.rmdir(exec_dir)
+    except OSError as exc:
+        raise SandboxError(f"{exec_dir}: {exc.strerror}; not removing it") from None
+
+
+def sweep_dead_execs(sandbox_id: str) -> None:
+    """Mounts a SIGKILLed `sandbox exec` left (``mnt/<pid>-*`` of a pid no longer alive)."""
+    mnt = workloads_dir() / sandbox_id / "mnt"
+    try:
+        entries = list(os.scandir(mnt))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name.partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
             continue
-        except OSError as exc:
-            raise SandboxError(f"{path}: {exc.strerror}") from None
+        with contextlib.suppress(SandboxError):
+            _unmount_all(entry.path)
+            _remove_points(entry.path)
 
 
-def _depth_first(path: str, device: int) -> Iterator[str]:
-    st = os.lstat(path)
-    if st.st_dev != device:
-        raise SandboxError(f"{path}: another filesystem is mounted here; not removing it")
-    if stat.S_ISDIR(st.st_mode):
-        with os.scandir(path) as entries:
-            children = [e.path for e in entries]
-        for child in children:
-            yield from _depth_first(child, device)
-    yield path
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

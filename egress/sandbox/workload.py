@@ -6,7 +6,8 @@
                 (sandbox/view.py); the seccomp filter (kernel/confine.py)
         ─exec─▶ setpriv: the workload's uid and gid, no supplementary groups, no
                 capabilities (bounding, inheritable, ambient), no_new_privs
-        ─exec─▶ tini, PID 1 of the namespace: reaps orphans, passes signals on to CMD,
+        ─exec─▶ tini, PID 1 of the namespace: reaps orphans, passes signals on to CMD's
+                process group (-g: Ctrl-C reaches a whole pipeline, as in a shell),
                 exits with CMD's status (128+N when a signal N ended it)
         ─fork+exec─▶ CMD
 
@@ -184,7 +185,7 @@ def command_line(
         SETPRIV, f"--reuid={who.uid}", f"--regid={who.gid}", "--clear-groups",
         "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs",
         "--",
-        TINI, "--", *argv,
+        TINI, "-g", "--", *argv,
     ]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from egress.datapath.addressing import Pools, first_free
+from egress.datapath.addressing import Pools, SandboxNet, first_free
 from egress.errors import SandboxError
 from egress.store import uids
 from egress.store.paths import private_dir, run_dir, tighten, write_private
@@ -101,20 +101,28 @@ def claim(
             if existing.uid is not None:
                 held.add(existing.uid)
         net = first_free(pools, used)
-        uid = uids.pick(uid_range, held) if uid_range is not None else None
-        new = Claim(
-            id=sandbox_id,
-            index=net.index,
-            net4=str(net.net4),
-            net6=str(net.net6),
-            netns=f"egress-{sandbox_id}",
-            host_if=f"eg-{sandbox_id}",
-            uplink_netns=uplink_netns,
-            owner_pid=os.getpid(),
-            uid=uid,
-        )
-        save(new)
-        return new
+        if uid_range is None:
+            return _save_new(sandbox_id, net, uplink_netns, None)
+        with uids.locked():
+            uid = uids.pick(uid_range, held)
+            uids.record(sandbox_id, uid, sandboxes_dir() / f"{sandbox_id}.json")
+            return _save_new(sandbox_id, net, uplink_netns, uid)
+
+
+def _save_new(sandbox_id: str, net: SandboxNet, uplink_netns: str | None, uid: int | None) -> Claim:
+    new = Claim(
+        id=sandbox_id,
+        index=net.index,
+        net4=str(net.net4),
+        net6=str(net.net6),
+        netns=f"egress-{sandbox_id}",
+        host_if=f"eg-{sandbox_id}",
+        uplink_netns=uplink_netns,
+        owner_pid=os.getpid(),
+        uid=uid,
+    )
+    save(new)
+    return new
 
 
 def save(c: Claim) -> None:

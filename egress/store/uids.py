@@ -20,13 +20,15 @@ Debian host allocates there; egress still checks, at every allocation, that no a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import os
 import pwd
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from egress.errors import UsageError
+from egress.errors import SandboxError, UsageError
+from egress.store.paths import workloads_dir
 
 DEFAULT_UID_RANGE = "2000000000-2000065535"
 ENV = "EGRESS_UID_RANGE"
@@ -127,13 +129,67 @@ def _account_exists(uid: int) -> bool:
         return False
 
 
+# -- the host-wide ledger ---------------------------------------------------------------
+# Claims live in a run dir ($EGRESS_RUN_DIR), and two egress instances may use two. The
+# uid is the host's, so its holder is also written where every instance looks: a file
+# ``uid`` in the sandbox's workload directory (<workloads dir>/<id>/, host-wide), naming
+# the claim that holds it. It goes with that directory at teardown.
+
+
+@contextlib.contextmanager
+def locked() -> Iterator[None]:
+    """The host-wide lock uids are picked under (after the run dir's claims lock)."""
+    directory = workloads_dir()
+    try:
+        directory.mkdir(mode=0o711, parents=True, exist_ok=True)
+        fd = os.open(directory / ".uids.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SandboxError(f"{directory}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def ledger_held() -> set[int]:
+    """uids the ledger names whose claim (in whichever run dir) still exists."""
+    held: set[int] = set()
+    try:
+        entries = list(os.scandir(workloads_dir()))
+    except OSError:
+        return held
+    for entry in entries:
+        try:
+            uid_text, _, claim_file = Path(entry.path, "uid").read_text().partition("\n")
+            uid = int(uid_text)
+        except (OSError, ValueError):
+            continue
+        if os.path.exists(claim_file.strip()):
+            held.add(uid)
+    return held
+
+
+def record(sandbox_id: str, uid: int, claim_file: Path) -> None:
+    """Write the ledger entry for a uid just picked (call under ``locked``)."""
+    base = workloads_dir() / sandbox_id
+    try:
+        base.mkdir(mode=0o711, exist_ok=True)
+        tmp = base / ".uid.tmp"
+        tmp.write_text(f"{uid}\n{claim_file}\n")
+        os.replace(tmp, base / "uid")
+    except OSError as exc:
+        raise SandboxError(f"{base}: {exc.strerror}") from None
+
+
 def pick(ids: range, taken: set[int]) -> int:
     """The lowest uid of ``ids`` no claim holds, no process runs as and no account names.
 
-    Call with the claims lock held; ``taken`` is what live claims hold.
+    Call with the claims lock and ``locked`` held; ``taken`` is what this run dir's live
+    claims hold (the ledger adds every other run dir's).
     """
     check_range(ids)
-    busy = taken | live_uids(ids)
+    busy = taken | ledger_held() | live_uids(ids)
     for uid in ids:
         if uid not in busy and not _account_exists(uid):
             return uid

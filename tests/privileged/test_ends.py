@@ -289,8 +289,7 @@ def refused_at_once(socket: str, box: dict[str, Any], cgroup: Cgroup) -> None:
     assert done.returncode == 1, done
     assert f"sandbox {sid} is frozen; resume or kill it" in done.stderr, done.stderr
     assert f"egressctl resume {sid}" in done.stderr and f"egressctl kill {sid}" in done.stderr
-    assert sorted(cgroup.pids()) == before  # nothing joined it
-    assert took < 20  # python's start-up on a busy machine; a hang is the 60 s timeout
+    assert sorted(cgroup.pids()) == before  # nothing joined it (a hang: the 60 s timeout)
 
 
 def test_exec_into_a_frozen_sandbox_is_refused_at_once(

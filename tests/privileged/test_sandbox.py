@@ -304,7 +304,7 @@ def test_exhausted_subnet_pool(lab: Lab) -> None:
         try:
             assert first.stdout is not None
             assert json.loads(first.stdout.readline())["address"] == "10.99.0.2"
-            second = subprocess.run([*run_in(d), "--policy", str(d / "policy.yaml"),
+            second = subprocess.run([*run_in(d), "--policy", str(policy_file(d, POLICY)),
                                      "--uplink-netns", lab.uplink_netns, *pool, "--", "true"],
                                     capture_output=True, text=True, env=env())  # fmt: skip
             assert second.returncode == 1

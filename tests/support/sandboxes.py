@@ -7,6 +7,7 @@ kill egress on purpose).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -62,8 +63,18 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+_POLICIES: list[Path] = []
+
+
 def policy_file(directory: Path, text: str, name: str = "policy.yaml") -> Path:
-    path = directory / name
+    """The operator's copy of a policy, never inside a workload's working directory
+    (egressctl refuses a policy the workload could rewrite). ``directory`` (the test's
+    own) only keeps the names of different tests apart."""
+    if not _POLICIES:
+        _POLICIES.append(Path(tempfile.mkdtemp(prefix="egress-test-policies-")))
+        _POLICIES[0].chmod(0o755)
+        atexit.register(shutil.rmtree, _POLICIES[0], True)
+    path = _POLICIES[0] / f"{directory.name}-{name}"
     path.write_text(text)
     return path
 

@@ -44,7 +44,7 @@ from egress.lab import Lab
 from egress.store import claims
 from egress.store.journal import Journal
 from tests.support import SYSTEM_PYTHON
-from tests.support.sandboxes import EGRESSCTL, cleanup, env, workdir
+from tests.support.sandboxes import EGRESSCTL, cleanup, env, policy_file, workdir
 
 T_ZONE, D_ZONE = "t.lab.test", "d.lab.test"
 IODINE_PORT, DNS2TCP_PORT = 5353, 5354  # where the lab relays T_ZONE and D_ZONE (zones.yaml)
@@ -293,7 +293,7 @@ class Sandbox:
         self.board.mkdir()
         self.board.chmod(0o777)
         (d / "workload.py").write_text(script)
-        (d / "policy.yaml").write_text(text)
+        policy = policy_file(d, text)
         self.report = d / "report.json"
         self.attackers: list[subprocess.Popen[bytes]] = []
         argv = [
@@ -302,7 +302,7 @@ class Sandbox:
             "--workdir",
             str(d),
             "--policy",
-            str(d / "policy.yaml"),
+            str(policy),
             "--uplink-netns",
             lab.uplink_netns,
             "--report",

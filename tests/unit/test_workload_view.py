@@ -136,7 +136,7 @@ def test_the_command_line_confines_before_it_runs_cmd(monkeypatch: pytest.Monkey
     tail = argv[argv.index(workload.SETPRIV) :]
     assert tail[1:3] == [f"--reuid={WHO.uid}", f"--regid={WHO.gid}"]
     assert "--clear-groups" in tail and "--no-new-privs" in tail and "--bounding-set=-all" in tail
-    assert tail[-4:] == [workload.TINI, "--", "make", "-j2"]
+    assert tail[-5:] == [workload.TINI, "-g", "--", "make", "-j2"]
 
 
 def test_the_sandboxs_own_name_is_in_its_hosts_file() -> None:
