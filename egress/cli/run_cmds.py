@@ -34,7 +34,7 @@ A violation whose policy action is `freeze` stops every process of the sandbox a
 happened and waits: `egressctl resume ID` lets it go on, `egressctl kill ID` ends it.
 
 examples:
-  sudo egressctl run --policy policies/python-dev.yaml -- pip download requests
+  cd ~/project && sudo egressctl run --policy /etc/egress/python-dev.yaml -- pip download requests
   egressctl lab up      # a self-contained internet in namespaces, for trying it out
   sudo egressctl run --policy P --uplink-netns egresslab-up --report r.json -- curl http://203.0.113.10/
 

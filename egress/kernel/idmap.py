@@ -11,7 +11,8 @@ unshares one, root writes its uid_map and gid_map ("HOST_ID WORKLOAD_ID 1": ids 
 are read as ids inside that namespace, then mapped down), and its /proc/PID/ns/user fd is
 what ``mount_setattr(MOUNT_ATTR_IDMAP)`` takes. The tree is cloned with ``open_tree``
 (this one mount only: submounts are not carried into the view) and attached with
-``move_mount`` at a path under egress's run directory, from where bubblewrap binds it.
+``move_mount`` at a path under the sandbox's workload directory (<workloads dir>/ID/mnt/),
+from where bubblewrap binds it.
 """
 
 from __future__ import annotations
