@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import signal
 import sys
+import threading
 from typing import Any
 
 from egress.cli.client import Client, default_socket
@@ -252,15 +252,20 @@ def cmd_exec(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
     the_view = view.prepare(data["id"], data["netns"], who, args.workdir or os.getcwd(), binds)
+    done = threading.Event()
+    watcher = threading.Thread(target=_say_when_frozen, args=(args.sandbox, cgroup, done),
+                               daemon=True)  # fmt: skip
+    watcher.start()
     try:
         env = workload.build_env(who, extra, os.environ)
         proc = workload.spawn(data["id"], data["netns"], who, argv, the_view, env, procs)
         started.append(proc)
         for signum in pending:
             workload.signal_forwarder(proc)(signum)
-        _wait_saying_frozen(proc.pid, args.sandbox, cgroup)
         code = proc.popen.wait()
     finally:
+        done.set()
+        watcher.join()
         the_view.close()
     return 128 - code if code < 0 else code
 
@@ -273,23 +278,19 @@ def _decide_hint(sandbox_id: str) -> str:
             f"ends it (why: `egressctl journal --sandbox {sandbox_id}`)")  # fmt: skip
 
 
-def _wait_saying_frozen(pid: int, sandbox_id: str, cgroup: Cgroup) -> None:
-    """Until the command exits. A frozen command waits, silently, for a person's
-    decision: say so on stderr, once each time the sandbox freezes."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        told = False
-        while not poller.poll(WATCH_S * 1000):
-            try:
-                frozen = cgroup.is_frozen()
-            except EgressError:
-                frozen = False  # its cgroup is gone (deleted): the command ends with it
-            if frozen and not told:
-                print(f"egressctl: sandbox {sandbox_id} froze (a violation); the command "
-                      f"is stopped until you decide: {_decide_hint(sandbox_id)}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            told = frozen
-    finally:
-        os.close(pidfd)
+def _say_when_frozen(sandbox_id: str, cgroup: Cgroup, done: threading.Event) -> None:
+    """Until ``done``: a frozen command waits, silently, for a person's decision; say so
+    on stderr, once each time the sandbox freezes. A thread, started before the command:
+    a freeze that lands while it is being started stops it before it execs, and the start
+    itself (Popen) would wait for it without a word."""
+    told = False
+    while not done.wait(WATCH_S):
+        try:
+            frozen = cgroup.is_frozen()
+        except EgressError:
+            frozen = False  # its cgroup is gone (deleted): the command ends with it
+        if frozen and not told:
+            print(f"egressctl: sandbox {sandbox_id} froze (a violation); the command "
+                  f"is stopped until you decide: {_decide_hint(sandbox_id)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        told = frozen
