@@ -685,3 +685,17 @@ def test_the_sandbox_finds_its_own_name_without_asking_dns(lab: Lab) -> None:
         data = json.loads(report.read_text())
     assert done.stdout.split()[1] == f"egress-{data['sandbox']}", done.stdout
     assert data["violations"] == [] and data["counters"]["dns_queries"] == 0, data["counters"]
+
+
+def test_pid_1_reaps_orphans(lab: Lab) -> None:
+    """An orphan's parent is PID 1 of the sandbox (tini), which reaps it when it exits:
+    no zombie stays behind. The orphan is released through a FIFO, and the test waits for
+    its /proc entry (a zombie keeps one) to go, with a deadline."""
+    script = (
+        "mkfifo f; p=$(sh -c 'head -c1 f >/dev/null & echo $!'); echo x > f;"
+        " for i in $(seq 600); do [ -e /proc/$p ] || { echo reaped; exit 0; }; sleep 0.1; done;"
+        " grep State /proc/$p/status; exit 1"
+    )
+    with project() as d:
+        done = run(lab, d, "--", "/bin/sh", "-c", script)
+    assert done.returncode == 0 and done.stdout.strip() == "reaped", done
