@@ -201,6 +201,7 @@ def cmd_set_policy(args: argparse.Namespace) -> int:
 
 def cmd_exec(args: argparse.Namespace) -> int:
     from egress.sandbox import view, workload
+    from egress.store.uids import parse_range
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
@@ -208,6 +209,10 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not argv:
         raise EgressError("sandbox exec: give the command after --, e.g. -- sh -c 'curl ...'")
     named = workload.named_user(args.user) if args.user is not None else None
+    view.check_operator_paths(
+        workdir=args.workdir, binds=[*args.ro_bind, *args.bind], env_files=args.env_file,
+        report=None, uid_range=parse_range(None),
+    )  # fmt: skip
     env_items = [i for path in args.env_file for i in workload.parse_env_file(path)]
     extra = workload.resolve_env([*env_items, *args.env], os.environ)
     binds = [view.Bind.parse(b, writable=False) for b in args.ro_bind]

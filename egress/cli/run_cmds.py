@@ -133,12 +133,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from egress.run.runner import RunOptions, run
     from egress.sandbox.view import (
         Bind,
+        check_operator_paths,
         check_policy_location,
         check_workdir,
         home_of,
         invoking_user,
     )
     from egress.sandbox.workload import parse_env_file
+    from egress.store.uids import parse_range
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
@@ -149,6 +151,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    check_operator_paths(
+        workdir=args.workdir, binds=[*args.ro_bind, *args.bind], env_files=args.env_file,
+        report=args.report, uid_range=parse_range(args.uid_range),
+    )  # fmt: skip
     binds = [Bind.parse(b, writable=False) for b in args.ro_bind]
     binds += [Bind.parse(b, writable=True) for b in args.bind]
     # Before the policy is read: where it sits may be what is wrong with it.

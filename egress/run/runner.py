@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +24,7 @@ from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
-from egress.errors import EgressError, SandboxError, Stopped
+from egress.errors import EgressError, SandboxError, Stopped, UsageError
 from egress.inline import wiring
 from egress.inline.server import ResolverServer
 from egress.inline.session import Session, wait_for_exit
@@ -117,7 +117,8 @@ def run(policy: Policy, opts: RunOptions) -> int:
         uids.check_range(uid_range)
     else:
         workload.print_warning(workload.shared_user_warning(named))
-    plan = _Plan(named, uid_range, extra_env, workdir)
+    report_dir = _open_report_dir(opts.report) if opts.report else None
+    plan = _Plan(named, uid_range, extra_env, workdir, report_dir)
     state = Path(opts.state_dir) if opts.state_dir else default_state_dir()
     _stop_on_signals()
     observer = ObserverProcess.fork(policy, state)  # before any SQLite connection exists
@@ -131,6 +132,8 @@ def run(policy: Policy, opts: RunOptions) -> int:
     finally:
         observer.stop()
         journal.close()
+        if report_dir is not None:
+            os.close(report_dir)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class _Plan:
     uid_range: range | None
     env: dict[str, str]
     workdir: str
+    report_dir: int | None = None  # an fd of the report's directory
 
 
 def _run(
@@ -185,8 +189,8 @@ def _run(
             if not opts.keep:
                 with contextlib.suppress(EgressError):
                     journal.set_sandbox_state(sb.id, SandboxState.EXITED)
-            if opts.report:
-                _write_report(opts.report, result.to_json(policy, opts, who))
+            if opts.report and plan.report_dir is not None:
+                _write_report(opts.report, plan.report_dir, result.to_json(policy, opts, who))
     return result.exit_code
 
 
@@ -342,14 +346,27 @@ def _finish(sb: sbx.Sandbox, opts: RunOptions, result: RunResult) -> None:
     result.timings_ms["teardown"] = round((time.monotonic() - start) * 1000, 2)
 
 
-def _write_report(path: str, data: dict[str, object]) -> None:
-    """Written by root into a directory the workload's user may own: a fresh temp file
-    (O_EXCL, so no planted symlink is followed), then an atomic rename."""
-    target = Path(path)
+def _open_report_dir(path: str) -> int:
+    """The report's directory, opened before the workload starts: the workload may write
+    where the report goes, and must not swap the directory for a symlink meanwhile."""
+    directory = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UsageError(f"--report {path}: {directory}: {exc.strerror}") from None
+
+
+def _write_report(path: str, dir_fd: int, data: dict[str, object]) -> None:
+    """Written by root into a directory the workload's user may own, through the fd
+    opened at the start: a fresh temp file (O_EXCL|O_NOFOLLOW, so no planted symlink
+    is followed), then an atomic rename within that directory."""
+    name = os.path.basename(path)
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dir_fd)  # fmt: skip
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, target)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as exc:
         raise EgressError(f"--report {path}: {exc.strerror}") from None

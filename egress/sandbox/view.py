@@ -32,7 +32,7 @@ import re
 import secrets
 import stat
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ ETC_NETNS = Path("/etc/netns")
 # symlinks.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+_ETC_MASKED = ("/etc/netns", "/etc/egress")
 # A bind may not cover the parts of the view egress builds itself.
 _RESERVED = ("/", "/proc", "/dev", "/etc/resolv.conf", "/etc/nsswitch.conf")
 _OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, \ as \ooo
@@ -117,6 +118,10 @@ def check_workdir(workdir: str, owner_home: str | None) -> str:
         raise UsageError(
             f"--workdir {real}: a system directory; give the workload a project directory"
         )
+    for ours in (str(workloads_dir()), "/var/lib/egress", "/run/egress"):
+        if _within(ours, real):
+            raise UsageError(f"--workdir {real}: it holds egress's own files ({ours}); "
+                             "give the workload a project directory")  # fmt: skip
     if owner_home and _within(os.path.realpath(owner_home), real):
         raise UsageError(
             f"--workdir {real}: it is or holds your home directory ({owner_home}), whose "
@@ -124,6 +129,94 @@ def check_workdir(workdir: str, owner_home: str | None) -> str:
             "directory (cd into one, or --workdir DIR)"
         )
     return real
+
+
+def planted_symlinks(path: str, suspects: Container[int]) -> list[str]:
+    """Symlinks on the way to ``path`` (as given, then through each link's target) that
+    ``suspects`` own: a sandbox's workload may have made them. Its writes in a working
+    directory are stored as the invoking user's, or (without sudo) as its own uid's, so
+    a link they own may point the next run wherever an earlier workload chose."""
+    found: list[str] = []
+    queue = list(Path(os.path.abspath(path)).parts[1:])
+    here, hops = "/", 0
+    while queue:
+        name = queue.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            here = os.path.dirname(here)
+            continue
+        step = os.path.join(here, name)
+        try:
+            st = os.lstat(step)
+        except OSError:
+            break  # the rest does not exist: whoever opens it says so
+        if not stat.S_ISLNK(st.st_mode):
+            here = step
+            continue
+        hops += 1
+        if hops > 40:
+            break
+        if st.st_uid in suspects:
+            found.append(f"{step} -> {os.readlink(step)}")
+        target = os.readlink(step)
+        if target.startswith("/"):
+            here = "/"
+        queue = [*Path(target).parts[1 if target.startswith("/") else 0 :], *queue]
+    return found
+
+
+def check_operator_path(flag: str, path: str, suspects: Container[int]) -> None:
+    """UsageError if the operator's ``path`` goes through a symlink a workload could have
+    planted (see ``planted_symlinks``)."""
+    links = planted_symlinks(path, suspects)
+    if links:
+        raise UsageError(
+            f"{flag} {path}: goes through the symlink {links[0]}, which a sandbox's "
+            f"workload could have made; give the real path ({os.path.realpath(path)}) "
+            "if that is what you mean"
+        )
+
+
+def check_operator_paths(
+    *,
+    workdir: str | None,
+    binds: Sequence[str],
+    env_files: Sequence[str],
+    report: str | None,
+    uid_range: range,
+) -> None:
+    """Every path the operator gave, checked for planted symlinks before any is used.
+    Without --workdir, the current directory as the shell reached it ($PWD)."""
+    suspects = suspect_uids(invoking_user()[0], uid_range)
+    if workdir is not None:
+        check_operator_path("--workdir", workdir, suspects)
+    else:
+        logical = os.environ.get("PWD", "")
+        if logical and os.path.realpath(logical) == os.getcwd():
+            check_operator_path("the current directory", logical, suspects)
+    for spec in binds:
+        check_operator_path("--bind", spec.partition(":")[0], suspects)
+    for path in env_files:
+        check_operator_path("--env-file", path, suspects)
+    if report:
+        check_operator_path("--report", os.path.dirname(os.path.abspath(report)), suspects)
+
+
+def suspect_uids(invoker_uid: int, uid_range: range) -> _Suspects:
+    return _Suspects(invoker_uid, uid_range)
+
+
+@dataclass(frozen=True)
+class _Suspects:
+    """The owners a planted symlink would have: the invoking user (not root: root's are
+    the system's) and every uid egress gives workloads."""
+
+    invoker: int
+    egress: range
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, int) and ((uid == self.invoker and uid != 0) or uid in self.egress)
 
 
 def home_of(uid: int) -> str | None:
@@ -206,6 +299,11 @@ def root_args() -> list[str]:
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
     args += ["--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev"]
+    # Of /etc, what is egress's: other sandboxes' resolv.conf (their ids), the operator's
+    # policies.
+    for mine in _ETC_MASKED:
+        if os.path.isdir(mine):
+            args += ["--perms", "0755", "--tmpfs", mine]
     args += ["--perms", "0755", "--dir", "/var"]
     for d in PRIVATE_TMP:
         args += ["--perms", "1777", "--tmpfs", d]
@@ -297,7 +395,10 @@ def prepare(
     mnt = base / "mnt" / f"{os.getpid()}-{secrets.token_hex(3)}"
     try:
         mapping = idmap.IdMap(owner[0], owner[1], who.uid, who.gid)
-        needs_idmap = (owner[0], owner[1]) != (who.uid, who.gid)
+        # Never root's files: mapped, they would be the workload's to rewrite (and any
+        # path a planted symlink leads to would be). Run as root without sudo, the tree
+        # is bound as it is, and the workload writes where its own uid may.
+        needs_idmap = owner[0] != 0 and (owner[0], owner[1]) != (who.uid, who.gid)
         for n, bind in enumerate([Bind(workdir, workdir, True), *binds]):
             source = bind.source
             if needs_idmap:

@@ -574,6 +574,7 @@ def test_a_killed_runs_uid_is_reclaimed_by_gc_and_an_exhausted_range_refused(lab
         (["--workdir", "/no/such/dir"], "--workdir"),
         (["--workdir", "/etc"], "a system directory"),
         (["--workdir", "/var/lib/egress"], "a system directory"),
+        (["--workdir", "/var"], "it holds egress's own files"),
     ],
 )
 def test_bad_input_exits_2_and_makes_nothing(lab: Lab, options: list[str], message: str) -> None:
@@ -699,3 +700,77 @@ def test_pid_1_reaps_orphans(lab: Lab) -> None:
     with project() as d:
         done = run(lab, d, "--", "/bin/sh", "-c", script)
     assert done.returncode == 0 and done.stdout.strip() == "reaped", done
+
+
+@contextmanager
+def victim_dir() -> Iterator[Path]:
+    """A host directory no sandbox was given: root's files, one of them a secret."""
+    path = Path(tempfile.mkdtemp(prefix="egress-iso-victim-", dir="/srv"))
+    try:
+        (path / "secret.env").write_text("DB_PASSWORD=not-for-the-agent\n")
+        (path / "secret.env").chmod(0o600)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("sudo", [True, False], ids=["sudo", "root"])
+def test_a_symlink_an_earlier_workload_planted_leads_no_later_run_astray(
+    lab: Lab, sudo: bool
+) -> None:
+    """Run 1 plants symlinks to a victim directory in its working directory; run 2 is
+    pointed at them as an operator would (--workdir, --ro-bind, --env-file, or cd into
+    the link): refused with exit 2 before anything is made. Without sudo the links are
+    the workload's own uid's, with sudo the invoking user's (idmapped): both are
+    suspects. Root's own symlinks (/lib, /var/run) are not."""
+    environ = sudo_env() if sudo else {k: v for k, v in env().items() if not k.startswith("SUDO_")}
+    with project() as d, victim_dir() as victim:
+        if not sudo:
+            d.chmod(0o777)  # root's tree, unmapped: the workload writes as its own uid
+        plant = f"ln -s {victim} build && ln -s {victim} data && ln -s {victim}/secret.env p.env"
+        done = run(lab, d, "--", "/bin/sh", "-c", plant, environ=environ)
+        assert done.returncode == 0, done.stderr
+        for options in (["--workdir", str(d / "build")], ["--ro-bind", f"{d / 'data'}:/data"],
+                        ["--env-file", str(d / "p.env")]):  # fmt: skip
+            argv = [*EGRESSCTL, "run", *options, "--policy", str(d.parent / "policy.yaml"),
+                    "--uplink-netns", lab.uplink_netns, "--", "true"]  # fmt: skip
+            code, err, left = refused(argv, environ)
+            assert code == 2 and "which a sandbox's workload could have made" in err, err
+            assert left == []
+        # The shell cd'd through the link: the kernel's cwd is the victim, $PWD tells.
+        argv = [*EGRESSCTL, "run", "--policy", str(d.parent / "policy.yaml"),
+                "--uplink-netns", lab.uplink_netns, "--", "true"]  # fmt: skip
+        proc = subprocess.run(argv, cwd=d / "build", env={**environ, "PWD": str(d / "build")},
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and "the current directory" in proc.stderr, proc.stderr
+        assert sorted(p.name for p in victim.iterdir()) == ["secret.env"]
+        # A root-owned system symlink is fine: /lib -> usr/lib on merged-/usr systems.
+        if os.path.islink("/lib"):
+            ok = run(lab, d, "--ro-bind", "/lib/os-release:/data/os-release", "--", "true",
+                     environ=environ)  # fmt: skip
+            assert ok.returncode == 0, ok.stderr
+
+
+def test_without_sudo_the_workload_gets_no_root_owned_file_to_write(lab: Lab) -> None:
+    """Run as root without sudo, the working directory is not idmapped: root's files stay
+    root's (not the workload's), so it can't rewrite them."""
+    root_env = {k: v for k, v in env().items() if not k.startswith("SUDO_")}
+    with project((0, 0)) as d:
+        (d / "roots.txt").write_text("root's\n")
+        done = run(lab, d, "--", "/bin/sh", "-c",
+                   "(echo more >> roots.txt) 2>/dev/null; echo append=$?; stat -c %u roots.txt",
+                   environ=root_env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["append=2", "0"], done.stdout
+        assert (d / "roots.txt").read_text() == "root's\n"
+
+
+def test_the_report_goes_where_it_was_asked_even_if_the_workload_swaps_the_dir(
+    lab: Lab,
+) -> None:
+    with project() as d, victim_dir() as victim:
+        (d / "out").mkdir()
+        os.chown(d / "out", *INVOKER)
+        swap = f"rm -rf out && ln -s {victim} out"
+        run(lab, d, "--report", str(d / "out" / "report.json"), "--", "/bin/sh", "-c", swap)
+        assert sorted(p.name for p in victim.iterdir()) == ["secret.env"]
