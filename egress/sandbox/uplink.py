@@ -122,7 +122,8 @@ def attach(uplink: str | None, host_if: str | None = None) -> None:
     if uplink_if is None:
         where = f"uplink netns {uplink!r}" if uplink else "the host"
         raise SandboxError(f"{where} has no default route: the sandbox's traffic can't leave")
-    with claims.locked(), NftHandle.open(uplink) as handle:
+    with claims.locked():
+        handle = _handle(uplink)
         _ensure_uplink(uplink, uplink_if, handle)
     for name in [host_if] if host_if else _own_host_ends(uplink):
         _forward(uplink, name)
@@ -142,10 +143,39 @@ def detach(uplink: str | None, sandbox_id: str) -> None:
             saved = _load(uplink)
             if saved is not None:  # first, while the guard still stands
                 _put_back(uplink, saved)
-            with NftHandle.open(uplink) as handle:
-                handle.delete_table("inet", c.UPLINK_TABLE)
+            _handle(uplink).delete_table("inet", c.UPLINK_TABLE)
             _forget(uplink)
         claims.release(sandbox_id)
+
+
+# One libnftables context per uplink namespace, kept for the process's life: freeing one
+# that loaded the uplink table costs ~7 ms (nft_ctx_free), which every sandbox's create
+# and teardown would pay. Keyed by the namespace's inode too: a namespace removed and
+# made again under the same name is another one, and the old context's socket is not in
+# it. An fd of the namespace is kept with the context, so the namespace (and with it its
+# inode number) lives as long as the entry: a later namespace can't take that number.
+# Used only under the claims lock, so never by two threads at once.
+_handles: dict[tuple[str | None, int], tuple[NftHandle, int]] = {}
+
+
+def _handle(uplink: str | None) -> NftHandle:
+    key = (uplink, netns.netns_inode(uplink))
+    entry = _handles.get(key)
+    if entry is None:
+        for stale in [k for k in _handles if k[0] == uplink]:
+            old, fd = _handles.pop(stale)
+            old.close()
+            os.close(fd)
+        path = "/proc/thread-self/ns/net" if uplink is None else netns.netns_path(uplink)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SandboxError(f"{path}: {exc.strerror}") from None
+        if os.fstat(fd).st_ino != key[1]:  # replaced between the stat and the open
+            os.close(fd)
+            return _handle(uplink)
+        entry = _handles[key] = (NftHandle.open(uplink), fd)
+    return entry[0]
 
 
 def _others(uplink: str | None, sandbox_id: str) -> list[claims.Claim]:
@@ -167,7 +197,6 @@ def _ensure_uplink(uplink: str | None, uplink_if: str, handle: NftHandle) -> Non
         return
     if saved is not None:  # left by a crash: the host's own values first
         _put_back(uplink, saved)
-    handle.delete_table("inet", c.UPLINK_TABLE)
     seen = Seen(
         ipv4=netns.get_sysctl(uplink, v4_key(uplink_if)),
         ipv6_all=netns.find_sysctl(uplink, V6_ALL),
@@ -179,8 +208,15 @@ def _ensure_uplink(uplink: str | None, uplink_if: str, handle: NftHandle) -> Non
         before[v6_key(uplink_if)] = seen.ipv6_force
     namespace = {key: netns.find_sysctl(uplink, key) for key in (V4_ALL, V6_ALL)}
     _save(uplink, Saved(netns.netns_inode(uplink), uplink_if, before, namespace))
-    handle.load(render_uplink(read_template("uplink.nft"), uplink_if, guard4=p.open4,
-                              guard6=p.open6))  # fmt: skip
+    # A table a crash left is replaced in the same transaction ("add; delete" makes the
+    # delete valid whether or not it exists): one nft call, not two.
+    table = f"inet {c.UPLINK_TABLE}"
+    text = render_uplink(read_template("uplink.nft"), uplink_if, guard4=p.open4, guard6=p.open6)
+    # The context is kept (``_handle``), and nft keeps a load's defines in it: undefine
+    # them, or the next first-in would redefine them.
+    names = [line.split()[1] for line in text.splitlines() if line.startswith("define ")]
+    undefine = "".join(f"undefine {name}\n" for name in names)
+    handle.load(f"add table {table}\ndelete table {table}\n{text}\n{undefine}")
     for key in before:
         netns.set_sysctl(uplink, key, ON)
 

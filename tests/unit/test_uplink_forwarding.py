@@ -149,6 +149,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
         monkeypatch.setattr(uplink.netns, "netns_exists", lambda netns: True)
         monkeypatch.setattr(uplink.netns, "default_route_ifname", lambda netns: UP)
         monkeypatch.setattr(uplink.NftHandle, "open", lambda netns: FakeHandle(ns))
+        monkeypatch.setattr(uplink, "_handle", lambda netns: FakeHandle(ns))
         monkeypatch.setenv("EGRESS_RUN_DIR", str(tmp_path))
         monkeypatch.setattr(uplink, "_warned", set())
         yield ns
