@@ -38,6 +38,7 @@ from pathlib import Path
 
 from egress.errors import SandboxError, UsageError
 from egress.kernel import idmap
+from egress.store import claims
 from egress.store.paths import workloads_dir
 
 ETC_NETNS = Path("/etc/netns")
@@ -546,18 +547,8 @@ def sweep_dead_execs(sandbox_id: str) -> None:
         return
     for entry in entries:
         pid = entry.name.partition("-")[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or claims.alive(int(pid)):
             continue
         with contextlib.suppress(SandboxError):
             _unmount_all(entry.path)
             _remove_points(entry.path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
