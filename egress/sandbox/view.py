@@ -339,8 +339,11 @@ class View:
     workdir: str
     home: str
     _mounts: list[str] = field(default_factory=list)
+    _exec_dir: Path | None = None  # mnt/<pid>-<token>, its mount points' directory
 
     def close(self) -> None:
+        """Unmount and remove this exec's mount points (never what they showed: a point
+        still mounted stays, EBUSY, for the sandbox's teardown)."""
         for target in reversed(self._mounts):
             with contextlib.suppress(SandboxError):
                 idmap.unmount(target)
@@ -350,6 +353,9 @@ class View:
                 else:
                     os.unlink(target)
         self._mounts.clear()
+        if self._exec_dir is not None:
+            with contextlib.suppress(OSError):
+                self._exec_dir.rmdir()
 
 
 def prepare(
@@ -392,8 +398,8 @@ def prepare(
         args += ["--ro-bind", str(etc / name), _etc_target(name)]
     args += [*parents_args(who.home, made), "--bind", str(home), who.home]
 
-    view = View(args, workdir, who.home)
     mnt = base / "mnt" / f"{os.getpid()}-{secrets.token_hex(3)}"
+    view = View(args, workdir, who.home, _exec_dir=mnt)
     try:
         mapping = idmap.IdMap(owner[0], owner[1], who.uid, who.gid)
         # Never root's files: mapped, they would be the workload's to rewrite (and any
@@ -408,8 +414,6 @@ def prepare(
             view.args += ["--bind" if bind.writable else "--ro-bind", source, bind.dest]
     except BaseException:
         view.close()
-        with contextlib.suppress(OSError):
-            mnt.rmdir()
         raise
     view.args += ["--chdir", workdir]
     return view

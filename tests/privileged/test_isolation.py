@@ -508,6 +508,10 @@ def test_concurrent_runs_and_egressd_sandboxes_get_distinct_uids_freed_at_teardo
         argv = [*exec_argv(daemon, boxes[0]["id"], d), "id", "-u"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=sudo_env())
         assert done.stdout.strip() == str(boxes[0]["uid"]), done
+        # The exec's idmapped mount and its mount point went with it.
+        mnt = workloads_dir() / boxes[0]["id"] / "mnt"
+        assert not list(mnt.iterdir()) if mnt.exists() else True
+        assert str(mnt) not in Path("/proc/self/mountinfo").read_text()
         for r in runs:
             assert r.finish() == 0
         for b in boxes:
