@@ -25,8 +25,7 @@ from egress.policy import Matcher, load_policy_with_warnings
 from egress.policy.ports import describe_ports
 from egress.policy.rrtypes import type_name, type_number
 from egress.policy.schema import policy_json_schema
-from egress.tunnel import TunnelScorer, TunnelVerdict, score_name
-from egress.tunnel.scorer import SPECIAL_USE
+from egress.tunnel import TunnelScorer, TunnelVerdict
 
 VALIDATE_EPILOG = """\
 examples:
@@ -179,35 +178,17 @@ def _qtype(text: str) -> int:
 
 def _tunnel_line(spec: TunnelSpec, name: str, qtype: int) -> str:
     """The name's score and features, and what ``spec.tunnel`` makes of them."""
-    score = score_name(name, qtype)
+    scorer = TunnelScorer(spec, FakeClock())
+    score = scorer.explain(name, qtype)
     notes = []
     if score.score >= spec.name_score:
         notes.append(f"tunnel-shaped: score >= name_score {spec.name_score:g}")
-    zone_note = _zone_note(spec, score.zone) if score.labels else None
+    zone_note = scorer.applied(name).describe() if score.labels else None
     if zone_note is not None:
         notes.append(zone_note)
     if not spec.enabled:
         notes.append("detection off: spec.tunnel.enabled is false")
     return score.describe() + "".join(f" [{note}]" for note in notes)
-
-
-def _zone_note(spec: TunnelSpec, zone: str) -> str | None:
-    """What the scorer does differently for ``zone`` (a registered domain), if anything.
-
-    Mirrors ``TunnelScorer``'s lookup: the longest matching policy override first, then
-    the special-use names it never scores.
-    """
-    overrides = {override.zone: override for override in spec.zones}
-    labels = zone.split(".")
-    for i in range(len(labels)):
-        found = overrides.get(".".join(labels[i:]))
-        if found is not None and found.exempt:
-            return f"not scored: spec.tunnel.zones exempts {found.zone}"
-        if found is not None:
-            return f"limits x{found.limit_scale:g}: spec.tunnel.zones scales {found.zone}"
-    if labels[-1] in SPECIAL_USE or ".".join(labels[-2:]) in SPECIAL_USE:
-        return "not scored: special-use name, never delegated"
-    return None
 
 
 class FakeClock:
@@ -285,7 +266,9 @@ def _replay(policy: Policy, queries: list[tuple[str, int]], interval: float) -> 
             verdict = scorer.observe_query(name, qtype)
             note = _verdict_note(verdict, verdicts, index)
         verb = "allow" if decision.allowed else "deny"
-        score = score_name(name, qtype).score
+        score = scorer.explain(name, qtype).score
+        applied = scorer.applied(name).describe()
+        note += f"  [{applied}]" if applied and decision.allowed else ""
         print(f"{verb:5}  score {score:5.2f}  {name} {type_name(qtype)}{note}")
     for index, verdict in verdicts.items():
         _print_verdict(index, verdict)

@@ -6,11 +6,14 @@ same parser as ``dns.ttl``. A key left out keeps the TunnelSpec default. Scoring
 lives in ``egress.tunnel``, a sibling this package must not import: here we only build the
 TunnelSpec, and ``egressctl check`` runs the scorer on it.
 
-``zones`` tunes the scorer per registered domain (the scorer compares against the Public
-Suffix List's registered domain and its parents, so ``gti.mcafee.com`` must be written
-``mcafee.com``): ``{zone: X, exempt: true}`` never scores X; ``{zone: X, scale: N}``
-multiplies X's limits by N >= 1. ``exempt: false`` alone is meaningful too: it makes the
-scorer look at a special-use zone (``.internal``, ``.local``) it would otherwise skip.
+``zones`` tunes the scorer per zone: an override applies to the zone it names and every
+name under it, at whatever label it sits (the longest matching override wins;
+``egress.tunnel.overrides``). One below a registered domain (``gti.mcafee.com``) makes
+that subtree a zone of its own, scored apart from the rest of ``mcafee.com``.
+``{zone: X, exempt: true}`` never scores X; ``{zone: X, scale: N}`` multiplies X's
+limits by N >= 1. ``exempt: false`` alone is meaningful too: it makes the scorer look at
+a special-use zone (``.internal``, ``.local``) it would otherwise skip, or at a subtree of
+an exempt zone.
 """
 
 from __future__ import annotations

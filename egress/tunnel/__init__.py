@@ -4,7 +4,9 @@ Its part of the flow (see DESIGN.md: the resolver calls it for every query the p
 allows, BEFORE forwarding it; a verdict means "don't forward, freeze")::
 
     query name, qtype
-        │  labels.split_name: PSL registered domain (zone) + subdomain labels
+        │  labels.split_name: PSL registered domain (zone) + subdomain labels;
+        │  overrides.Overrides: a policy override's zone below it, if the name is under
+        │  one (longest match), is the zone instead
         ▼
     features.score_name ──▶ NameScore: lengths, character mix, entropy normalised by
         │                   length and alphabet, word-likeness, raw bytes, case flips,

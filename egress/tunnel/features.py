@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from egress.tunnel import entropy
-from egress.tunnel.labels import split_name
+from egress.tunnel.labels import split_name, split_under
 
 LONG_SUB = 64  # a subdomain this long, or a label of LONG_LABEL, makes a "long name"
 LONG_LABEL = 40
@@ -111,8 +111,10 @@ def _labels(labels: tuple[str, ...]) -> tuple[tuple[float, ...], float, int]:
 
 
 @functools.lru_cache(maxsize=FEATURE_CACHE)
-def name_features(name: str) -> NameFeatures:
-    split = split_name(name)
+def name_features(name: str, zone: str | None = None) -> NameFeatures:
+    """``zone``: the zone to score under when it is not the registered domain (a policy
+    override below it, ``tunnel.overrides``); its labels are not the subdomain's."""
+    split = split_name(name) if zone is None else split_under(name, zone)
     info, rand, flips = _labels(split.labels)
     text = "".join(split.labels)
     f = {
@@ -178,9 +180,9 @@ def _run(pattern: re.Pattern[str], text: str) -> int:
     return max(map(len, pattern.findall(text)), default=0)
 
 
-def score_name(name: str, qtype: int = 1) -> NameScore:
+def score_name(name: str, qtype: int = 1, zone: str | None = None) -> NameScore:
     """Features and score of one query name (pure; the type-free part is memoised)."""
-    f = name_features(name)
+    f = name_features(name, zone)
     pts = list(f.points)
     kind = data_type_name(qtype)
     if kind is not None and f.labels:

@@ -92,6 +92,13 @@ def split_name(name: str) -> SplitName:
     return SplitName(tuple(labels[: max(0, keep)]), zone)
 
 
+def split_under(name: str, zone: str) -> SplitName:
+    """Subdomain labels of ``name`` below ``zone`` (a suffix of it, lowercase)."""
+    labels = unescape_labels(name)
+    keep = len(labels) - (zone.count(".") + 1)
+    return SplitName(tuple(labels[: max(0, keep)]), zone)
+
+
 SPECIAL_USE_TLDS = frozenset(
     {"local", "localhost", "invalid", "test", "internal", "alt", "example", "arpa"}
 )

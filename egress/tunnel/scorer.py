@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from itertools import islice
 
-from egress.model import TunnelSpec, TunnelZoneOverride
+from egress.model import TunnelSpec
 from egress.tunnel.features import (
     NameFeatures,
     NameScore,
@@ -29,15 +29,10 @@ from egress.tunnel.features import (
     type_points,
 )
 from egress.tunnel.labels import split_name
+from egress.tunnel.overrides import Applied, Overrides
 from egress.tunnel.verdict import Crossing, TunnelVerdict
 from egress.tunnel.zone import ALL_ZONES, RULES, SANDBOX_RULES, ZoneState, limits
 
-# Special-use names never delegated from the root (RFC 6761, 6762, 8375; ICANN's .internal):
-# nobody outside can receive their queries, so they carry no tunnel. Kubernetes search-domain
-# expansion (every external name asked again under svc.cluster.local) lives here. A policy
-# override for one of them (e.g. exempt=False) takes precedence.
-SPECIAL_USE = frozenset({"local", "localhost", "invalid", "test", "internal", "home.arpa", "alt"})
-_SPECIAL = TunnelZoneOverride("special-use", exempt=True)
 MAX_VERDICTS = 64  # a sandbox with one verdict is frozen; more are kept only as evidence
 MEMORY_BOUND = 2 * 1024 * 1024  # bytes per sandbox at the default max_zones
 EVICTION_SCAN = 8
@@ -50,7 +45,7 @@ class TunnelScorer:
         self._zones: OrderedDict[str, ZoneState] = OrderedDict()
         self._verdicts: dict[str, TunnelVerdict] = {}
         self._all = ZoneState(ALL_ZONES, config, config.sandbox_scale)
-        self._overrides = {o.zone.lower().rstrip("."): o for o in config.zones}
+        self._overrides = Overrides(config.zones)
         self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale)
         self._limits: dict[float, tuple[float, ...]] = {}  # per zone scale: a handful
 
@@ -60,17 +55,27 @@ class TunnelScorer:
 
     def explain(self, name: str, qtype: int = 1) -> NameScore:
         """Per-query features and score (for ``egressctl check``); changes no state."""
-        return score_name(name, qtype)
+        return score_name(name, qtype, self._sub_zone(name))
+
+    def applied(self, name: str) -> Applied:
+        """The zone ``name`` is scored under and the override in force there."""
+        return self._overrides.applied(name)
+
+    def _sub_zone(self, name: str) -> str | None:
+        """An override's zone below the registered domain that ``name`` is under."""
+        zone = self._overrides.zone_of(name)
+        return zone if zone != split_name(name).zone else None
 
     def observe_query(self, name: str, qtype: int) -> TunnelVerdict | None:
         """Account one allowed query; a verdict means: do not forward it."""
         if not self._spec.enabled:
             return None
+        zone = self._overrides.zone_of(name)
         if self._verdicts:  # idempotent, and cheap once the sandbox is caught
-            verdict = self._verdicts.get(split_name(name).zone)
+            verdict = self._verdicts.get(zone)
             if verdict is not None:
                 return verdict
-        f = name_features(name)
+        f = name_features(name, None if zone == split_name(name).zone else zone)
         if not f.labels:
             return None  # a bare registered domain carries nothing its owner could read
         state = self._state(f.zone)
@@ -90,8 +95,8 @@ class TunnelScorer:
         """Account the response code the upstream gave to a forwarded query."""
         if not self._spec.enabled:
             return
-        split = split_name(name)
-        state = self._zones.get(split.zone) if split.labels else None
+        zone = self._overrides.zone_of(name)
+        state = self._zones.get(zone) if zone else None
         if state is not None:
             state.advance(self._clock())
             state.response(rcode)
@@ -139,7 +144,7 @@ class TunnelScorer:
         if state is not None:
             self._zones.move_to_end(zone)
             return state
-        override = self._override(zone)
+        override = self._overrides.for_zone(zone)
         if override is not None and override.exempt:
             return None
         scale = override.limit_scale if override is not None else 1.0
@@ -147,16 +152,6 @@ class TunnelScorer:
             self._evict()
         state = self._zones[zone] = ZoneState(zone, self._spec, scale)
         return state
-
-    def _override(self, zone: str) -> TunnelZoneOverride | None:
-        labels = zone.split(".")
-        for i in range(len(labels) if self._overrides else 0):
-            found = self._overrides.get(".".join(labels[i:]))
-            if found is not None:
-                return found
-        if labels[-1] in SPECIAL_USE or ".".join(labels[-2:]) in SPECIAL_USE:
-            return _SPECIAL
-        return None
 
     def _evict(self) -> None:
         oldest = islice(self._zones.items(), EVICTION_SCAN)
