@@ -40,6 +40,7 @@ from egress.errors import SandboxError, UsageError
 from egress.kernel import idmap
 from egress.store import claims
 from egress.store.paths import workloads_dir
+from egress.store.walk import walk
 
 ETC_NETNS = Path("/etc/netns")
 # Where the host keeps its programs and libraries; symlinks (merged /usr) are kept as
@@ -138,32 +139,13 @@ def planted_symlinks(path: str, suspects: Container[int]) -> list[str]:
     directory are stored as the invoking user's, or (without sudo) as its own uid's, so
     a link they own may point the next run wherever an earlier workload chose."""
     found: list[str] = []
-    queue = list(Path(os.path.abspath(path)).parts[1:])
-    here, hops = "/", 0
-    while queue:
-        name = queue.pop(0)
-        if name in ("", "."):
-            continue
-        if name == "..":
-            here = os.path.dirname(here)
-            continue
-        step = os.path.join(here, name)
-        try:
-            st = os.lstat(step)
-        except OSError:
-            break  # the rest does not exist: whoever opens it says so
-        if not stat.S_ISLNK(st.st_mode):
-            here = step
-            continue
-        hops += 1
-        if hops > 40:
-            break
-        if st.st_uid in suspects:
-            found.append(f"{step} -> {os.readlink(step)}")
-        target = os.readlink(step)
-        if target.startswith("/"):
-            here = "/"
-        queue = [*Path(target).parts[1 if target.startswith("/") else 0 :], *queue]
+
+    def visit(_dir: str, _dir_st: os.stat_result, entry: str, st: os.stat_result) -> None:
+        if stat.S_ISLNK(st.st_mode) and st.st_uid in suspects:
+            found.append(f"{entry} -> {os.readlink(entry)}")
+
+    with contextlib.suppress(OSError):  # the rest does not exist: whoever opens it says so
+        walk(path, visit)
     return found
 
 

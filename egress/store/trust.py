@@ -27,7 +27,6 @@ command that fixes it.
 
 from __future__ import annotations
 
-import errno
 import grp
 import hashlib
 import os
@@ -37,8 +36,8 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from egress.errors import Location, PolicyError, Problem
+from egress.store.walk import walk
 
-MAX_LINKS = 40  # as the kernel's ELOOP limit
 DEFAULT_MAX_BYTES = 1 << 20  # the policy loader refuses more; one byte over is enough
 
 
@@ -63,7 +62,7 @@ def read_policy(
     ``workload_gids`` could have changed it; else PolicyError naming what is wrong."""
     rules = _Rules(path, workload_uids, workload_gids)
     try:
-        real, checked = _resolve(path, rules)
+        real, checked = walk(path, rules.directory)
         rules.file(checked)
         fd = _open(real)
     except OSError as exc:
@@ -95,41 +94,6 @@ def _read(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks)
-
-
-def _resolve(path: str, rules: _Rules) -> tuple[str, os.stat_result]:
-    """Follow ``path`` as the kernel would, checking every directory passed through and
-    the entry taken from it; the real path of the file and its lstat."""
-    start = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
-    todo = _parts(start)
-    here, here_st = "/", os.lstat("/")
-    links = 0
-    while todo:
-        name = todo.pop(0)
-        if name == "..":
-            here = os.path.dirname(here)
-            here_st = os.lstat(here)
-            continue
-        entry = os.path.join(here, name)
-        st = os.lstat(entry)
-        rules.directory(here, here_st, entry, st)
-        if stat.S_ISLNK(st.st_mode):
-            links += 1
-            if links > MAX_LINKS:
-                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
-            target = os.readlink(entry)
-            if target.startswith("/"):
-                here, here_st = "/", os.lstat("/")
-            todo = _parts(target) + todo
-            continue
-        if todo and not stat.S_ISDIR(st.st_mode):
-            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        here, here_st = entry, st
-    return here, here_st
-
-
-def _parts(path: str) -> list[str]:
-    return [p for p in path.split("/") if p not in ("", ".")]
 
 
 class _Rules:
