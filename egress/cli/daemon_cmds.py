@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Any
 
+from egress.cli import workload_args
 from egress.cli.client import Client, default_socket
 from egress.errors import DaemonError, EgressError, SandboxError, UsageError
 from egress.kernel.cgroup import Cgroup
@@ -98,15 +99,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--user", metavar="NAME|UID",
         help="run as this existing account, never root (default: the sandbox's own uid)",
     )  # fmt: skip
-    e.add_argument("--workdir", metavar="DIR", help="read-write, CMD starts here (default: .)")
-    e.add_argument("--ro-bind", action="append", default=[], metavar="PATH[:DEST]",
-                   help="show host PATH read-only at DEST; repeatable")  # fmt: skip
-    e.add_argument("--bind", action="append", default=[], metavar="PATH[:DEST]",
-                   help="show host PATH read-write at DEST; repeatable")  # fmt: skip
-    e.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
-                   help="pass NAME to CMD; repeatable")  # fmt: skip
-    e.add_argument("--env-file", action="append", default=[], metavar="FILE",
-                   help="pass the NAME[=VALUE] lines of FILE")  # fmt: skip
+    workload_args.add(e)
     e.add_argument("sandbox", metavar="ID")
     e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     e.set_defaults(func=cmd_exec)
@@ -209,14 +202,8 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not argv:
         raise EgressError("sandbox exec: give the command after --, e.g. -- sh -c 'curl ...'")
     named = workload.named_user(args.user) if args.user is not None else None
-    view.check_operator_paths(
-        workdir=args.workdir, binds=[*args.ro_bind, *args.bind], env_files=args.env_file,
-        report=None, uid_range=parse_range(None),
-    )  # fmt: skip
-    env_items = [i for path in args.env_file for i in workload.parse_env_file(path)]
-    extra = workload.resolve_env([*env_items, *args.env], os.environ)
-    binds = [view.Bind.parse(b, writable=False) for b in args.ro_bind]
-    binds += [view.Bind.parse(b, writable=True) for b in args.bind]
+    shape = workload_args.read(args, uid_range=parse_range(None))
+    extra = workload.resolve_env(shape.env, os.environ)
     data = _run(args, "GET", f"/v1/sandboxes/{args.sandbox}", None)
     if data["kind"] != SandboxKind.CREATED:
         # Its netns and cgroup are another runtime's (their resolv.conf, their way in).
@@ -256,7 +243,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
-    the_view = view.prepare(data["id"], data["netns"], who, args.workdir or os.getcwd(), binds)
+    the_view = view.prepare(data["id"], data["netns"], who, shape.workdir, shape.binds)
     done = threading.Event()
     watcher = threading.Thread(target=_say_when_frozen, args=(args.sandbox, cgroup, done),
                                daemon=True)  # fmt: skip

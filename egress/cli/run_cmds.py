@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from egress.cli import workload_args
 from egress.datapath.addressing import DEFAULT_POOL4, DEFAULT_POOL6, Pools
 from egress.datapath.render import PLACEHOLDER_UPLINK, render_sandbox, render_uplink
 from egress.errors import Problem
@@ -65,26 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--user", metavar="U",
         help="run CMD as the existing account U, never root (default: a uid of its own)",
     )  # fmt: skip
-    p.add_argument(
-        "--workdir", metavar="DIR",
-        help="the directory CMD starts in, read-write (default: the current directory)",
-    )  # fmt: skip
-    p.add_argument(
-        "--ro-bind", action="append", default=[], metavar="PATH[:DEST]",
-        help="show host PATH read-only at DEST (default: the same path); repeatable",
-    )  # fmt: skip
-    p.add_argument(
-        "--bind", action="append", default=[], metavar="PATH[:DEST]",
-        help="show host PATH read-write at DEST; repeatable",
-    )  # fmt: skip
-    p.add_argument(
-        "--env", action="append", default=[], metavar="NAME[=VALUE]",
-        help="pass NAME to CMD (its value here, or VALUE); repeatable",
-    )  # fmt: skip
-    p.add_argument(
-        "--env-file", action="append", default=[], metavar="FILE",
-        help="pass the NAME[=VALUE] lines of FILE, as --env does",
-    )  # fmt: skip
+    workload_args.add(p)
     p.add_argument(
         "--uid-range", metavar="START-END",
         help="uids for sandboxes' workloads (default: $EGRESS_UID_RANGE or "
@@ -131,15 +112,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from egress.run.runner import RunOptions, run
-    from egress.sandbox.view import (
-        Bind,
-        check_operator_paths,
-        check_policy_location,
-        check_workdir,
-        home_of,
-        invoking_user,
-    )
-    from egress.sandbox.workload import parse_env_file
+    from egress.sandbox.view import check_policy_location
     from egress.store.uids import parse_range
 
     argv = list(args.argv)
@@ -151,24 +124,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    check_operator_paths(
-        workdir=args.workdir, binds=[*args.ro_bind, *args.bind], env_files=args.env_file,
-        report=args.report, uid_range=parse_range(args.uid_range),
-    )  # fmt: skip
-    binds = [Bind.parse(b, writable=False) for b in args.ro_bind]
-    binds += [Bind.parse(b, writable=True) for b in args.bind]
+    shape = workload_args.read(args, uid_range=parse_range(args.uid_range), report=args.report)
     # Before the policy is read: where it sits may be what is wrong with it.
-    workdir = check_workdir(args.workdir or os.getcwd(), home_of(invoking_user()[0]))
-    check_policy_location(args.policy, workdir, binds)
+    check_policy_location(args.policy, shape.workdir, shape.binds)
     policy, warnings, sha256 = _operator_policy(args.policy, args.user, args.uid_range)
     for w in warnings:
         print(w, file=sys.stderr)
-    env = [item for path in args.env_file for item in parse_env_file(path)] + list(args.env)
     opts = RunOptions(
         argv=argv,
-        workdir=workdir,
-        binds=binds,
-        env=env,
+        workdir=shape.workdir,
+        binds=shape.binds,
+        env=shape.env,
         uid_range=args.uid_range,
         uplink_netns=args.uplink_netns,
         pools=Pools.parse(args.subnet_pool),

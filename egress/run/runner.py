@@ -51,7 +51,7 @@ class RunOptions:
     upstream: str | None = None  # --upstream IP[:PORT], instead of the policy's upstreams
     state_dir: str | None = None
     decision_timeout: float | None = None
-    workdir: str | None = None  # default: the current directory
+    workdir: str | None = None  # default: the current directory; checked by the caller
     binds: Sequence[view.Bind] = ()  # --ro-bind / --bind
     env: Sequence[str] = ()  # --env and --env-file items, NAME or NAME=VALUE
     uid_range: str | None = None  # --uid-range; default $EGRESS_UID_RANGE or uids' default
@@ -108,9 +108,9 @@ def run(policy: Policy, opts: RunOptions) -> int:
     # Everything the user got wrong is found before anything is made.
     named = workload.named_user(opts.user) if opts.user is not None else None
     extra_env = workload.resolve_env(opts.env, os.environ)
-    workdir = view.check_workdir(opts.workdir or os.getcwd(), view.home_of(view.invoking_user()[0]))
-    if opts.policy_path:
-        view.check_policy_location(opts.policy_path, workdir, opts.binds)
+    # Checked by egressctl (cli.workload_args) before the policy was read, and by
+    # view.prepare again right before the command starts.
+    workdir = os.path.realpath(opts.workdir or os.getcwd())
     uid_range = None
     if named is None:
         uid_range = uids.parse_range(opts.uid_range)
