@@ -39,7 +39,7 @@ from pathlib import Path
 from egress.errors import SandboxError, UsageError
 from egress.kernel import idmap
 from egress.store import claims
-from egress.store.paths import workloads_dir
+from egress.store.paths import DEFAULT_STATE_DIR, run_dir, workloads_dir
 from egress.store.walk import walk
 
 ETC_NETNS = Path("/etc/netns")
@@ -101,7 +101,7 @@ def invoking_user() -> tuple[int, int]:
 
 # A working directory is read-write for the workload: never a place whose files run as
 # someone else, or egress's own.
-_NOT_WORKDIRS = ("/usr", "/etc", "/boot", "/proc", "/sys", "/dev", "/run", "/var/lib/egress",
+_NOT_WORKDIRS = ("/usr", "/etc", "/boot", "/proc", "/sys", "/dev", "/run", DEFAULT_STATE_DIR,
                  *SYSTEM_DIRS)  # fmt: skip
 
 
@@ -120,7 +120,7 @@ def check_workdir(workdir: str, owner_home: str | None) -> str:
         raise UsageError(
             f"--workdir {real}: a system directory; give the workload a project directory"
         )
-    for ours in (str(workloads_dir()), "/var/lib/egress", "/run/egress"):
+    for ours in (str(workloads_dir()), DEFAULT_STATE_DIR, str(run_dir())):
         if _within(ours, real):
             raise UsageError(f"--workdir {real}: it holds egress's own files ({ours}); "
                              "give the workload a project directory")  # fmt: skip
