@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from egress.errors import SandboxError, UsageError
 from egress.kernel import confine
 from egress.sandbox.view import Identity, View, hostname
+from egress.store import uids
 
 TOOLS = {"bwrap": "bubblewrap", "nsenter": "util-linux", "setpriv": "util-linux"}
 TINI = "/usr/bin/tini"  # inside the view; /usr is the host's
@@ -71,29 +72,10 @@ def allocated_user(sandbox_id: str, uid: int) -> Identity:
     return Identity(name, uid, uid, f"/home/{name}", True)
 
 
-def processes_of(uid: int, outside_cgroup: str | None = None) -> list[int]:
-    """Pids running as ``uid`` that are not in the sandbox's cgroup: a shared --user."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_uid != uid:
-                continue
-            with open(f"/proc/{entry.name}/cgroup") as f:
-                cgroups = f.read()
-        except OSError:
-            continue
-        if outside_cgroup and outside_cgroup in cgroups:
-            continue
-        pids.append(int(entry.name))
-    return pids
-
-
 def shared_user_warning(who: Identity) -> str | None:
     if who.allocated:
         return None
-    pids = processes_of(who.uid)
+    pids = uids.live_processes(range(who.uid, who.uid + 1)).get(who.uid, [])
     if not pids:
         return None
     return (

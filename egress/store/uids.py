@@ -79,7 +79,12 @@ def check_range(ids: range, subid_files: Iterable[str] = ("/etc/subuid", "/etc/s
 
 
 def live_uids(ids: range, proc: str = "/proc") -> set[int]:
-    """uids of ``ids`` that some living process on the host runs under.
+    """uids of ``ids`` that some living process on the host runs under."""
+    return set(live_processes(ids, proc))
+
+
+def live_processes(ids: range, proc: str = "/proc") -> dict[int, list[int]]:
+    """The living processes of each uid of ``ids`` that has any: uid -> pids.
 
     /proc/PID belongs to the task's effective uid, so one stat per process finds them;
     only those are read further, for their real and saved uids and to skip zombies (dead:
@@ -87,7 +92,7 @@ def live_uids(ids: range, proc: str = "/proc") -> set[int]:
     whose effective uid is another while its real or saved one is in the range is a
     set-uid program run by a sandbox's uid, which no_new_privs rules out inside one.
     """
-    found: set[int] = set()
+    found: dict[int, list[int]] = {}
     try:
         entries = list(os.scandir(proc))
     except OSError:
@@ -112,7 +117,8 @@ def live_uids(ids: range, proc: str = "/proc") -> set[int]:
         if b"(zombie)" in state or not uid_line:
             continue
         with contextlib.suppress(ValueError):
-            found.update(u for u in map(int, uid_line.split()[1:4]) if u in ids)
+            for uid in {u for u in map(int, uid_line.split()[1:4]) if u in ids}:
+                found.setdefault(uid, []).append(int(entry.name))
     return found
 
 
