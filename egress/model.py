@@ -223,14 +223,22 @@ class TunnelSpec:
     info_bytes: int = 512  # information estimate of unique subdomain text per window
     text_bytes: int = 1536  # raw unique subdomain text per window
     data_type_names: int = 4  # unique names asked with data-only types (TXT counts 1/4)
-    slow_names: int = 256  # unique subdomains per slow window
+    names: int = 256  # unique names (subdomains, case-folded) per zone per window
+    name_info_bytes: int = 384  # information in new names, priced as an adaptive code
+    slow_names: int = 512  # unique names per slow window
+    slow_name_info_bytes: int = 2048  # information in new names per slow window (not
+    # scaled by sandbox_scale for the sum: the slow budget is per sandbox)
     slow_info_bytes: int = 1024  # information estimate per slow window
     slow_text_bytes: int = 3072  # raw unique subdomain text per slow window
     nx_ratio: float = 0.5  # NXDOMAIN/REFUSED share that halves the information limits ...
     nx_min_responses: int = 16  # ... once the zone has had this many responses
     sandbox_scale: float = 2.0  # limits for the sum over all zones, relative to one zone's
+    zone_free_bytes: int = 48  # a zone's name information per window the sum leaves out
     max_zones: int = 256  # zones tracked per sandbox (bounded memory)
     zones: tuple[TunnelZoneOverride, ...] = ()
+    # The sandbox's resolver search list, where a container runtime gives it one: a name
+    # asked again under one of them is scored as the name itself.
+    search_domains: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -206,17 +206,26 @@ _TUNNEL_LIMITS = {  # key: what one zone may send upstream before the verdict
     "text_bytes": "Bytes of raw unique subdomain text per zone in one window.",
     "data_type_names": "Unique names asked with data-only types (NULL, private use, ...;"
     " TXT counts 1/4) per zone in one window.",
-    "slow_names": "Unique subdomains per zone in one slow_window.",
+    "names": "Unique names (the subdomain, case-folded) per zone in one window.",
+    "name_info_bytes": "Information (bytes) in new names per zone in one window, priced"
+    " as an adaptive code against the names the zone has already sent (a vocabulary"
+    " re-ordered or re-combined is information). Not halved by the NXDOMAIN share:"
+    " search-list expansion is plain names that always get NXDOMAIN.",
+    "slow_names": "Unique names (the subdomain, case-folded) per zone in one slow_window.",
     "slow_info_bytes": "Information estimate (bytes) per zone in one slow_window; halved"
     " like info_bytes.",
     "slow_text_bytes": "Bytes of raw unique subdomain text per zone in one slow_window.",
+    "slow_name_info_bytes": "Information (bytes) in new names per zone in one slow_window."
+    " The sum over all zones has the same limit, not sandbox_scale times it: the slow"
+    " budget is per sandbox.",
 }
 
 
 def _tunnel_zone() -> Schema:
     zone = _obj(
-        "Tuning for one zone: a registered domain (example.com) or a parent of one. Names"
-        " below the registered domain never match: write mcafee.com, not gti.mcafee.com.",
+        "Tuning for one zone and every name under it: a registered domain (example.com),"
+        " a parent of one, or a subtree below one (gti.mcafee.com), which then is scored"
+        " as a zone of its own. Of several that match a name, the longest applies.",
         {
             "zone": {"type": "string", "description": "A DNS name, no wildcards."},
             "exempt": {
@@ -290,6 +299,13 @@ def _tunnel() -> Schema:
                 "default": d.sandbox_scale,
                 "description": "Limits for the sum over all zones, relative to one zone's.",
             },
+            "zone_free_bytes": {
+                "type": "integer",
+                "minimum": 0,
+                "default": d.zone_free_bytes,
+                "description": "Information in new names (bytes) each zone may send in a"
+                " window before the rest counts towards the sum over all zones.",
+            },
             "max_zones": {
                 **count,
                 "maximum": MAX_ZONES,
@@ -300,6 +316,17 @@ def _tunnel() -> Schema:
                 "type": "array",
                 "items": _tunnel_zone(),
                 "description": "Per-zone exemptions and raised limits, one entry per zone.",
+            },
+            "search_domains": {
+                "type": "array",
+                "items": {"type": "string", "description": "A domain name, no wildcards."},
+                "default": [],
+                "description": "The sandbox's resolver search list, where its container"
+                " runtime writes one (egressctl run's sandboxes have none): a name asked"
+                " under one (pypi.org.corp.example.com) is scored as the name itself"
+                " (pypi.org), so search-list expansion of every lookup is not counted as"
+                " information sent to the search domain's nameserver. A name whose own"
+                " part is a bare registered domain is scored as sent.",
             },
         },
     )

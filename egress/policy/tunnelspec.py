@@ -46,10 +46,14 @@ COUNTS = (
     "info_bytes",
     "text_bytes",
     "data_type_names",
+    "names",
+    "name_info_bytes",
     "slow_names",
     "slow_info_bytes",
     "slow_text_bytes",
+    "slow_name_info_bytes",
     "nx_min_responses",
+    "zone_free_bytes",
     "max_zones",
 )
 POSITIVE = ("name_score", "sandbox_scale")
@@ -63,14 +67,19 @@ TUNNEL_KEYS = (
     "info_bytes",
     "text_bytes",
     "data_type_names",
+    "names",
+    "name_info_bytes",
     "slow_names",
     "slow_info_bytes",
     "slow_text_bytes",
+    "slow_name_info_bytes",
     "nx_ratio",
     "nx_min_responses",
     "sandbox_scale",
+    "zone_free_bytes",
     "max_zones",
     "zones",
+    "search_domains",
 )
 ZONE_KEYS = ("zone", "exempt", "scale")
 MAX_WINDOW = 86400  # a day: longer windows would only hide that the limits are too high
@@ -115,6 +124,8 @@ def _read(key: str, node: Node, report: Report) -> object | None:
         return get_bool(node, path, report)
     if key == "zones":
         return _zones(node, report)
+    if key == "search_domains":
+        return _search_domains(node, report)
     try:
         if key in DURATIONS:
             return float(duration(node, MAX_WINDOW))
@@ -132,8 +143,9 @@ def _count(node: Node, key: str) -> int:
     value = node.value if isinstance(node, Scalar) else None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"expected a whole number, got {kind_of(node)}")
-    if value < 1:
-        raise ValueError(f"must be at least 1, got {value}")
+    least = 0 if key == "zone_free_bytes" else 1
+    if value < least:
+        raise ValueError(f"must be at least {least}, got {value}")
     if key == "max_zones" and value > MAX_ZONES:
         raise ValueError(
             f"{value} is more than the limit of {MAX_ZONES} (each tracked zone costs "
@@ -185,6 +197,21 @@ def _zones(node: Node, report: Report) -> tuple[TunnelZoneOverride, ...]:
             )
             continue
         out.append(override)
+    return tuple(out)
+
+
+def _search_domains(node: Node, report: Report) -> tuple[str, ...]:
+    out: list[str] = []
+    for index, item in enumerate(get_list(node, f"{PATH}.search_domains", report, "domains") or ()):
+        name = _zone_name(item, f"{PATH}.search_domains[{index}]", report)
+        if name is not None and "." not in name:
+            report.error(
+                item.where,
+                f"{PATH}.search_domains[{index}]: {name!r} is a top-level domain; a search "
+                "domain is a domain like corp.example.com",
+            )
+        elif name is not None and name not in out:
+            out.append(name)
     return tuple(out)
 
 

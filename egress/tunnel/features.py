@@ -69,6 +69,8 @@ class NameFeatures:
     case_flips: int  # upper/lower switches in the label that has most
     info_bytes: float  # sum over labels of length x log2(alphabet) x randomness / 8
     parts: tuple[str, ...]  # the subdomain labels
+    folded: str  # the subdomain, case-folded: what makes a name new or a repeat
+    folded_parts: tuple[str, ...]
     part_info: tuple[float, ...]  # information estimate of each label
     points: tuple[tuple[float, str], ...]  # score contributions, type aside
     base_score: float
@@ -137,6 +139,8 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
         case_flips=flips,
         info_bytes=sum(info),
         parts=split.labels,
+        folded=split.subdomain.lower(),
+        folded_parts=tuple(label.lower() for label in split.labels),
         part_info=info,
         points=tuple(pts),
         base_score=sum(p for p, _ in pts),

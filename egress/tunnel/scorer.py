@@ -20,6 +20,7 @@ from collections.abc import Callable
 from itertools import islice
 
 from egress.model import TunnelSpec
+from egress.tunnel import vocab
 from egress.tunnel.features import (
     NameFeatures,
     NameScore,
@@ -31,11 +32,20 @@ from egress.tunnel.features import (
 from egress.tunnel.labels import split_name
 from egress.tunnel.overrides import Applied, Overrides
 from egress.tunnel.verdict import Crossing, TunnelVerdict
-from egress.tunnel.zone import ALL_ZONES, RULES, SANDBOX_RULES, ZoneState, limits
+from egress.tunnel.zone import (
+    ALL_ZONES,
+    NAME_INFO,
+    RULES,
+    SANDBOX_RULES,
+    SLOW_NAME_INFO,
+    ZoneState,
+    limits,
+)
 
 MAX_VERDICTS = 64  # a sandbox with one verdict is frozen; more are kept only as evidence
 MEMORY_BOUND = 2 * 1024 * 1024  # bytes per sandbox at the default max_zones
 EVICTION_SCAN = 8
+_TYPE_SALT = 0x2545F4914F6CDD1D  # keeps (name, type) apart from the name alone
 
 
 class TunnelScorer:
@@ -45,8 +55,10 @@ class TunnelScorer:
         self._zones: OrderedDict[str, ZoneState] = OrderedDict()
         self._verdicts: dict[str, TunnelVerdict] = {}
         self._all = ZoneState(ALL_ZONES, config, config.sandbox_scale)
+        self._vocab = vocab.Vocab(vocab.SANDBOX_SLOTS)  # every zone's labels, for new ones
         self._overrides = Overrides(config.zones)
-        self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale)
+        self._search = tuple("." + s for s in config.search_domains)
+        self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale, whole=True)
         self._limits: dict[float, tuple[float, ...]] = {}  # per zone scale: a handful
 
     @property
@@ -70,6 +82,8 @@ class TunnelScorer:
         """Account one allowed query; a verdict means: do not forward it."""
         if not self._spec.enabled:
             return None
+        if self._search:
+            name = self._unexpanded(name)
         zone = self._overrides.zone_of(name)
         if self._verdicts:  # idempotent, and cheap once the sandbox is caught
             verdict = self._verdicts.get(zone)
@@ -83,9 +97,12 @@ class TunnelScorer:
             return None  # exempt zone
         now = self._clock()
         state.advance(now)
-        new = state.seen.add(hash(f.subdomain))
-        # A repeat adds nothing to any window, so only a new name can cross a limit.
-        crossings = self._account(state, f, qtype, now) if new else None
+        key = hash(f.folded)
+        new = state.seen.add(key)
+        # The pair (name, type) too: a type is a choice the nameserver sees. A repeat of
+        # both adds nothing to any window, so only something new can cross a limit.
+        pair = state.seen.add(key ^ (qtype * _TYPE_SALT)) or new
+        crossings = self._account(state, f, qtype, now, new) if pair else None
         if crossings:
             return self._decide(state, f, qtype, crossings, now)
         state.forwarded(f, qtype, new)
@@ -95,27 +112,59 @@ class TunnelScorer:
         """Account the response code the upstream gave to a forwarded query."""
         if not self._spec.enabled:
             return
+        if self._search:
+            name = self._unexpanded(name)
         zone = self._overrides.zone_of(name)
         state = self._zones.get(zone) if zone else None
         if state is not None:
             state.advance(self._clock())
             state.response(rcode)
 
-    def _account(self, state: ZoneState, f: NameFeatures, qtype: int, now: float) -> list[Crossing]:
-        """Add a new subdomain to its zone's windows and the sum's; the limits it crossed."""
+    def _unexpanded(self, name: str) -> str:
+        """``name`` without a search domain it was asked under, if what is left is a name
+        with a subdomain of its own: the same information as that name asked directly."""
+        lowered = name.lower().rstrip(".")
+        for suffix in self._search:
+            if lowered.endswith(suffix):
+                inner = name[: len(lowered) - len(suffix)]
+                if split_name(inner).labels:
+                    return inner
+        return name
+
+    def _account(
+        self, state: ZoneState, f: NameFeatures, qtype: int, now: float, new: bool
+    ) -> list[Crossing]:
+        """Add a new name (or a known name's new type) to its zone's windows and the
+        sum's; the limits it crossed."""
         points = type_points(qtype)
-        shaped = f.base_score + points >= self._spec.name_score
-        state.add_unique(f, qtype, shaped)
+        shaped = new and f.base_score + points >= self._spec.name_score
+        if new:
+            state.add_unique(f, qtype, shaped)
+            bits = vocab.new_name_bits(state.vocab, self._vocab, f.folded_parts, qtype)
+        else:
+            bits = vocab.type_price(state.vocab, self._vocab, qtype)
+        state.add_bits(bits)
         scaled = self._limits.get(state.scale)
         if scaled is None:
             scaled = self._limits[state.scale] = limits(self._spec, RULES, state.scale)
         out = state.crossings(self._spec, RULES, scaled)
-        # Only names that add something random, long or data-typed can move the sum; a zone
-        # with raised limits is trusted, so it does not feed the sum either.
-        if state.scale <= 1.0 and (shaped or f.info_bytes or f.long or points):
-            self._all.advance(now)
-            self._all.add_unique(f, qtype, shaped)
-            out += self._all.crossings(self._spec, SANDBOX_RULES, self._all_limits)
+        # A zone with raised limits is trusted: it does not feed the sum. Of the rest, a
+        # name's information does once its zone has sent more than a small allowance in
+        # the window (with the price of choosing among such zones), its text only if it is
+        # random, long or data-typed. The allowance keeps a sandbox that asks a few names
+        # in each of hundreds of zones (the benign corpus: 265) from adding up to a tunnel.
+        if state.scale <= 1.0:
+            everything = self._all
+            everything.advance(now)
+            free = self._spec.zone_free_bytes
+            fast = _over(state.fast.total(NAME_INFO), bits / 8, free)
+            slow = _over(state.slow.total(SLOW_NAME_INFO), bits / 8, free)
+            if fast or slow:
+                choice = vocab.zone_price(self._vocab, hash(state.zone)) / 8
+                everything.add_info(fast + choice if fast else 0.0, slow + choice if slow else 0.0)
+            if new and (shaped or f.info_bytes or f.long or points):
+                everything.add_unique(f, qtype, shaped)
+            out += everything.crossings(self._spec, SANDBOX_RULES, self._all_limits)
         return out
 
     def _decide(
@@ -157,6 +206,11 @@ class TunnelScorer:
         oldest = islice(self._zones.items(), EVICTION_SCAN)
         victim = min(oldest, key=lambda item: item[1].weight())[0]
         del self._zones[victim]
+
+
+def _over(total: float, added: float, free: float) -> float:
+    """The part of ``added`` (already in ``total``) above the allowance ``free``."""
+    return min(added, max(0.0, total - free))
 
 
 def scorer_for(spec: TunnelSpec, clock: Callable[[], float]) -> TunnelScorer | None:

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from egress.model import TunnelSpec
 from egress.tunnel.features import TXT, NameFeatures, data_type_name
 from egress.tunnel.verdict import Crossing
+from egress.tunnel.vocab import ZONE_SLOTS, Vocab
 from egress.tunnel.window import Ring, Seen
 
 # Fast-window metrics
-SHAPED, LONG_TEXT, INFO, TEXT, DATA = range(5)
+SHAPED, LONG_TEXT, INFO, TEXT, DATA, FAST_NAMES, NAME_INFO = range(7)
 # Slow-window metrics
-NAMES, SLOW_INFO, SLOW_TEXT, RESPONSES, FAILS = range(5)
+NAMES, SLOW_INFO, SLOW_TEXT, RESPONSES, FAILS, SLOW_NAME_INFO = range(6)
 FAST_BUCKETS, SLOW_BUCKETS = 10, 30
 MAX_TYPES = 8  # distinct record types remembered per zone for the verdict's type mix
 NX_RCODES = frozenset({3, 5})  # NXDOMAIN, REFUSED
@@ -55,19 +56,33 @@ RULES = (
     Rule("info_bytes", False, INFO, "information in unique subdomain text", False, True),
     Rule("text_bytes", False, TEXT, "unique subdomain text", False, False),
     Rule("data_type_names", False, DATA, "unique names asked with data-only types", True, False),
-    Rule("slow_names", True, NAMES, "unique subdomains", True, False),
+    Rule("names", False, FAST_NAMES, "unique names", True, False),
+    Rule("name_info_bytes", False, NAME_INFO, "information in new names", False, False),
+    Rule("slow_names", True, NAMES, "unique names", True, False),
+    Rule("slow_name_info_bytes", True, SLOW_NAME_INFO, "information in new names", False, False),
     Rule("slow_info_bytes", True, SLOW_INFO, "information in unique subdomain text", False, True),
     Rule("slow_text_bytes", True, SLOW_TEXT, "unique subdomain text", False, False),
 )
-# Over all zones only what random or tunnel-shaped text adds up to: plain names from many
-# zones (a crawler, a big `npm install`) are not a channel to anyone.
+# Over all zones: what random or tunnel-shaped text adds up to, and the information in
+# new names (priced against the sandbox's own vocabulary, ``vocab``); not plain text or
+# counts of names, which many zones (a crawler, a big `npm install`) add up to honestly.
 SANDBOX_RULES = tuple(
-    r for r in RULES if r.field not in ("text_bytes", "slow_names", "slow_text_bytes")
+    r for r in RULES if r.field not in ("text_bytes", "names", "slow_names", "slow_text_bytes")
 )
 
 
-def limits(spec: TunnelSpec, rules: tuple[Rule, ...], scale: float) -> tuple[float, ...]:
-    return tuple(float(getattr(spec, rule.field)) * scale for rule in rules)
+# Limits the sum over all zones keeps at one zone's: the slow leak budget is per sandbox.
+UNSCALED = frozenset({"slow_name_info_bytes"})
+
+
+def limits(
+    spec: TunnelSpec, rules: tuple[Rule, ...], scale: float, whole: bool = False
+) -> tuple[float, ...]:
+    """The limits of ``rules`` times ``scale``; ``whole``: for the sum over all zones."""
+    return tuple(
+        float(getattr(spec, r.field)) * (1.0 if whole and r.field in UNSCALED else scale)
+        for r in rules
+    )
 
 
 def span(seconds: float) -> str:
@@ -79,14 +94,26 @@ def span(seconds: float) -> str:
 
 
 class ZoneState:
-    __slots__ = ("bytes", "fast", "queries", "scale", "seen", "slow", "types", "unique", "zone")
+    __slots__ = (
+        "bytes",
+        "fast",
+        "queries",
+        "scale",
+        "seen",
+        "slow",
+        "types",
+        "unique",
+        "vocab",
+        "zone",
+    )
 
     def __init__(self, zone: str, spec: TunnelSpec, scale: float) -> None:
         self.zone = zone
         self.scale = scale
-        self.fast = Ring(spec.window_s, FAST_BUCKETS, 5)
-        self.slow = Ring(spec.slow_window_s, SLOW_BUCKETS, 5)
+        self.fast = Ring(spec.window_s, FAST_BUCKETS, 7)
+        self.slow = Ring(spec.slow_window_s, SLOW_BUCKETS, 6)
         self.seen = Seen()
+        self.vocab = Vocab(ZONE_SLOTS)
         self.queries = 0  # forwarded queries (not the one a verdict stopped)
         self.bytes = 0  # their subdomain text, repeats included
         self.unique = 0
@@ -111,13 +138,15 @@ class ZoneState:
         return text, info
 
     def add_unique(self, f: NameFeatures, qtype: int, shaped: bool) -> None:
-        """Count a subdomain seen for the first time in this zone."""
+        """Count a subdomain seen for the first time in this zone (its information in
+        ``add_bits``)."""
         fast, slow = self.fast, self.slow
+        fast.add(FAST_NAMES, 1)
+        slow.add(NAMES, 1)
         text, info = self.new_parts(f)
-        if text:  # known labels in a new order are expansions of names counted before
+        if text:  # known labels in a new order are counted by their information, not text
             fast.add(TEXT, text)
             fast.add(INFO, info)
-            slow.add(NAMES, 1)
             slow.add(SLOW_TEXT, text)
             slow.add(SLOW_INFO, info)
         if shaped:
@@ -126,6 +155,17 @@ class ZoneState:
             fast.add(LONG_TEXT, f.sub_len)
         if data_type_name(qtype) is not None:
             fast.add(DATA, 0.25 if qtype == TXT else 1.0)
+
+    def add_bits(self, bits: float) -> None:
+        """Information (in bits) a new name, or a new type for a known name, carried."""
+        self.add_info(bits / 8, bits / 8)
+
+    def add_info(self, fast: float, slow: float) -> None:
+        """Bytes of information in new names, to the fast and the slow window."""
+        if fast:
+            self.fast.add(NAME_INFO, fast)
+        if slow:
+            self.slow.add(SLOW_NAME_INFO, slow)
 
     def forwarded(self, f: NameFeatures, qtype: int, new: bool) -> None:
         self.queries += 1
@@ -141,7 +181,13 @@ class ZoneState:
 
     def weight(self) -> float:
         """How much this zone has to lose if evicted; the lightest of the oldest goes first."""
-        return self.slow.total(SLOW_INFO) + self.fast.total(SHAPED) * 64 + self.queries / 1024
+        slow = self.slow
+        return (
+            slow.total(SLOW_INFO)
+            + slow.total(SLOW_NAME_INFO) / 4
+            + self.fast.total(SHAPED) * 64
+            + self.queries / 1024
+        )
 
     def nx_note(self, spec: TunnelSpec) -> str | None:
         """Why the information limits are halved, or None when they are not."""

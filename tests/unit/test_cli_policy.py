@@ -297,8 +297,9 @@ def test_names_replay_catches_iodine(capsys: pytest.CaptureFixture[str], tmp_pat
     assert report == [
         "verdict at name 7 (t=0.7s): DNS tunnel suspected under evil-tunnel.com",
         f"  query: {queries[6]} A (not forwarded)",
-        "  score: 1.00 (largest value/limit of the limits crossed)",
+        "  score: 1.06 (largest value/limit of the limits crossed)",
         "  reason: shaped_names: tunnel-shaped names 3 in 30 s >= 3 (name score >= 3)",
+        "  reason: name_info_bytes: information in new names 409 B in 30 s > 384 B",
         "  before: 6 queries forwarded, 444 B of subdomain text, 6 unique subdomains",
         "  types: A 6",
         f"{len(queries)} names: {len(queries)} allowed, 0 denied; 1 tunnel verdict",
@@ -320,7 +321,10 @@ def test_names_policy_thresholds_reach_the_scorer(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     sample = str(SAMPLES / "iodine_base32.txt")
-    raised = lab(tmp_path, "  tunnel: {shaped_names: 100, long_text_bytes: 100000}\n")
+    raised = lab(
+        tmp_path,
+        "  tunnel: {shaped_names: 100, long_text_bytes: 100000, name_info_bytes: 100000}\n",
+    )
     status, out, _ = run(capsys, "check", raised, "--names", sample)
     assert status == 1
     assert "verdict at name 7 " not in out

@@ -133,8 +133,9 @@ def test_bad_tunnel_file_reports_every_problem_with_its_position() -> None:
         "zone costs about 3.4 KiB per sandbox)",
         "19:5: spec.tunnel: unknown key 'windw' (did you mean 'window'?); allowed: enabled, "
         "window, slow_window, name_score, shaped_names, long_text_bytes, info_bytes, "
-        "text_bytes, data_type_names, slow_names, slow_info_bytes, slow_text_bytes, nx_ratio, "
-        "nx_min_responses, sandbox_scale, max_zones, zones",
+        "text_bytes, data_type_names, names, name_info_bytes, slow_names, slow_info_bytes, "
+        "slow_text_bytes, slow_name_info_bytes, nx_ratio, nx_min_responses, sandbox_scale, "
+        "zone_free_bytes, max_zones, zones, search_domains",
         "22:9: spec.tunnel.zones[1]: exempt: true never scores the zone, so scale has no "
         "effect; keep one",
         "23:16: spec.tunnel.zones[2].zone: invalid zone '*.x.com': no wildcards: a zone "

@@ -175,7 +175,9 @@ def test_raised_limits_apply_to_the_zone_and_its_children() -> None:
 
 
 def test_custom_thresholds_are_used() -> None:
-    spec = TunnelSpec(shaped_names=5, info_bytes=10_000, long_text_bytes=10_000)
+    spec = TunnelSpec(
+        shaped_names=5, info_bytes=10_000, long_text_bytes=10_000, name_info_bytes=10_000
+    )
     verdict = feed(TunnelScorer(spec, Clock()), shaped(20))
     assert verdict is not None and verdict.queries_before == 4
 
