@@ -23,6 +23,25 @@ from egress.tunnel.labels import split_name, unescape_labels
 SPECIAL_USE = frozenset({"local", "localhost", "invalid", "test", "internal", "home.arpa", "alt"})
 SPECIAL = TunnelZoneOverride("special-use", exempt=True)
 
+# Provider zones: names of a cloud's or a service's own endpoints, answered by the
+# provider's nameservers, which no tenant can read (a bucket, a region, an org id is a
+# name the provider serves, not a zone it delegates). No workload can receive a tunnel
+# there, but real software asks hundreds of high-cardinality names in them (every AWS
+# region x service, per-bucket hosts, Sentry org ids). So by default their limits are x4
+# and they do not feed the sum over all zones; a policy's own override for the zone, or
+# one below it, takes precedence (longest match).
+PROVIDER_SCALE = 4.0
+PROVIDER_ZONES = frozenset(
+    {
+        "amazonaws.com", "amazon.com", "cloudfront.net", "on.aws",
+        "googleapis.com", "gstatic.com", "google.com", "pkg.dev", "gvt1.com",
+        "azure.com", "microsoft.com", "windows.net", "microsoftonline.com", "azureedge.net",
+        "github.com", "githubusercontent.com", "akamai.net", "akamaiedge.net",
+        "sentry.io", "datadoghq.com", "ntp.org", "docker.io", "docker.com",
+        "pythonhosted.org", "npmjs.org", "huggingface.co", "cloudflare.com",
+    }
+)  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class Applied:
@@ -37,6 +56,8 @@ class Applied:
             return None
         if o is SPECIAL:
             return "not scored: special-use name, never delegated"
+        if _builtin(o):
+            return f"limits x{o.limit_scale:g}: built in, {o.zone} is a provider zone"
         if o.exempt:
             return f"not scored: spec.tunnel.zones exempts {o.zone}"
         if o.limit_scale != 1.0:
@@ -44,9 +65,17 @@ class Applied:
         return f"scored as its own zone: spec.tunnel.zones names {o.zone}"
 
 
+_PROVIDER = {z: TunnelZoneOverride(z, limit_scale=PROVIDER_SCALE) for z in PROVIDER_ZONES}
+
+
+def _builtin(o: TunnelZoneOverride) -> bool:
+    return _PROVIDER.get(o.zone) is o
+
+
 class Overrides:
     def __init__(self, zones: Iterable[TunnelZoneOverride]) -> None:
-        self._by_zone = {o.zone.lower().rstrip("."): o for o in zones}
+        own = {o.zone.lower().rstrip("."): o for o in zones}
+        self._by_zone = {**_PROVIDER, **own}
         # Zones below their registered domain: names under them are scored there.
         self._below = frozenset(z for z in self._by_zone if split_name(z).labels)
 

@@ -39,7 +39,8 @@ LEFT = POSITIONS  # contexts LEFT..LEFT+7: positions counted from the left inste
 COUNT = 2 * POSITIONS  # context: the number of labels
 TYPE = COUNT + 1  # context: the record type
 ZONE = COUNT + 2  # context (sandbox table only): which zone
-CONTEXTS = COUNT + 3
+TOKEN = COUNT + 3  # context: the parts of a hyphenated label ("us", "east", "1")
+CONTEXTS = COUNT + 4
 PROBES = 4
 MAX_COUNT = 65535
 ZONE_SLOTS = 512  # per zone: 2 KiB
@@ -52,6 +53,7 @@ SANDBOX_SLOTS = 4096  # per sandbox: 16 KiB
 CLASS_BITS = 3.0
 LENGTH_BITS = 6.0
 COUNT_BITS = 5.0  # a label count never seen (up to 127 labels)
+TOKENS_BITS = 4.0  # how many hyphen-separated parts a label spelled by its parts has
 COMMON_TYPES = frozenset({1, 2, 5, 6, 12, 15, 16, 28, 33, 35, 64, 65, 257})
 COMMON_TYPE_BITS = 4.0
 OTHER_TYPE_BITS = 16.0
@@ -147,7 +149,24 @@ def new_name_bits(zone: Vocab, sandbox: Vocab, parts: tuple[str, ...], qtype: in
     for i, key in enumerate(keys):
         _learn(zone, sandbox, min(last - i, POSITIONS - 1), key)
         _learn(zone, sandbox, LEFT + min(i, POSITIONS - 1), key)
+        if "-" in parts[i]:
+            for token in parts[i].split("-"):
+                _learn(zone, sandbox, TOKEN, hash(token))
     return bits + right + type_price(zone, sandbox, qtype)
+
+
+def spell(zone: Vocab, sandbox: Vocab, label: str) -> float:
+    """Bits for a label neither table knows: spelled, or (one bit says which) as its
+    hyphen-separated parts, each a symbol of its own (``ap-southeast-4`` after
+    ``ap-southeast-1``: two known parts and a digit)."""
+    direct = label_bits(label)
+    if "-" not in label:
+        return direct
+    parts = label.split("-")
+    by_parts = TOKENS_BITS + sum(
+        _symbol(zone, sandbox, TOKEN, hash(p), label_bits(p), learn=False) for p in parts
+    )
+    return 1.0 + min(direct, by_parts)
 
 
 def type_price(zone: Vocab, sandbox: Vocab, qtype: int) -> float:
@@ -180,7 +199,7 @@ def _symbol(
         if known is not None:
             bits += known
         else:
-            bits += sandbox.escape(ctx) + (spelled if spelled >= 0 else label_bits(label))
+            bits += sandbox.escape(ctx) + (spelled if spelled >= 0 else spell(zone, sandbox, label))
     if learn:
         _learn(zone, sandbox, ctx, key)
     return bits

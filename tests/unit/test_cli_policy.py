@@ -198,6 +198,7 @@ def test_check_benign_name_scores_nothing(capsys: pytest.CaptureFixture[str]) ->
     assert out.splitlines()[0] == "allow"
     assert out.splitlines()[-1] == (
         "tunnel: files.pythonhosted.org score 0.00 (zone pythonhosted.org): nothing unusual"
+        " [limits x4: built in, pythonhosted.org is a provider zone]"
     )
 
 
@@ -258,8 +259,10 @@ def test_names_replay_without_verdict(capsys: pytest.CaptureFixture[str], tmp_pa
     assert (status, err) == (0, "")
     assert out.splitlines() == [
         "allow  score  0.00  pypi.org A",
-        "allow  score  0.00  files.pythonhosted.org AAAA",
-        "allow  score  0.00  Files.PythonHosted.org. AAAA",
+        "allow  score  0.00  files.pythonhosted.org AAAA"
+        "  [limits x4: built in, pythonhosted.org is a provider zone]",
+        "allow  score  0.00  Files.PythonHosted.org. AAAA"
+        "  [limits x4: built in, pythonhosted.org is a provider zone]",
         "3 names: 3 allowed, 0 denied; no tunnel verdict",
     ]
 
@@ -341,16 +344,17 @@ def test_names_policy_thresholds_reach_the_scorer(
     )
 
 
+@pytest.mark.parametrize("corpus", [BENIGN, BENIGN.with_name("benign_extra.txt")])
 def test_names_benign_corpus_has_no_verdict(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, corpus: Path
 ) -> None:
-    queries = [line.split() for line in BENIGN.read_text().splitlines() if line[:1] != "#"]
+    queries = [line.split() for line in corpus.read_text().splitlines() if line[:1] != "#"]
     tlds = sorted({q[0].rstrip(".").rsplit(".", 1)[-1] for q in queries})
     types = "[A, AAAA, CNAME, HTTPS, TXT, SRV, PTR, MX, NS, CAA]"
     rules = "".join(f'      - {{name: "**.{tld}", types: {types}}}\n' for tld in tlds)
     policy = tmp_path / "all.yaml"
     policy.write_text(LAB.split("    allow:\n")[0] + "    allow:\n" + rules)
-    status, out, _ = run(capsys, "check", str(policy), "--names", str(BENIGN))
+    status, out, _ = run(capsys, "check", str(policy), "--names", str(corpus))
     assert out.splitlines()[-1] == (
         f"{len(queries)} names: {len(queries)} allowed, 0 denied; no tunnel verdict"
     )
