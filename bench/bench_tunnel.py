@@ -9,22 +9,31 @@ iodine/dns2tcp/slow-channel streams and real captures). Prints:
 - detection delay for each sample stream: queries and bytes of subdomain text forwarded
   upstream before the verdict (budget 2,048 B; slow channels 4,096 B);
 - false verdicts on the benign corpus at a realistic rate (one query every 2 s on average)
-  and in bursts like a parallel ``pip install`` / ``npm install`` (150 and 400 names in 1 s).
+  and in bursts like a parallel ``pip install`` / ``npm install`` (150 and 400 names in 1 s),
+  both corpora (tests/data/benign_names.txt and benign_extra.txt) in one sandbox;
+- the adaptive channels of tests/support/channels.py: payload bytes the receiver decodes
+  from what was forwarded, fast (100 queries/s; budget 1 KB) and slow (one query every
+  10 s, and every 10-60 s at random, for 2 h; budget 2 KB in either hour).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from egress.model import TunnelSpec, TunnelZoneOverride
-from egress.tunnel import TunnelScorer, TunnelVerdict
-from egress.tunnel.features import name_features
-from egress.tunnel.labels import split_name
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repo root: tests.support.channels
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+from egress.model import TunnelSpec, TunnelZoneOverride  # noqa: E402
+from egress.tunnel import TunnelScorer, TunnelVerdict  # noqa: E402
+from egress.tunnel.features import name_features  # noqa: E402
+from egress.tunnel.labels import split_name  # noqa: E402
+from tests.support import channels as ch  # noqa: E402
+
+DATA = ROOT / "tests" / "data"
 TYPES = {"A": 1, "NS": 2, "CNAME": 5, "NULL": 10, "PTR": 12, "MX": 15, "TXT": 16, "KEY": 25}
 TYPES |= {"AAAA": 28, "SRV": 33, "HTTPS": 65, "CAA": 257, "PRIVATE": 65399}
 
@@ -79,10 +88,12 @@ def print_costs(benign: list[tuple[str, int]]) -> None:
     rng = random.Random(1)
     short = [(f"{rng.getrandbits(40):x}.z{i % 50}.example.com", 1) for i in range(20_000)]
     iodine = [q for p in sorted((DATA / "tunnel_samples").glob("iodine_*.txt")) for q in read(p)]
+    words = ch.words(16, 8).queries(random.Random(2).randbytes(40_000), ["exfil-lab.com"])
     print("cost of observe_query per query (µs)      median      p99")
     for label, queries, cold in (
         ("benign corpus, replayed 5x", benign * 5, False),
         ("unique short names", short, True),
+        ("unique 8-word names (cold)", words, True),
         ("unique iodine-sized names (cold)", iodine, True),
     ):
         median, p99 = cost(queries, cold)
@@ -122,11 +133,57 @@ def print_false_verdicts(benign: list[tuple[str, int]]) -> None:
         print(f"  {label:<28} false verdicts {len(verdicts)} / {n:,} queries")
 
 
+def channel_run(
+    channel: ch.Channel, gaps: list[float], payload: bytes
+) -> tuple[TunnelVerdict | None, list[tuple[float, tuple[str, int]]], list[str]]:
+    zones = (
+        [f"s{i}.exfil-lab.net" for i in range(16)]
+        if channel.zones == 16
+        else [f"exfil{i}-lab.net" for i in range(channel.zones)]
+    )
+    clock = Clock()
+    scorer = TunnelScorer(TunnelSpec(), clock)
+    start, sent = clock.now, []
+    for query, gap in zip(channel.queries(payload, zones), gaps, strict=False):
+        clock.now += gap
+        verdict = scorer.observe_query(*query)
+        if verdict is not None:
+            return verdict, sent, zones
+        scorer.observe_response(query[0], 0)
+        sent.append((clock.now - start, query))
+    return None, sent, zones
+
+
+def print_channels() -> None:
+    payload = random.Random(3).randbytes(32768)
+    print("\nadaptive channels: payload bytes decoded by the receiver (budgets 1 KB; 2 KB/h)")
+    print(f"  {'channel':<34} {'fast: decoded':>13} {'queries':>8}  {'slow: worst hour':>16}  rule")
+    for channel in ch.all_channels():
+        verdict, sent, zones = channel_run(channel, [0.01] * 20_000, payload)
+        fast = len(channel.decode_all((q for _, q in sent), zones))
+        worst, rules = 0, []
+        for pace in ("10", "10-60"):
+            rng = random.Random(channel.name)
+            gaps = [10.0 if pace == "10" else rng.uniform(10, 60) for _ in range(720)]
+            slow_verdict, slow_sent, _ = channel_run(channel, gaps, payload)
+            for hour in (0, 1):
+                got = [q for t, q in slow_sent if hour * 3600 <= t < (hour + 1) * 3600]
+                worst = max(worst, len(channel.decode_all(got, zones)))
+            rules.append(slow_verdict.reasons[0].rule if slow_verdict else "none")
+        fast_rule = verdict.reasons[0].rule if verdict else "NOT DETECTED"
+        flag = "ok" if verdict and fast <= 1024 and worst <= 2048 else "OVER BUDGET"
+        print(
+            f"  {channel.name:<34} {fast:11,d} B {len(sent):8d}  {worst:14,d} B  "
+            f"{flag}: {fast_rule}; slow {'/'.join(rules)}"
+        )
+
+
 def main() -> None:
-    benign = read(DATA / "benign_names.txt")
+    benign = read(DATA / "benign_names.txt") + read(DATA / "benign_extra.txt")
     print_costs(benign)
     print_delays()
     print_false_verdicts(benign)
+    print_channels()
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ def _tunnel() -> Schema:
                 **count,
                 "maximum": MAX_ZONES,
                 "default": d.max_zones,
-                "description": "Zones tracked per sandbox (about 3.4 KiB each).",
+                "description": "Zones tracked per sandbox (about 7 KiB each).",
             },
             "zones": {
                 "type": "array",

@@ -83,7 +83,7 @@ TUNNEL_KEYS = (
 )
 ZONE_KEYS = ("zone", "exempt", "scale")
 MAX_WINDOW = 86400  # a day: longer windows would only hide that the limits are too high
-MAX_ZONES = 4096  # about 3.4 KiB each per sandbox: 14 MiB at most
+MAX_ZONES = 4096  # about 7 KiB each per sandbox: 28 MiB at most
 ZONE_EXAMPLE = "{zone: example.com, exempt: true} or {zone: example.com, scale: 4}"
 
 
@@ -149,7 +149,7 @@ def _count(node: Node, key: str) -> int:
     if key == "max_zones" and value > MAX_ZONES:
         raise ValueError(
             f"{value} is more than the limit of {MAX_ZONES} (each tracked zone costs "
-            "about 3.4 KiB per sandbox)"
+            "about 7 KiB per sandbox)"
         )
     return value
 

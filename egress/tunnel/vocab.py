@@ -134,25 +134,40 @@ def new_name_bits(zone: Vocab, sandbox: Vocab, parts: tuple[str, ...], qtype: in
     pays the cheaper plus one bit. The left reading is what makes a name asked again
     under a search domain (``pypi.org`` then ``pypi.org.corp``) cheap."""
     bits = _symbol(zone, sandbox, COUNT, len(parts), COUNT_BITS)
-    keys = [hash(label) for label in parts]
     last = len(parts) - 1
+    keys = [hash(label) for label in parts]
+    rights = [min(last - i, POSITIONS - 1) for i in range(last + 1)]
+    known_r = [zone.price(ctx, key) for ctx, key in zip(rights, keys, strict=True)]
     right = sum(
-        _symbol(zone, sandbox, min(last - i, POSITIONS - 1), key, -1.0, parts[i], learn=False)
-        for i, key in enumerate(keys)
+        k if k is not None else _fallback(zone, sandbox, ctx, key, parts[i])
+        for i, (ctx, key, k) in enumerate(zip(rights, keys, known_r, strict=True))
     )
-    if last > 0:
+    lefts = [LEFT + min(i, POSITIONS - 1) for i in range(last + 1)] if last else []
+    known_l = [zone.price(ctx, key) for ctx, key in zip(lefts, keys, strict=False)]
+    if last:
         left = sum(
-            _symbol(zone, sandbox, LEFT + min(i, POSITIONS - 1), key, -1.0, parts[i], learn=False)
-            for i, key in enumerate(keys)
+            k if k is not None else _fallback(zone, sandbox, ctx, key, parts[i])
+            for i, (ctx, key, k) in enumerate(zip(lefts, keys, known_l, strict=True))
         )
         right = 1.0 + min(right, left)
-    for i, key in enumerate(keys):
-        _learn(zone, sandbox, min(last - i, POSITIONS - 1), key)
-        _learn(zone, sandbox, LEFT + min(i, POSITIONS - 1), key)
-        if "-" in parts[i]:
-            for token in parts[i].split("-"):
+    for ctx, key, k in zip(rights + lefts, keys + keys, known_r + known_l, strict=False):
+        if k is None:
+            sandbox.learn(ctx, key)
+        zone.learn(ctx, key)
+    for label in parts:
+        if "-" in label:
+            for token in label.split("-"):
                 _learn(zone, sandbox, TOKEN, hash(token))
     return bits + right + type_price(zone, sandbox, qtype)
+
+
+def _fallback(zone: Vocab, sandbox: Vocab, ctx: int, key: int, label: str) -> float:
+    """A label the zone has not seen in ``ctx``: the escape, then the sandbox's price."""
+    bits = zone.escape(ctx)
+    known = sandbox.price(ctx, key)
+    if known is not None:
+        return bits + known
+    return bits + sandbox.escape(ctx) + spell(zone, sandbox, label)
 
 
 def spell(zone: Vocab, sandbox: Vocab, label: str) -> float:
@@ -206,5 +221,8 @@ def _symbol(
 
 
 def _learn(zone: Vocab, sandbox: Vocab, ctx: int, key: int) -> None:
+    # The sandbox table learns a symbol once per zone that uses it: its counts say in how
+    # many zones a label is common, which is what a zone's first use of it should pay.
+    if zone.price(ctx, key) is None:
+        sandbox.learn(ctx, key)
     zone.learn(ctx, key)
-    sandbox.learn(ctx, key)

@@ -5,18 +5,24 @@ Only queries with a subdomain reach it: a name that IS a registered domain carri
 its owner's nameserver could read. A unique subdomain adds to:
 
   fast window (``window_s``, 10 buckets)   slow window (``slow_window_s``, 30 buckets)
-  - tunnel-shaped names (score >= limit)   - unique subdomains
+  - tunnel-shaped names (score >= limit)   - unique names
   - text of long names                     - information estimate
   - information estimate                   - unique subdomain text
   - unique subdomain text                  - responses, NXDOMAIN/REFUSED responses
-  - names asked with data-only types
+  - names asked with data-only types       - information in new names
+  - unique names
+  - information in new names
 
-Text and information count per new LABEL (``ZoneState.new_parts``), so the same name under
-several search suffixes, or labels every name shares, count once.
+Text and the (randomness-based) information estimate count per new LABEL
+(``ZoneState.new_parts``), so labels every name shares count once. What a vocabulary of
+known labels carries by its order, number and combination is the "information in new
+names": each new name (or new type of a known name) priced as an adaptive code against
+the names this zone has sent (``vocab``; the zone's ``Vocab`` table is here).
 
 A zone whose NXDOMAIN/REFUSED share is high (exfiltration needs no answer) has its
-information limits halved; not its plain-text limits, because search-domain expansion
-(``pypi.org.svc.cluster.local``) is plain text that always gets NXDOMAIN.
+randomness-based information limits halved; not its plain-text or name-information
+limits, because search-domain expansion (``pypi.org.svc.cluster.local``) is plain text
+that always gets NXDOMAIN.
 """
 
 from __future__ import annotations

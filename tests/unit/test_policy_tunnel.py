@@ -130,7 +130,7 @@ def test_bad_tunnel_file_reports_every_problem_with_its_position() -> None:
         "16:15: spec.tunnel.nx_ratio: must be greater than 0 and at most 1, got 1.5",
         "17:20: spec.tunnel.sandbox_scale: expected a finite number, got .inf",
         "18:16: spec.tunnel.max_zones: 100000 is more than the limit of 4096 (each tracked "
-        "zone costs about 3.4 KiB per sandbox)",
+        "zone costs about 7 KiB per sandbox)",
         "19:5: spec.tunnel: unknown key 'windw' (did you mean 'window'?); allowed: enabled, "
         "window, slow_window, name_score, shaped_names, long_text_bytes, info_bytes, "
         "text_bytes, data_type_names, names, name_info_bytes, slow_names, slow_info_bytes, "
