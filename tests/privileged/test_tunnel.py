@@ -69,8 +69,9 @@ def test_slow_exfiltration_is_frozen_before_4_kb(lab: Lab, shape: tn.Trickle) ->
     out = tn.run_exfil(lab, shape)
     assert_frozen_by_tunnel(out)
     assert out.bytes < 4096, out.describe()
-    if shape.name.startswith("under-fast-window"):
-        assert out.trigger is not None and " in 1 h " in out.trigger["detail"], out.describe()
+    if shape.name.startswith("short-labels"):
+        detail = out.trigger["detail"] if out.trigger else ""
+        assert "information in new names" in detail and " in 30 s " in detail, out.describe()
     assert out.rc == 137, out.describe()
     assert leftovers(out.sandbox, lab.uplink_netns) == []
 
