@@ -76,8 +76,7 @@ class TunnelScorer:
 
     def _sub_zone(self, name: str) -> str | None:
         """An override's zone below the registered domain that ``name`` is under."""
-        zone = self._overrides.zone_of(name)
-        return zone if zone != split_name(name).zone else None
+        return _below(self._overrides.zone_of(name), name)
 
     def observe_query(self, name: str, qtype: int) -> TunnelVerdict | None:
         """Account one allowed query; a verdict means: do not forward it."""
@@ -90,7 +89,7 @@ class TunnelScorer:
             verdict = self._verdicts.get(zone)
             if verdict is not None:
                 return verdict
-        f = name_features(name, None if zone == split_name(name).zone else zone)
+        f = name_features(name, _below(zone, name))
         if not f.labels:
             return None  # a bare registered domain carries nothing its owner could read
         state = self._state(f.zone)
@@ -154,16 +153,19 @@ class TunnelScorer:
         # the window (with the price of choosing among such zones), its text only if it is
         # random, long or data-typed. The allowance keeps a sandbox that asks a few names
         # in each of hundreds of zones (the benign corpus: 265) from adding up to a tunnel.
-        if state.scale <= 1.0:
+        if state.scale > 1.0:
+            return out
+        free = self._spec.zone_free_bytes
+        fast = _over(state.fast.total(NAME_INFO), bits / 8, free)
+        slow = _over(state.slow.total(SLOW_NAME_INFO), bits / 8, free)
+        text = new and (shaped or f.info_bytes or f.long or points)
+        if fast or slow or text:  # nothing added, nothing the sum could newly cross
             everything = self._all
             everything.advance(now)
-            free = self._spec.zone_free_bytes
-            fast = _over(state.fast.total(NAME_INFO), bits / 8, free)
-            slow = _over(state.slow.total(SLOW_NAME_INFO), bits / 8, free)
             if fast or slow:
                 choice = vocab.zone_price(self._vocab, hash(state.zone)) / 8
                 everything.add_info(fast + choice if fast else 0.0, slow + choice if slow else 0.0)
-            if new and (shaped or f.info_bytes or f.long or points):
+            if text:
                 everything.add_unique(f, qtype, shaped)
             out += everything.crossings(self._spec, SANDBOX_RULES, self._all_limits)
         return out
@@ -207,6 +209,12 @@ class TunnelScorer:
         oldest = islice(self._zones.items(), EVICTION_SCAN)
         victim = min(oldest, key=lambda item: item[1].weight())[0]
         del self._zones[victim]
+
+
+def _below(zone: str, name: str) -> str | None:
+    """``zone`` if it lies below ``name``'s registered domain (a policy override's), else
+    None: ``name_features`` then splits at the registered domain itself."""
+    return zone if zone != split_name(name).zone else None
 
 
 def _over(total: float, added: float, free: float) -> float:

@@ -35,8 +35,7 @@ from array import array
 from egress.tunnel.entropy import alphabet_size
 
 POSITIONS = 8  # label positions with a context of their own; further out share the last
-LEFT = POSITIONS  # contexts LEFT..LEFT+7: positions counted from the left instead
-COUNT = 2 * POSITIONS  # context: the number of labels
+COUNT = POSITIONS  # context: the number of labels
 TYPE = COUNT + 1  # context: the record type
 ZONE = COUNT + 2  # context (sandbox table only): which zone
 TOKEN = COUNT + 3  # context: the parts of a hyphenated label ("us", "east", "1")
@@ -84,43 +83,33 @@ class Vocab:
         self._n = array("d", bytes(8 * CONTEXTS))
         self._d = array("d", bytes(8 * CONTEXTS))
 
-    def price(self, ctx: int, key: int) -> float | None:
-        """Bits for symbol ``key`` in ``ctx`` if this table knows it; None if it is new
-        (then it costs ``escape(ctx)`` plus its price elsewhere). Learns nothing."""
-        h = (key ^ _CTX_SALT[ctx]) & 0xFFFFFFFFFFFFFFFF
-        tag = (h >> 48) or 1
-        tags, mask = self._tags, self._mask
-        for i in range(PROBES):
-            slot = (h + i) & mask
-            if tags[slot] == tag:
-                return _log2((self._n[ctx] + self._d[ctx]) / self._counts[slot])
-        return None
+    def use(self, ctx: int, key: int) -> float:
+        """Price symbol ``key`` in ``ctx`` and count it, in one pass over its four slots.
 
-    def escape(self, ctx: int) -> float:
-        """Bits to say "a symbol this context has not seen"."""
-        d = self._d[ctx]
-        return _log2((self._n[ctx] + d) / d) if d else 0.0
-
-    def learn(self, ctx: int, key: int) -> None:
-        """Count one more ``key`` in ``ctx``; a new one takes an empty slot of its four, or
-        the least counted one's."""
+        A symbol this table knows costs ``log2((n + d) / c)``, returned as is (>= 0). A new
+        one takes an empty slot of its four, or the least counted one's, and the result is
+        ``-1 - escape``: the caller adds the escape, ``log2((n + d) / d)``, and prices the
+        symbol elsewhere. Both prices use the counts from before this symbol."""
         h = (key ^ _CTX_SALT[ctx]) & 0xFFFFFFFFFFFFFFFF
         tag = (h >> 48) or 1
         tags, counts, mask = self._tags, self._counts, self._mask
-        self._n[ctx] += 1
+        n, d = self._n[ctx], self._d[ctx]
+        self._n[ctx] = n + 1
         victim, low = -1, MAX_COUNT + 1
         for i in range(PROBES):
             slot = (h + i) & mask
             t = tags[slot]
             if t == tag:
-                if counts[slot] < MAX_COUNT:
-                    counts[slot] += 1
-                return
+                c = counts[slot]
+                if c < MAX_COUNT:
+                    counts[slot] = c + 1
+                return _log2((n + d) / c)
             c = counts[slot] if t else 0
             if c < low:
                 victim, low = slot, c
-        self._d[ctx] += 1
         tags[victim], counts[victim] = tag, 1
+        self._d[ctx] = d + 1
+        return -1.0 - (_log2((n + d) / d) if d else 0.0)
 
 
 def _log2(x: float) -> float:
@@ -128,46 +117,13 @@ def _log2(x: float) -> float:
 
 
 def new_name_bits(zone: Vocab, sandbox: Vocab, parts: tuple[str, ...], qtype: int) -> float:
-    """Price of a name the zone has not seen: its label count, its labels, its type.
-
-    Labels are priced by position from the zone and, separately, from the left; the name
-    pays the cheaper plus one bit. The left reading is what makes a name asked again
-    under a search domain (``pypi.org`` then ``pypi.org.corp``) cheap."""
+    """Price of a name the zone has not seen: its label count, its labels by position
+    from the zone, its type."""
     bits = _symbol(zone, sandbox, COUNT, len(parts), COUNT_BITS)
     last = len(parts) - 1
-    keys = [hash(label) for label in parts]
-    rights = [min(last - i, POSITIONS - 1) for i in range(last + 1)]
-    known_r = [zone.price(ctx, key) for ctx, key in zip(rights, keys, strict=True)]
-    right = sum(
-        k if k is not None else _fallback(zone, sandbox, ctx, key, parts[i])
-        for i, (ctx, key, k) in enumerate(zip(rights, keys, known_r, strict=True))
-    )
-    lefts = [LEFT + min(i, POSITIONS - 1) for i in range(last + 1)] if last else []
-    known_l = [zone.price(ctx, key) for ctx, key in zip(lefts, keys, strict=False)]
-    if last:
-        left = sum(
-            k if k is not None else _fallback(zone, sandbox, ctx, key, parts[i])
-            for i, (ctx, key, k) in enumerate(zip(lefts, keys, known_l, strict=True))
-        )
-        right = 1.0 + min(right, left)
-    for ctx, key, k in zip(rights + lefts, keys + keys, known_r + known_l, strict=False):
-        if k is None:
-            sandbox.learn(ctx, key)
-        zone.learn(ctx, key)
-    for label in parts:
-        if "-" in label:
-            for token in label.split("-"):
-                _learn(zone, sandbox, TOKEN, hash(token))
-    return bits + right + type_price(zone, sandbox, qtype)
-
-
-def _fallback(zone: Vocab, sandbox: Vocab, ctx: int, key: int, label: str) -> float:
-    """A label the zone has not seen in ``ctx``: the escape, then the sandbox's price."""
-    bits = zone.escape(ctx)
-    known = sandbox.price(ctx, key)
-    if known is not None:
-        return bits + known
-    return bits + sandbox.escape(ctx) + spell(zone, sandbox, label)
+    for i, label in enumerate(parts):
+        bits += _symbol(zone, sandbox, min(last - i, POSITIONS - 1), hash(label), -1.0, label)
+    return bits + type_price(zone, sandbox, qtype)
 
 
 def spell(zone: Vocab, sandbox: Vocab, label: str) -> float:
@@ -177,9 +133,8 @@ def spell(zone: Vocab, sandbox: Vocab, label: str) -> float:
     direct = label_bits(label)
     if "-" not in label:
         return direct
-    parts = label.split("-")
     by_parts = TOKENS_BITS + sum(
-        _symbol(zone, sandbox, TOKEN, hash(p), label_bits(p), learn=False) for p in parts
+        _symbol(zone, sandbox, TOKEN, hash(p), label_bits(p)) for p in label.split("-")
     )
     return 1.0 + min(direct, by_parts)
 
@@ -191,38 +146,22 @@ def type_price(zone: Vocab, sandbox: Vocab, qtype: int) -> float:
 
 def zone_price(sandbox: Vocab, zone_key: int) -> float:
     """Price of the choice of zone, over the sandbox: a payload spread over zones pays it."""
-    bits = sandbox.price(ZONE, zone_key)
-    if bits is None:
-        bits = sandbox.escape(ZONE)
-    sandbox.learn(ZONE, zone_key)
-    return bits
+    bits = sandbox.use(ZONE, zone_key)
+    return bits if bits >= 0 else -1.0 - bits
 
 
 def _symbol(
-    zone: Vocab,
-    sandbox: Vocab,
-    ctx: int,
-    key: int,
-    spelled: float,
-    label: str = "",
-    learn: bool = True,
+    zone: Vocab, sandbox: Vocab, ctx: int, key: int, spelled: float, label: str = ""
 ) -> float:
-    bits = zone.price(ctx, key)
-    if bits is None:
-        bits = zone.escape(ctx)
-        known = sandbox.price(ctx, key)
-        if known is not None:
-            bits += known
-        else:
-            bits += sandbox.escape(ctx) + (spelled if spelled >= 0 else spell(zone, sandbox, label))
-    if learn:
-        _learn(zone, sandbox, ctx, key)
-    return bits
-
-
-def _learn(zone: Vocab, sandbox: Vocab, ctx: int, key: int) -> None:
-    # The sandbox table learns a symbol once per zone that uses it: its counts say in how
-    # many zones a label is common, which is what a zone's first use of it should pay.
-    if zone.price(ctx, key) is None:
-        sandbox.learn(ctx, key)
-    zone.learn(ctx, key)
+    """Price and count one symbol: the zone's price; or its escape and the sandbox's price
+    (the sandbox table counts a symbol once per zone that uses it: how many zones have it
+    is what a zone's first use should pay); or both escapes and its spelling (``spelled``,
+    or ``spell(label)`` when negative)."""
+    bits = zone.use(ctx, key)
+    if bits >= 0:
+        return bits
+    escape = -1.0 - bits
+    known = sandbox.use(ctx, key)
+    if known >= 0:
+        return escape + known
+    return escape - 1.0 - known + (spelled if spelled >= 0 else spell(zone, sandbox, label))

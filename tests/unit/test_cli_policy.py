@@ -302,7 +302,7 @@ def test_names_replay_catches_iodine(capsys: pytest.CaptureFixture[str], tmp_pat
         f"  query: {queries[6]} A (not forwarded)",
         "  score: 1.06 (largest value/limit of the limits crossed)",
         "  reason: shaped_names: tunnel-shaped names 3 in 30 s >= 3 (name score >= 3)",
-        "  reason: name_info_bytes: information in new names 409 B in 30 s > 384 B",
+        "  reason: name_info_bytes: information in new names 408 B in 30 s > 384 B",
         "  before: 6 queries forwarded, 444 B of subdomain text, 6 unique subdomains",
         "  types: A 6",
         f"{len(queries)} names: {len(queries)} allowed, 0 denied; 1 tunnel verdict",
