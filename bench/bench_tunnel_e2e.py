@@ -15,8 +15,12 @@ tests/privileged/test_tunnel.py runs them (helpers: tests/support/tunnels.py). P
 
 Rows: iodine for every query type x downstream encoding (one attempt, as the tests run
 it); iodine A and CNAME again as a persistent attacker that restarts iodine whenever it
-gives up ("loop"); dns2tcp TXT and KEY; with --slow, the tests' two slow exfiltration
-shapes (about a minute). No assertions: figures only.
+gives up ("loop"); dns2tcp TXT and KEY; adaptive channels of tests/support/channels.py
+as the sandbox's own workload at 100 names/s (word lists, joined words, counter, base36
+chunks; "data" is the payload the receiver decodes from what reached the lab server,
+budget 1 KB); with --slow, the tests' two slow exfiltration shapes and base36 chunks at
+one name a second under a 10 min slow window limited to 512 B (a few minutes). No
+assertions: figures only.
 
     .venv/bin/python bench/bench_tunnel_e2e.py [--repeat N] [--only REGEX] [--slow]
 """
@@ -38,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.support
 
 from egress.lab import Lab
+from tests.support import channels
 from tests.support import tunnels as tn
 
 HEADER = (
@@ -65,10 +70,49 @@ def cases(slow: bool) -> list[tuple[str, Callable[[Lab], tn.Outcome]]]:
         out.append((f"iodine {t}/base32 loop", loop))
     for t in ("TXT", "KEY"):
         out.append((f"dns2tcp {t}", partial(tn.run_dns2tcp, qtype=t)))
+    names = [c.name for c in channels.all_channels()]
+    for name in FAST_CHANNELS:
+        out.append((f"channel {name}", partial(channel, index=names.index(name), rate=100)))
     if slow:
         for shape in tn.SLOW:
             out.append((f"exfil {shape.name}", partial(tn.run_exfil, shape=shape)))
+        out.append(
+            (
+                "channel base36 12, 1/s, slow window",
+                partial(
+                    channel,
+                    index=names.index("base36 12"),
+                    rate=1,
+                    cap=2048,
+                    tunnel=tn.SLOW_WINDOW_TUNNEL,
+                    timeout=180,
+                ),
+            )
+        )
     return out
+
+
+FAST_CHANNELS = (
+    "words 16x8",
+    "words 256x4",
+    "joined words 64: 3x2",
+    "decimal counter",
+    "base36 12",
+)
+
+
+def channel(
+    lab: Lab,
+    index: int,
+    rate: float,
+    cap: int = 8192,
+    tunnel: str = tn.DETECT,
+    timeout: float = 120.0,
+) -> tn.Outcome:
+    """A channel run as an Outcome row, its "data" the payload decoded at the lab server."""
+    run = tn.run_channel(lab, index, rate, cap, tunnel, timeout)
+    run.outcome.data = [f"{run.decoded} B decoded"]
+    return run.outcome
 
 
 def rule(out: tn.Outcome) -> str:
@@ -83,7 +127,10 @@ def row(name: str, out: tn.Outcome) -> tuple[str, ...]:
     f = out.freeze
     detect = f"{out.detect_s * 1000:.0f}" if out.detect_s is not None else "-"
     latency = f"{f['latency_ms']:.1f}" if f and f.get("latency_ms") is not None else "-"
-    data = "none" if not out.data else f"{len(out.data)} ({out.data[-1]})"
+    if out.tool == "channel":
+        data = out.data[0]
+    else:
+        data = "none" if not out.data else f"{len(out.data)} ({out.data[-1]})"
     return (
         name,
         "yes" if out.frozen else "NO",

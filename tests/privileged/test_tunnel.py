@@ -99,10 +99,7 @@ def test_slow_channel_is_caught_by_the_slow_window(lab: Lab) -> None:
     (shortened to 10 min, its limit to 512 B, so the test takes a minute and not an hour:
     the unit tests run the defaults over two hours of fake time) freezes it, with no more
     decoded at the lab server than that limit."""
-    tunnel = (
-        "{zones: [{zone: lab.test, exempt: false}], slow_window: 10m, slow_name_info_bytes: 512}"
-    )
-    run = tn.run_channel(lab, BASE36, rate=1, cap=2048, tunnel=tunnel, timeout=180)
+    run = tn.run_channel(lab, BASE36, rate=1, cap=2048, tunnel=tn.SLOW_WINDOW_TUNNEL, timeout=180)
     out = run.outcome
     assert_frozen_by_tunnel(out)
     assert " in 10 min " in out.trigger["detail"], out.describe()

@@ -961,6 +961,12 @@ while True:
     time.sleep(60)
 """
 QTYPES = {"A": 1, "AAAA": 28}
+# The slow window shortened to 10 min and its name-information limit to 512 B, so that a
+# slow channel is caught in a minute or two rather than an hour (the defaults over 2 h
+# run on the fake clock: tests/unit/test_tunnel_channels.py).
+SLOW_WINDOW_TUNNEL = (
+    "{zones: [{zone: lab.test, exempt: false}], slow_window: 10m, slow_name_info_bytes: 512}"
+)
 
 
 @dataclass
