@@ -56,7 +56,7 @@ class TunnelScorer:
         self._zones: OrderedDict[str, ZoneState] = OrderedDict()
         self._verdicts: dict[str, TunnelVerdict] = {}
         self._all = ZoneState(ALL_ZONES, config, config.sandbox_scale)
-        self._vocab = vocab.Vocab(vocab.SANDBOX_SLOTS)  # every zone's labels, for new ones
+        self._vocab = self._all.vocab  # every zone's labels, for the ones a zone lacks
         self._overrides = Overrides(config.zones)
         self._search = tuple("." + s for s in config.search_domains)
         self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale, whole=True)

@@ -11,9 +11,10 @@ compressor would price it, given the names its zone has already sent:
 - a symbol's price is ``log2((n + d) / c)``: PPM's method C over the ``n`` symbols of
   ``d`` kinds that context has seen, ``c`` of them this one. A symbol the zone has not
   seen pays the escape, ``log2((n + d) / d)``, then its price in the sandbox-wide table
-  (the same contexts over every zone, so ``www``/``api``/``cdn`` are cheap in any zone),
-  and if that has not seen it either, its spelling: alphabet and length, then
-  ``len x log2(alphabet)`` (``label_bits``).
+  (the same contexts, counting a symbol once per zone that uses it, so ``www``/``api``/
+  ``cdn`` are cheap in any zone), and if that has not seen it either, its spelling:
+  alphabet and length, then ``len x log2(alphabet)`` (``label_bits``), or for a
+  hyphenated label its parts as symbols of their own, whichever is cheaper.
 
 That is the length of a code a receiver could decode, so no encoding of data in the
 choice, order, number or combination of labels or types can carry more than it

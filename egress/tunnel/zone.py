@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from egress.model import TunnelSpec
 from egress.tunnel.features import TXT, NameFeatures, data_type_name
 from egress.tunnel.verdict import Crossing
-from egress.tunnel.vocab import ZONE_SLOTS, Vocab
+from egress.tunnel.vocab import SANDBOX_SLOTS, ZONE_SLOTS, Vocab
 from egress.tunnel.window import Ring, Seen
 
 # Fast-window metrics
@@ -119,7 +119,8 @@ class ZoneState:
         self.fast = Ring(spec.window_s, FAST_BUCKETS, 7)
         self.slow = Ring(spec.slow_window_s, SLOW_BUCKETS, 6)
         self.seen = Seen()
-        self.vocab = Vocab(ZONE_SLOTS)
+        # The sum over all zones keeps the sandbox-wide table (``vocab``'s fallback).
+        self.vocab = Vocab(SANDBOX_SLOTS if zone == ALL_ZONES else ZONE_SLOTS)
         self.queries = 0  # forwarded queries (not the one a verdict stopped)
         self.bytes = 0  # their subdomain text, repeats included
         self.unique = 0
