@@ -31,6 +31,7 @@ from egress.model import TunnelSpec, TunnelZoneOverride  # noqa: E402
 from egress.tunnel import TunnelScorer, TunnelVerdict  # noqa: E402
 from egress.tunnel.features import name_features  # noqa: E402
 from egress.tunnel.labels import split_name  # noqa: E402
+from tests.support import channel_replay as cr  # noqa: E402
 from tests.support import channels as ch  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
@@ -133,42 +134,19 @@ def print_false_verdicts(benign: list[tuple[str, int]]) -> None:
         print(f"  {label:<28} false verdicts {len(verdicts)} / {n:,} queries")
 
 
-def channel_run(
-    channel: ch.Channel, gaps: list[float], payload: bytes
-) -> tuple[TunnelVerdict | None, list[tuple[float, tuple[str, int]]], list[str]]:
-    zones = (
-        [f"s{i}.exfil-lab.net" for i in range(16)]
-        if channel.zones == 16
-        else [f"exfil{i}-lab.net" for i in range(channel.zones)]
-    )
-    clock = Clock()
-    scorer = TunnelScorer(TunnelSpec(), clock)
-    start, sent = clock.now, []
-    for query, gap in zip(channel.queries(payload, zones), gaps, strict=False):
-        clock.now += gap
-        verdict = scorer.observe_query(*query)
-        if verdict is not None:
-            return verdict, sent, zones
-        scorer.observe_response(query[0], 0)
-        sent.append((clock.now - start, query))
-    return None, sent, zones
-
-
 def print_channels() -> None:
     payload = random.Random(3).randbytes(32768)
     print("\nadaptive channels: payload bytes decoded by the receiver (budgets 1 KB; 2 KB/h)")
     print(f"  {'channel':<34} {'fast: decoded':>13} {'queries':>8}  {'slow: worst hour':>16}  rule")
     for channel in ch.all_channels():
-        verdict, sent, zones = channel_run(channel, [0.01] * 20_000, payload)
-        fast = len(channel.decode_all((q for _, q in sent), zones))
+        verdict, sent = cr.replay(channel, [0.01] * 20_000, payload)
+        fast = cr.decoded(channel, sent)
         worst, rules = 0, []
         for pace in ("10", "10-60"):
             rng = random.Random(channel.name)
             gaps = [10.0 if pace == "10" else rng.uniform(10, 60) for _ in range(720)]
-            slow_verdict, slow_sent, _ = channel_run(channel, gaps, payload)
-            for hour in (0, 1):
-                got = [q for t, q in slow_sent if hour * 3600 <= t < (hour + 1) * 3600]
-                worst = max(worst, len(channel.decode_all(got, zones)))
+            slow_verdict, slow_sent = cr.replay(channel, gaps, payload)
+            worst = max(worst, *cr.per_hour(channel, slow_sent))
             rules.append(slow_verdict.reasons[0].rule if slow_verdict else "none")
         fast_rule = verdict.reasons[0].rule if verdict else "NOT DETECTED"
         flag = "ok" if verdict and fast <= 1024 and worst <= 2048 else "OVER BUDGET"

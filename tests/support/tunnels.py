@@ -733,35 +733,40 @@ def run_exfil(
 ) -> Outcome:
     """The generator as the sandbox's own (unprivileged) workload against an attacker's
     nameserver for T_ZONE that answers everything; stops at ``cap`` bytes if never frozen."""
+    args = (str(shape.rate), str(shape.size), "1" if shape.seq else "0", str(cap), T_ZONE)
+    return _trickle(lab, "exfil", shape.name, EXFIL, args, {}, cap, tunnel, timeout)
+
+
+def _trickle(
+    lab: Lab,
+    tool: str,
+    name: str,
+    script: str,
+    args: tuple[str, ...],
+    files: Mapping[str, str],
+    cap: int,
+    tunnel: str,
+    timeout: float,
+) -> Outcome:
+    """``script`` (it writes "QUERIES BYTES" to board/progress, and stops at ``cap``
+    bytes) as the sandbox's workload, A queries under T_ZONE allowed, against an
+    attacker's nameserver that answers everything; frozen, or given up once it sent all."""
     text = policy(['{name: "**.t.lab.test", types: [A]}'], tunnel)
     servers = Servers(lab)
     try:
         answerer = servers.role("answerer")
         start_script(lab, answerer, ANSWERER, str(IODINE_PORT), ready="answering")
-        args = (str(shape.rate), str(shape.size), "1" if shape.seq else "0", str(cap), T_ZONE)
-        with sandbox(lab, text, EXFIL, *args) as box:
+        with sandbox(lab, text, script, *args, files=files) as box:
             lab.clear_queries()
             started = time.time()
             (box.board / "go").touch()
             done = box.board / "progress"
 
-            def finished() -> bool:  # the generator sent all it had: nothing will freeze
+            def finished() -> bool:  # the workload sent all it had: nothing will freeze
                 return progress(done)[1] >= cap
 
             freeze = box.wait_frozen(timeout, give_up=finished)
-            out = _outcome(
-                box,
-                lab,
-                "exfil",
-                "A",
-                shape.name,
-                T_ZONE,
-                freeze,
-                started,
-                box.board / "progress",
-                [],
-                None,
-            )
+            out = _outcome(box, lab, tool, "A", name, T_ZONE, freeze, started, done, [], None)
             _end(box, out)
         return out
     finally:
@@ -987,29 +992,14 @@ def run_channel(
     """Channel ``index`` of ``channels.all_channels()`` as the sandbox's unprivileged
     workload, against an attacker's nameserver for T_ZONE that answers everything."""
     channel = channels.all_channels()[index]
-    text = policy(['{name: "**.t.lab.test", types: [A]}'], tunnel)
-    servers = Servers(lab)
-    try:
-        answerer = servers.role("answerer")
-        start_script(lab, answerer, ANSWERER, str(IODINE_PORT), ready="answering")
-        args = (str(index), str(rate), str(cap), T_ZONE)
-        files = {"channels.py": CHANNELS_FILE.read_text()}
-        with sandbox(lab, text, CHANNEL, *args, files=files) as box:
-            lab.clear_queries()
-            started = time.time()
-            (box.board / "go").touch()
-            done = box.board / "progress"
+    args = (str(index), str(rate), str(cap), T_ZONE)
+    files = {"channels.py": CHANNELS_FILE.read_text()}
+    out = _trickle(lab, "channel", channel.name, CHANNEL, args, files, cap, tunnel, timeout)
+    got = [(q["qname"], QTYPES.get(q.get("qtype") or "A", 1)) for q in out.queries]
+    return ChannelRun(out, len(channel.decode_all(got, [T_ZONE])), _sent(out))
 
-            def finished() -> bool:
-                return progress(done)[1] >= cap
 
-            freeze = box.wait_frozen(timeout, give_up=finished)
-            out = _outcome(
-                box, lab, "channel", "A", channel.name, T_ZONE, freeze, started, done, [], None
-            )
-            _end(box, out)
-            got = [(q["qname"], QTYPES.get(q.get("qtype") or "A", 1)) for q in out.queries]
-            decoded = len(channel.decode_all(got, [T_ZONE]))
-        return ChannelRun(out, decoded, progress(done)[1])
-    finally:
-        servers.stop()
+def _sent(out: Outcome) -> int:
+    """Payload bytes the workload said it had sent (its last progress line)."""
+    lines = out.client_log.split()
+    return int(lines[-1]) if lines else 0

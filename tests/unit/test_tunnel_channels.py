@@ -17,7 +17,7 @@ import random
 import pytest
 
 from egress.model import TunnelSpec
-from egress.tunnel import TunnelScorer
+from tests.support import channel_replay as cr
 from tests.support import channels as ch
 
 FAST_BUDGET = 1024
@@ -26,47 +26,21 @@ PAYLOAD = random.Random(7).randbytes(32768)  # fixed: the figures repeat run to 
 CHANNELS = ch.all_channels()
 
 
-class Clock:
-    now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def zones_of(channel: ch.Channel) -> list[str]:
-    if channel.zones == 16:  # sibling subzones of one registered domain
-        return [f"s{i}.exfil-lab.net" for i in range(16)]
-    return [f"exfil{i}-lab.net" for i in range(channel.zones)]
-
-
 def replay(
     channel: ch.Channel, gaps: list[float], spec: TunnelSpec | None = None
-) -> tuple[bool, list[tuple[float, tuple[str, int]]]]:
-    """(verdict?, [(seconds since start, query)] of what was forwarded)."""
-    clock = Clock()
-    scorer = TunnelScorer(spec or TunnelSpec(), clock)
-    start, sent = clock.now, []
-    for query, gap in zip(channel.queries(PAYLOAD, zones_of(channel)), gaps, strict=False):
-        clock.now += gap
-        if scorer.observe_query(*query) is not None:
-            return True, sent
-        scorer.observe_response(query[0], 0)
-        sent.append((clock.now - start, query))
-    return False, sent
-
-
-def decoded(channel: ch.Channel, sent: list[tuple[float, tuple[str, int]]]) -> int:
-    return len(channel.decode_all((q for _, q in sent), zones_of(channel)))
+) -> tuple[bool, cr.Sent]:
+    verdict, sent = cr.replay(channel, gaps, PAYLOAD, spec)
+    return verdict is not None, sent
 
 
 @pytest.mark.parametrize("channel", CHANNELS, ids=[c.name for c in CHANNELS])
 def test_the_receiver_decodes_what_the_channel_sends(channel: ch.Channel) -> None:
     # The leak figures below are only true if decoding works: every payload byte back.
-    queries = channel.queries(PAYLOAD[:512], zones_of(channel))
+    queries = channel.queries(PAYLOAD[:512], cr.zones(channel))
     assert len({q for q in queries}) == len(queries)  # no repeats: every name is new
-    got = channel.decode_all(reversed(queries), zones_of(channel))
+    got = channel.decode_all(reversed(queries), cr.zones(channel))
     assert got[:512] == PAYLOAD[:512]
-    assert len(channel.decode_all(queries[:10], zones_of(channel))) == (
+    assert len(channel.decode_all(queries[:10], cr.zones(channel))) == (
         10 * channel.payload_bits // 8
     )
 
@@ -74,8 +48,8 @@ def test_the_receiver_decodes_what_the_channel_sends(channel: ch.Channel) -> Non
 @pytest.mark.parametrize("channel", CHANNELS, ids=[c.name for c in CHANNELS])
 def test_fast_channel_is_stopped_before_1_kb(channel: ch.Channel) -> None:
     caught, sent = replay(channel, [0.01] * 20_000)
-    assert caught, f"{channel.name}: no verdict, {decoded(channel, sent)} B decoded"
-    assert decoded(channel, sent) <= FAST_BUDGET
+    assert caught, f"{channel.name}: no verdict, {cr.decoded(channel, sent)} B decoded"
+    assert cr.decoded(channel, sent) <= FAST_BUDGET
 
 
 @pytest.mark.parametrize("channel", CHANNELS, ids=[c.name for c in CHANNELS])
@@ -84,16 +58,15 @@ def test_slow_channel_leaks_at_most_2_kb_an_hour(channel: ch.Channel, pace: str)
     rng = random.Random(channel.name)
     gaps = [10.0 if pace == "every 10 s" else rng.uniform(10, 60) for _ in range(720)]
     _, sent = replay(channel, gaps)
-    for hour in (0, 1):
-        in_hour = [(t, q) for t, q in sent if hour * 3600 <= t < (hour + 1) * 3600]
-        assert decoded(channel, in_hour) <= SLOW_BUDGET_PER_HOUR, (channel.name, hour)
+    hours = cr.per_hour(channel, sent)
+    assert max(hours) <= SLOW_BUDGET_PER_HOUR, (channel.name, hours)
 
 
 def test_the_word_list_attack_of_the_issue_is_stopped_early() -> None:
     # 8 words of 16 per name, 3,000 names in 30 s: 6,000 bytes arrived before this scorer.
     channel = ch.words(16, 8)
     caught, sent = replay(channel, [0.01] * 3000)
-    assert caught and decoded(channel, sent) < 128
+    assert caught and cr.decoded(channel, sent) < 128
 
 
 def test_the_slow_window_is_what_stops_a_channel_under_the_fast_one() -> None:
@@ -115,4 +88,4 @@ def test_raising_the_information_limits_lets_the_word_list_through() -> None:
         long_text_bytes=10**6,
     )
     caught, sent = replay(ch.words(16, 8), [0.01] * 3000, lax)
-    assert not caught and decoded(ch.words(16, 8), sent) == 6000
+    assert not caught and cr.decoded(ch.words(16, 8), sent) == 6000
