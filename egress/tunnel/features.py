@@ -119,8 +119,9 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
     split = split_name(name) if zone is None else split_under(name, zone)
     info, rand, flips = _labels(split.labels)
     text = "".join(split.labels)
+    sub_len, subdomain = split.sub_len, split.subdomain
     f = {
-        "sub_len": float(split.sub_len),
+        "sub_len": float(sub_len),
         "max_label": float(max(map(len, split.labels), default=0)),
         "randomness": rand,
         "non_hostname": float(len(entropy.NON_HOSTNAME.findall(text))),
@@ -130,16 +131,16 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
     return NameFeatures(
         name=name,
         zone=split.zone,
-        subdomain=split.subdomain,
+        subdomain=subdomain,
         labels=len(split.labels),
-        sub_len=split.sub_len,
+        sub_len=sub_len,
         max_label=int(f["max_label"]),
         randomness=rand,
         non_hostname=int(f["non_hostname"]),
         case_flips=flips,
         info_bytes=sum(info),
         parts=split.labels,
-        folded=split.subdomain.lower(),
+        folded=subdomain.lower(),
         folded_parts=tuple(label.lower() for label in split.labels),
         part_info=info,
         points=tuple(pts),

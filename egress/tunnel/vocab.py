@@ -58,6 +58,7 @@ COMMON_TYPES = frozenset({1, 2, 5, 6, 12, 15, 16, 28, 33, 35, 64, 65, 257})
 COMMON_TYPE_BITS = 4.0
 OTHER_TYPE_BITS = 16.0
 _LOG2 = [0.0] + [math.log2(k) for k in range(1, 129)]
+_LOG2F = math.log2
 _CTX_SALT = [(0x9E3779B97F4A7C15 * (c + 1)) & 0xFFFFFFFFFFFFFFFF for c in range(CONTEXTS)]
 
 
@@ -104,17 +105,15 @@ class Vocab:
                 c = counts[slot]
                 if c < MAX_COUNT:
                     counts[slot] = c + 1
-                return _log2((n + d) / c)
+                x = (n + d) / c
+                return _LOG2F(x) if x > 1.0 else 0.0
             c = counts[slot] if t else 0
             if c < low:
                 victim, low = slot, c
         tags[victim], counts[victim] = tag, 1
         self._d[ctx] = d + 1
-        return -1.0 - (_log2((n + d) / d) if d else 0.0)
-
-
-def _log2(x: float) -> float:
-    return math.log2(x) if x > 1.0 else 0.0
+        x = (n + d) / d if d else 1.0
+        return -1.0 - (_LOG2F(x) if x > 1.0 else 0.0)
 
 
 def new_name_bits(zone: Vocab, sandbox: Vocab, parts: tuple[str, ...], qtype: int) -> float:

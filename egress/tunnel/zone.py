@@ -214,7 +214,8 @@ class ZoneState:
             halved = nx if rule.nx else None
             if halved:
                 limit /= 2
-            value = max(0.0, (slow if rule.slow else fast)[rule.metric])
+            value = (slow if rule.slow else fast)[rule.metric]
+            value = value if value > 0.0 else 0.0  # float drift from add/subtract
             if value >= limit if rule.count else value > limit:
                 text = self._text(rule, value, limit, spec.name_score)
                 out.append(
