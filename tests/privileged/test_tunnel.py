@@ -109,13 +109,14 @@ def test_slow_channel_is_caught_by_the_slow_window(lab: Lab) -> None:
 
 
 def test_benign_corpus_refused_upstream_is_never_a_tunnel(lab: Lab) -> None:
-    """The corpus (tests/data/benign_names.txt, 3,408 lookups of 753 names) through the
-    sandbox's resolver, every name allowed exactly; the default lab refuses them all
-    (REFUSED, counted with NXDOMAIN by the scorer's failure share): a sandbox whose
-    upstream fails everything must not look like exfiltration that needs no answers.
+    """Both corpora (tests/data/benign_names.txt and benign_extra.txt, 5,984 lookups of
+    1,407 names) through the sandbox's resolver, every name allowed exactly; the default
+    lab refuses them all (REFUSED, counted with NXDOMAIN by the scorer's failure share):
+    a sandbox whose upstream fails everything must not look like exfiltration that needs
+    no answers.
 
     Pace: 40 names at 25/s, then a burst of 150 (16 in flight), 40 more, a burst of 400
-    (32 in flight), over and over: the whole corpus in about 20 s, which puts far more
+    (32 in flight), over and over: the whole corpus in about 30 s, which puts far more
     names into each 30 s window than an agent would (conservative for false verdicts).
     """
     check_benign(lab, tn.run_benign(lab, tn.benign_policy(tn.corpus())), answered=False)

@@ -775,7 +775,10 @@ def _trickle(
 
 # -- the benign corpus ------------------------------------------------------------------------
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "benign_names.txt"
+DATA = Path(__file__).resolve().parents[1] / "data"
+# The hand-assembled corpus, then the high-cardinality one (make_benign_extra.py): one
+# sandbox asks both.
+CORPORA = (DATA / "benign_names.txt", DATA / "benign_extra.txt")
 CORPUS_TYPES = {
     "A": 1,
     "NS": 2,
@@ -790,10 +793,14 @@ CORPUS_TYPES = {
 }
 
 
-def corpus(path: Path = CORPUS) -> list[tuple[str, str]]:
+def corpus_text() -> str:
+    return "".join(path.read_text(encoding="utf-8") for path in CORPORA)
+
+
+def corpus() -> list[tuple[str, str]]:
     """(name, type) per line, in order, repeats kept."""
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in corpus_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, *kind = line.split()
             out.append((name, kind[0] if kind else "A"))
@@ -909,7 +916,7 @@ class Replay:
 
 def run_benign(lab: Lab, text: str, timeout: float = 180.0) -> Replay:
     """The corpus through a sandbox's resolver, as the sandbox's own workload."""
-    files = {"corpus.txt": CORPUS.read_text(encoding="utf-8")}
+    files = {"corpus.txt": corpus_text()}
     args = ("{dir}/corpus.txt", json.dumps(CORPUS_TYPES))
     with sandbox(lab, text, REPLAY, *args, files=files) as box:
         lab.clear_queries()
