@@ -4,6 +4,7 @@ Its part of the flow (see DESIGN.md: the resolver calls it for every query the p
 allows, BEFORE forwarding it; a verdict means "don't forward, freeze")::
 
     query name, qtype
+        │  spec.tunnel.search_domains: a search-list expansion is scored as the name;
         │  labels.split_name: PSL registered domain (zone) + subdomain labels;
         │  overrides.Overrides: a policy override's zone below it, if the name is under
         │  one (longest match), is the zone instead
@@ -16,8 +17,12 @@ allows, BEFORE forwarding it; a verdict means "don't forward, freeze")::
         │
         ▼
     zone.ZoneState per (sandbox, zone), LRU-capped, and one over all zones:
-        fast window: tunnel-shaped names, long-name text, information, text, data types
-        slow window: unique names, information, text, NXDOMAIN/REFUSED share
+        fast window: tunnel-shaped names, long-name text, information, text, data types,
+                     unique names, information in new names
+        slow window: unique names, information, text, NXDOMAIN/REFUSED share,
+                     information in new names
+        │  vocab: a new name (or a known name's new type) priced as an adaptive code
+        │  against the names its zone sent: label count, labels by position, type
         │  any limit crossed (TunnelSpec, per-zone overrides)
         ▼
     verdict.TunnelVerdict(zone, score, crossings, bytes/queries before) ── idempotent
