@@ -64,6 +64,14 @@ def alphabet_size(text: str) -> int:
     """The smallest usual encoding alphabet that holds the characters of ``text``."""
     if not text.isascii():
         return 128  # iodine's base128 / raw bytes
+    if text.isalnum():  # ASCII letters and digits: most labels, decided without a regex
+        if not text.isupper() and not text.islower() and not text.isdigit():
+            return 64  # both cases
+        if text.isalpha():
+            return 26
+        if text.isdigit():
+            return 10
+        return 36 if text.lower().strip("0123456789abcdef") else 16
     if NON_HOSTNAME.search(text):
         return 64  # base64 with '+', '/', '='
     folded = text.lower()
@@ -104,10 +112,10 @@ def _clamp(x: float) -> float:
     return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
 
 
-def randomness(label: str) -> tuple[float, int]:
-    """(randomness 0..1, alphabet size) of one label."""
+def randomness(label: str, k: int = 0) -> tuple[float, int]:
+    """(randomness 0..1, alphabet size) of one label; ``k``: its alphabet, if known."""
     n = len(label)
-    k = alphabet_size(label)
+    k = k or alphabet_size(label)
     if n < MIN_LEN:
         return 0.0, k
     r = _clamp((entropy_bits(label) / expected_entropy(n, k) - 0.80) / 0.15)

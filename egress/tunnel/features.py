@@ -20,6 +20,7 @@ import functools
 import math
 import re
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from egress.tunnel import entropy
 from egress.tunnel.labels import split_name, split_under
@@ -27,6 +28,7 @@ from egress.tunnel.labels import split_name, split_under
 LONG_SUB = 64  # a subdomain this long, or a label of LONG_LABEL, makes a "long name"
 LONG_LABEL = 40
 FEATURE_CACHE = 2048  # names
+_LOG2 = [0.0] + [math.log2(k) for k in range(1, 129)]
 
 # Types whose answers carry bytes but no address: tunnels' favourites, rare in real use.
 DATA_TYPES = {10: "NULL", 11: "WKS", 13: "HINFO", 14: "MINFO", 17: "RP", 19: "X25", 20: "ISDN"}
@@ -54,9 +56,9 @@ def type_points(qtype: int) -> float:
     return 1.5 if qtype in DATA_TYPES or 65280 <= qtype <= 65534 else 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class NameFeatures:
-    """Everything about a name that does not depend on the record type."""
+class NameFeatures(NamedTuple):
+    """Everything about a name that does not depend on the record type. (A named tuple:
+    built for every new name, and a frozen dataclass's ``__init__`` costs 3 us more.)"""
 
     name: str
     zone: str  # registered domain
@@ -71,45 +73,76 @@ class NameFeatures:
     parts: tuple[str, ...]  # the subdomain labels
     folded: str  # the subdomain, case-folded: what makes a name new or a repeat
     folded_parts: tuple[str, ...]
+    part_alphabet: tuple[int, ...]  # alphabet size of each case-folded label
     part_info: tuple[float, ...]  # information estimate of each label
-    points: tuple[tuple[float, str], ...]  # score contributions, type aside
-    base_score: float
+    base_score: float  # the sum of ``points``
 
     @property
     def long(self) -> bool:
         return self.sub_len >= LONG_SUB or self.max_label >= LONG_LABEL
 
+    @property
+    def points(self) -> tuple[tuple[float, str], ...]:
+        """Score contributions, type aside, with the reason for each."""
+        pts = _points(self.sub_len, self.max_label, self.randomness)
+        if self.non_hostname:
+            pts.append((3.0, f"{self.non_hostname} non-hostname bytes"))
+        if self.case_flips >= 4:
+            pts.append((1.5, f"mixed case ({self.case_flips} flips in a label)"))
+        return tuple(pts)
 
-def _points(f: dict[str, float]) -> list[tuple[float, str]]:
+
+def _points(sub_len: int, max_label: int, randomness: float) -> list[tuple[float, str]]:
     pts: list[tuple[float, str]] = []
-    if f["sub_len"] >= LONG_SUB:
-        pts.append((min(2.0, (f["sub_len"] - 48) / 48), f"subdomain {f['sub_len']:.0f} B"))
-    if f["max_label"] >= LONG_LABEL:
-        size = f["max_label"]
-        pts.append((1.5 if size >= 56 else 0.75, f"label of {size:.0f} chars"))
-    if f["randomness"] >= 0.05:
-        pts.append((1.5 * f["randomness"], f"random-looking label ({f['randomness']:.2f})"))
-    if f["non_hostname"]:
-        pts.append((3.0, f"{f['non_hostname']:.0f} non-hostname bytes"))
-    if f["case_flips"] >= 4:
-        pts.append((1.5, f"mixed case ({f['case_flips']:.0f} flips in a label)"))
+    if sub_len >= LONG_SUB:
+        pts.append((min(2.0, (sub_len - 48) / 48), f"subdomain {sub_len} B"))
+    if max_label >= LONG_LABEL:
+        pts.append((1.5 if max_label >= 56 else 0.75, f"label of {max_label} chars"))
+    if randomness >= 0.05:
+        pts.append((1.5 * randomness, f"random-looking label ({randomness:.2f})"))
     return pts
 
 
-def _labels(labels: tuple[str, ...]) -> tuple[tuple[float, ...], float, int]:
-    """(information estimate in bytes per label, randomness of the most random, case flips)."""
+def _score(sub_len: int, max_label: int, rand: float, non_hostname: int, flips: int) -> float:
+    """The sum of ``NameFeatures.points``, without formatting their reasons."""
+    score = min(2.0, (sub_len - 48) / 48) if sub_len >= LONG_SUB else 0.0
+    if max_label >= LONG_LABEL:
+        score += 1.5 if max_label >= 56 else 0.75
+    if rand >= 0.05:
+        score += 1.5 * rand
+    if non_hostname:
+        score += 3.0
+    if flips >= 4:
+        score += 1.5
+    return score
+
+
+def _labels(
+    labels: tuple[str, ...], folded: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[float, ...], float, int]:
+    """(alphabet of each folded label, information estimate in bytes per label, randomness
+    of the most random, case flips)."""
+    alphabets: list[int] = []
     info: list[float] = []
     best, flips = 0.0, 0
-    for label in labels:
+    for label, low in zip(labels, folded, strict=True):
+        k = entropy.alphabet_size(low)
+        alphabets.append(k)
+        mixed = low != label and label.upper() != label
         if len(label) < entropy.MIN_LEN:
             info.append(0.0)
         else:
-            r, k = entropy.randomness(label)
-            info.append(len(label) * math.log2(k) * r / 8)
+            # The label as sent: both cases make it base64-like (64), not its folded alphabet.
+            if not label.isascii():
+                k = 128
+            elif mixed and k < 64:
+                k = 64
+            r, k = entropy.randomness(label, k)
+            info.append(len(label) * _LOG2[k] * r / 8)
             best = max(best, r * min(1.0, len(label) / 24))
-        if label.lower() != label and label.upper() != label:
+        if mixed:
             flips = max(flips, len(_FLIP.findall(label)))
-    return tuple(info), best, flips
+    return tuple(alphabets), tuple(info), best, flips
 
 
 @functools.lru_cache(maxsize=FEATURE_CACHE)
@@ -117,34 +150,35 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
     """``zone``: the zone to score under when it is not the registered domain (a policy
     override below it, ``tunnel.overrides``); its labels are not the subdomain's."""
     split = split_name(name) if zone is None else split_under(name, zone)
-    info, rand, flips = _labels(split.labels)
-    text = "".join(split.labels)
-    sub_len, subdomain = split.sub_len, split.subdomain
-    f = {
-        "sub_len": float(sub_len),
-        "max_label": float(max(map(len, split.labels), default=0)),
-        "randomness": rand,
-        "non_hostname": float(len(entropy.NON_HOSTNAME.findall(text))),
-        "case_flips": float(flips),
-    }
-    pts = _points(f)
+    labels = split.labels
+    folded = tuple(label.lower() for label in labels)
+    alphabets, info, rand, flips = _labels(labels, folded)
+    subdomain = ".".join(labels)
+    sub_len = len(subdomain)
+    max_label = max(map(len, labels), default=0)
+    # Only a label whose folded alphabet is 64 or 128 holds a byte outside LDH/underscore.
+    non_hostname = (
+        len(entropy.NON_HOSTNAME.findall("".join(labels)))
+        if alphabets and max(alphabets) >= 64
+        else 0
+    )
     return NameFeatures(
-        name=name,
-        zone=split.zone,
-        subdomain=subdomain,
-        labels=len(split.labels),
-        sub_len=sub_len,
-        max_label=int(f["max_label"]),
-        randomness=rand,
-        non_hostname=int(f["non_hostname"]),
-        case_flips=flips,
-        info_bytes=sum(info),
-        parts=split.labels,
-        folded=subdomain.lower(),
-        folded_parts=tuple(label.lower() for label in split.labels),
-        part_info=info,
-        points=tuple(pts),
-        base_score=sum(p for p, _ in pts),
+        name,
+        split.zone,
+        subdomain,
+        len(labels),
+        sub_len,
+        max_label,
+        rand,
+        non_hostname,
+        flips,
+        sum(info),
+        labels,
+        subdomain.lower(),
+        folded,
+        alphabets,
+        info,
+        _score(sub_len, max_label, rand, non_hostname, flips),
     )
 
 

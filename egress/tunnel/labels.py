@@ -13,6 +13,7 @@ presentation form with ``\\DDD`` and ``\\X`` escapes. Both give the same labels.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from publicsuffixlist import PublicSuffixList
@@ -41,32 +42,40 @@ def _psl() -> PublicSuffixList:
     return PublicSuffixList()
 
 
+# An escape: ``\DDD`` (a byte, decimal), ``\X`` (the character X), or a lone backslash
+# at the very end (kept as it is).
+_ESCAPE = re.compile(r"\\([0-9]{3}|.?)", re.DOTALL)
+
+
+def _unescape(m: re.Match[str]) -> str:
+    code = m.group(1)
+    if len(code) == 3:
+        return chr(int(code) & 0xFF)
+    return code or "\\"
+
+
 def unescape_labels(name: str) -> list[str]:
     """Split a name into labels, decoding presentation-form escapes when there are any."""
-    name = name[:-1] if name.endswith(".") and not name.endswith("\\.") else name
     if "\\" not in name:
+        name = name[:-1] if name.endswith(".") else name
         return name.split(".") if name else []
+    # Split at every dot, then glue back the pieces whose dot was escaped (a piece ending
+    # in an odd number of backslashes): string methods in C, not a loop per character.
     labels: list[str] = []
-    current: list[str] = []
-    i = 0
-    while i < len(name):
-        ch = name[i]
-        if ch == "\\" and name[i + 1 : i + 4].isdigit() and len(name[i + 1 : i + 4]) == 3:
-            current.append(chr(int(name[i + 1 : i + 4]) & 0xFF))
-            i += 4
+    carry: str | None = None
+    for piece in name.split("."):
+        if carry is not None:
+            piece = carry + "." + piece
+        if (len(piece) - len(piece.rstrip("\\"))) % 2:
+            carry = piece
             continue
-        if ch == "\\" and i + 1 < len(name):
-            current.append(name[i + 1])
-            i += 2
-            continue
-        if ch == ".":
-            labels.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-        i += 1
-    labels.append("".join(current))
-    return labels
+        carry = None
+        labels.append(piece)
+    if carry is not None:
+        labels.append(carry)
+    elif len(labels) > 1 and not labels[-1]:
+        labels.pop()  # the root's dot
+    return [_ESCAPE.sub(_unescape, label) if "\\" in label else label for label in labels]
 
 
 _LDH = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")

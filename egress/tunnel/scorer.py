@@ -39,6 +39,7 @@ from egress.tunnel.zone import (
     RULES,
     SANDBOX_RULES,
     SLOW_NAME_INFO,
+    Limits,
     ZoneState,
     limits,
 )
@@ -60,7 +61,7 @@ class TunnelScorer:
         self._overrides = Overrides(config.zones)
         self._search = tuple("." + s for s in config.search_domains)
         self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale, whole=True)
-        self._limits: dict[float, tuple[float, ...]] = {}  # per zone scale: a handful
+        self._limits: dict[float, Limits] = {}  # per zone scale: a handful
 
     @property
     def verdicts(self) -> tuple[TunnelVerdict, ...]:
@@ -140,14 +141,16 @@ class TunnelScorer:
         shaped = new and f.base_score + points >= self._spec.name_score
         if new:
             state.add_unique(f, qtype, shaped)
-            bits = vocab.new_name_bits(state.vocab, self._vocab, f.folded_parts, qtype)
+            bits = vocab.new_name_bits(
+                state.vocab, self._vocab, f.folded_parts, f.part_alphabet, qtype
+            )
         else:
             bits = vocab.type_price(state.vocab, self._vocab, qtype)
         state.add_bits(bits)
         scaled = self._limits.get(state.scale)
         if scaled is None:
             scaled = self._limits[state.scale] = limits(self._spec, RULES, state.scale)
-        out = state.crossings(self._spec, RULES, scaled)
+        out = state.crossings(self._spec, scaled)
         # A zone with raised limits is trusted: it does not feed the sum. Of the rest, a
         # name's information does once its zone has sent more than a small allowance in
         # the window (with the price of choosing among such zones), its text only if it is
@@ -167,7 +170,7 @@ class TunnelScorer:
                 everything.add_info(fast + choice if fast else 0.0, slow + choice if slow else 0.0)
             if text:
                 everything.add_unique(f, qtype, shaped)
-            out += everything.crossings(self._spec, SANDBOX_RULES, self._all_limits)
+            out += everything.crossings(self._spec, self._all_limits)
         return out
 
     def _decide(

@@ -62,11 +62,12 @@ _LOG2F = math.log2
 _CTX_SALT = [(0x9E3779B97F4A7C15 * (c + 1)) & 0xFFFFFFFFFFFFFFFF for c in range(CONTEXTS)]
 
 
-def label_bits(label: str) -> float:
-    """Bits to spell ``label`` from nothing: its alphabet, its length, its characters."""
+def label_bits(label: str, k: int = 0) -> float:
+    """Bits to spell ``label`` from nothing: its alphabet, its length, its characters.
+    ``k``: its alphabet size (``entropy.alphabet_size``), if known."""
     if not label:
         return CLASS_BITS
-    return CLASS_BITS + LENGTH_BITS + len(label) * _LOG2[alphabet_size(label)]
+    return CLASS_BITS + LENGTH_BITS + len(label) * _LOG2[k or alphabet_size(label)]
 
 
 def type_bits(qtype: int) -> float:
@@ -116,21 +117,34 @@ class Vocab:
         return -1.0 - (_LOG2F(x) if x > 1.0 else 0.0)
 
 
-def new_name_bits(zone: Vocab, sandbox: Vocab, parts: tuple[str, ...], qtype: int) -> float:
+def new_name_bits(
+    zone: Vocab, sandbox: Vocab, parts: tuple[str, ...], alphabets: tuple[int, ...], qtype: int
+) -> float:
     """Price of a name the zone has not seen: its label count, its labels by position
-    from the zone, its type."""
+    from the zone (``alphabets``: each label's alphabet size, for spelling), its type."""
     bits = _symbol(zone, sandbox, COUNT, len(parts), COUNT_BITS)
     last = len(parts) - 1
-    for i, label in enumerate(parts):
-        bits += _symbol(zone, sandbox, min(last - i, POSITIONS - 1), hash(label), -1.0, label)
+    zone_use, sandbox_use = zone.use, sandbox.use
+    for i, label in enumerate(parts):  # ``_symbol`` inlined: this loop is the hot path
+        ctx = last - i if last - i < POSITIONS else POSITIONS - 1
+        key = hash(label)
+        price = zone_use(ctx, key)
+        if price < 0:
+            price = -1.0 - price  # the zone's escape
+            known = sandbox_use(ctx, key)
+            if known >= 0:
+                price += known
+            else:
+                price += -1.0 - known + spell(zone, sandbox, label, alphabets[i])
+        bits += price
     return bits + type_price(zone, sandbox, qtype)
 
 
-def spell(zone: Vocab, sandbox: Vocab, label: str) -> float:
-    """Bits for a label neither table knows: spelled, or (one bit says which) as its
-    hyphen-separated parts, each a symbol of its own (``ap-southeast-4`` after
-    ``ap-southeast-1``: two known parts and a digit)."""
-    direct = label_bits(label)
+def spell(zone: Vocab, sandbox: Vocab, label: str, k: int = 0) -> float:
+    """Bits for a label neither table knows (``k``: its alphabet size, if known): spelled,
+    or (one bit says which) as its hyphen-separated parts, each a symbol of its own
+    (``ap-southeast-4`` after ``ap-southeast-1``: two known parts and a digit)."""
+    direct = label_bits(label, k)
     if "-" not in label:
         return direct
     by_parts = TOKENS_BITS + sum(
@@ -150,13 +164,10 @@ def zone_price(sandbox: Vocab, zone_key: int) -> float:
     return bits if bits >= 0 else -1.0 - bits
 
 
-def _symbol(
-    zone: Vocab, sandbox: Vocab, ctx: int, key: int, spelled: float, label: str = ""
-) -> float:
+def _symbol(zone: Vocab, sandbox: Vocab, ctx: int, key: int, spelled: float) -> float:
     """Price and count one symbol: the zone's price; or its escape and the sandbox's price
     (the sandbox table counts a symbol once per zone that uses it: how many zones have it
-    is what a zone's first use should pay); or both escapes and its spelling (``spelled``,
-    or ``spell(label)`` when negative)."""
+    is what a zone's first use should pay); or both escapes and ``spelled``."""
     bits = zone.use(ctx, key)
     if bits >= 0:
         return bits
@@ -164,4 +175,4 @@ def _symbol(
     known = sandbox.use(ctx, key)
     if known >= 0:
         return escape + known
-    return escape - 1.0 - known + (spelled if spelled >= 0 else spell(zone, sandbox, label))
+    return escape - 1.0 - known + spelled

@@ -27,7 +27,9 @@ that always gets NXDOMAIN.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from operator import ge
 
 from egress.model import TunnelSpec
 from egress.tunnel.features import TXT, NameFeatures, data_type_name
@@ -39,6 +41,7 @@ from egress.tunnel.window import Ring, Seen
 SHAPED, LONG_TEXT, INFO, TEXT, DATA, FAST_NAMES, NAME_INFO = range(7)
 # Slow-window metrics
 NAMES, SLOW_INFO, SLOW_TEXT, RESPONSES, FAILS, SLOW_NAME_INFO = range(6)
+FAST_WIDTH, SLOW_WIDTH = 7, 6
 FAST_BUCKETS, SLOW_BUCKETS = 10, 30
 MAX_TYPES = 8  # distinct record types remembered per zone for the verdict's type mix
 NX_RCODES = frozenset({3, 5})  # NXDOMAIN, REFUSED
@@ -81,14 +84,37 @@ SANDBOX_RULES = tuple(
 UNSCALED = frozenset({"slow_name_info_bytes"})
 
 
-def limits(
-    spec: TunnelSpec, rules: tuple[Rule, ...], scale: float, whole: bool = False
-) -> tuple[float, ...]:
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The limits of ``rules``, scaled, and per window the value at which each metric
+    crosses (for byte volumes the next float above the limit, so one ``>=`` serves both
+    kinds; inf for a metric no rule watches), plain and with the NXDOMAIN halving: most
+    new names cross nothing, and comparing two arrays in C says so."""
+
+    rules: tuple[Rule, ...]
+    values: tuple[float, ...]
+    fast_at: tuple[tuple[float, ...], tuple[float, ...]]  # [halved]
+    slow_at: tuple[tuple[float, ...], tuple[float, ...]]
+
+
+def limits(spec: TunnelSpec, rules: tuple[Rule, ...], scale: float, whole: bool = False) -> Limits:
     """The limits of ``rules`` times ``scale``; ``whole``: for the sum over all zones."""
-    return tuple(
+    values = tuple(
         float(getattr(spec, r.field)) * (1.0 if whole and r.field in UNSCALED else scale)
         for r in rules
     )
+    fast_at, slow_at = [], []
+    for halved in (False, True):
+        at = {False: [math.inf] * FAST_WIDTH, True: [math.inf] * SLOW_WIDTH}
+        for rule, limit in zip(rules, values, strict=True):
+            if halved and rule.nx:
+                limit /= 2
+            # A value is clamped at 0 before it is compared: a limit <= 0 always crosses.
+            cross = limit if rule.count else math.nextafter(limit, math.inf)
+            at[rule.slow][rule.metric] = cross if cross > 0.0 else -math.inf
+        fast_at.append(tuple(at[False]))
+        slow_at.append(tuple(at[True]))
+    return Limits(rules, values, (fast_at[0], fast_at[1]), (slow_at[0], slow_at[1]))
 
 
 def span(seconds: float) -> str:
@@ -116,8 +142,8 @@ class ZoneState:
     def __init__(self, zone: str, spec: TunnelSpec, scale: float) -> None:
         self.zone = zone
         self.scale = scale
-        self.fast = Ring(spec.window_s, FAST_BUCKETS, 7)
-        self.slow = Ring(spec.slow_window_s, SLOW_BUCKETS, 6)
+        self.fast = Ring(spec.window_s, FAST_BUCKETS, FAST_WIDTH)
+        self.slow = Ring(spec.slow_window_s, SLOW_BUCKETS, SLOW_WIDTH)
         self.seen = Seen()
         # The sum over all zones keeps the sandbox-wide table (``vocab``'s fallback).
         self.vocab = Vocab(SANDBOX_SLOTS if zone == ALL_ZONES else ZONE_SLOTS)
@@ -203,14 +229,17 @@ class ZoneState:
             return None
         return f"NXDOMAIN/REFUSED {fails:,.0f} of {responses:,.0f} responses: limit halved"
 
-    def crossings(
-        self, spec: TunnelSpec, rules: tuple[Rule, ...], limits: tuple[float, ...]
-    ) -> list[Crossing]:
-        """The rules whose limit (from ``limits``, already scaled) this zone crossed."""
-        nx = self.nx_note(spec) if self.slow.totals[RESPONSES] >= spec.nx_min_responses else None
+    def crossings(self, spec: TunnelSpec, limits: Limits) -> list[Crossing]:
+        """The rules of ``limits`` whose (already scaled) limit this zone crossed."""
         fast, slow = self.fast.totals, self.slow.totals
+        nx = self.nx_note(spec) if slow[RESPONSES] >= spec.nx_min_responses else None
+        half = nx is not None
+        if not any(map(ge, fast, limits.fast_at[half])) and not any(
+            map(ge, slow, limits.slow_at[half])
+        ):
+            return []
         out = []
-        for rule, limit in zip(rules, limits, strict=True):
+        for rule, limit in zip(limits.rules, limits.values, strict=True):
             halved = nx if rule.nx else None
             if halved:
                 limit /= 2

@@ -19,6 +19,7 @@ from egress.tunnel.entropy import (
     randomness,
     word_likeness,
 )
+from egress.tunnel.features import name_features
 from egress.tunnel.labels import name_from_labels, split_name, unescape_labels
 
 WORDS = [
@@ -64,6 +65,23 @@ def test_presentation_escapes_decode_to_bytes() -> None:
     assert unescape_labels(r"a\228b.c\.d.example.com") == ["a\xe4b", "c.d", "example", "com"]
     assert split_name(r"a\.b.x.example.com").labels == ("a.b", "x")
     assert split_name(r"a\.b.x.example.com").sub_len == 5
+
+
+@pytest.mark.parametrize(
+    ("name", "labels"),
+    [
+        (r"b.a\\.", ["b", "a\\"]),  # an escaped backslash, then the root
+        (r"a\\\.b", ["a\\.b"]),  # an escaped backslash, then an escaped dot
+        (r"ab\.", ["ab."]),  # the last dot escaped: not the root
+        (r"a\12.b", ["a12", "b"]),  # two digits are not a byte: the escape takes one
+        ("a\\", ["a\\"]),  # a lone backslash at the end stays as it is
+        (r"x\999.y.", ["x\xe7", "y"]),  # 999 & 0xff
+        ("a..", ["a", ""]),
+        (".", []),
+    ],
+)  # fmt: skip
+def test_escapes_and_separators(name: str, labels: list[str]) -> None:
+    assert unescape_labels(name) == labels
 
 
 # --- entropy ------------------------------------------------------------------------------
@@ -121,6 +139,20 @@ def test_short_labels_carry_no_randomness() -> None:
 )  # fmt: skip
 def test_alphabet_size(text: str, k: int) -> None:
     assert alphabet_size(text) == k
+
+
+@pytest.mark.parametrize(
+    "label",
+    ["Zm9vYmFyYmF6cXV4cXV1eA", "zm9vymfyymf6cxv4cxv1ea", "c9akciq32xyzt0p4v7wq",
+     "MFRGGZDFMZTWQ2LKNNWG23TP", "a\xe4bc\xf6d\xfcef", "pythonhosted", "x7q9"],
+)  # fmt: skip
+def test_features_judge_each_label_as_sent_and_spell_it_folded(label: str) -> None:
+    # The score sees the label as sent (both cases: a base64 alphabet); the whole-name
+    # price spells it case-folded, as it keys it.
+    f = name_features(f"{label}.t.example.com")
+    r, _ = randomness(label)
+    assert f.randomness == pytest.approx(r * min(1.0, len(label) / 24))
+    assert f.part_alphabet == (alphabet_size(label.lower()), 26)
 
 
 # --- score_name ---------------------------------------------------------------------------
