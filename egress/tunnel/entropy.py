@@ -20,6 +20,11 @@ import math
 import re
 from collections import Counter
 
+try:  # the C loop inside Counter.update: half the cost of a Counter for a short label
+    from _collections import _count_elements  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # another Python implementation
+    _count_elements = None
+
 _BIGRAMS = """
 ab ac ad ag ai al am an ap ar as at au be bi bl bo bs bu ca ce ch ci ck cl co cp ct cu da de
 di do ea ec ed ee el em en eo ep er es et ev ex fi fo fr ft fu ge gh gr ha he hi ho hp ht ia
@@ -90,7 +95,12 @@ def entropy_bits(text: str) -> float:
     if n < 2:
         return 0.0
     # H = log2(n) - sum(c log2 c) / n, with c log2 c looked up rather than computed
-    return math.log2(n) - sum(map(_CLOG.__getitem__, Counter(text).values())) / n
+    if _count_elements is None:
+        counts: dict[str, int] = Counter(text)
+    else:
+        counts = {}
+        _count_elements(counts, text)
+    return math.log2(n) - sum(map(_CLOG.__getitem__, counts.values())) / n
 
 
 def normalised_entropy(text: str, k: int | None = None) -> float:
@@ -118,9 +128,12 @@ def randomness(label: str, k: int = 0) -> tuple[float, int]:
     k = k or alphabet_size(label)
     if n < MIN_LEN:
         return 0.0, k
-    r = _clamp((entropy_bits(label) / expected_entropy(n, k) - 0.80) / 0.15)
-    if r and k not in (10, 16):
+    r = (entropy_bits(label) / expected_entropy(n, k) - 0.80) / 0.15
+    if r <= 0.0:
+        return 0.0, k
+    r = 1.0 if r > 1.0 else r
+    if k not in (10, 16):
         # Words and word-built names ("pkg-containers") are not payload.
         r *= _clamp((0.6 - word_likeness(label)) / 0.3)
     # Short labels: entropy is a weak witness, so trust it in proportion to length.
-    return r * _clamp((n - 4) / 12), k
+    return (r * ((n - 4) / 12) if n < 16 else r), k

@@ -118,31 +118,36 @@ def _score(sub_len: int, max_label: int, rand: float, non_hostname: int, flips: 
 
 
 def _labels(
-    labels: tuple[str, ...], folded: tuple[str, ...]
+    labels: tuple[str, ...], folded: tuple[str, ...], cased: bool
 ) -> tuple[tuple[int, ...], tuple[float, ...], float, int]:
     """(alphabet of each folded label, information estimate in bytes per label, randomness
-    of the most random, case flips)."""
-    alphabets: list[int] = []
-    info: list[float] = []
+    of the most random, case flips). ``cased``: some label has an upper-case letter.
+
+    Most labels are short lowercase words or ids: they get their alphabet and nothing
+    else, without a loop step of their own in Python."""
+    alphabets = tuple(
+        [26 if low.isalpha() and low.isascii() else entropy.alphabet_size(low) for low in folded]
+    )
+    info = [0.0] * len(labels)
     best, flips = 0.0, 0
-    for label, low in zip(labels, folded, strict=True):
-        k = entropy.alphabet_size(low)
-        alphabets.append(k)
-        mixed = low != label and label.upper() != label
-        if len(label) < entropy.MIN_LEN:
-            info.append(0.0)
-        else:
+    for i, label in enumerate(labels):
+        if len(label) < entropy.MIN_LEN and not cased:
+            continue
+        low = folded[i]
+        mixed = cased and low != label and label.upper() != label
+        if mixed:
+            flips = max(flips, len(_FLIP.findall(label)))
+        if len(label) >= entropy.MIN_LEN:
             # The label as sent: both cases make it base64-like (64), not its folded alphabet.
+            k = alphabets[i]
             if not label.isascii():
                 k = 128
             elif mixed and k < 64:
                 k = 64
             r, k = entropy.randomness(label, k)
-            info.append(len(label) * _LOG2[k] * r / 8)
+            info[i] = len(label) * _LOG2[k] * r / 8
             best = max(best, r * min(1.0, len(label) / 24))
-        if mixed:
-            flips = max(flips, len(_FLIP.findall(label)))
-    return tuple(alphabets), tuple(info), best, flips
+    return alphabets, tuple(info), best, flips
 
 
 @functools.lru_cache(maxsize=FEATURE_CACHE)
@@ -151,9 +156,10 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
     override below it, ``tunnel.overrides``); its labels are not the subdomain's."""
     split = split_name(name) if zone is None else split_under(name, zone)
     labels = split.labels
-    folded = tuple(label.lower() for label in labels)
-    alphabets, info, rand, flips = _labels(labels, folded)
     subdomain = ".".join(labels)
+    lowered = subdomain.lower()
+    folded = tuple(map(str.lower, labels))
+    alphabets, info, rand, flips = _labels(labels, folded, lowered != subdomain)
     sub_len = len(subdomain)
     max_label = max(map(len, labels), default=0)
     # Only a label whose folded alphabet is 64 or 128 holds a byte outside LDH/underscore.
@@ -174,7 +180,7 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
         flips,
         sum(info),
         labels,
-        subdomain.lower(),
+        lowered,
         folded,
         alphabets,
         info,

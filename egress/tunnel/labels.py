@@ -96,9 +96,58 @@ def split_name(name: str) -> SplitName:
     lowered = [label.lower().replace(".", "_") for label in labels if label]
     if not lowered:
         return SplitName((), "")
-    zone = _psl().privatesuffix(".".join(lowered)) or ".".join(lowered)
+    zone = registered_domain(lowered)
     keep = len(labels) - (zone.count(".") + 1)
     return SplitName(tuple(labels[: max(0, keep)]), zone)
+
+
+@functools.cache
+def _reach() -> frozenset[str] | None:
+    """Every suffix of every PSL rule ("amazonaws.com" for "s3.dualstack.(...).amazonaws.com",
+    "ck" for "*.ck"): a name's suffix outside this set cannot be extended into a match. About
+    12,000 strings, 1 MB, once per process. None if the library no longer keeps its rules
+    where this looks for them: every name then takes the library's own full lookup."""
+    rules = getattr(_psl(), "_publicsuffix", None)
+    if not isinstance(rules, frozenset):
+        return None
+    reach: set[str] = set()
+    for rule in rules:
+        body = rule[1:] if rule[:1] == "!" else rule[2:] if rule[:2] == "*." else rule
+        parts = body.split(".")
+        reach.update(".".join(parts[i:]) for i in range(len(parts)))
+    return frozenset(reach)
+
+
+@functools.lru_cache(maxsize=_CACHE)
+def _public_labels(suffix: str) -> int:
+    """Labels of the public suffix of a name that ends in ``suffix``, as the library counts
+    them. Asked with a label to the left: that changes the count only where a wildcard
+    matches the whole name, and such a name is a public suffix either way."""
+    public = _psl().publicsuffix(f"x.{suffix}")
+    return public.count(".") + 1 if public else 0
+
+
+def registered_domain(lowered: list[str]) -> str:
+    """What ``PublicSuffixList.privatesuffix`` says for the name of these (lowercase, non-
+    empty) labels, or the whole name when it is a public suffix itself.
+
+    The library tries every suffix up to 8 labels deep, longest first. Walking from the
+    right instead, the first suffix that no rule ends in (``_reach``) ends the search: no
+    rule can match past it, so the answer depends on that suffix alone, memoised.
+    """
+    reach = _reach()
+    if reach is None:
+        whole = ".".join(lowered)
+        return _psl().privatesuffix(whole) or whole
+    n = len(lowered)
+    depth, suffix = 1, lowered[-1]
+    while depth < n and suffix in reach:
+        depth += 1
+        suffix = f"{lowered[-depth]}.{suffix}"
+    public = _public_labels(suffix)
+    if not public or n < public + 1:
+        return ".".join(lowered)
+    return ".".join(lowered[-(public + 1) :])
 
 
 def split_under(name: str, zone: str) -> SplitName:

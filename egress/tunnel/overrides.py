@@ -78,6 +78,7 @@ class Overrides:
         self._by_zone = {**_PROVIDER, **own}
         # Zones below their registered domain: names under them are scored there.
         self._below = frozenset(z for z in self._by_zone if split_name(z).labels)
+        self.below = bool(self._below)  # some override names a zone below its registered one
 
     def zone_of(self, name: str) -> str:
         """The zone ``name`` is scored under."""

@@ -90,7 +90,7 @@ class TunnelScorer:
             verdict = self._verdicts.get(zone)
             if verdict is not None:
                 return verdict
-        f = name_features(name, _below(zone, name))
+        f = name_features(name, _below(zone, name) if self._overrides.below else None)
         if not f.labels:
             return None  # a bare registered domain carries nothing its owner could read
         state = self._state(f.zone)
@@ -140,13 +140,14 @@ class TunnelScorer:
         points = type_points(qtype)
         shaped = new and f.base_score + points >= self._spec.name_score
         if new:
-            state.add_unique(f, qtype, shaped)
             bits = vocab.new_name_bits(
                 state.vocab, self._vocab, f.folded_parts, f.part_alphabet, qtype
             )
+            which = state.add_unique(f, qtype, shaped, bits)
         else:
+            which = 0
             bits = vocab.type_price(state.vocab, self._vocab, qtype)
-        state.add_bits(bits)
+            state.add_info(bits / 8, bits / 8)
         scaled = self._limits.get(state.scale)
         if scaled is None:
             scaled = self._limits[state.scale] = limits(self._spec, RULES, state.scale)
@@ -159,8 +160,8 @@ class TunnelScorer:
         if state.scale > 1.0:
             return out
         free = self._spec.zone_free_bytes
-        fast = _over(state.fast.total(NAME_INFO), bits / 8, free)
-        slow = _over(state.slow.total(SLOW_NAME_INFO), bits / 8, free)
+        fast = _over(state.fast.totals[NAME_INFO], bits / 8, free)
+        slow = _over(state.slow.totals[SLOW_NAME_INFO], bits / 8, free)
         text = new and (shaped or f.info_bytes or f.long or points)
         if fast or slow or text:  # nothing added, nothing the sum could newly cross
             everything = self._all
@@ -168,8 +169,8 @@ class TunnelScorer:
             if fast or slow:
                 choice = vocab.zone_price(self._vocab, hash(state.zone)) / 8
                 everything.add_info(fast + choice if fast else 0.0, slow + choice if slow else 0.0)
-            if text:
-                everything.add_unique(f, qtype, shaped)
+            if text:  # only a label new to its zone can be new to the sandbox
+                everything.add_unique(f, qtype, shaped, 0.0, which)
             out += everything.crossings(self._spec, self._all_limits)
         return out
 
@@ -222,7 +223,8 @@ def _below(zone: str, name: str) -> str | None:
 
 def _over(total: float, added: float, free: float) -> float:
     """The part of ``added`` (already in ``total``) above the allowance ``free``."""
-    return min(added, max(0.0, total - free))
+    over = total - free
+    return 0.0 if over <= 0.0 else added if added < over else over
 
 
 def scorer_for(spec: TunnelSpec, clock: Callable[[], float]) -> TunnelScorer | None:

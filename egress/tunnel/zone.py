@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from operator import ge
 
 from egress.model import TunnelSpec
-from egress.tunnel.features import TXT, NameFeatures, data_type_name
+from egress.tunnel.features import LONG_LABEL, LONG_SUB, TXT, NameFeatures, data_type_name
 from egress.tunnel.verdict import Crossing
 from egress.tunnel.vocab import SANDBOX_SLOTS, ZONE_SLOTS, Vocab
 from egress.tunnel.window import Ring, Seen
@@ -156,45 +156,65 @@ class ZoneState:
         self.fast.advance(now)
         self.slow.advance(now)
 
-    def new_parts(self, f: NameFeatures) -> tuple[int, float]:
-        """(bytes, information) of the labels of ``f`` this zone has not seen yet.
+    def new_parts(self, f: NameFeatures, among: int = -1) -> tuple[int, float, int]:
+        """(bytes, information, which) of the labels of ``f`` this zone has not seen yet;
+        ``which`` and ``among`` are bit masks of label indexes (``among``: the only ones
+        that can be new, -1 for all).
 
         Text and information count per label, so that one name asked under several
         suffixes (search-domain expansion) or labels that every name shares ("api",
         "us-east-1") count once; a tunnel's data labels are all new.
         """
-        text, info = 0, 0.0
-        for part, bits in zip(f.parts, f.part_info, strict=True):
-            if self.seen.add(hash(part) ^ _LABEL_SALT):
+        text, info, which = 0, 0.0, 0
+        add = self.seen.add
+        for i, part in enumerate(f.parts):
+            if among >> i & 1 and add(hash(part) ^ _LABEL_SALT):
                 text += len(part) + 1
-                info += bits
-        return text, info
+                info += f.part_info[i]
+                which |= 1 << i
+        return text, info, which
 
-    def add_unique(self, f: NameFeatures, qtype: int, shaped: bool) -> None:
-        """Count a subdomain seen for the first time in this zone (its information in
-        ``add_bits``)."""
+    def add_unique(
+        self, f: NameFeatures, qtype: int, shaped: bool, bits: float, among: int = -1
+    ) -> int:
+        """Count a subdomain seen for the first time in this zone, and the ``bits`` of
+        information its name carried (``vocab``); ``among``: as for ``new_parts``. Returns
+        the mask of its labels that were new here."""
+        text, info, which = self.new_parts(f, among)
+        # Known labels in a new order add no text (``text`` 0): their information is in
+        # ``bits``. The cells are written directly: see ``Ring``.
         fast, slow = self.fast, self.slow
-        fast.add(FAST_NAMES, 1)
-        slow.add(NAMES, 1)
-        text, info = self.new_parts(f)
-        if text:  # known labels in a new order are counted by their information, not text
-            fast.add(TEXT, text)
-            fast.add(INFO, info)
-            slow.add(SLOW_TEXT, text)
-            slow.add(SLOW_INFO, info)
+        cells, totals, base = fast.cells, fast.totals, fast.base
+        cells[base + FAST_NAMES] += 1.0
+        totals[FAST_NAMES] += 1.0
+        cells[base + TEXT] += text
+        totals[TEXT] += text
+        cells[base + INFO] += info
+        totals[INFO] += info
+        cells[base + NAME_INFO] += bits / 8
+        totals[NAME_INFO] += bits / 8
         if shaped:
-            fast.add(SHAPED, 1)
-        if f.long:
-            fast.add(LONG_TEXT, f.sub_len)
+            cells[base + SHAPED] += 1.0
+            totals[SHAPED] += 1.0
+        if f.sub_len >= LONG_SUB or f.max_label >= LONG_LABEL:
+            cells[base + LONG_TEXT] += f.sub_len
+            totals[LONG_TEXT] += f.sub_len
         if data_type_name(qtype) is not None:
             fast.add(DATA, 0.25 if qtype == TXT else 1.0)
-
-    def add_bits(self, bits: float) -> None:
-        """Information (in bits) a new name, or a new type for a known name, carried."""
-        self.add_info(bits / 8, bits / 8)
+        cells, totals, base = slow.cells, slow.totals, slow.base
+        cells[base + NAMES] += 1.0
+        totals[NAMES] += 1.0
+        cells[base + SLOW_TEXT] += text
+        totals[SLOW_TEXT] += text
+        cells[base + SLOW_INFO] += info
+        totals[SLOW_INFO] += info
+        cells[base + SLOW_NAME_INFO] += bits / 8
+        totals[SLOW_NAME_INFO] += bits / 8
+        return which
 
     def add_info(self, fast: float, slow: float) -> None:
-        """Bytes of information in new names, to the fast and the slow window."""
+        """Bytes of information in new names (or new types of known names), to the fast
+        and the slow window."""
         if fast:
             self.fast.add(NAME_INFO, fast)
         if slow:

@@ -10,7 +10,7 @@ import statistics
 import pytest
 from test_tunnel_samples import ALPHABETS, dns2tcp, escape, iodine
 
-from egress.tunnel import score_name
+from egress.tunnel import labels, score_name
 from egress.tunnel.entropy import (
     alphabet_size,
     entropy_bits,
@@ -52,6 +52,27 @@ def rand(alphabet: str, n: int, rng: random.Random) -> str:
 def test_split_name_uses_the_public_suffix_list(name: str, zone: str, sub: str) -> None:
     split = split_name(name)
     assert (split.zone, split.subdomain) == (zone, sub)
+
+
+def test_registered_domain_answers_as_the_library_does() -> None:
+    # The walk from the right stops at the first suffix no rule ends in; the library tries
+    # every depth. Names made from every rule (exceptions, wildcards, deep private rules),
+    # with and without labels to the left, and mixtures of rule labels, must agree.
+    psl = labels._psl()
+    assert labels._reach() is not None  # the fast path is in use, not the fallback
+    rules = sorted(psl._publicsuffix)
+    rng = random.Random(4)
+    names = []
+    for rule in rules:
+        for left in ("", "x.", "a.b.", "www."):
+            names.append(left + rule.lstrip("!").replace("*.", ""))
+            names.append(left + rule.lstrip("!").replace("*", "q"))
+    words = ["com", "ck", "jp", "kobe", "city", "zz", "amazonaws", "s3", "www", "uk", "co"]
+    for _ in range(20_000):
+        names.append(".".join(rng.choice(words) for _ in range(rng.randint(1, 6))))
+    for name in names:
+        lowered = name.split(".")
+        assert labels.registered_domain(lowered) == (psl.privatesuffix(name) or name), name
 
 
 def test_wire_labels_round_trip_through_presentation_form() -> None:

@@ -202,6 +202,26 @@ def test_tunnel_spread_over_many_zones_is_caught_over_all_zones() -> None:
     assert verdict.reasons[0].text.startswith("tunnel-shaped names over all zones 6 in 30 s")
 
 
+def test_random_text_spread_over_many_zones_adds_up_over_all_zones() -> None:
+    # Only the randomness-based information rule can fire: 10 hex names per zone (about
+    # 115 B of information) stay under one zone's 512 B; in the 9th zone the sum's 1,024 B
+    # is crossed. A label counts for the sum once it is new to its zone.
+    off = 10**9
+    spec = TunnelSpec(
+        shaped_names=off, long_text_bytes=off, text_bytes=off, names=off, slow_names=off,
+        name_info_bytes=off, slow_name_info_bytes=off, slow_info_bytes=off, slow_text_bytes=off,
+    )  # fmt: skip
+    scorer = TunnelScorer(spec, Clock())
+    names = [
+        n.replace(ZONE, f"z{i}.example{i}.com") for i in range(16) for n in hex_names(10, seed=i)
+    ]
+    verdict = feed(scorer, names)
+    assert verdict is not None, "random text over 16 zones never added up"
+    assert [c.rule for c in verdict.reasons] == ["info_bytes"]
+    assert "information in unique subdomain text over all zones" in verdict.reasons[0].text
+    assert verdict.zone in {f"example{i}.com" for i in range(8, 14)}  # not the first zones
+
+
 def test_special_use_zones_are_exempt_unless_a_policy_says_otherwise() -> None:
     local = shaped(10, zone="t.cluster.local")
     assert feed(TunnelScorer(TunnelSpec(), Clock()), local) is None
