@@ -8,10 +8,14 @@ PY := $(VENV)/bin/python
 STAMPS := .make
 # Debian packages: the datapath (nftables, iproute2), in-process nft (python3-nftables, used
 # from a venv made with --system-site-packages), DNS tools for tests and benchmarks, and the
-# real tunnel tools the detection tests run.
+# real tunnel tools the detection tests run; a C compiler and Python's headers for the
+# scorer's compiled modules (egress/tunnel/native.py).
 APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils iodine \
 	dns2tcp dnsmasq-base dnsperf tcpdump procps util-linux bubblewrap tini python3-seccomp \
-	git openssl
+	git openssl gcc python3-dev
+# What mypyc compiles (egress.tunnel.native.MODULES): rebuilt when any of them changes.
+NATIVE_SRC := $(addprefix egress/tunnel/,entropy.py features.py labels.py overrides.py \
+	scorer.py verdict.py vocab.py window.py zone.py)
 
 .PHONY: help setup demo test test-unit lint bench clean
 
@@ -37,9 +41,14 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $@
 
+# The tunnel scorer compiled by mypyc; without a fresh build the sources run (slower).
+$(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC) egress/tunnel/native.py
+	@$(PY) -c 'from egress.tunnel import native; native.build()'
+	@touch $@
+
 # The group that may read egress's own files (journal, claims, egressd's records: 0640,
 # directories 0750) and call `egressd --group egress`. Without it they are root's only.
-setup: $(STAMPS)/venv
+setup: $(STAMPS)/venv $(STAMPS)/native
 	@getent group egress >/dev/null || { \
 		if [ "$$(id -u)" = 0 ]; then groupadd --system egress && echo "created system group egress"; \
 		else echo "no group egress (groupadd --system egress as root): egress's files stay root's only"; fi; }
@@ -47,8 +56,10 @@ setup: $(STAMPS)/venv
 demo: setup
 	@$(VENV)/bin/egressctl demo
 
+# The suite runs the compiled scorer; its unit tests run once more on the Python sources.
 test: setup
 	$(PY) -m pytest -q tests
+	EGRESS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit -k "tunnel or native"
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit tests/integration
@@ -63,4 +74,4 @@ bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info egress/tunnel/_native

@@ -29,16 +29,23 @@ allows, BEFORE forwarding it; a verdict means "don't forward, freeze")::
         ▲
     observe_response(name, rcode) feeds the NXDOMAIN/REFUSED share
 
+The modules are also compiled by mypyc (``native``), and the compiled ones are imported
+when they were built from exactly these sources.
+
 Entry points: ``TunnelScorer(config, clock)`` (``observe_query``, ``observe_response``,
 ``explain``), ``score_name(name, qtype)``. Names are ``str``: raw (one char per byte) or
 presentation form with ``\\DDD`` escapes; ``name_from_labels`` makes the latter from wire
 labels, which keeps a raw '.' inside a label apart from a label boundary.
 """
 
-from egress.tunnel.features import NameScore, score_name
-from egress.tunnel.labels import name_from_labels
-from egress.tunnel.scorer import MEMORY_BOUND, TunnelScorer, scorer_for
-from egress.tunnel.verdict import Crossing, TunnelVerdict
+from egress.tunnel import native
+
+native.activate(__path__)  # before the modules below: the compiled ones, if fresh
+
+from egress.tunnel.features import NameScore, score_name  # noqa: E402
+from egress.tunnel.labels import name_from_labels  # noqa: E402
+from egress.tunnel.scorer import MEMORY_BOUND, TunnelScorer, scorer_for  # noqa: E402
+from egress.tunnel.verdict import Crossing, TunnelVerdict  # noqa: E402
 
 __all__ = [
     "MEMORY_BOUND",

@@ -1,0 +1,116 @@
+"""egress.tunnel.native: the compiled scorer is used only while it matches the sources,
+and decides exactly as the sources do."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from egress.tunnel import native
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the modules' sources, and ``native`` pointed at it."""
+    for name in native.MODULES:
+        shutil.copy2(native.HERE / f"{name}.py", tmp_path / f"{name}.py")
+    monkeypatch.setattr(native, "HERE", tmp_path)
+    monkeypatch.setattr(native, "BUILD", tmp_path / "_native")
+    monkeypatch.setattr(native, "STAMP", tmp_path / "_native" / "SOURCES")
+    monkeypatch.delenv("EGRESS_NATIVE", raising=False)
+    return tmp_path
+
+
+def test_a_build_is_used_only_while_it_matches_the_sources(tree: Path) -> None:
+    path = ["/pkg"]
+    assert not native.fresh() and not native.activate(path) and path == ["/pkg"]  # no build
+    (tree / "_native").mkdir()
+    (tree / "_native" / "SOURCES").write_text(native.digests(), encoding="ascii")
+    assert native.activate(path) and path == [str(tree / "_native"), "/pkg"]
+
+    with (tree / "vocab.py").open("a") as f:  # a source edited after the build
+        f.write("# edited\n")
+    path = ["/pkg"]
+    assert not native.fresh() and not native.activate(path) and path == ["/pkg"]
+
+
+def test_a_build_for_another_interpreter_or_switched_off_is_not_used(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tree / "_native").mkdir()
+    stamp = native.digests()
+    other = stamp.replace(sys.implementation.cache_tag, "cpython-399", 1)
+    (tree / "_native" / "SOURCES").write_text(other, encoding="ascii")
+    assert not native.fresh()
+    (tree / "_native" / "SOURCES").write_text(stamp, encoding="ascii")
+    monkeypatch.setenv("EGRESS_NATIVE", "0")
+    path: list[str] = []
+    assert native.fresh() and not native.activate(path) and path == []
+
+
+# Replays channels and tool samples through a fresh scorer and prints every verdict with
+# its figures: what the compiled modules decide must be what the sources decide.
+REPLAY = r"""
+import json, random, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests/unit"]
+from test_tunnel_samples import SAMPLES, read_samples
+from egress.model import TunnelSpec
+from egress.tunnel import TunnelScorer, native
+from tests.support import channels as ch
+
+class Clock:
+    now = 1_800_000_000.0
+    def __call__(self):
+        return self.now
+
+out = {"in_use": native.in_use(), "runs": []}
+payload = random.Random(7).randbytes(4000)
+streams = []
+for c in ch.all_channels():
+    zones = [f"t.example{i}.com" for i in range(c.zones)] if c.zones > 1 else ["exfil-lab.com"]
+    streams.append(c.queries(payload, zones))
+streams += [read_samples(path) for path in sorted(SAMPLES.glob("*.txt"))]
+for queries in streams:
+    clock = Clock()
+    scorer = TunnelScorer(TunnelSpec(), clock)
+    for name, qtype in queries:
+        clock.now += 0.01
+        if scorer.observe_query(name, qtype) is None:
+            scorer.observe_response(name, 0)
+    out["runs"].append([[v.zone, v.name, v.queries_before, v.bytes_before, v.unique_before,
+                         [[c.rule, round(c.value, 6), c.limit] for c in v.reasons]]
+                        for v in scorer.verdicts])
+print(json.dumps(out))
+"""
+
+
+def replay(native_on: bool) -> dict[str, object]:
+    env = {**os.environ, "EGRESS_NATIVE": "1" if native_on else "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", REPLAY, str(ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(done.stdout)
+    return result
+
+
+def test_the_compiled_scorer_decides_exactly_as_the_sources() -> None:
+    if not native.fresh():
+        pytest.skip("no build of these sources: `make setup` compiles one")
+    compiled, sources = replay(True), replay(False)
+    assert (compiled["in_use"], sources["in_use"]) == ("compiled (mypyc)", "Python sources")
+    runs = compiled["runs"]
+    assert isinstance(runs, list) and all(runs), "every stream should end in a verdict"
+    assert runs == sources["runs"]
