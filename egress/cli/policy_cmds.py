@@ -183,6 +183,9 @@ def _tunnel_line(spec: TunnelSpec, name: str, qtype: int) -> str:
     notes = []
     if score.score >= spec.name_score:
         notes.append(f"tunnel-shaped: score >= name_score {spec.name_score:g}")
+    inner = scorer.scored_as(name)
+    if inner != name:
+        notes.append(f"scored as {inner}: spec.tunnel.search_domains names the rest")
     zone_note = scorer.applied(name).describe() if score.labels else None
     if zone_note is not None:
         notes.append(zone_note)

@@ -69,12 +69,18 @@ class TunnelScorer:
         return tuple(self._verdicts.values())
 
     def explain(self, name: str, qtype: int = 1) -> NameScore:
-        """Per-query features and score (for ``egressctl check``); changes no state."""
+        """Per-query features and score (for ``egressctl check``) of what ``observe_query``
+        scores for ``name`` (``scored_as``); changes no state."""
+        name = self.scored_as(name)
         return score_name(name, qtype, self._sub_zone(name))
 
     def applied(self, name: str) -> Applied:
         """The zone ``name`` is scored under and the override in force there."""
-        return self._overrides.applied(name)
+        return self._overrides.applied(self.scored_as(name))
+
+    def scored_as(self, name: str) -> str:
+        """``name`` as scored: without a ``search_domains`` suffix it was expanded with."""
+        return self._unexpanded(name) if self._search else name
 
     def _sub_zone(self, name: str) -> str | None:
         """An override's zone below the registered domain that ``name`` is under."""
@@ -84,8 +90,7 @@ class TunnelScorer:
         """Account one allowed query; a verdict means: do not forward it."""
         if not self._spec.enabled:
             return None
-        if self._search:
-            name = self._unexpanded(name)
+        name = self.scored_as(name)
         zone = self._overrides.zone_of(name)
         if self._verdicts:  # idempotent, and cheap once the sandbox is caught
             verdict = self._verdicts.get(zone)
@@ -114,9 +119,7 @@ class TunnelScorer:
         """Account the response code the upstream gave to a forwarded query."""
         if not self._spec.enabled:
             return
-        if self._search:
-            name = self._unexpanded(name)
-        zone = self._overrides.zone_of(name)
+        zone = self._overrides.zone_of(self.scored_as(name))
         state = self._zones.get(zone) if zone else None
         if state is not None:
             state.advance(self._clock())

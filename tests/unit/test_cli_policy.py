@@ -202,6 +202,22 @@ def test_check_benign_name_scores_nothing(capsys: pytest.CaptureFixture[str]) ->
     )
 
 
+def test_check_scores_a_search_list_expansion_as_the_name_itself(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # As the scorer does for queries: the features, zone and note are those of the name
+    # without the declared search domain, and the line says so.
+    policy = lab(tmp_path, "  tunnel: {search_domains: [corp.example.com]}\n")
+    name = "a1b2c3d4e5f60718.t.evil-tunnel.com.corp.example.com"
+    status, out, _ = run(capsys, "check", policy, name)
+    assert status == 0
+    assert out.splitlines()[-1].startswith(
+        f"tunnel: {name.removesuffix('.corp.example.com')} score "
+    )
+    assert "(zone evil-tunnel.com)" in out
+    assert "[scored as a1b2c3d4e5f60718.t.evil-tunnel.com: spec.tunnel.search_domains" in out
+
+
 def test_check_iodine_like_name_is_tunnel_shaped(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
