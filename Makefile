@@ -42,8 +42,8 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	@touch $@
 
 # The tunnel scorer compiled by mypyc; without a fresh build the sources run (slower).
-$(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC) egress/tunnel/native.py
-	@$(PY) -c 'from egress.tunnel import native; native.build()'
+$(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC) egress/tunnel/native.py egress/cli/native_build.py
+	@$(PY) -m egress.cli.native_build
 	@touch $@
 
 # The group that may read egress's own files (journal, claims, egressd's records: 0640,
@@ -74,4 +74,5 @@ bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info egress/tunnel/_native
+	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info egress/tunnel/_native* \
+		egress/tunnel/.native.lock

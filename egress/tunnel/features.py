@@ -178,7 +178,7 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
         rand,
         non_hostname,
         flips,
-        sum(info),
+        sum(info, 0.0),
         labels,
         lowered,
         folded,
@@ -253,6 +253,6 @@ def score_name(name: str, qtype: int = 1, zone: str | None = None) -> NameScore:
         case_flips=f.case_flips,
         data_type=kind,
         info_bytes=f.info_bytes,
-        score=round(sum(p for p, _ in pts), 3),
+        score=round(sum((p for p, _ in pts), 0.0), 3),
         reasons=tuple(f"{why} +{p:.2f}" for p, why in pts),
     )

@@ -121,9 +121,10 @@ def _reach() -> frozenset[str] | None:
 @functools.lru_cache(maxsize=_CACHE)
 def _public_labels(suffix: str) -> int:
     """Labels of the public suffix of a name that ends in ``suffix``, as the library counts
-    them. Asked with a label to the left: that changes the count only where a wildcard
-    matches the whole name, and such a name is a public suffix either way."""
-    public = _psl().publicsuffix(f"x.{suffix}")
+    them. Asked with a label to the left that no rule can hold (a NUL byte): that changes
+    the count only where a wildcard matches the whole name, and such a name is a public
+    suffix either way."""
+    public = _psl().publicsuffix(f"\x00.{suffix}")
     return public.count(".") + 1 if public else 0
 
 

@@ -5,8 +5,9 @@ filters, label statistics); mypyc compiles the same typed modules to C, which ma
 scoring a new name 1.4-1.9x cheaper (``bench/bench_tunnel.py`` prints both). The Python
 sources stay the truth:
 
-- ``native.build()`` (``make setup`` runs it) compiles ``MODULES`` into ``_native/`` next
-  to this file, with ``SOURCES``: the interpreter and the sha256 of each source;
+- ``python -m egress.cli.native_build`` (``make setup`` runs it) compiles ``MODULES`` into
+  ``_native/`` next to this file, with ``SOURCES``: the interpreter, the sha256 of each
+  source it compiled and of each file it built;
 - on import, ``egress.tunnel`` calls ``activate``: if every source still has the hash it
   was built from, ``_native/`` goes first on the package's search path and the compiled
   modules are the ones imported; otherwise (a source edited since, no build, another
@@ -41,20 +42,36 @@ MODULES = (
 )
 
 
-def digests() -> str:
-    """The stamp a build of the current sources carries: one line per module, and the
-    interpreter it was built for."""
+def digests(root: Path | None = None) -> str:
+    """The first lines of the stamp a build of the sources under ``root`` (this package)
+    carries: the interpreter, then one line per module."""
+    root = root or HERE
     lines = [f"{sys.implementation.cache_tag}"]
     for name in MODULES:
-        data = (HERE / f"{name}.py").read_bytes()
+        data = (root / f"{name}.py").read_bytes()
         lines.append(f"{hashlib.sha256(data).hexdigest()}  {name}.py")
     return "\n".join(lines) + "\n"
 
 
 def fresh() -> bool:
-    """A build exists and was made from exactly these sources, for this interpreter."""
+    """A build exists, was made from exactly these sources for this interpreter, every file
+    it lists is there as built, and only root or this user could have put it there."""
     try:
-        return STAMP.read_text(encoding="ascii") == digests()
+        st = BUILD.stat()
+        if st.st_uid not in (0, os.getuid()) or st.st_mode & 0o022:
+            return False
+        stamp = STAMP.read_text(encoding="ascii")
+        sources = digests()
+        if not stamp.startswith(sources):
+            return False
+        built = [line.split("  ", 1) for line in stamp[len(sources) :].splitlines()]
+        if len(built) != len(MODULES) + 1:  # each module and the group's shared library
+            return False
+        return all(
+            len(entry) == 2
+            and hashlib.sha256((BUILD / entry[1]).read_bytes()).hexdigest() == entry[0]
+            for entry in built
+        )
     except (OSError, UnicodeDecodeError):
         return False
 
@@ -72,45 +89,3 @@ def in_use() -> str:
     from egress.tunnel import scorer
 
     return "compiled (mypyc)" if Path(scorer.__file__).parent == BUILD else "Python sources"
-
-
-def build() -> None:
-    """Compile ``MODULES`` into ``_native/`` and stamp it. Needs mypy (mypyc) and a C
-    compiler with Python's headers (Debian: gcc, python3-dev)."""
-    import shutil
-    import tempfile
-
-    from mypyc.build import mypycify
-    from setuptools import Distribution  # type: ignore[import-untyped,unused-ignore]
-
-    root = HERE.parent.parent  # mypyc names modules by their path: egress/tunnel/x.py
-    sources = [str(Path("egress") / "tunnel" / f"{name}.py") for name in MODULES]
-    stamp = digests()
-    with tempfile.TemporaryDirectory(prefix="egress-native-") as tmp:
-        cwd = Path.cwd()
-        os.chdir(root)
-        try:
-            extensions = mypycify(
-                sources, opt_level="3", group_name=GROUP, target_dir=str(Path(tmp) / "c")
-            )
-            dist = Distribution({"name": "egress-native", "ext_modules": extensions})
-            cmd = dist.get_command_obj("build_ext")
-            cmd.build_lib = str(Path(tmp) / "lib")  # type: ignore[attr-defined,unused-ignore]
-            cmd.build_temp = str(Path(tmp) / "obj")  # type: ignore[attr-defined,unused-ignore]
-            dist.run_command("build_ext")
-        finally:
-            os.chdir(cwd)
-        built = sorted((Path(tmp) / "lib" / "egress" / "tunnel").glob("*.so"))
-        if len(built) != len(MODULES) + 1:
-            raise SystemExit(f"mypyc built {len(built)} modules, expected {len(MODULES) + 1}")
-        staging = Path(tempfile.mkdtemp(prefix="_native.", dir=HERE))
-        for so in built:
-            shutil.copy2(so, staging / so.name)
-        (staging / "SOURCES").write_text(stamp, encoding="ascii")
-        # Replace the old build in one rename, so no import sees half of each.
-        old = HERE / f"_native.old.{os.getpid()}"
-        if BUILD.exists():
-            BUILD.rename(old)
-        staging.rename(BUILD)
-        shutil.rmtree(old, ignore_errors=True)
-    print(f"compiled {len(MODULES)} modules into {BUILD}")

@@ -173,7 +173,10 @@ class TunnelScorer:
             if fast or slow:
                 choice = vocab.zone_price(self._vocab, hash(state.zone)) / 8
                 everything.add_info(fast + choice if fast else 0.0, slow + choice if slow else 0.0)
-            if text:  # only a label new to its zone can be new to the sandbox
+            # Labels its zone already counted are not asked of the sum again: a label the
+            # zone repeats adds no text anywhere. (The two Bloom filters fill and rotate
+            # apart, so this differs from asking the sum for every label by a few bytes.)
+            if text:
                 everything.add_unique(f, qtype, shaped, 0.0, which)
             out += everything.crossings(self._spec, self._all_limits)
         return out

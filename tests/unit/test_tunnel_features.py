@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import math
 import random
 import statistics
 
 import pytest
+from publicsuffixlist import PublicSuffixList
 from test_tunnel_samples import ALPHABETS, dns2tcp, escape, iodine
 
 from egress.tunnel import labels, score_name
@@ -73,6 +76,23 @@ def test_registered_domain_answers_as_the_library_does() -> None:
     for name in names:
         lowered = name.split(".")
         assert labels.registered_domain(lowered) == (psl.privatesuffix(name) or name), name
+
+
+def test_registered_domain_holds_for_rules_the_list_may_add(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rule may begin with any label ("x.se" does today): the walk's probe must not match.
+    rules = "com\nx.shop.example.com\n*.w.example.com\n!a.w.example.com\nx\n"
+    psl = PublicSuffixList(source=io.StringIO(rules))
+    monkeypatch.setattr(labels, "_psl", lambda: psl)
+    monkeypatch.setattr(labels, "_reach", functools.cache(labels._reach.__wrapped__))
+    monkeypatch.setattr(
+        labels, "_public_labels", functools.cache(labels._public_labels.__wrapped__)
+    )
+    for name in ["shop.example.com", "x.shop.example.com", "y.x.shop.example.com",
+                 "w.example.com", "b.w.example.com", "c.b.w.example.com", "a.w.example.com",
+                 "z.a.w.example.com", "x", "y.x", "example.com", "com"]:  # fmt: skip
+        assert labels.registered_domain(name.split(".")) == (psl.privatesuffix(name) or name), name
 
 
 def test_wire_labels_round_trip_through_presentation_form() -> None:

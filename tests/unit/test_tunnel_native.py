@@ -3,6 +3,7 @@ and decides exactly as the sources do."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -29,11 +30,23 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def fake_build(tree: Path, sources: str | None = None) -> None:
+    """A ``_native/`` as the build leaves it: one file per module and the shared library,
+    and the stamp of the sources and of each file."""
+    build = tree / "_native"
+    build.mkdir(mode=0o755)
+    lines = [native.digests(tree) if sources is None else sources]
+    for name in [*native.MODULES, "native_core__mypyc"]:
+        (build / f"{name}.so").write_bytes(name.encode() * 100)
+        digest = hashlib.sha256((build / f"{name}.so").read_bytes()).hexdigest()
+        lines.append(f"{digest}  {name}.so\n")
+    (build / "SOURCES").write_text("".join(lines), encoding="ascii")
+
+
 def test_a_build_is_used_only_while_it_matches_the_sources(tree: Path) -> None:
     path = ["/pkg"]
     assert not native.fresh() and not native.activate(path) and path == ["/pkg"]  # no build
-    (tree / "_native").mkdir()
-    (tree / "_native" / "SOURCES").write_text(native.digests(), encoding="ascii")
+    fake_build(tree)
     assert native.activate(path) and path == [str(tree / "_native"), "/pkg"]
 
     with (tree / "vocab.py").open("a") as f:  # a source edited after the build
@@ -42,15 +55,28 @@ def test_a_build_is_used_only_while_it_matches_the_sources(tree: Path) -> None:
     assert not native.fresh() and not native.activate(path) and path == ["/pkg"]
 
 
-def test_a_build_for_another_interpreter_or_switched_off_is_not_used(
+@pytest.mark.parametrize("damage", ["changed", "missing", "writable", "interpreter"])
+def test_a_damaged_or_foreign_build_is_not_used(tree: Path, damage: str) -> None:
+    if damage == "interpreter":
+        other = native.digests(tree).replace(sys.implementation.cache_tag, "cpython-399", 1)
+        fake_build(tree, other)
+    else:
+        fake_build(tree)
+    assert native.fresh() or damage == "interpreter"
+    so = tree / "_native" / "vocab.so"
+    if damage == "changed":
+        so.write_bytes(b"something else")
+    elif damage == "missing":
+        so.unlink()
+    elif damage == "writable":
+        (tree / "_native").chmod(0o777)
+    assert not native.fresh()
+
+
+def test_switched_off_a_fresh_build_is_not_used(
     tree: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tree / "_native").mkdir()
-    stamp = native.digests()
-    other = stamp.replace(sys.implementation.cache_tag, "cpython-399", 1)
-    (tree / "_native" / "SOURCES").write_text(other, encoding="ascii")
-    assert not native.fresh()
-    (tree / "_native" / "SOURCES").write_text(stamp, encoding="ascii")
+    fake_build(tree)
     monkeypatch.setenv("EGRESS_NATIVE", "0")
     path: list[str] = []
     assert native.fresh() and not native.activate(path) and path == []
