@@ -7,9 +7,10 @@ iodine/dns2tcp/slow-channel streams and real captures). Prints:
   path (limits out of reach by value, so the sum over all zones runs too): the benign
   corpus replayed (repeats hit the memo caches, as real traffic does), each benign name
   once, unique short names, 8-word names and iodine-sized names (cold: every feature
-  computed); for the implementation in use (``egress.tunnel.native``: compiled or the
-  sources) and, in a child process, the other one; and how often this machine interrupts
-  a busy loop, which is what p99 figures on a busy VM include;
+  computed), each measured 3 times (the p99 of each run, and their median); for the
+  implementation in use (``egress.tunnel.native``: compiled or the sources) and, in a
+  child process, the other one; and how often this machine interrupts a busy loop, which
+  is what p99 figures on a VM include;
 - detection delay for each sample stream: queries and bytes of subdomain text forwarded
   upstream before the verdict (budget 2,048 B; slow channels 4,096 B);
 - false verdicts on the benign corpus at a realistic rate (one query every 2 s on average)
@@ -98,7 +99,11 @@ def cost(queries: list[tuple[str, int]], cold: bool, reps: int = 1) -> tuple[flo
     return statistics.median(times) / 1000, times[int(len(times) * 0.99)] / 1000
 
 
-def cost_rows(benign: list[tuple[str, int]]) -> list[tuple[str, float, float]]:
+RUNS = 3  # each row is measured this many times: a tail figure moves with the machine
+
+
+def cost_rows(benign: list[tuple[str, int]]) -> list[tuple[str, float, list[float]]]:
+    """Per row: its label, the median of its runs' medians, and each run's p99."""
     rng = random.Random(1)
     short = [(f"{rng.getrandbits(40):x}.z{i % 50}.example.com", 1) for i in range(20_000)]
     iodine = [q for p in sorted((DATA / "tunnel_samples").glob("iodine_*.txt")) for q in read(p)]
@@ -112,8 +117,8 @@ def cost_rows(benign: list[tuple[str, int]]) -> list[tuple[str, float, float]]:
         ("unique 8-word names", words, True, 1),
         ("unique iodine-sized names", iodine, True, 30),
     ):
-        median, p99 = cost(queries, cold, reps)
-        rows.append((label, median, p99))
+        runs = [cost(queries, cold, reps) for _ in range(RUNS)]
+        rows.append((label, statistics.median(m for m, _ in runs), [p for _, p in runs]))
     return rows
 
 
@@ -131,6 +136,10 @@ def interruptions(seconds: float = 1.0) -> tuple[float, float]:
     return len(gaps) / seconds, statistics.median(gaps) / 1000 if gaps else 0.0
 
 
+def tail(p99s: list[float]) -> str:
+    return f"{statistics.median(p99s):.1f}: " + "/".join(f"{p:.0f}" for p in p99s)
+
+
 def print_costs(benign: list[tuple[str, int]]) -> None:
     here = native.in_use()
     # The peer: the same rows with the other implementation, in a child process.
@@ -143,12 +152,12 @@ def print_costs(benign: list[tuple[str, int]]) -> None:
     rate, gap = interruptions()
     print(f"cost of observe_query per query (us), default limits path; this run: {here}")
     other = peer["in_use"] if peer else "no peer"
-    print(f"  {'':<38} {'median':>8} {'p99':>8}   {other}: median, p99, ratio of p99s")
-    for i, (label, median, p99) in enumerate(ours):
-        line = f"  {label:<38} {median:8.1f} {p99:8.1f}"
+    print(f"  {'':<38} {'median':>7} {'p99 (median of 3 runs: each)':>29}   {other}: the same")
+    for i, (label, median, p99s) in enumerate(ours):
+        line = f"  {label:<38} {median:7.1f} {tail(p99s):>29}"
         if peer and peer["in_use"] != here:
-            _, pm, pp = peer["rows"][i]
-            line += f"   {pm:8.1f} {pp:8.1f}  {pp / p99:5.2f}x"
+            _, peer_median, peer_p99s = peer["rows"][i]
+            line += f"   {peer_median:6.1f} {tail(peer_p99s)}"
         print(line)
     print(
         f"  machine: {rate:,.0f} interruptions/s, {gap:.0f} us each (median, busy loop): a call"

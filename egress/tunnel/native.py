@@ -2,7 +2,7 @@
 
 Scoring a new name runs a few hundred bytecodes per label (tables, windows, Bloom
 filters, label statistics); mypyc compiles the same typed modules to C, which makes
-scoring a new name 1.4-1.9x cheaper (``bench/bench_tunnel.py`` prints both). The Python
+scoring a new name 1.2-2x cheaper (``bench/bench_tunnel.py`` prints both). The Python
 sources stay the truth:
 
 - ``python -m egress.cli.native_build`` (``make setup`` runs it) compiles ``MODULES`` into

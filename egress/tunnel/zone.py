@@ -125,6 +125,29 @@ def span(seconds: float) -> str:
     return f"{seconds:g} s"
 
 
+# What every new name adds to, per window: a name, its new text, that text's information,
+# and the information in the name itself.
+_FAST_NEW = (FAST_NAMES, TEXT, INFO, NAME_INFO)
+_SLOW_NEW = (NAMES, SLOW_TEXT, SLOW_INFO, SLOW_NAME_INFO)
+
+
+def _add_new(
+    ring: Ring, metrics: tuple[int, int, int, int], text: float, info: float, bits: float
+) -> None:
+    """``Ring.add`` of a new name's four values, its cells written directly (see ``Ring``):
+    a new name does this in both windows of its zone and of the sum."""
+    cells, totals, base = ring.cells, ring.totals, ring.base
+    names, texts, infos, name_infos = metrics
+    cells[base + names] += 1.0
+    totals[names] += 1.0
+    cells[base + texts] += text
+    totals[texts] += text
+    cells[base + infos] += info
+    totals[infos] += info
+    cells[base + name_infos] += bits
+    totals[name_infos] += bits
+
+
 class ZoneState:
     __slots__ = (
         "bytes",
@@ -182,34 +205,16 @@ class ZoneState:
         the mask of its labels that were new here."""
         text, info, which = self.new_parts(f, among)
         # Known labels in a new order add no text (``text`` 0): their information is in
-        # ``bits``. The cells are written directly: see ``Ring``.
-        fast, slow = self.fast, self.slow
-        cells, totals, base = fast.cells, fast.totals, fast.base
-        cells[base + FAST_NAMES] += 1.0
-        totals[FAST_NAMES] += 1.0
-        cells[base + TEXT] += text
-        totals[TEXT] += text
-        cells[base + INFO] += info
-        totals[INFO] += info
-        cells[base + NAME_INFO] += bits / 8
-        totals[NAME_INFO] += bits / 8
+        # ``bits``.
+        fast = self.fast
+        _add_new(fast, _FAST_NEW, text, info, bits / 8)
+        _add_new(self.slow, _SLOW_NEW, text, info, bits / 8)
         if shaped:
-            cells[base + SHAPED] += 1.0
-            totals[SHAPED] += 1.0
+            fast.add(SHAPED, 1.0)
         if f.sub_len >= LONG_SUB or f.max_label >= LONG_LABEL:
-            cells[base + LONG_TEXT] += f.sub_len
-            totals[LONG_TEXT] += f.sub_len
+            fast.add(LONG_TEXT, f.sub_len)
         if data_type_name(qtype) is not None:
             fast.add(DATA, 0.25 if qtype == TXT else 1.0)
-        cells, totals, base = slow.cells, slow.totals, slow.base
-        cells[base + NAMES] += 1.0
-        totals[NAMES] += 1.0
-        cells[base + SLOW_TEXT] += text
-        totals[SLOW_TEXT] += text
-        cells[base + SLOW_INFO] += info
-        totals[SLOW_INFO] += info
-        cells[base + SLOW_NAME_INFO] += bits / 8
-        totals[SLOW_NAME_INFO] += bits / 8
         return which
 
     def add_info(self, fast: float, slow: float) -> None:
