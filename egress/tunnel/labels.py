@@ -13,7 +13,6 @@ presentation form with ``\\DDD`` and ``\\X`` escapes. Both give the same labels.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 from publicsuffixlist import PublicSuffixList
@@ -42,16 +41,29 @@ def _psl() -> PublicSuffixList:
     return PublicSuffixList()
 
 
-# An escape: ``\DDD`` (a byte, decimal), ``\X`` (the character X), or a lone backslash
-# at the very end (kept as it is).
-_ESCAPE = re.compile(r"\\([0-9]{3}|.?)", re.DOTALL)
-
-
-def _unescape(m: re.Match[str]) -> str:
-    code = m.group(1)
-    if len(code) == 3:
-        return chr(int(code) & 0xFF)
-    return code or "\\"
+def _unescape(label: str) -> str:
+    """``label`` with its escapes decoded: ``\\DDD`` (a byte, decimal), ``\\X`` (the
+    character X); a lone backslash at the very end is kept. (A loop with ``find``: as fast
+    as a regex with a callback from the sources, several times faster compiled.)"""
+    out: list[str] = []
+    i, n = 0, len(label)
+    while i < n:
+        j = label.find("\\", i)
+        if j < 0:
+            out.append(label[i:])
+            break
+        out.append(label[i:j])
+        code = label[j + 1 : j + 4]
+        if len(code) == 3 and code.isascii() and code.isdigit():
+            out.append(chr(int(code) & 0xFF))
+            i = j + 4
+        elif j + 1 < n:
+            out.append(label[j + 1])
+            i = j + 2
+        else:
+            out.append("\\")
+            i = n
+    return "".join(out)
 
 
 def unescape_labels(name: str) -> list[str]:
@@ -75,7 +87,7 @@ def unescape_labels(name: str) -> list[str]:
         labels.append(carry)
     elif len(labels) > 1 and not labels[-1]:
         labels.pop()  # the root's dot
-    return [_ESCAPE.sub(_unescape, label) if "\\" in label else label for label in labels]
+    return [_unescape(label) if "\\" in label else label for label in labels]
 
 
 _LDH = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
