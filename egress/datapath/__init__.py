@@ -6,6 +6,8 @@
         ──ExpiryBook.plan_adds()──▶ one add per set and timeout (no answer shortens another)
     pool ──addressing.Pools──▶ the sandbox's v4/v6 link networks (first_free index)
     NFLOG payload ──packet.parse_ip_packet()──▶ Packet; evidence.drop_violation()
+    a new flow's first client bytes ──firstbytes.judge()──▶ FirstBytes: the TLS SNI or
+        HTTP Host it asks for, or why it names no one hostname (invariant 10's input)
 
 The kernel adapters load the text in one atomic transaction (kernel.nft); the resolver's
 adds go over egress's own netlink socket (kernel.nft_sets, libnftables as the fallback);
