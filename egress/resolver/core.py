@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 from egress.datapath.elements import ExpiryBook, SetAdd, SetUpdate, clamp_ttl, plan_update
 from egress.model import (
+    Action as OnViolation,
+)
+from egress.model import (
     DeniedResponse,
     DnsRule,
     Layer,
@@ -213,7 +216,21 @@ class ResolverCore:
         if self.audit and q.qclass == wire.CLASS_IN:
             # Audit: record, then answer as a forwarder would (a tunnel under its zone's rule).
             return [report, *self._forward(q, waiter, verdict.rule)]
-        return [report, Reply(waiter.client, wire.error_reply(q, self._refusal(verdict)))]
+        reply = wire.error_reply(q, self._refusal(verdict), (wire.EDE_BLOCKED, self._why(verdict)))
+        return [report, Reply(waiter.client, reply)]
+
+    def _why(self, verdict: Verdict) -> str:
+        """What an agent reads in the refusal (``dig`` prints it as EDE 15, Blocked): that
+        egress refused it, why, under which policy, and whether the sandbox is now frozen;
+        not the rule text."""
+        cls = verdict.cls or ViolationClass.DENIED_NAME
+        what = _WHY.get(cls, "refused")
+        frozen = (
+            "; the sandbox is frozen for review"
+            if self.policy.action(cls) is OnViolation.FREEZE
+            else ""
+        )
+        return f"egress: {what} by policy {self.policy.name}{frozen}"
 
     def _refusal(self, verdict: Verdict) -> int:
         if verdict.cls is ViolationClass.DENIED_NAME and (
@@ -410,6 +427,13 @@ class ResolverCore:
             dns_violation(f.cls, f.rule, f.detail, p.qname, p.qtype,
                           layer=LAYER, policy=self.policy, at=now)
         )  # fmt: skip
+
+
+_WHY = {
+    ViolationClass.DENIED_NAME: "name not allowed",
+    ViolationClass.DENIED_TYPE: "record type not allowed",
+    ViolationClass.TUNNEL: "DNS tunnel suspected",
+}
 
 
 def _parse_response(data: bytes) -> message.Response:

@@ -150,11 +150,15 @@ def reply_flags(query_flags: int, rcode: int) -> int:
     return QR | RA | (query_flags & (RD | CD)) | (rcode & 0xF)
 
 
-def error_reply(query: Query, rcode: int) -> bytes:
-    """A reply carrying only the question and ``rcode`` (REFUSED, NXDOMAIN, SERVFAIL...)."""
+def error_reply(query: Query, rcode: int, ede: tuple[int, str] | None = None) -> bytes:
+    """A reply carrying only the question and ``rcode`` (REFUSED, NXDOMAIN, SERVFAIL...);
+    ``ede``: an Extended DNS Error (RFC 8914: info code, text) for a client that sent
+    EDNS (one that did not may not get an OPT record back, RFC 6891)."""
     opt = query.edns_size is not None
     head = HEADER.pack(query.id, reply_flags(query.flags, rcode), 1, 0, 0, 1 if opt else 0)
-    return head + query.question + (opt_record() if opt else b"")
+    if not opt:
+        return head + query.question
+    return head + query.question + opt_record(options=ede_option(*ede) if ede else b"")
 
 
 def header_error(data: bytes, rcode: int) -> bytes | None:
@@ -165,9 +169,21 @@ def header_error(data: bytes, rcode: int) -> bytes | None:
     return HEADER.pack(qid, reply_flags(flags, rcode), 0, 0, 0, 0)
 
 
-def opt_record(size: int = OUR_EDNS_SIZE) -> bytes:
-    """An OPT pseudo-record with no options: root name, type 41, class = UDP size."""
-    return b"\x00" + struct.pack("!HHIH", TYPE_OPT, size, 0, 0)
+def opt_record(size: int = OUR_EDNS_SIZE, options: bytes = b"") -> bytes:
+    """An OPT pseudo-record: root name, type 41, class = UDP size, then ``options``."""
+    return b"\x00" + struct.pack("!HHIH", TYPE_OPT, size, 0, len(options)) + options
+
+
+EDE_OPTION = 15  # the EDNS option code of an Extended DNS Error (RFC 8914)
+EDE_BLOCKED = 15  # "the resolver has blocked the domain ... due to internal policy"
+EDE_PROHIBITED = 18  # "an authoritative or recursive resolver ... prohibited the client"
+EDE_MAX_TEXT = 200  # bytes of text: a denial's reason, not a document
+
+
+def ede_option(code: int, text: str) -> bytes:
+    """The EDE option: info code, then its UTF-8 text (cut at ``EDE_MAX_TEXT`` bytes)."""
+    data = text.encode("utf-8")[:EDE_MAX_TEXT].decode("utf-8", "ignore").encode("utf-8")
+    return struct.pack("!HHH", EDE_OPTION, 2 + len(data), code) + data
 
 
 def build_query(qid: int, qname: str, qtype: int) -> bytes:

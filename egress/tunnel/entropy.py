@@ -48,7 +48,7 @@ _HEX_ONLY = re.compile(r"[0-9a-f_-]+")
 _DIGIT = re.compile(r"[0-9]")
 # COMMON_BIGRAMS as a table: 1 at (first - 'a') * 26 + (second - 'a').
 _PAIR_TABLE = bytes(
-    1 if chr(97 + i // 26) + chr(97 + i % 26) in COMMON_BIGRAMS else 0 for i in range(26 * 26)
+    [1 if chr(97 + i // 26) + chr(97 + i % 26) in COMMON_BIGRAMS else 0 for i in range(26 * 26)]
 )
 _CLOG = [0.0] + [c * math.log2(c) for c in range(1, 1024)]  # c*log2(c) for counts
 

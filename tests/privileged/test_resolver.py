@@ -94,6 +94,10 @@ def test_denied_names_and_types_are_refused_and_never_sent_upstream(lab: Lab) ->
     for (name, qtype, expected), step in zip(queries, out.steps, strict=False):
         if expected:
             assert status(step) == expected, (name, qtype, step)
+            # What the agent reads: dig prints the Extended DNS Error (RFC 8914) egress sent.
+            why = "name" if expected == "NXDOMAIN" else "record type"
+            ede = f"; EDE: 15 (Blocked): (egress: {why} not allowed by policy resolver)"
+            assert ede in step["stdout"], (name, qtype, step["stdout"])
         else:  # dig itself may refuse to send a name this long; either way, nothing leaves
             assert status(step) in ("FORMERR", "NXDOMAIN") or step["rc"] != 0, step
     mixed, cdn = out.steps[-2:]

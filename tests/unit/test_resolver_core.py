@@ -128,6 +128,32 @@ def test_denied_queries_never_go_upstream(name: str, qtype: str, cls: ViolationC
     assert DNSRecord.parse(reply.data).header.rcode == expected
 
 
+@pytest.mark.parametrize(
+    ("name", "qtype", "text"),
+    [
+        ("denied.test", "A", "egress: name not allowed by policy t"),
+        ("allowed.test", "TXT", "egress: record type not allowed by policy t"),
+    ],
+)
+def test_a_refusal_says_egress_refused_it_and_why(name: str, qtype: str, text: str) -> None:
+    # RFC 8914 Extended DNS Error 15 (Blocked): what `dig` shows an agent. Only a client
+    # that sent EDNS gets an OPT record back (RFC 6891).
+    c = core()
+    [reply] = only(c.on_query(query(name, qtype, edns=True), "c", False, 0.0), Reply)
+    opt = [rr for rr in DNSRecord.parse(reply.data).ar if rr.rtype == QTYPE.OPT]
+    assert len(opt) == 1
+    [option] = opt[0].rdata
+    assert option.code == wire.EDE_OPTION
+    assert option.data == wire.EDE_BLOCKED.to_bytes(2) + text.encode()
+    [plain] = only(c.on_query(query(name, qtype), "c", False, 0.0), Reply)
+    assert DNSRecord.parse(plain.data).ar == []
+
+
+def test_an_ede_text_is_cut_at_a_character_boundary() -> None:
+    option = wire.ede_option(wire.EDE_BLOCKED, "é" * 150)  # 300 bytes of UTF-8
+    assert len(option) == 6 + wire.EDE_MAX_TEXT and option[6:].decode("utf-8") == "é" * 100
+
+
 def test_denied_response_refused_is_configurable() -> None:
     c = core(denied="refused")
     [_, reply] = c.on_query(query("denied.test"), "c", False, 0.0)
@@ -419,6 +445,18 @@ def test_the_scorer_sees_allowed_misses_only_and_its_verdict_stops_the_query() -
     assert "tunnel suspected" in report.violation.detail
     [reply] = only(actions, Reply)
     assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
+
+
+def test_a_tunnel_refusal_says_the_sandbox_is_frozen_when_it_is() -> None:
+    c = core()
+    c.scorer = FakeScorer()  # type: ignore[assignment]
+    [reply] = only(c.on_query(query("tunnel.cdn.test", edns=True), "c", False, 0.0), Reply)
+    [opt] = [rr for rr in DNSRecord.parse(reply.data).ar if rr.rtype == QTYPE.OPT]
+    text = opt.rdata[0].data[2:].decode()
+    assert text == "egress: DNS tunnel suspected by policy t; the sandbox is frozen for review"
+    # A class the policy only blocks says nothing of a freeze.
+    [reply] = only(c.on_query(query("denied.test", edns=True), "c", False, 0.0), Reply)
+    assert b"frozen" not in reply.data
 
 
 def test_a_withheld_answer_is_not_asked_upstream_again() -> None:
