@@ -29,6 +29,7 @@ class Entry:
     update: SetUpdate | None  # the elements this answer allows (None: no addresses)
     allowed_until: float  # when the kernel's set elements for them expire
     ips: tuple[IPAddress, ...] = ()  # the addresses ``update`` allows
+    ede: bytes = b""  # an Extended DNS Error option for EDNS clients (a refusal's reason)
 
     def remaining(self, now: float) -> int:
         return max(0, int(self.expires_at - now))
@@ -75,10 +76,11 @@ def make_entry(
     update: SetUpdate | None,
     allowed_s: int,
     ips: tuple[IPAddress, ...] = (),
+    ede: bytes = b"",
 ) -> Entry:
     """``offsets``: where the message's TTLs are (``wire.ttl_offsets`` finds them)."""
     ttls = tuple(_TTL.unpack_from(message, off)[0] for off in offsets)
-    return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s, ips)
+    return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s, ips, ede)
 
 
 def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:
@@ -92,7 +94,7 @@ def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:
     for off, ttl in zip(entry.ttl_offsets, entry.ttls, strict=True):
         _TTL.pack_into(out, off, max(0, ttl - age))
     if query.edns_size is not None:
-        out += wire.opt_record()
+        out += wire.opt_record(options=entry.ede)
         struct.pack_into("!H", out, 10, struct.unpack_from("!H", out, 10)[0] + 1)
     if len(out) > max_size:
         return truncated(query)

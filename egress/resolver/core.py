@@ -216,21 +216,17 @@ class ResolverCore:
         if self.audit and q.qclass == wire.CLASS_IN:
             # Audit: record, then answer as a forwarder would (a tunnel under its zone's rule).
             return [report, *self._forward(q, waiter, verdict.rule)]
-        reply = wire.error_reply(q, self._refusal(verdict), (wire.EDE_BLOCKED, self._why(verdict)))
+        why = self._why(verdict.cls or ViolationClass.DENIED_NAME, _WHY)
+        reply = wire.error_reply(q, self._refusal(verdict), (wire.EDE_BLOCKED, why))
         return [report, Reply(waiter.client, reply)]
 
-    def _why(self, verdict: Verdict) -> str:
-        """What an agent reads in the refusal (``dig`` prints it as EDE 15, Blocked): that
+    def _why(self, cls: ViolationClass, what: dict[ViolationClass, str]) -> str:
+        """What an agent reads in a refusal (``dig`` prints it as EDE 15, Blocked): that
         egress refused it, why, under which policy, and whether the sandbox is now frozen;
         not the rule text."""
-        cls = verdict.cls or ViolationClass.DENIED_NAME
-        what = _WHY.get(cls, "refused")
-        frozen = (
-            "; the sandbox is frozen for review"
-            if self.policy.action(cls) is OnViolation.FREEZE
-            else ""
-        )
-        return f"egress: {what} by policy {self.policy.name}{frozen}"
+        frozen = self.policy.action(cls) is OnViolation.FREEZE
+        note = "; the sandbox is frozen for review" if frozen else ""
+        return f"egress: {what.get(cls, 'refused')} by policy {self.policy.name}{note}"
 
     def _refusal(self, verdict: Verdict) -> int:
         if verdict.cls is ViolationClass.DENIED_NAME and (
@@ -311,7 +307,8 @@ class ResolverCore:
         if self.audit and rule is not None and filtered.findings:
             filtered = _unfiltered(response)  # audit: record, then answer as a forwarder would
         if filtered.refused:
-            return actions + self._refuse_all(p, now)
+            withheld = filtered.findings[-1].cls if filtered.findings else None  # the last
+            return actions + self._refuse_all(p, now, withheld)
         entry = self._entry(p, rule, filtered, now)
         key = p.waiters[0].query.key
         replies = tuple(
@@ -404,7 +401,9 @@ class ResolverCore:
             return self.policy.connect.ports
         return rule.ports
 
-    def _refuse_all(self, p: Pending, now: float) -> list[Action]:
+    def _refuse_all(
+        self, p: Pending, now: float, withheld: ViolationClass | None = None
+    ) -> list[Action]:
         """Refuse a withheld answer, and remember the refusal: asked again, the same
         question must not go upstream again (a tunnel client retries, and restarted with
         the same seed it repeats its names, each repeat carrying data out)."""
@@ -412,7 +411,9 @@ class ResolverCore:
         if self.policy.dns.denied_response is DeniedResponse.REFUSED:
             rcode = wire.REFUSED
         msg, offsets = message.build(p.qname, p.qtype, rcode, [], [])
-        entry = cache_mod.make_entry(msg, offsets, REFUSAL_TTL_S, now, None, 0)
+        why = self._why(withheld or ViolationClass.DENIED_NAME, _WITHHELD)
+        ede = wire.ede_option(wire.EDE_BLOCKED, why)
+        entry = cache_mod.make_entry(msg, offsets, REFUSAL_TTL_S, now, None, 0, ede=ede)
         self.cache.put(p.waiters[0].query.key, entry)
         return [Reply(w.client, cache_mod.render(entry, w.query, now, w.max_size))
                 for w in p.waiters]  # fmt: skip
@@ -429,10 +430,15 @@ class ResolverCore:
         )  # fmt: skip
 
 
-_WHY = {
+_WHY = {  # a query refused before it went upstream
     ViolationClass.DENIED_NAME: "name not allowed",
     ViolationClass.DENIED_TYPE: "record type not allowed",
     ViolationClass.TUNNEL: "DNS tunnel suspected",
+}
+_WITHHELD = {  # an answer refused after the upstream gave it
+    ViolationClass.DENIED_NAME: "answer leads to a name not allowed",
+    ViolationClass.DENIED_TYPE: "answer is a CNAME, a record type not allowed",
+    ViolationClass.TUNNEL: "answer carries a DNS tunnel's data",
 }
 
 

@@ -120,6 +120,8 @@ def test_cname_chains(lab: Lab) -> None:
                              dig("alias-chain.lab.test")], lab.uplink_netns)  # fmt: skip
     bad, ok, chain = out.steps
     assert status(bad) == "NXDOMAIN" and answers(bad) == []
+    why = "egress: answer leads to a name not allowed by policy resolver"
+    assert f"; EDE: 15 (Blocked): ({why})" in bad["stdout"], bad["stdout"]
     assert status(ok) == "NOERROR" and answers(ok) == ["allowed.lab.test.", "203.0.113.10"]
     # alias-chain -> alias-ok -> allowed: every name on the chain is allowlisted.
     assert answers(chain)[-1] == "203.0.113.10"

@@ -154,6 +154,23 @@ def test_an_ede_text_is_cut_at_a_character_boundary() -> None:
     assert len(option) == 6 + wire.EDE_MAX_TEXT and option[6:].decode("utf-8") == "é" * 100
 
 
+def test_a_withheld_answer_says_why_too_also_from_the_cache() -> None:
+    c = core()
+    [fwd] = c.on_query(query("alias.test", edns=True), "c", False, 0.0)
+    records = (
+        RR("alias.test", QTYPE.CNAME, rdata=CNAME("denied.test"), ttl=60),
+        RR("denied.test", QTYPE.A, rdata=A("203.0.113.12"), ttl=60),
+    )
+    text = b"egress: answer leads to a name not allowed by policy t"
+    [reply] = only(acked(c, fwd.token, upstream_answer(fwd, *records), 0.0), Reply)
+    again = only(c.on_query(query("alias.test", edns=True), "c", False, 1.0), Reply)
+    plain = only(c.on_query(query("alias.test"), "c", False, 2.0), Reply)
+    for got in (reply, *again):
+        [opt] = [rr for rr in DNSRecord.parse(got.data).ar if rr.rtype == QTYPE.OPT]
+        assert opt.rdata[0].data == wire.EDE_BLOCKED.to_bytes(2) + text
+    assert [DNSRecord.parse(r.data).ar for r in plain] == [[]]
+
+
 def test_denied_response_refused_is_configurable() -> None:
     c = core(denied="refused")
     [_, reply] = c.on_query(query("denied.test"), "c", False, 0.0)
