@@ -217,7 +217,7 @@ class ResolverCore:
             # Audit: record, then answer as a forwarder would (a tunnel under its zone's rule).
             return [report, *self._forward(q, waiter, verdict.rule)]
         why = self._why(verdict.cls or ViolationClass.DENIED_NAME, _WHY)
-        reply = wire.error_reply(q, self._refusal(verdict), (wire.EDE_BLOCKED, why))
+        reply = wire.error_reply(q, self._refusal(verdict), wire.ede_option(wire.EDE_BLOCKED, why))
         return [report, Reply(waiter.client, reply)]
 
     def _why(self, cls: ViolationClass, what: dict[ViolationClass, str]) -> str:

@@ -150,15 +150,13 @@ def reply_flags(query_flags: int, rcode: int) -> int:
     return QR | RA | (query_flags & (RD | CD)) | (rcode & 0xF)
 
 
-def error_reply(query: Query, rcode: int, ede: tuple[int, str] | None = None) -> bytes:
+def error_reply(query: Query, rcode: int, ede: bytes = b"") -> bytes:
     """A reply carrying only the question and ``rcode`` (REFUSED, NXDOMAIN, SERVFAIL...);
-    ``ede``: an Extended DNS Error (RFC 8914: info code, text) for a client that sent
-    EDNS (one that did not may not get an OPT record back, RFC 6891)."""
+    ``ede``: an Extended DNS Error option (``ede_option``) for a client that sent EDNS
+    (one that did not may not get an OPT record back, RFC 6891)."""
     opt = query.edns_size is not None
     head = HEADER.pack(query.id, reply_flags(query.flags, rcode), 1, 0, 0, 1 if opt else 0)
-    if not opt:
-        return head + query.question
-    return head + query.question + opt_record(options=ede_option(*ede) if ede else b"")
+    return head + query.question + (opt_record(options=ede) if opt else b"")
 
 
 def header_error(data: bytes, rcode: int) -> bytes | None:
@@ -176,7 +174,6 @@ def opt_record(size: int = OUR_EDNS_SIZE, options: bytes = b"") -> bytes:
 
 EDE_OPTION = 15  # the EDNS option code of an Extended DNS Error (RFC 8914)
 EDE_BLOCKED = 15  # "the resolver has blocked the domain ... due to internal policy"
-EDE_PROHIBITED = 18  # "an authoritative or recursive resolver ... prohibited the client"
 EDE_MAX_TEXT = 200  # bytes of text: a denial's reason, not a document
 
 

@@ -84,37 +84,30 @@ class NameFeatures(NamedTuple):
     @property
     def points(self) -> tuple[tuple[float, str], ...]:
         """Score contributions, type aside, with the reason for each."""
-        pts = _points(self.sub_len, self.max_label, self.randomness)
-        if self.non_hostname:
-            pts.append((3.0, f"{self.non_hostname} non-hostname bytes"))
-        if self.case_flips >= 4:
-            pts.append((1.5, f"mixed case ({self.case_flips} flips in a label)"))
-        return tuple(pts)
+        return tuple(
+            _points(self.sub_len, self.max_label, self.randomness, self.non_hostname,
+                    self.case_flips)
+        )  # fmt: skip
 
 
-def _points(sub_len: int, max_label: int, randomness: float) -> list[tuple[float, str]]:
+def _points(
+    sub_len: int, max_label: int, rand: float, non_hostname: int, flips: int, why: bool = True
+) -> list[tuple[float, str]]:
+    """Score contributions with their reasons; ``why`` False leaves the reasons empty, for
+    the sum that every new name needs (formatting them is most of the cost)."""
     pts: list[tuple[float, str]] = []
     if sub_len >= LONG_SUB:
-        pts.append((min(2.0, (sub_len - 48) / 48), f"subdomain {sub_len} B"))
+        pts.append((min(2.0, (sub_len - 48) / 48), f"subdomain {sub_len} B" if why else ""))
     if max_label >= LONG_LABEL:
-        pts.append((1.5 if max_label >= 56 else 0.75, f"label of {max_label} chars"))
-    if randomness >= 0.05:
-        pts.append((1.5 * randomness, f"random-looking label ({randomness:.2f})"))
-    return pts
-
-
-def _score(sub_len: int, max_label: int, rand: float, non_hostname: int, flips: int) -> float:
-    """The sum of ``NameFeatures.points``, without formatting their reasons."""
-    score = min(2.0, (sub_len - 48) / 48) if sub_len >= LONG_SUB else 0.0
-    if max_label >= LONG_LABEL:
-        score += 1.5 if max_label >= 56 else 0.75
+        size = 1.5 if max_label >= 56 else 0.75
+        pts.append((size, f"label of {max_label} chars" if why else ""))
     if rand >= 0.05:
-        score += 1.5 * rand
+        pts.append((1.5 * rand, f"random-looking label ({rand:.2f})" if why else ""))
     if non_hostname:
-        score += 3.0
+        pts.append((3.0, f"{non_hostname} non-hostname bytes" if why else ""))
     if flips >= 4:
-        score += 1.5
-    return score
+        pts.append((1.5, f"mixed case ({flips} flips in a label)" if why else ""))
+    return pts
 
 
 def _labels(
@@ -125,9 +118,7 @@ def _labels(
 
     Most labels are short lowercase words or ids: they get their alphabet and nothing
     else, without a loop step of their own in Python."""
-    alphabets = tuple(
-        [26 if low.isalpha() and low.isascii() else entropy.alphabet_size(low) for low in folded]
-    )
+    alphabets = tuple(map(entropy.alphabet_size, folded))
     info = [0.0] * len(labels)
     best, flips = 0.0, 0
     for i, label in enumerate(labels):
@@ -184,7 +175,7 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
         folded,
         alphabets,
         info,
-        _score(sub_len, max_label, rand, non_hostname, flips),
+        sum((p for p, _ in _points(sub_len, max_label, rand, non_hostname, flips, False)), 0.0),
     )
 
 
