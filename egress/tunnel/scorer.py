@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import islice
+from typing import Final
 
 from egress.model import TunnelSpec
 from egress.tunnel import vocab
@@ -45,10 +46,12 @@ from egress.tunnel.zone import (
     limits,
 )
 
-MAX_VERDICTS = 64  # a sandbox with one verdict is frozen; more are kept only as evidence
-MEMORY_BOUND = 2 * 1024 * 1024  # bytes per sandbox at the default max_zones
-EVICTION_SCAN = 8
-_TYPE_SALT = 0x2545F4914F6CDD1D  # keeps (name, type) apart from the name alone
+MAX_VERDICTS: Final = 64  # a sandbox with one verdict is frozen; more are kept only as evidence
+MEMORY_BOUND: Final = 2 * 1024 * 1024  # bytes per sandbox at the default max_zones
+EVICTION_SCAN: Final = 8
+# Keeps (name, type) apart from the name alone; times a type it stays below 2**62, which
+# the compiled scorer (``native``) keeps as a machine integer.
+_TYPE_SALT: Final = 0x9E3779B1
 
 
 class TunnelScorer:

@@ -14,7 +14,8 @@ compressor would price it, given the names its zone has already sent:
   (the same contexts, counting a symbol once per zone that uses it, so ``www``/``api``/
   ``cdn`` are cheap in any zone), and if that has not seen it either, its spelling:
   alphabet and length, then ``len x log2(alphabet)`` (``label_bits``), or for a
-  hyphenated label its parts as symbols of their own, whichever is cheaper.
+  hyphenated label of up to 16 parts its parts as symbols of their own, whichever is
+  cheaper.
 
 That is the length of a code a receiver could decode, so no encoding of data in the
 choice, order, number or combination of labels or types can carry more than it
@@ -22,44 +23,50 @@ charges, whatever words, counters or chunks it uses (a long-tail label the table
 room for is priced as new: too much, never too little). An exact repeat of a name adds
 nothing, and a repeat of a name with a new record type only the type's price.
 
-``Vocab`` is the fixed-size table: ``slots`` symbols as 16-bit tags with 16-bit counts,
-four probes per symbol, the least counted of the four evicted when full, and ``n``/``d``
-per context. Hash seeds are per process (Python's string hashing), so a workload cannot
-pick labels that collide with a frequent one.
+``Vocab`` is the fixed-size table: ``slots`` symbols as 15-bit tags with 15-bit counts, in
+buckets of four (one 60-bit integer of tags and one of counts per bucket), the least
+counted of a symbol's bucket evicted when it is full, and ``n``/``d`` per context. Hash
+seeds are per process (Python's string hashing), so a workload cannot pick labels that
+collide with a frequent one. Hashes are cut to 62 bits first: what mypyc (``native``)
+keeps as a machine integer, so the compiled table does no big-integer arithmetic.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
+from typing import Final
 
 from egress.tunnel.entropy import alphabet_size
 
-POSITIONS = 8  # label positions with a context of their own; further out share the last
-COUNT = POSITIONS  # context: the number of labels
-TYPE = COUNT + 1  # context: the record type
-ZONE = COUNT + 2  # context (sandbox table only): which zone
-TOKEN = COUNT + 3  # context: the parts of a hyphenated label ("us", "east", "1")
-CONTEXTS = COUNT + 4
-PROBES = 4
-MAX_COUNT = 65535
-ZONE_SLOTS = 512  # per zone: 2 KiB
-SANDBOX_SLOTS = 4096  # per sandbox: 16 KiB
+POSITIONS: Final = 8  # label positions with a context of their own; further out share the last
+COUNT: Final = POSITIONS  # context: the number of labels
+TYPE: Final = COUNT + 1  # context: the record type
+ZONE: Final = COUNT + 2  # context (sandbox table only): which zone
+TOKEN: Final = COUNT + 3  # context: the parts of a hyphenated label ("us", "east", "1")
+CONTEXTS: Final = COUNT + 4
+PROBES: Final = 4  # slots per bucket
+TAG_BITS: Final = 15
+MAX_COUNT: Final = (1 << TAG_BITS) - 1  # also the tag mask
+ZONE_SLOTS: Final = 512  # per zone: 2 KiB
+SANDBOX_SLOTS: Final = 4096  # per sandbox: 16 KiB
 
 # Spelling a label nobody has seen: which alphabet (a few bits), how long (up to 63), then
 # each character. (A fixed English letter-pair model instead saved 6% over the labels of
 # the benign corpus: not worth a table.) Types: the usual ones are a handful of choices,
 # the rest a 16-bit number.
-CLASS_BITS = 3.0
-LENGTH_BITS = 6.0
-COUNT_BITS = 5.0  # a label count never seen (up to 127 labels)
-TOKENS_BITS = 4.0  # how many hyphen-separated parts a label spelled by its parts has
-COMMON_TYPES = frozenset({1, 2, 5, 6, 12, 15, 16, 28, 33, 35, 64, 65, 257})
-COMMON_TYPE_BITS = 4.0
-OTHER_TYPE_BITS = 16.0
-_LOG2 = [0.0] + [math.log2(k) for k in range(1, 129)]
-_LOG2F = math.log2
-_CTX_SALT = [(0x9E3779B97F4A7C15 * (c + 1)) & 0xFFFFFFFFFFFFFFFF for c in range(CONTEXTS)]
+CLASS_BITS: Final = 3.0
+LENGTH_BITS: Final = 6.0
+COUNT_BITS: Final = 5.0  # a label count never seen (up to 127 labels)
+TOKENS_BITS: Final = 4.0  # how many hyphen-separated parts a label spelled by its parts has
+MAX_TOKENS: Final = 16  # what TOKENS_BITS can say: a label of more parts is spelled whole
+COMMON_TYPES: Final = frozenset({1, 2, 5, 6, 12, 15, 16, 28, 33, 35, 64, 65, 257})
+COMMON_TYPE_BITS: Final = 4.0
+OTHER_TYPE_BITS: Final = 16.0
+_LOG2: Final = [0.0] + [math.log2(k) for k in range(1, 129)]
+_LOG2F: Final = math.log2
+M62: Final = (1 << 62) - 1
+_CTX_SALT: Final = [(0x9E3779B97F4A7C15 * (c + 1)) & M62 for c in range(CONTEXTS)]
 
 
 def label_bits(label: str, k: int = 0) -> float:
@@ -80,39 +87,42 @@ class Vocab:
     __slots__ = ("_counts", "_d", "_mask", "_n", "_tags")
 
     def __init__(self, slots: int) -> None:
-        self._mask = slots - 1  # slots: a power of two
-        self._tags = array("H", bytes(2 * slots))  # 0: empty
-        self._counts = array("H", bytes(2 * slots))
-        self._n = array("d", bytes(8 * CONTEXTS))
-        self._d = array("d", bytes(8 * CONTEXTS))
+        self._mask = slots // PROBES - 1  # slots: a power of two
+        self._tags = array("q", bytes(2 * slots))  # per bucket: four tags, 15 bits each
+        self._counts = array("q", bytes(2 * slots))  # 0 in a bucket's tag: an empty slot
+        self._n = [0.0] * CONTEXTS  # lists: what mypyc indexes without a call
+        self._d = [0.0] * CONTEXTS
 
     def use(self, ctx: int, key: int) -> float:
-        """Price symbol ``key`` in ``ctx`` and count it, in one pass over its four slots.
+        """Price symbol ``key`` in ``ctx`` and count it, in one pass over its bucket.
 
         A symbol this table knows costs ``log2((n + d) / c)``, returned as is (>= 0). A new
-        one takes an empty slot of its four, or the least counted one's, and the result is
+        one takes an empty slot of its bucket, or the least counted one's, and the result is
         ``-1 - escape``: the caller adds the escape, ``log2((n + d) / d)``, and prices the
         symbol elsewhere. Both prices use the counts from before this symbol."""
-        h = (key ^ _CTX_SALT[ctx]) & 0xFFFFFFFFFFFFFFFF
-        tag = (h >> 48) or 1
-        tags, counts, mask = self._tags, self._counts, self._mask
-        n, d = self._n[ctx], self._d[ctx]
-        self._n[ctx] = n + 1
-        victim, low = -1, MAX_COUNT + 1
+        h = (key & M62) ^ _CTX_SALT[ctx]
+        bucket = h & self._mask
+        tag = (h >> (62 - TAG_BITS)) or 1
+        tags, counts = self._tags[bucket], self._counts[bucket]
+        nn, dd = self._n, self._d
+        n, d = nn[ctx], dd[ctx]
+        nn[ctx] = n + 1.0
+        victim, low = 0, MAX_COUNT + 1
         for i in range(PROBES):
-            slot = (h + i) & mask
-            t = tags[slot]
+            shift = i * TAG_BITS
+            t = tags >> shift & MAX_COUNT
+            c = counts >> shift & MAX_COUNT
             if t == tag:
-                c = counts[slot]
                 if c < MAX_COUNT:
-                    counts[slot] = c + 1
+                    self._counts[bucket] = counts + (1 << shift)
                 x = (n + d) / c
                 return _LOG2F(x) if x > 1.0 else 0.0
-            c = counts[slot] if t else 0
-            if c < low:
-                victim, low = slot, c
-        tags[victim], counts[victim] = tag, 1
-        self._d[ctx] = d + 1
+            if c < low:  # an empty slot's count is 0
+                victim, low = shift, c
+        keep = ~(MAX_COUNT << victim)
+        self._tags[bucket] = tags & keep | tag << victim
+        self._counts[bucket] = counts & keep | 1 << victim
+        dd[ctx] = d + 1.0
         x = (n + d) / d if d else 1.0
         return -1.0 - (_LOG2F(x) if x > 1.0 else 0.0)
 
@@ -147,6 +157,8 @@ def spell(zone: Vocab, sandbox: Vocab, label: str, k: int = 0) -> float:
     direct = label_bits(label, k)
     if "-" not in label:
         return direct
+    if label.count("-") >= MAX_TOKENS:
+        return 1.0 + direct  # more parts than TOKENS_BITS can say: spelled whole
     by_parts = TOKENS_BITS + sum(
         _symbol(zone, sandbox, TOKEN, hash(p), label_bits(p)) for p in label.split("-")
     )

@@ -14,10 +14,12 @@ scorer's memory per sandbox:
 from __future__ import annotations
 
 from array import array
+from typing import Final
 
-SEEN_BITS = 8192  # per generation: 1 KiB
-SEEN_ROTATE = 512  # inserts per generation: false-positive rate <= 0.5% per generation
-_MASK = SEEN_BITS - 1
+SEEN_BITS: Final = 8192  # per generation: 1 KiB
+SEEN_ROTATE: Final = 512  # inserts per generation: false-positive rate <= 0.5% per generation
+_MASK: Final = SEEN_BITS - 1
+_M62: Final = (1 << 62) - 1
 
 
 class Ring:
@@ -94,6 +96,7 @@ class Seen:
 
     def add(self, h: int) -> bool:
         """Record hash ``h``; True if it was not seen before (as far as the filter knows)."""
+        h &= _M62  # a machine integer when compiled (``native``), as it is cut here
         a, b, c = h & _MASK, (h >> 13) & _MASK, (h >> 26) & _MASK
         new, old = self._new, self._old
         if new[a >> 3] >> (a & 7) & new[b >> 3] >> (b & 7) & new[c >> 3] >> (c & 7) & 1:

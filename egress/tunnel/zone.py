@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from operator import ge
+from typing import Final
 
 from egress.model import TunnelSpec
 from egress.tunnel.features import LONG_LABEL, LONG_SUB, TXT, NameFeatures, data_type_name
@@ -38,15 +39,28 @@ from egress.tunnel.vocab import SANDBOX_SLOTS, ZONE_SLOTS, Vocab
 from egress.tunnel.window import Ring, Seen
 
 # Fast-window metrics
-SHAPED, LONG_TEXT, INFO, TEXT, DATA, FAST_NAMES, NAME_INFO = range(7)
+SHAPED: Final = 0
+LONG_TEXT: Final = 1
+INFO: Final = 2
+TEXT: Final = 3
+DATA: Final = 4
+FAST_NAMES: Final = 5
+NAME_INFO: Final = 6
 # Slow-window metrics
-NAMES, SLOW_INFO, SLOW_TEXT, RESPONSES, FAILS, SLOW_NAME_INFO = range(6)
-FAST_WIDTH, SLOW_WIDTH = 7, 6
-FAST_BUCKETS, SLOW_BUCKETS = 10, 30
-MAX_TYPES = 8  # distinct record types remembered per zone for the verdict's type mix
-NX_RCODES = frozenset({3, 5})  # NXDOMAIN, REFUSED
-ALL_ZONES = ""  # zone name of the state that sums every zone of a sandbox
-_LABEL_SALT = 0x5BD1E995  # keeps a label's hash apart from a one-label subdomain's
+NAMES: Final = 0
+SLOW_INFO: Final = 1
+SLOW_TEXT: Final = 2
+RESPONSES: Final = 3
+FAILS: Final = 4
+SLOW_NAME_INFO: Final = 5
+FAST_WIDTH: Final = 7
+SLOW_WIDTH: Final = 6
+FAST_BUCKETS: Final = 10
+SLOW_BUCKETS: Final = 30
+MAX_TYPES: Final = 8  # distinct record types remembered per zone for the verdict's type mix
+NX_RCODES: Final = frozenset({3, 5})  # NXDOMAIN, REFUSED
+ALL_ZONES: Final = ""  # zone name of the state that sums every zone of a sandbox
+_LABEL_SALT: Final = 0x5BD1E995  # keeps a label's hash apart from a one-label subdomain's
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +73,7 @@ class Rule:
     nx: bool  # halved when the zone's NXDOMAIN share is high
 
 
-RULES = (
+RULES: Final = (
     Rule("shaped_names", False, SHAPED, "tunnel-shaped names", True, False),
     Rule("long_text_bytes", False, LONG_TEXT, "unique text of long names", False, False),
     Rule("info_bytes", False, INFO, "information in unique subdomain text", False, True),
@@ -75,13 +89,13 @@ RULES = (
 # Over all zones: what random or tunnel-shaped text adds up to, and the information in
 # new names (priced against the sandbox's own vocabulary, ``vocab``); not plain text or
 # counts of names, which many zones (a crawler, a big `npm install`) add up to honestly.
-SANDBOX_RULES = tuple(
+SANDBOX_RULES: Final = tuple(
     r for r in RULES if r.field not in ("text_bytes", "names", "slow_names", "slow_text_bytes")
 )
 
 
 # Limits the sum over all zones keeps at one zone's: the slow leak budget is per sandbox.
-UNSCALED = frozenset({"slow_name_info_bytes"})
+UNSCALED: Final = frozenset({"slow_name_info_bytes"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +141,8 @@ def span(seconds: float) -> str:
 
 # What every new name adds to, per window: a name, its new text, that text's information,
 # and the information in the name itself.
-_FAST_NEW = (FAST_NAMES, TEXT, INFO, NAME_INFO)
-_SLOW_NEW = (NAMES, SLOW_TEXT, SLOW_INFO, SLOW_NAME_INFO)
+_FAST_NEW: Final = (FAST_NAMES, TEXT, INFO, NAME_INFO)
+_SLOW_NEW: Final = (NAMES, SLOW_TEXT, SLOW_INFO, SLOW_NAME_INFO)
 
 
 def _add_new(
