@@ -20,25 +20,26 @@ import functools
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from egress.tunnel import entropy
 from egress.tunnel.labels import split_name, split_under
 
-LONG_SUB = 64  # a subdomain this long, or a label of LONG_LABEL, makes a "long name"
-LONG_LABEL = 40
-FEATURE_CACHE = 2048  # names
-_LOG2 = [0.0] + [math.log2(k) for k in range(1, 129)]
+LONG_SUB: Final = 64  # a subdomain this long, or a label of LONG_LABEL, makes a "long name"
+LONG_LABEL: Final = 40
+FEATURE_CACHE: Final = 2048  # names
+_LOG2: Final = [0.0] + [math.log2(k) for k in range(1, 129)]
 
 # Types whose answers carry bytes but no address: tunnels' favourites, rare in real use.
-DATA_TYPES = {10: "NULL", 11: "WKS", 13: "HINFO", 14: "MINFO", 17: "RP", 19: "X25", 20: "ISDN"}
-DATA_TYPES |= {21: "RT", 22: "NSAP", 24: "SIG", 25: "KEY", 249: "TKEY"}
-TXT = 16
+DATA_TYPES: Final = {
+    **{10: "NULL", 11: "WKS", 13: "HINFO", 14: "MINFO", 17: "RP", 19: "X25", 20: "ISDN"},
+    **{21: "RT", 22: "NSAP", 24: "SIG", 25: "KEY", 249: "TKEY"},
+}
+TXT: Final = 16
 
-_HEX_RUN = re.compile(r"[0-9a-fA-F]+")
-_B32_RUN = re.compile(r"[a-z2-7]+|[A-Z2-7]+")
-_B64_RUN = re.compile(r"[A-Za-z0-9+/=_-]+")
-_FLIP = re.compile(r"(?=[a-z][A-Z]|[A-Z][a-z])")
+_HEX_RUN: Final = re.compile(r"[0-9a-fA-F]+")
+_B32_RUN: Final = re.compile(r"[a-z2-7]+|[A-Z2-7]+")
+_B64_RUN: Final = re.compile(r"[A-Za-z0-9+/=_-]+")
 
 
 def data_type_name(qtype: int) -> str | None:
@@ -112,33 +113,34 @@ def _points(
 
 def _labels(
     labels: tuple[str, ...], folded: tuple[str, ...], cased: bool
-) -> tuple[tuple[int, ...], tuple[float, ...], float, int]:
+) -> tuple[tuple[int, ...], tuple[float, ...], float, int, int]:
     """(alphabet of each folded label, information estimate in bytes per label, randomness
-    of the most random, case flips). ``cased``: some label has an upper-case letter.
+    of the most random, case flips, bytes outside LDH/underscore). ``cased``: some label
+    has an upper-case letter.
 
     Most labels are short lowercase words or ids: they get their alphabet and nothing
     else, without a loop step of their own in Python."""
     alphabets = tuple(map(entropy.alphabet_size, folded))
     info = [0.0] * len(labels)
-    best, flips = 0.0, 0
+    best, flips, other = 0.0, 0, 0
     for i, label in enumerate(labels):
-        if len(label) < entropy.MIN_LEN and not cased:
+        k = alphabets[i]
+        # Only a label whose folded alphabet is 64 or 128 holds a byte outside LDH.
+        if len(label) < entropy.MIN_LEN and not cased and k < 64:
             continue
-        low = folded[i]
-        mixed = cased and low != label and label.upper() != label
-        if mixed:
-            flips = max(flips, len(_FLIP.findall(label)))
+        stats = entropy.label_stats(label)  # flips only in a label with both cases
+        flips = max(flips, stats.flips)
+        other += stats.other
         if len(label) >= entropy.MIN_LEN:
             # The label as sent: both cases make it base64-like (64), not its folded alphabet.
-            k = alphabets[i]
             if not label.isascii():
                 k = 128
-            elif mixed and k < 64:
+            elif k < 64 and cased and folded[i] != label and label.upper() != label:
                 k = 64
-            r, k = entropy.randomness(label, k)
+            r, k = entropy.randomness(label, k, stats)
             info[i] = len(label) * _LOG2[k] * r / 8
             best = max(best, r * min(1.0, len(label) / 24))
-    return alphabets, tuple(info), best, flips
+    return alphabets, tuple(info), best, flips, other
 
 
 @functools.lru_cache(maxsize=FEATURE_CACHE)
@@ -150,15 +152,9 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
     subdomain = ".".join(labels)
     lowered = subdomain.lower()
     folded = tuple(map(str.lower, labels))
-    alphabets, info, rand, flips = _labels(labels, folded, lowered != subdomain)
+    alphabets, info, rand, flips, non_hostname = _labels(labels, folded, lowered != subdomain)
     sub_len = len(subdomain)
     max_label = max(map(len, labels), default=0)
-    # Only a label whose folded alphabet is 64 or 128 holds a byte outside LDH/underscore.
-    non_hostname = (
-        len(entropy.NON_HOSTNAME.findall("".join(labels)))
-        if alphabets and max(alphabets) >= 64
-        else 0
-    )
     return NameFeatures(
         name,
         split.zone,

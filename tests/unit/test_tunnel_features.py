@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import math
 import random
+import re
 import statistics
+import string
+from collections import Counter
 
 import pytest
 from publicsuffixlist import PublicSuffixList
@@ -15,9 +19,11 @@ from test_tunnel_samples import ALPHABETS, dns2tcp, escape, iodine
 
 from egress.tunnel import labels, score_name
 from egress.tunnel.entropy import (
+    COMMON_BIGRAMS,
     alphabet_size,
     entropy_bits,
     expected_entropy,
+    label_stats,
     normalised_entropy,
     randomness,
     word_likeness,
@@ -125,6 +131,21 @@ def test_escapes_and_separators(name: str, labels: list[str]) -> None:
     assert unescape_labels(name) == labels
 
 
+def _reference_unescape(label: str) -> str:
+    def one(m: re.Match[str]) -> str:
+        code = m.group(1)
+        return chr(int(code) & 0xFF) if len(code) == 3 else code or "\\"
+
+    return re.sub(r"\\([0-9]{3}|.|$)", one, label, flags=re.S)
+
+
+def test_escapes_decode_as_a_reference_decoder_does() -> None:
+    rng = random.Random(11)
+    for _ in range(100_000):
+        label = "".join(rng.choice("\\\\\\0123456789aZ\n\xe4") for _ in range(rng.randrange(16)))
+        assert labels._unescape(label) == _reference_unescape(label), label
+
+
 # --- entropy ------------------------------------------------------------------------------
 
 
@@ -168,6 +189,28 @@ def test_repetitive_text_and_english_words_differ_from_random() -> None:
     assert min(word_likeness(w) for w in WORDS) > 0.6
 
 
+def test_label_statistics_match_their_definitions() -> None:
+    # One loop computes them all; each against the plain definition, over text with
+    # both cases, digits, hostname punctuation, other ASCII, latin-1 and wider characters.
+    rng = random.Random(5)
+    pool = string.ascii_letters + string.digits + "-_+/=.\\ \xe4\xff\u0130\u212a"
+    for _ in range(20_000):
+        text = "".join(rng.choice(pool) for _ in range(rng.randrange(300)))
+        stats = label_stats(text)
+        n = len(text)
+        bits = -sum(c / n * math.log2(c / n) for c in Counter(text).values()) if n > 1 else 0.0
+        assert stats.bits == pytest.approx(bits, abs=1e-9)
+        assert stats.flips == len(re.findall(r"(?=[a-z][A-Z]|[A-Z][a-z])", text))
+        pairs = [
+            (x + y).lower() for x, y in itertools.pairwise(text)
+            if re.fullmatch(r"[A-Za-z]{2}", x + y)
+        ]  # fmt: skip
+        assert stats.pairs == len(pairs)
+        assert stats.common == sum(pair in COMMON_BIGRAMS for pair in pairs)
+        assert stats.other == len(re.findall(r"[^A-Za-z0-9_-]", text))
+    assert label_stats("") == (0.0, 0, 0, 0, 0)
+
+
 def test_short_labels_carry_no_randomness() -> None:
     assert randomness("x7q9z2")[0] == 0.0
     assert randomness("c9akciq32xyz")[0] < randomness("c9akciq32xyzt0p4v7wq")[0]
@@ -176,7 +219,8 @@ def test_short_labels_carry_no_randomness() -> None:
 @pytest.mark.parametrize(
     ("text", "k"),
     [("0123", 10), ("deadbeef01", 16), ("face", 26), ("abc123xyz", 36), ("aBcD", 64),
-     ("ab+/", 64), ("a\xe4b", 128), ("my-alb-123", 36)],
+     ("ab+/", 64), ("a\xe4b", 128), ("my-alb-123", 36), ("dead-beef_01", 16), ("a-b", 26),
+     ("1-2", 10), ("---", 26), ("", 26), ("A-b", 64), ("a b", 64), ("A_B", 26)],
 )  # fmt: skip
 def test_alphabet_size(text: str, k: int) -> None:
     assert alphabet_size(text) == k
