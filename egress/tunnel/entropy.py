@@ -29,11 +29,6 @@ ub ud ul um un ur us ut ve vi wa wi xa yo yr
 """
 COMMON_BIGRAMS: Final = frozenset(_BIGRAMS.split())
 
-HEX: Final = frozenset("0123456789abcdef")
-DIGITS: Final = frozenset("0123456789")
-LOWER: Final = frozenset("abcdefghijklmnopqrstuvwxyz")
-UPPER: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-HOSTNAME: Final = LOWER | UPPER | DIGITS | frozenset("-_")
 
 MIN_LEN: Final = 8  # below this a label carries too little to judge (and too little to matter)
 
@@ -41,6 +36,14 @@ MIN_LEN: Final = 8  # below this a label carries too little to judge (and too li
 _PAIR_TABLE: Final = bytes(
     [1 if chr(97 + i // 26) + chr(97 + i % 26) in COMMON_BIGRAMS else 0 for i in range(26 * 26)]
 )
+# Character classes (``LabelStats.classes``)
+LOWER: Final = 1
+UPPER: Final = 2
+LETTER: Final = LOWER | UPPER
+DIGIT: Final = 4
+NON_HEX: Final = 8  # a letter after f
+OTHER: Final = 16  # ASCII outside LDH and underscore
+WIDE: Final = 32  # outside ASCII
 # What a symbol's next occurrence adds to sum(c log2 c): (c+1) log2(c+1) - c log2(c).
 _STEP: Final = [(c + 1) * math.log2(c + 1) - (c * math.log2(c) if c else 0.0) for c in range(256)]
 
@@ -90,11 +93,12 @@ class LabelStats(NamedTuple):
     pairs: int  # adjacent letter pairs (case-folded)
     common: int  # of those, common English bigrams
     other: int  # characters outside LDH and underscore
+    classes: int  # the character classes present: LOWER | UPPER | DIGIT | ...
 
 
 def label_stats(text: str) -> LabelStats:
-    """Entropy, case flips, letter pairs and non-hostname characters of ``text``, in one
-    pass over its characters.
+    """Entropy, case flips, letter pairs, non-hostname characters and character classes of
+    ``text``, in one pass over its characters.
 
     A loop over characters: compiled (``native``) it is C and about twice as fast as
     Counter's counting loop plus a regex for the flips; from the sources it costs about
@@ -103,7 +107,7 @@ def label_stats(text: str) -> LabelStats:
     wide: dict[int, int] = {}
     step = _STEP
     total = 0.0  # sum of c log2 c over the characters' counts, one occurrence at a time
-    flips = pairs = common = other = 0
+    flips = pairs = common = other = classes = 0
     prev = -1  # the previous character's letter index, -1 after a non-letter
     prev_upper = False
     table = _PAIR_TABLE
@@ -118,11 +122,16 @@ def label_stats(text: str) -> LabelStats:
         total += step[c] if c < 256 else (c + 1) * math.log2(c + 1) - c * math.log2(c)
         if 97 <= o <= 122:
             letter, upper = o - 97, False
+            classes |= LOWER if letter < 6 else LOWER | NON_HEX
         elif 65 <= o <= 90:
             letter, upper = o - 65, True
+            classes |= UPPER if letter < 6 else UPPER | NON_HEX
         else:
-            if not (48 <= o <= 57 or o == 45 or o == 95):  # digits, '-', '_'
+            if 48 <= o <= 57:
+                classes |= DIGIT
+            elif o != 45 and o != 95:  # '-', '_'
                 other += 1
+                classes |= OTHER if o < 128 else WIDE
             prev = -1
             continue
         if prev >= 0:
@@ -132,7 +141,21 @@ def label_stats(text: str) -> LabelStats:
         prev, prev_upper = letter, upper
     n = len(text)
     bits = math.log2(n) - total / n if n >= 2 else 0.0
-    return LabelStats(bits, flips, pairs, common, other)
+    return LabelStats(bits, flips, pairs, common, other, classes)
+
+
+def folded_alphabet(classes: int) -> int:
+    """``alphabet_size`` of a text case-folded, from its ``LabelStats.classes`` (for text
+    of single-byte characters)."""
+    if classes & WIDE:
+        return 128
+    if classes & OTHER:
+        return 64
+    if not classes & DIGIT:
+        return 26
+    if not classes & LETTER:
+        return 10
+    return 36 if classes & NON_HEX else 16
 
 
 def entropy_bits(text: str) -> float:

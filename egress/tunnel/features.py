@@ -113,34 +113,37 @@ def _points(
 
 def _labels(
     labels: tuple[str, ...], folded: tuple[str, ...], cased: bool
-) -> tuple[tuple[int, ...], tuple[float, ...], float, int, int]:
+) -> tuple[tuple[int, ...], tuple[float, ...], float, int, int, int]:
     """(alphabet of each folded label, information estimate in bytes per label, randomness
-    of the most random, case flips, bytes outside LDH/underscore). ``cased``: some label
-    has an upper-case letter.
+    of the most random, case flips, bytes outside LDH/underscore, longest label).
+    ``cased``: some label has an upper-case letter.
 
-    Most labels are short lowercase words or ids: they get their alphabet and nothing
-    else, without a loop step of their own in Python."""
-    alphabets = tuple(map(entropy.alphabet_size, folded))
-    info = [0.0] * len(labels)
-    best, flips, other = 0.0, 0, 0
-    for i, label in enumerate(labels):
-        k = alphabets[i]
-        # Only a label whose folded alphabet is 64 or 128 holds a byte outside LDH.
-        if len(label) < entropy.MIN_LEN and not cased and k < 64:
-            continue
+    Most labels are short lowercase words or ids: they get their alphabet (from string
+    methods) and nothing else; the rest one pass over their characters (``label_stats``)."""
+    count = len(labels)
+    alphabets = [0] * count
+    info = [0.0] * count
+    best, flips, other, longest = 0.0, 0, 0, 0
+    for i in range(count):
+        label = labels[i]
+        size = len(label)
+        longest = max(longest, size)
+        if size < entropy.MIN_LEN and not cased:
+            k = alphabets[i] = entropy.alphabet_size(folded[i])
+            if k < 64:  # only a folded alphabet of 64 or 128 holds a byte outside LDH
+                continue
         stats = entropy.label_stats(label)  # flips only in a label with both cases
+        k = alphabets[i] = entropy.folded_alphabet(stats.classes)
         flips = max(flips, stats.flips)
         other += stats.other
-        if len(label) >= entropy.MIN_LEN:
+        if size >= entropy.MIN_LEN:
             # The label as sent: both cases make it base64-like (64), not its folded alphabet.
-            if not label.isascii():
-                k = 128
-            elif k < 64 and cased and folded[i] != label and label.upper() != label:
+            if k < 64 and stats.classes & entropy.LETTER == entropy.LETTER:
                 k = 64
             r, k = entropy.randomness(label, k, stats)
-            info[i] = len(label) * _LOG2[k] * r / 8
-            best = max(best, r * min(1.0, len(label) / 24))
-    return alphabets, tuple(info), best, flips, other
+            info[i] = size * _LOG2[k] * r / 8
+            best = max(best, r * min(1.0, size / 24))
+    return tuple(alphabets), tuple(info), best, flips, other, longest
 
 
 @functools.lru_cache(maxsize=FEATURE_CACHE)
@@ -151,10 +154,11 @@ def name_features(name: str, zone: str | None = None) -> NameFeatures:
     labels = split.labels
     subdomain = ".".join(labels)
     lowered = subdomain.lower()
-    folded = tuple(map(str.lower, labels))
-    alphabets, info, rand, flips, non_hostname = _labels(labels, folded, lowered != subdomain)
+    folded = tuple([label.lower() for label in labels])
+    alphabets, info, rand, flips, non_hostname, max_label = _labels(
+        labels, folded, lowered != subdomain
+    )
     sub_len = len(subdomain)
-    max_label = max(map(len, labels), default=0)
     return NameFeatures(
         name,
         split.zone,

@@ -134,14 +134,15 @@ def new_name_bits(
     from the zone (``alphabets``: each label's alphabet size, for spelling), its type."""
     bits = _symbol(zone, sandbox, COUNT, len(parts), COUNT_BITS)
     last = len(parts) - 1
-    zone_use, sandbox_use = zone.use, sandbox.use
-    for i, label in enumerate(parts):  # ``_symbol`` inlined: this loop is the hot path
+    # ``_symbol`` inlined: this loop is the hot path. (Methods called as such: compiled, a
+    # bound method kept in a variable would be called through Python's calling convention.)
+    for i, label in enumerate(parts):
         ctx = last - i if last - i < POSITIONS else POSITIONS - 1
         key = hash(label)
-        price = zone_use(ctx, key)
+        price = zone.use(ctx, key)
         if price < 0:
             price = -1.0 - price  # the zone's escape
-            known = sandbox_use(ctx, key)
+            known = sandbox.use(ctx, key)
             if known >= 0:
                 price += known
             else:

@@ -3,12 +3,15 @@
 Both have a size fixed at construction, whatever the traffic, which is what bounds the
 scorer's memory per sandbox:
 
-- ``Ring``: a sliding window as ``buckets`` time buckets of ``width`` float metrics in one
-  ``array('d')``, with running totals so a query costs O(width), not O(buckets).
-- ``Seen``: "was this subdomain already counted?" as two generations of a 3-hash Bloom
-  filter of ``SEEN_BITS`` bits each. A generation retires after ``SEEN_ROTATE`` inserts,
-  so the set remembers the last 512-1024 distinct names of a zone; an attacker's name that
-  collides (about 1% at the fullest) is merely undercounted.
+- ``Ring``: a sliding window as ``buckets`` time buckets of ``width`` float metrics (float32,
+  in one array), with running totals so a query costs O(width), not O(buckets).
+- ``Seen``: "was this subdomain already counted?" as two generations of a blocked Bloom
+  filter of ``SEEN_BITS`` bits each: a hash sets 5 bits of one 64-bit word, so a lookup
+  reads one word per generation (0.6% false positives at the fullest, where a 3-hash
+  filter of the same size has 0.4%, for 3-6 reads). A generation retires after
+  ``SEEN_ROTATE`` inserts, so the set remembers the last 512-1024 distinct names of a
+  zone; an attacker's name that collides (about 1% at the fullest, over both) is merely
+  undercounted.
 """
 
 from __future__ import annotations
@@ -16,24 +19,26 @@ from __future__ import annotations
 from array import array
 from typing import Final
 
-SEEN_BITS: Final = 8192  # per generation: 1 KiB
-SEEN_ROTATE: Final = 512  # inserts per generation: false-positive rate <= 0.5% per generation
-_MASK: Final = SEEN_BITS - 1
+SEEN_BITS: Final = 8192  # per generation: 1 KiB, 128 words of 64 bits
+SEEN_ROTATE: Final = 512  # inserts per generation: false-positive rate <= 0.6% per generation
+_WORD_MASK: Final = SEEN_BITS // 64 - 1
+_WORD_BITS: Final = 62  # bits used of each word: an int below 2**62 is a machine one compiled
 _M62: Final = (1 << 62) - 1
 
 
 class Ring:
-    """``cells``, ``base`` and ``totals`` are public for the scorer's hot path: adding
-    ``v`` to metric ``m`` is ``cells[base + m] += v; totals[m] += v`` (what ``add`` does),
-    which for the dozen metrics a new name touches saves a call each."""
+    """``current`` (the current bucket) and ``totals`` are public lists for the scorer's hot
+    path: adding ``v`` to metric ``m`` is ``current[m] += v; totals[m] += v`` (what ``add``
+    does), two list updates once compiled (``native``), where an array element is a call.
+    The window's other buckets are ``cells``, float32, stored when the bucket is left."""
 
     __slots__ = (
         "_head",
         "_slot",
         "_span",
-        "base",
         "buckets",
         "cells",
+        "current",
         "seconds",
         "totals",
         "width",
@@ -45,9 +50,9 @@ class Ring:
         self.width = width
         self._span = seconds / buckets
         self.cells = array("f", bytes(4 * buckets * width))  # float32: counts < 2**24 exact
-        self.totals = array("d", bytes(8 * width))
-        self._head = 0  # index of the current bucket
-        self.base = 0  # its first cell: _head * width
+        self.current = [0.0] * width
+        self.totals = [0.0] * width
+        self._head = 0  # index of the current bucket in ``cells`` (stale there until left)
         self._slot = -1  # absolute bucket number (now // span) of the current bucket
 
     def advance(self, now: float) -> None:
@@ -61,14 +66,18 @@ class Ring:
         elif steps >= self.buckets:
             self._clear()
         else:
+            cells, current, width = self.cells, self.current, self.width
+            base = self._head * width
+            for m in range(width):
+                cells[base + m] = current[m]
+                current[m] = 0.0
             for _ in range(steps):
                 self._head = (self._head + 1) % self.buckets
                 self._retire(self._head)
-        self.base = self._head * self.width
         self._slot = slot
 
     def add(self, metric: int, value: float) -> None:
-        self.cells[self.base + metric] += value
+        self.current[metric] += value
         self.totals[metric] += value
 
     def total(self, metric: int) -> float:
@@ -83,33 +92,35 @@ class Ring:
 
     def _clear(self) -> None:
         self.cells[:] = array("f", bytes(4 * len(self.cells)))
-        self.totals[:] = array("d", bytes(8 * self.width))
+        self.current[:] = [0.0] * self.width
+        self.totals[:] = [0.0] * self.width
 
 
 class Seen:
     __slots__ = ("_count", "_new", "_old")
 
     def __init__(self) -> None:
-        self._new = bytearray(SEEN_BITS // 8)
-        self._old: bytearray | None = None
+        self._new = array("q", bytes(SEEN_BITS // 8))
+        self._old: array[int] | None = None
         self._count = 0
 
     def add(self, h: int) -> bool:
         """Record hash ``h``; True if it was not seen before (as far as the filter knows)."""
         h &= _M62  # a machine integer when compiled (``native``), as it is cut here
-        a, b, c = h & _MASK, (h >> 13) & _MASK, (h >> 26) & _MASK
+        word = h & _WORD_MASK
+        bits = (
+            1 << (h >> 7 & 63) % _WORD_BITS
+            | 1 << (h >> 13 & 63) % _WORD_BITS
+            | 1 << (h >> 19 & 63) % _WORD_BITS
+            | 1 << (h >> 25 & 63) % _WORD_BITS
+            | 1 << (h >> 31 & 63) % _WORD_BITS
+        )
         new, old = self._new, self._old
-        if new[a >> 3] >> (a & 7) & new[b >> 3] >> (b & 7) & new[c >> 3] >> (c & 7) & 1:
+        now = new[word]
+        if now & bits == bits or (old is not None and old[word] & bits == bits):
             return False
-        if (
-            old is not None
-            and old[a >> 3] >> (a & 7) & old[b >> 3] >> (b & 7) & old[c >> 3] >> (c & 7) & 1
-        ):
-            return False
-        new[a >> 3] |= 1 << (a & 7)
-        new[b >> 3] |= 1 << (b & 7)
-        new[c >> 3] |= 1 << (c & 7)
+        new[word] = now | bits
         self._count += 1
         if self._count >= SEEN_ROTATE:
-            self._old, self._new, self._count = self._new, bytearray(SEEN_BITS // 8), 0
+            self._old, self._new, self._count = new, array("q", bytes(SEEN_BITS // 8)), 0
         return True

@@ -148,17 +148,17 @@ _SLOW_NEW: Final = (NAMES, SLOW_TEXT, SLOW_INFO, SLOW_NAME_INFO)
 def _add_new(
     ring: Ring, metrics: tuple[int, int, int, int], text: float, info: float, bits: float
 ) -> None:
-    """``Ring.add`` of a new name's four values, its cells written directly (see ``Ring``):
+    """``Ring.add`` of a new name's four values, its lists updated directly (see ``Ring``):
     a new name does this in both windows of its zone and of the sum."""
-    cells, totals, base = ring.cells, ring.totals, ring.base
+    current, totals = ring.current, ring.totals
     names, texts, infos, name_infos = metrics
-    cells[base + names] += 1.0
+    current[names] += 1.0
     totals[names] += 1.0
-    cells[base + texts] += text
+    current[texts] += text
     totals[texts] += text
-    cells[base + infos] += info
+    current[infos] += info
     totals[infos] += info
-    cells[base + name_infos] += bits
+    current[name_infos] += bits
     totals[name_infos] += bits
 
 
@@ -203,9 +203,9 @@ class ZoneState:
         "us-east-1") count once; a tunnel's data labels are all new.
         """
         text, info, which = 0, 0.0, 0
-        add = self.seen.add
+        seen = self.seen
         for i, part in enumerate(f.parts):
-            if among >> i & 1 and add(hash(part) ^ _LABEL_SALT):
+            if among >> i & 1 and seen.add(hash(part) ^ _LABEL_SALT):
                 text += len(part) + 1
                 info += f.part_info[i]
                 which |= 1 << i

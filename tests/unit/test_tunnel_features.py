@@ -23,6 +23,7 @@ from egress.tunnel.entropy import (
     alphabet_size,
     entropy_bits,
     expected_entropy,
+    folded_alphabet,
     label_stats,
     normalised_entropy,
     randomness,
@@ -195,7 +196,8 @@ def test_label_statistics_match_their_definitions() -> None:
     rng = random.Random(5)
     pool = string.ascii_letters + string.digits + "-_+/=.\\ \xe4\xff\u0130\u212a"
     for _ in range(20_000):
-        text = "".join(rng.choice(pool) for _ in range(rng.randrange(300)))
+        chars = rng.sample(pool, rng.randrange(1, 12))  # a few classes at a time, or many
+        text = "".join(rng.choice(chars) for _ in range(rng.randrange(300)))
         stats = label_stats(text)
         n = len(text)
         bits = -sum(c / n * math.log2(c / n) for c in Counter(text).values()) if n > 1 else 0.0
@@ -208,7 +210,9 @@ def test_label_statistics_match_their_definitions() -> None:
         assert stats.pairs == len(pairs)
         assert stats.common == sum(pair in COMMON_BIGRAMS for pair in pairs)
         assert stats.other == len(re.findall(r"[^A-Za-z0-9_-]", text))
-    assert label_stats("") == (0.0, 0, 0, 0, 0)
+        if max(text, default="a") <= "\xff":
+            assert folded_alphabet(stats.classes) == alphabet_size(text.lower())
+    assert label_stats("") == (0.0, 0, 0, 0, 0, 0)
 
 
 def test_short_labels_carry_no_randomness() -> None:

@@ -71,6 +71,18 @@ def test_seen_set_dedupes_and_forgets_after_two_generations() -> None:
     assert sum(seen.add(h) for h in hashes[:SEEN_ROTATE]) > SEEN_ROTATE * 0.9  # long gone
 
 
+def test_seen_set_false_positives_stay_at_the_rate_of_its_size() -> None:
+    rng = random.Random(8)
+    seen = Seen()
+    for _ in range(SEEN_ROTATE - 1):  # the fullest a generation gets
+        seen.add(rng.getrandbits(64) - 2**63)
+    full, probes, false = seen._new, 40_000, 0
+    for _ in range(probes):
+        seen._new, seen._count = full[:], 0  # each probe against the full generation
+        false += not seen.add(rng.getrandbits(64) - 2**63)
+    assert false / probes < 0.0065  # 0.57% with this seed: 5 bits of one 62-bit word
+
+
 # --- windows with an injected clock --------------------------------------------------------
 
 
