@@ -35,6 +35,7 @@ from egress.tunnel.features import (
 from egress.tunnel.labels import split_name
 from egress.tunnel.overrides import Applied, Overrides
 from egress.tunnel.verdict import Crossing, TunnelVerdict
+from egress.tunnel.window import M62
 from egress.tunnel.zone import (
     ALL_ZONES,
     NAME_INFO,
@@ -107,7 +108,7 @@ class TunnelScorer:
             return None  # exempt zone
         now = self._clock()
         state.advance(now)
-        key = hash(f.folded)
+        key = hash(f.folded) & M62  # cut once: machine integers from here (``native``)
         new = state.seen.add(key)
         # The pair (name, type) too: a type is a choice the nameserver sees. A repeat of
         # both adds nothing to any window, so only something new can cross a limit.
@@ -174,7 +175,7 @@ class TunnelScorer:
             everything = self._all
             everything.advance(now)
             if fast or slow:
-                choice = vocab.zone_price(self._vocab, hash(state.zone)) / 8
+                choice = vocab.zone_price(self._vocab, hash(state.zone) & M62) / 8
                 everything.add_info(fast + choice if fast else 0.0, slow + choice if slow else 0.0)
             # Labels its zone already counted are not asked of the sum again: a label the
             # zone repeats adds no text anywhere. (The two Bloom filters fill and rotate

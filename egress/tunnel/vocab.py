@@ -38,6 +38,7 @@ from array import array
 from typing import Final
 
 from egress.tunnel.entropy import alphabet_size
+from egress.tunnel.window import M62
 
 POSITIONS: Final = 8  # label positions with a context of their own; further out share the last
 COUNT: Final = POSITIONS  # context: the number of labels
@@ -65,7 +66,6 @@ COMMON_TYPE_BITS: Final = 4.0
 OTHER_TYPE_BITS: Final = 16.0
 _LOG2: Final = [0.0] + [math.log2(k) for k in range(1, 129)]
 _LOG2F: Final = math.log2
-M62: Final = (1 << 62) - 1
 _CTX_SALT: Final = [(0x9E3779B97F4A7C15 * (c + 1)) & M62 for c in range(CONTEXTS)]
 
 
@@ -138,7 +138,7 @@ def new_name_bits(
     # bound method kept in a variable would be called through Python's calling convention.)
     for i, label in enumerate(parts):
         ctx = last - i if last - i < POSITIONS else POSITIONS - 1
-        key = hash(label)
+        key = hash(label) & M62  # cut once: ``use`` then does no big-integer arithmetic
         price = zone.use(ctx, key)
         if price < 0:
             price = -1.0 - price  # the zone's escape
@@ -161,7 +161,7 @@ def spell(zone: Vocab, sandbox: Vocab, label: str, k: int = 0) -> float:
     if label.count("-") >= MAX_TOKENS:
         return 1.0 + direct  # more parts than TOKENS_BITS can say: spelled whole
     by_parts = TOKENS_BITS + sum(
-        _symbol(zone, sandbox, TOKEN, hash(p), label_bits(p)) for p in label.split("-")
+        _symbol(zone, sandbox, TOKEN, hash(p) & M62, label_bits(p)) for p in label.split("-")
     )
     return 1.0 + min(direct, by_parts)
 

@@ -23,7 +23,7 @@ SEEN_BITS: Final = 8192  # per generation: 1 KiB, 128 words of 64 bits
 SEEN_ROTATE: Final = 512  # inserts per generation: false-positive rate <= 0.6% per generation
 _WORD_MASK: Final = SEEN_BITS // 64 - 1
 _WORD_BITS: Final = 62  # bits used of each word: an int below 2**62 is a machine one compiled
-_M62: Final = (1 << 62) - 1
+M62: Final = (1 << 62) - 1  # hashes are cut to this: a machine integer when compiled
 
 
 class Ring:
@@ -106,7 +106,7 @@ class Seen:
 
     def add(self, h: int) -> bool:
         """Record hash ``h``; True if it was not seen before (as far as the filter knows)."""
-        h &= _M62  # a machine integer when compiled (``native``), as it is cut here
+        h &= M62  # a no-op for a hash cut already, and a machine-integer one compiled
         word = h & _WORD_MASK
         bits = (
             1 << (h >> 7 & 63) % _WORD_BITS

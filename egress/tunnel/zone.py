@@ -36,7 +36,7 @@ from egress.model import TunnelSpec
 from egress.tunnel.features import LONG_LABEL, LONG_SUB, TXT, NameFeatures, data_type_name
 from egress.tunnel.verdict import Crossing
 from egress.tunnel.vocab import SANDBOX_SLOTS, ZONE_SLOTS, Vocab
-from egress.tunnel.window import Ring, Seen
+from egress.tunnel.window import M62, Ring, Seen
 
 # Fast-window metrics
 SHAPED: Final = 0
@@ -205,7 +205,7 @@ class ZoneState:
         text, info, which = 0, 0.0, 0
         seen = self.seen
         for i, part in enumerate(f.parts):
-            if among >> i & 1 and seen.add(hash(part) ^ _LABEL_SALT):
+            if among >> i & 1 and seen.add((hash(part) & M62) ^ _LABEL_SALT):
                 text += len(part) + 1
                 info += f.part_info[i]
                 which |= 1 << i
