@@ -2,19 +2,21 @@
 
 Only the CNAME chain that starts at the question is kept, and every name in it must be
 allowlisted (a CNAME is not a way out); records of types the rule does not allow are
-removed; A/AAAA records pointing at rebinding targets are dropped. The addresses that
-remain are what the kernel's sets will allow.
+removed; A/AAAA records pointing at rebinding targets are dropped; SVCB/HTTPS records lose
+their ECH keys and address hints (``svcb``). The addresses that remain are what the
+kernel's sets will allow.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dnslib import QTYPE
 
-from egress.model import DnsRule, IPAddress, Policy, ViolationClass
+from egress.model import DnsRule, IPAddress, Policy, Ports, ViolationClass
 from egress.policy.matcher import Matcher
+from egress.resolver import svcb
 from egress.resolver.message import AAAA, CNAME, SOA, A, Record, Response
 from egress.resolver.rebinding import rebinding_reason
 from egress.resolver.wire import NOERROR, NXDOMAIN, SERVFAIL
@@ -108,6 +110,14 @@ def _follow_chain(
     return set(chain)
 
 
+def learned_ports(rule: DnsRule | None, policy: Policy) -> Ports:
+    """Where addresses learned through ``rule`` may be reached: its own ``ports``, else
+    ``connect.ports``."""
+    if rule is None or rule.ports.is_empty():
+        return policy.connect.ports
+    return rule.ports
+
+
 def record_ip(rr: Record) -> IPAddress:
     if rr.rtype == A:
         return ipaddress.IPv4Address(rr.rdata)
@@ -135,4 +145,9 @@ def _keep_record(rr: Record, qtype: int, rule: DnsRule, policy: Policy, out: Fil
             ))  # fmt: skip
             return
         out.ips.append((ip, rr.ttl))
+    elif rr.rtype in (svcb.SVCB, svcb.HTTPS):
+        rdata = svcb.for_sandbox(rr.rdata, learned_ports(rule, policy))
+        if rdata is None:
+            return  # the client goes by the name's A/AAAA records (see ``svcb``)
+        rr = replace(rr, rdata=rdata)
     out.answers.append(rr)

@@ -44,7 +44,7 @@ from egress.resolver.actions import (
     Report,
     Revoke,
 )
-from egress.resolver.answer import Filtered, Finding, filter_answer, record_ip
+from egress.resolver.answer import Filtered, Finding, filter_answer, learned_ports, record_ip
 from egress.resolver.cache import Cache, Entry
 from egress.resolver.judge import QueryScorer, Verdict, dns_violation, judge
 
@@ -397,9 +397,7 @@ class ResolverCore:
         return cache_mod.make_entry(msg, offsets, ttl, now, update, timeout, ips)
 
     def _ports(self, rule: DnsRule | None) -> Ports:
-        if rule is None or rule.ports.is_empty():
-            return self.policy.connect.ports
-        return rule.ports
+        return learned_ports(rule, self.policy)
 
     def _refuse_all(
         self, p: Pending, now: float, withheld: ViolationClass | None = None

@@ -3,9 +3,10 @@
 A cache miss used to parse the upstream's response with dnslib and pack the filtered answer
 with it again: ~90 µs of the time a sandbox waits for an answer that also waits for the
 kernel's set. Responses made of the records we understand (addresses, CNAME, SOA, NS, PTR,
-MX, TXT, OPT) are read here directly; any other type in the answer or authority section
-falls back to dnslib (``from_dnslib``), which yields the same ``Record``s. Either way the
-filter sees one representation and ``build`` writes one wire format.
+MX, TXT, SVCB/HTTPS, OPT) are read here directly; any other type in the answer or
+authority section falls back to dnslib (``from_dnslib``), which yields the same
+``Record``s. Either way the filter sees one representation and ``build`` writes one wire
+format.
 
 Names are lowercase text without the trailing dot. A label byte outside letters, digits,
 ``-``, ``_`` and ``*`` is written ``\\DDD`` (a dot inside a label too), so no label can pose
@@ -21,7 +22,9 @@ from egress.resolver import wire
 
 A, NS, CNAME, SOA, PTR, MX, TXT, AAAA = 1, 2, 5, 6, 12, 15, 16, 28
 _NAME_TYPES = {NS: 0, CNAME: 0, PTR: 0, MX: 2}  # rdata = fixed prefix + one name
-_RAW_TYPES = {A: 4, AAAA: 16, TXT: 0}  # rdata copied as is (0: any length)
+SVCB, HTTPS = 64, 65
+# rdata copied as is (0: any length); SVCB's TargetName is never compressed (RFC 9460 2.2)
+_RAW_TYPES = {A: 4, AAAA: 16, TXT: 0, SVCB: 0, HTTPS: 0}
 _RR = struct.Struct("!HHIH")
 name_text = wire.name_text
 

@@ -129,6 +129,40 @@ def test_cname_chains(lab: Lab) -> None:
     assert "denied.lab.test" in v["detail"]
 
 
+HTTPS_POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: https}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [ech.lab.test, alt-port.lab.test, https.lab.test]
+  connect:
+    ports: [443]
+"""
+
+
+def https_rdata(step: dict) -> list[str]:
+    out = step.get("stdout", "")
+    section = out.split(";; ANSWER SECTION:")[1].split("\n\n")[0] if "ANSWER SECTION" in out else ""
+    return [line.split("HTTPS", 1)[1].strip() for line in section.splitlines() if "HTTPS" in line]
+
+
+def test_https_answers_reach_the_sandbox_without_ech_or_address_hints(lab: Lab) -> None:
+    upstream = lab.run(["dig", "+time=3", "+tries=1", f"@{lab.dns4}", "+short", "ech.lab.test",
+                        "HTTPS"]).stdout  # fmt: skip
+    assert "ech=" in upstream and "ipv4hint=" in upstream and "ipv6hint=" in upstream, upstream
+    names = ("ech.lab.test", "alt-port.lab.test", "https.lab.test")
+    out = run_probe(HTTPS_POLICY, [dig(n, "HTTPS") for n in names], lab.uplink_netns)
+    assert out.rc == 0, out.stderr
+    ech, alt, plain = out.steps
+    assert [status(s) for s in out.steps] == ["NOERROR"] * 3, out.steps
+    assert https_rdata(ech) == ['1 . alpn="h2"'], ech["stdout"]
+    assert https_rdata(alt) == [], alt["stdout"]  # port 8443: not allowed, so no record
+    assert https_rdata(plain) == ['1 . alpn="h2,http/1.1"'], plain["stdout"]
+    assert not out.violations()
+
+
 def test_rebinding_answers_are_dropped(lab: Lab) -> None:
     names = [("meta", "A"), ("loop", "A"), ("ten", "A"), ("ll6", "AAAA"), ("mapped", "AAAA")]
     out = run_probe(POLICY, [dig(f"{n}.lab.test", t) for n, t in names], lab.uplink_netns)
