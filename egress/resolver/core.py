@@ -222,11 +222,12 @@ class ResolverCore:
 
     def _why(self, cls: ViolationClass, what: dict[ViolationClass, str]) -> str:
         """What an agent reads in a refusal (``dig`` prints it as EDE 15, Blocked): that
-        egress refused it, why, under which policy, and whether the sandbox is now frozen;
-        not the rule text."""
+        egress refused it, why, under which policy, the violation class the journal and the
+        report file it under, and whether the sandbox is now frozen; not the rule text."""
         frozen = self.policy.action(cls) is OnViolation.FREEZE
         note = "; the sandbox is frozen for review" if frozen else ""
-        return f"egress: {what.get(cls, 'refused')} by policy {self.policy.name}{note}"
+        why = what.get(cls, "refused")
+        return f"egress: {why} by policy {self.policy.name} ({cls.value}){note}"
 
     def _refusal(self, verdict: Verdict) -> int:
         if verdict.cls is ViolationClass.DENIED_NAME and (

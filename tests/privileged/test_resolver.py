@@ -95,8 +95,9 @@ def test_denied_names_and_types_are_refused_and_never_sent_upstream(lab: Lab) ->
         if expected:
             assert status(step) == expected, (name, qtype, step)
             # What the agent reads: dig prints the Extended DNS Error (RFC 8914) egress sent.
-            why = "name" if expected == "NXDOMAIN" else "record type"
-            ede = f"; EDE: 15 (Blocked): (egress: {why} not allowed by policy resolver)"
+            why, cls = ("name", "denied_name") if expected == "NXDOMAIN" else (
+                "record type", "denied_type")  # fmt: skip
+            ede = f"; EDE: 15 (Blocked): (egress: {why} not allowed by policy resolver ({cls}))"
             assert ede in step["stdout"], (name, qtype, step["stdout"])
         else:  # dig itself may refuse to send a name this long; either way, nothing leaves
             assert status(step) in ("FORMERR", "NXDOMAIN") or step["rc"] != 0, step
@@ -120,7 +121,7 @@ def test_cname_chains(lab: Lab) -> None:
                              dig("alias-chain.lab.test")], lab.uplink_netns)  # fmt: skip
     bad, ok, chain = out.steps
     assert status(bad) == "NXDOMAIN" and answers(bad) == []
-    why = "egress: answer leads to a name not allowed by policy resolver"
+    why = "egress: answer leads to a name not allowed by policy resolver (denied_name)"
     assert f"; EDE: 15 (Blocked): ({why})" in bad["stdout"], bad["stdout"]
     assert status(ok) == "NOERROR" and answers(ok) == ["allowed.lab.test.", "203.0.113.10"]
     # alias-chain -> alias-ok -> allowed: every name on the chain is allowlisted.

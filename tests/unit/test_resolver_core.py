@@ -131,8 +131,8 @@ def test_denied_queries_never_go_upstream(name: str, qtype: str, cls: ViolationC
 @pytest.mark.parametrize(
     ("name", "qtype", "text"),
     [
-        ("denied.test", "A", "egress: name not allowed by policy t"),
-        ("allowed.test", "TXT", "egress: record type not allowed by policy t"),
+        ("denied.test", "A", "egress: name not allowed by policy t (denied_name)"),
+        ("allowed.test", "TXT", "egress: record type not allowed by policy t (denied_type)"),
     ],
 )
 def test_a_refusal_says_egress_refused_it_and_why(name: str, qtype: str, text: str) -> None:
@@ -161,7 +161,7 @@ def test_a_withheld_answer_says_why_too_also_from_the_cache() -> None:
         RR("alias.test", QTYPE.CNAME, rdata=CNAME("denied.test"), ttl=60),
         RR("denied.test", QTYPE.A, rdata=A("203.0.113.12"), ttl=60),
     )
-    text = b"egress: answer leads to a name not allowed by policy t"
+    text = b"egress: answer leads to a name not allowed by policy t (denied_name)"
     [reply] = only(acked(c, fwd.token, upstream_answer(fwd, *records), 0.0), Reply)
     again = only(c.on_query(query("alias.test", edns=True), "c", False, 1.0), Reply)
     plain = only(c.on_query(query("alias.test"), "c", False, 2.0), Reply)
@@ -470,7 +470,9 @@ def test_a_tunnel_refusal_says_the_sandbox_is_frozen_when_it_is() -> None:
     [reply] = only(c.on_query(query("tunnel.cdn.test", edns=True), "c", False, 0.0), Reply)
     [opt] = [rr for rr in DNSRecord.parse(reply.data).ar if rr.rtype == QTYPE.OPT]
     text = opt.rdata[0].data[2:].decode()
-    assert text == "egress: DNS tunnel suspected by policy t; the sandbox is frozen for review"
+    assert text == (
+        "egress: DNS tunnel suspected by policy t (tunnel); the sandbox is frozen for review"
+    )
     # A class the policy only blocks says nothing of a freeze.
     [reply] = only(c.on_query(query("denied.test", edns=True), "c", False, 0.0), Reply)
     assert b"frozen" not in reply.data
