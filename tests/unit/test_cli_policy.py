@@ -98,9 +98,11 @@ def test_check_deny_name(capsys: pytest.CaptureFixture[str]) -> None:
 def test_check_deny_type(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "check", PYTHON_DEV, "pypi.org", "txt")
     assert status == 1
+    lines = Path(PYTHON_DEV).read_text(encoding="utf-8").splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if text.startswith("      - pypi.org"))
     assert out.splitlines() == [
         "deny",
-        f"rule: dns.allow[0] pypi.org ({PYTHON_DEV}:26:9)",
+        f"rule: dns.allow[0] pypi.org ({PYTHON_DEV}:{line}:9)",
         "reason: type TXT not allowed by dns.allow[0] pypi.org (allows A, AAAA, CNAME, HTTPS)",
         "tunnel: pypi.org score 0.00 (zone pypi.org): nothing unusual",
     ]
