@@ -30,6 +30,7 @@ class Entry:
     allowed_until: float  # when the kernel's set elements for them expire
     ips: tuple[IPAddress, ...] = ()  # the addresses ``update`` allows
     ede: bytes = b""  # an Extended DNS Error option for EDNS clients (a refusal's reason)
+    names: tuple[str, ...] = ()  # the question and its CNAME chain: what ``ips`` answer for
 
     def remaining(self, now: float) -> int:
         return max(0, int(self.expires_at - now))

@@ -45,6 +45,7 @@ from egress.resolver.actions import (
     Revoke,
 )
 from egress.resolver.answer import Filtered, Finding, filter_answer, learned_ports, record_ip
+from egress.resolver.bindings import Bindings
 from egress.resolver.cache import Cache, Entry
 from egress.resolver.judge import QueryScorer, Verdict, dns_violation, judge
 
@@ -125,6 +126,9 @@ class ResolverCore:
         self._replays = 0
         self._next_token = 0
         self.expiry = ExpiryBook()  # when each element we added expires in the kernel
+        # Which names put each address in the sets, while the kernel allows it for them:
+        # what a flow's SNI or Host is checked against (``flows``).
+        self.bindings = Bindings()
         self.allowing: dict[int, Allowing] = {}
         self.set_policy(policy)
 
@@ -361,6 +365,7 @@ class ResolverCore:
         if acked < len(a.adds) or late:
             revoke: list[Action] = [Revoke(a.fresh)] if late and not a.fresh.is_empty() else []
             return [*revoke, *(Reply(r.client, r.fallback) for r in a.replies)]
+        self.bindings.learn(a.entry.ips, a.entry.names, now, a.planned_at + a.timeout_s)
         if a.key is None:
             a.entry.allowed_until = a.planned_at + a.timeout_s
         elif a.entry.expires_at > a.planned_at:
@@ -395,7 +400,11 @@ class ResolverCore:
         if filtered.ips:
             update = plan_update([ip for ip, _ in filtered.ips], self._ports(rule), timeout)
         ips = tuple(dict.fromkeys(ip for ip, _ in filtered.ips))
-        return cache_mod.make_entry(msg, offsets, ttl, now, update, timeout, ips)
+        # The names these addresses answer for: the question and its CNAME chain.
+        names = (p.qname, *(rr.target for rr in filtered.answers if rr.rtype == message.CNAME))
+        entry = cache_mod.make_entry(msg, offsets, ttl, now, update, timeout, ips)
+        entry.names = tuple(dict.fromkeys(names))
+        return entry
 
     def _ports(self, rule: DnsRule | None) -> Ports:
         return learned_ports(rule, self.policy)

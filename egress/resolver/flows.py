@@ -1,0 +1,67 @@
+"""The verdict on a new TCP flow's first bytes: does it ask for a name that allowed it?
+
+``datapath.firstbytes`` reads the name a flow's first client bytes ask for (TLS SNI,
+HTTP/1.x Host) or the reason there is none; ``bindings`` knows which names put the flow's
+address into this sandbox's sets. A flow passes only if its name is one the policy
+allows and one this sandbox resolved to that address, still within the answer's
+timeout. Anything else is a ``name_mismatch``, with a reason code:
+
+- what ``firstbytes`` refused: ``no_sni``, ``ip_literal``, ``ech``, ``malformed``,
+  ``too_long``, ``host_conflict``, ``no_host``, ``http2_prior_knowledge``,
+  ``unknown_protocol``;
+- ``name_not_allowed``: no rule allows the name;
+- ``not_resolved_here``: allowed, but no answer in this sandbox put this address in its
+  sets for that name (the address came from another name, or another sandbox, or the
+  answer's timeout has passed).
+
+Pure, like ``judge``: the same function for each layer that checks a flow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from egress.datapath.firstbytes import FirstBytes, Outcome
+from egress.model import IPAddress
+from egress.policy.matcher import Matcher
+from egress.resolver.bindings import Bindings
+
+
+@dataclass(frozen=True, slots=True)
+class FlowVerdict:
+    allowed: bool
+    name: str | None  # the name the flow asks for, when it names one
+    reason: str  # "" when allowed, else a code (module docstring)
+    detail: str  # for a person: the flow, the name, what was wrong
+
+
+def judge_flow(
+    first: FirstBytes,
+    dst: IPAddress,
+    dport: int,
+    bindings: Bindings,
+    matcher: Matcher,
+    now: float,
+) -> FlowVerdict:
+    """The verdict on a flow to ``dst``:``dport`` whose first bytes gave ``first`` (a
+    NAME or a REFUSE: the caller waits while it is NEED_MORE)."""
+    if first.outcome is Outcome.NEED_MORE:
+        raise ValueError("judge_flow needs a complete first request, not NEED_MORE")
+    where = f"{first.protocol or 'a flow'} to {_endpoint(dst, dport)}"
+    if first.outcome is Outcome.REFUSE or first.name is None:
+        return FlowVerdict(False, None, first.reason or "malformed", f"{where}: {first.detail}")
+    name = first.name
+    if matcher.rule_for(name) is None:
+        return FlowVerdict(False, name, "name_not_allowed",
+                           f"{where} asks for {name}: no rule allows it")  # fmt: skip
+    if not bindings.bound(dst, name, now):
+        others = bindings.names(dst, now)
+        resolved = f"resolved for {', '.join(others)}" if others else "resolved for no name now"
+        return FlowVerdict(False, name, "not_resolved_here",
+                           f"{where} asks for {name}: this sandbox never resolved it to "
+                           f"{dst}, or no longer does (the address is {resolved})")  # fmt: skip
+    return FlowVerdict(True, name, "", f"{where} asks for {name}")
+
+
+def _endpoint(ip: IPAddress, port: int) -> str:
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"

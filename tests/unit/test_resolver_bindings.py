@@ -1,0 +1,172 @@
+"""Names bound to the addresses they put in a sandbox's sets, and the verdict on a flow's
+first bytes against them (resolver.bindings, resolver.flows; issue 14, item 1)."""
+
+from __future__ import annotations
+
+import ipaddress
+import ssl
+
+import pytest
+from dnslib import CNAME, QTYPE, RR, A
+from test_resolver_core import acked, core, only, query, upstream_answer
+
+from egress.datapath.firstbytes import judge
+from egress.policy.matcher import Matcher
+from egress.resolver.actions import AllowThenReply, Forward
+from egress.resolver.bindings import Bindings
+from egress.resolver.flows import judge_flow
+
+IP1 = ipaddress.ip_address("203.0.113.10")
+IP2 = ipaddress.ip_address("203.0.113.11")
+IP6 = ipaddress.ip_address("2001:db8:80::10")
+
+
+# --- the table -----------------------------------------------------------------------------
+
+
+def test_a_name_is_bound_to_its_addresses_until_its_timeout() -> None:
+    b = Bindings()
+    b.learn([IP1, IP6], ["allowed.test"], 0.0, 60.0)
+    assert b.bound(IP1, "allowed.test", 59.9) and b.bound(IP6, "ALLOWED.test.", 0.0)
+    assert not b.bound(IP1, "allowed.test", 60.0)
+    assert not b.bound(IP2, "allowed.test", 1.0)
+    assert not b.bound(IP1, "other.test", 1.0)
+    assert b.names(IP1, 1.0) == ("allowed.test",) and b.names(IP1, 61.0) == ()
+
+
+def test_a_shorter_answer_never_shortens_a_binding() -> None:
+    b = Bindings()
+    b.learn([IP1], ["a.test"], 0.0, 300.0)
+    b.learn([IP1], ["a.test", "b.test"], 10.0, 20.0)
+    assert b.bound(IP1, "a.test", 200.0) and not b.bound(IP1, "b.test", 21.0)
+
+
+def test_a_full_address_replaces_the_name_that_expires_first() -> None:
+    b = Bindings(max_names=3)
+    for i, until in enumerate((50.0, 10.0, 30.0)):
+        b.learn([IP1], [f"n{i}.test"], 0.0, until)
+    b.learn([IP1], ["new.test"], 0.0, 40.0)
+    assert set(b.names(IP1, 0.0)) == {"n0.test", "n2.test", "new.test"}
+
+
+def test_a_full_table_drops_what_expired_then_what_it_learned_longest_ago() -> None:
+    b = Bindings(max_addresses=16)
+    ips = [ipaddress.ip_address(f"198.51.100.{i}") for i in range(20)]
+    for i, ip in enumerate(ips[:16]):
+        b.learn([ip], ["x.test"], float(i), 100.0 if i % 2 else 5.0)  # evens expire at 5
+    b.learn([ips[16]], ["x.test"], 10.0, 100.0)  # full: the 8 expired go
+    assert len(b) == 9 and all(b.bound(ip, "x.test", 10.0) for ip in ips[1:17:2])
+    for ip in ips[17:]:
+        b.learn([ip], ["x.test"], 11.0, 100.0)
+    for ip in (ipaddress.ip_address(f"192.0.2.{i}") for i in range(10)):
+        b.learn([ip], ["y.test"], 12.0, 100.0)
+    assert len(b) <= 16
+    assert not b.bound(ips[1], "x.test", 12.0)  # the oldest live one made room
+    assert b.bound(ipaddress.ip_address("192.0.2.9"), "y.test", 12.0)
+
+
+# --- the verdict -----------------------------------------------------------------------------
+
+
+def hello(name: str) -> bytes:
+    """A real ClientHello for ``name`` (Python's ssl, no network)."""
+    ctx = ssl.create_default_context()
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO(), server_hostname=name)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return out.read()
+
+
+def matcher() -> Matcher:
+    c = core()
+    return c.matcher
+
+
+@pytest.mark.parametrize(
+    ("data", "allowed", "reason"),
+    [
+        (hello("allowed.test"), True, ""),
+        (b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n", True, ""),
+        (b"GET / HTTP/1.1\r\nHost: alias.test:80\r\n\r\n", False, "not_resolved_here"),
+        (hello("denied.test"), False, "name_not_allowed"),
+        (b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n", False, "name_not_allowed"),
+        (b"GET / HTTP/1.1\r\n\r\n", False, "no_host"),
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", False, "http2_prior_knowledge"),
+        (b"\x16\x03\x01\x00\x05\x01\x00\x00\x01\x00", False, "malformed"),
+    ],
+)
+def test_a_flow_passes_only_for_an_allowed_name_resolved_to_its_address_here(
+    data: bytes, allowed: bool, reason: str
+) -> None:
+    b = Bindings()
+    b.learn([IP1], ["allowed.test"], 0.0, 60.0)
+    b.learn([IP2], ["alias.test"], 0.0, 60.0)  # resolved, but to another address
+    v = judge_flow(judge(data), IP1, 443, b, matcher(), 1.0)
+    assert (v.allowed, v.reason) == (allowed, reason), v
+    if not allowed and v.name:
+        assert v.name in v.detail and "203.0.113.10:443" in v.detail
+
+
+def test_a_binding_past_its_timeout_no_longer_lets_a_flow_through() -> None:
+    b = Bindings()
+    b.learn([IP1], ["allowed.test"], 0.0, 60.0)
+    v = judge_flow(judge(hello("allowed.test")), IP1, 443, b, matcher(), 61.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here")
+    assert "resolved for no name now" in v.detail
+
+
+def test_need_more_is_the_callers_to_wait_on() -> None:
+    with pytest.raises(ValueError, match="NEED_MORE"):
+        judge_flow(judge(hello("allowed.test")[:20]), IP1, 443, Bindings(), matcher(), 0.0)
+
+
+# --- the resolver core binds what the kernel allowed ----------------------------------------
+
+
+def test_the_core_binds_the_question_and_its_cname_chain_once_the_kernel_acks() -> None:
+    c = core()
+    [fwd] = c.on_query(query("alias.test"), "c", False, 0.0)
+    records = (
+        RR("alias.test", QTYPE.CNAME, rdata=CNAME("allowed.test"), ttl=60),
+        RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),
+    )
+    [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), 0.0)
+    assert isinstance(act, AllowThenReply)
+    assert c.bindings.names(IP1, 0.0) == ()  # not before the kernel has the addresses
+    c.on_allowed(act.token, len(act.adds), 0.1)
+    assert c.bindings.names(IP1, 1.0) == ("alias.test", "allowed.test")
+    assert not c.bindings.bound(IP1, "alias.test", 0.0 + act.update.timeout_s)
+
+
+def test_a_failed_or_late_set_update_binds_nothing() -> None:
+    for late in (False, True):
+        c = core()
+        [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+        rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+        [act] = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+        c.on_allowed(act.token, len(act.adds) if late else 0, 0.5, late=late)
+        assert c.bindings.names(IP1, 1.0) == ()
+
+
+def test_a_cache_hit_that_refreshes_the_sets_refreshes_the_binding() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=600)
+    acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
+    [entry] = c.cache._entries.values()
+    entry.allowed_until = 100.0
+    c.bindings = Bindings()  # as if forgotten: only the refresh can bind it again
+    [hit] = c.on_query(query("allowed.test"), "c", False, 50.0)
+    c.on_allowed(hit.token, len(hit.adds), 50.0)
+    assert c.bindings.bound(IP1, "allowed.test", 599.0)
+
+
+def test_another_sandboxs_answers_bind_nothing_here() -> None:
+    mine, theirs = core(), core()
+    [fwd] = only(theirs.on_query(query("allowed.test"), "c", False, 0.0), Forward)
+    rr = RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+    acked(theirs, fwd.token, upstream_answer(fwd, rr), 0.0)
+    v = judge_flow(judge(hello("allowed.test")), IP1, 443, mine.bindings, mine.matcher, 1.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here")
+    v = judge_flow(judge(hello("allowed.test")), IP1, 443, theirs.bindings, theirs.matcher, 1.0)
+    assert v.allowed
