@@ -1,0 +1,318 @@
+"""Hold the packets nftables queues to an NFQUEUE number, and give each one its verdict.
+
+The inline layer will judge a TCP flow by the name its first client bytes ask for (TLS
+SNI, HTTP Host: ``egress.datapath.firstbytes``). A rule such as ``tcp flags & (syn|fin|rst)
+== 0 queue num N`` hands those segments to this listener; the kernel holds each one until
+``verdict()`` says accept (optionally re-marked, or re-run through the chain with
+``repeat`` so a ``meta mark M accept`` rule lets the flow's later segments by) or drop.
+pyroute2 0.9.7 has no NFQUEUE support, so this speaks nfnetlink_queue directly over a raw
+NETLINK_NETFILTER socket, in the manner of ``egress.kernel.nflog``. The rule's side does
+not matter here: nft's ``queue`` needs nft_queue (CONFIG_NFT_QUEUE, absent from this
+project's test kernels), iptables-nft's ``-j NFQUEUE`` goes through nft_compat instead.
+
+NFQUEUE is per netns, so the socket is opened under ``in_netns``. A queue number has at
+most one listener per netns (another socket binding it gets EPERM). The point is failing
+closed: the rules use ``queue`` without ``bypass`` and the listener never sets
+FAIL_OPEN, so while nobody listens, or when the queue is full (``maxlen``) or the socket
+cannot take another packet, the kernel drops what it would have queued; a packet still
+held when the listener closes is dropped too. Each packet carries the uid/gid of the
+socket that sent it (NFQA_CFG_F_UID_GID), and GSO packets arrive whole (NFQA_CFG_F_GSO)
+instead of being segmented for us.
+
+The socket is non-blocking: hand ``fileno()`` to ``loop.add_reader``, call
+``read_packets()`` when it is readable and ``verdict()`` for every packet it returned.
+Verdicts are sent without NLM_F_ACK (the hot path waits for nothing); the kernel still
+reports a failed verdict (an unknown packet id, say) as an error message on the socket,
+which ``read_packets`` counts in ``verdict_errors``. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+from egress.datapath.packet import Packet, parse_ip_packet
+from egress.errors import DatapathError
+from egress.kernel.netns import in_netns
+from egress.kernel.nflog import _attr, _be32, _iter_attrs, _messages
+
+NETLINK_NETFILTER = 12
+_NFNL_SUBSYS_QUEUE = 3
+_NFQNL_MSG_PACKET, _NFQNL_MSG_VERDICT, _NFQNL_MSG_CONFIG = 0, 1, 2
+_NLMSG_ERROR = 2
+_NLM_F_REQUEST = 0x1
+_NLM_F_ACK = 0x4
+# packet and verdict attributes (linux/netfilter/nfnetlink_queue.h)
+_A_PACKET_HDR, _A_VERDICT_HDR, _A_MARK, _A_PAYLOAD, _A_UID, _A_GID = 1, 2, 3, 10, 16, 17
+# config attributes, commands and flags
+_CFG_CMD, _CFG_PARAMS, _CFG_QUEUE_MAXLEN, _CFG_MASK, _CFG_FLAGS = 1, 2, 3, 4, 5
+_CMD_BIND, _CMD_UNBIND = 1, 2
+_COPY_PACKET = 2
+F_FAIL_OPEN, F_CONNTRACK, F_GSO, F_UID_GID = 1, 2, 4, 8
+_FLAGS = F_UID_GID | F_GSO  # never F_FAIL_OPEN: the mask clears it explicitly
+_MASK = F_UID_GID | F_GSO | F_FAIL_OPEN
+# verdicts (linux/netfilter.h)
+NF_DROP, NF_ACCEPT, NF_REPEAT = 0, 1, 4
+_HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+_NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, res_id (big endian)
+_PACKET_HDR = struct.Struct("!IHB")  # packet_id, hw_protocol, hook (packed, 7 bytes)
+_VERDICT_TYPE = (_NFNL_SUBSYS_QUEUE << 8) | _NFQNL_MSG_VERDICT
+_PACKET_TYPE = (_NFNL_SUBSYS_QUEUE << 8) | _NFQNL_MSG_PACKET
+_RECV_SIZE = 1 << 17  # a whole GSO packet (64 KiB) plus the headers
+_SO_RCVBUFFORCE = 33  # not exported by the socket module
+
+
+@dataclass(frozen=True)
+class QueuedPacket:
+    """One packet the kernel holds until ``verdict(packet_id, ...)``. uid/gid belong to
+    the socket that sent it, when it has one (a locally sent TCP segment has)."""
+
+    packet_id: int
+    hw_protocol: int  # ethertype: 0x0800, 0x86DD
+    hook: int  # netfilter hook: 3 is NF_INET_LOCAL_OUT
+    payload: bytes  # the IP packet, cut at the copy range
+    mark: int | None  # skb mark, None when 0 (the kernel leaves the attribute out)
+    uid: int | None
+    gid: int | None
+    family: int  # 4 or 6 from the IP version nibble (0 if unknown)
+    packet: Packet | None  # the addressing, None if the payload does not parse
+    timestamp: float  # time.time() at receipt
+
+    @property
+    def tcp_payload(self) -> bytes:
+        """The TCP segment's data as captured: what ``firstbytes.judge`` reads. Empty if
+        this is not a TCP packet, or an IPv6 extension header comes before TCP."""
+        if self.packet is None or self.packet.proto != "tcp" or self.packet.fragment:
+            return b""
+        data = self.payload
+        if self.family == 4:
+            start, length = (data[0] & 0x0F) * 4, struct.unpack_from("!H", data, 2)[0]
+        elif data[6] == 6:  # TCP right after the IPv6 header
+            start, length = 40, 40 + struct.unpack_from("!H", data, 4)[0]
+        else:
+            return b""  # IPv6 extension headers first: rare, not read here
+        if len(data) < start + 13:
+            return b""
+        # A length of 0 (BIG TCP over 64 KiB, jumbogram): trust the capture.
+        return data[start + (data[start + 12] >> 4) * 4 : length if length > start else None]
+
+
+class NfqueueListener:
+    """A bound NFQUEUE number in one netns. ``overruns`` counts receive-queue overflows
+    (ENOBUFS): packets the kernel could not hand over, and dropped (fail closed)."""
+
+    def __init__(self, sock: socket.socket, queue: int, netns: str | None) -> None:
+        self._sock: socket.socket | None = sock
+        self.queue = queue
+        self.netns = netns
+        self.overruns = 0
+        self.verdict_errors = 0  # errors the kernel sent back for unacked verdicts
+        self.last_verdict_error: str | None = None
+        # Another process holds this same socket: closing must not unbind the queue
+        # under it (as NflogListener.shared).
+        self.shared = False
+        self._seq = 0
+        self._pending: list[QueuedPacket] = []
+
+    @classmethod
+    def open(
+        cls,
+        netns: str | None,
+        queue: int,
+        copy_range: int = 65535,
+        maxlen: int = 1024,
+        rcvbuf: int = 4 << 20,
+    ) -> NfqueueListener:
+        """Bind queue (0..65535) in netns, copying up to copy_range bytes per packet and
+        holding at most maxlen packets (the kernel drops beyond that)."""
+        if not 0 <= queue <= 0xFFFF:
+            raise DatapathError(f"NFQUEUE number out of range: {queue}")
+        if not 0 < copy_range <= 0xFFFF:
+            raise DatapathError(f"NFQUEUE copy range out of range: {copy_range}")
+        if not 0 < maxlen <= 0xFFFFFFFF:
+            raise DatapathError(f"NFQUEUE maxlen out of range: {maxlen}")
+        try:
+            with in_netns(netns):
+                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        except OSError as exc:
+            raise DatapathError(f"cannot open an nfnetlink socket: {exc}") from exc
+        listener = cls(sock, queue, netns)
+        try:
+            listener._setup(copy_range, maxlen, rcvbuf)
+        except BaseException:
+            sock.close()  # releases a binding the first message may have made
+            raise
+        return listener
+
+    def _setup(self, copy_range: int, maxlen: int, rcvbuf: int) -> None:
+        sock = self._require()
+        sock.bind((0, 0))
+        try:
+            # FORCE lets root exceed net.core.rmem_max: an overflow drops packets.
+            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, rcvbuf)
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        # No PF_BIND: obsolete since Linux 3.8, `queue num N` reaches us without it.
+        self._config("bind", _attr(_CFG_CMD, struct.pack("!BBH", _CMD_BIND, 0, 0)))
+        self._config(
+            "configure",
+            _attr(_CFG_PARAMS, struct.pack("!IB", copy_range, _COPY_PACKET))
+            + _attr(_CFG_QUEUE_MAXLEN, struct.pack("!I", maxlen))
+            + _attr(_CFG_MASK, struct.pack("!I", _MASK))
+            + _attr(_CFG_FLAGS, struct.pack("!I", _FLAGS)),
+        )
+        sock.setblocking(False)
+
+    def _require(self) -> socket.socket:
+        if self._sock is None:
+            raise DatapathError("NFQUEUE listener is closed")
+        return self._sock
+
+    def _where(self) -> str:
+        return f"NFQUEUE {self.queue} in {self.netns or 'the current netns'}"
+
+    def _message(self, msg_type: int, flags: int, attrs: bytes) -> bytes:
+        self._seq += 1
+        body = _NFGEN.pack(socket.AF_UNSPEC, 0, self.queue) + attrs
+        return _HDR.pack(_HDR.size + len(body), msg_type, flags, self._seq, 0) + body
+
+    def _config(self, what: str, attrs: bytes) -> None:
+        """Send a config message to our queue and wait for the kernel's ack."""
+        sock = self._require()
+        msg_type = (_NFNL_SUBSYS_QUEUE << 8) | _NFQNL_MSG_CONFIG
+        try:
+            sock.send(self._message(msg_type, _NLM_F_REQUEST | _NLM_F_ACK, attrs))
+            sock.settimeout(2.0)
+            self._await_ack(sock, what)
+        except OSError as exc:
+            raise DatapathError(f"{self._where()}: {what}: {exc}") from exc
+        finally:
+            sock.setblocking(False)
+
+    def _await_ack(self, sock: socket.socket, what: str) -> None:
+        while True:
+            try:
+                buf = sock.recv(_RECV_SIZE)
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise  # includes the timeout
+                self.overruns += 1
+                continue
+            for kind, seq, pos, end in _messages(buf):
+                if kind == _NLMSG_ERROR and seq == self._seq:
+                    err = -struct.unpack_from("=i", buf, pos)[0]
+                    if err:
+                        raise DatapathError(f"{self._where()}: {what}: {os.strerror(err)}")
+                    return
+                self._take(kind, buf, pos, end, self._pending)
+
+    def fileno(self) -> int:
+        return self._require().fileno()
+
+    def read_packets(self, max_packets: int = 256) -> list[QueuedPacket]:
+        """Drain what is ready now (up to max_packets) without blocking. Every packet
+        returned waits in the kernel (counting against maxlen) until its verdict."""
+        sock = self._require()
+        packets, self._pending = self._pending, []
+        while len(packets) < max_packets:
+            try:
+                buf = sock.recv(_RECV_SIZE)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise DatapathError(f"{self._where()}: receive: {exc}") from exc
+                self.overruns += 1
+                continue
+            for kind, _seq, pos, end in _messages(buf):
+                self._take(kind, buf, pos, end, packets)
+        return packets
+
+    def _take(self, kind: int, buf: bytes, pos: int, end: int, out: list[QueuedPacket]) -> None:
+        if kind == _NLMSG_ERROR and end - pos >= 4:
+            err = -struct.unpack_from("=i", buf, pos)[0]
+            if err:  # a verdict the kernel refused (sent without ack, so only errors come)
+                self.verdict_errors += 1
+                self.last_verdict_error = os.strerror(err)
+            return
+        if kind != _PACKET_TYPE or end - pos < _NFGEN.size:
+            return
+        attrs = _iter_attrs(buf, pos + _NFGEN.size, end)
+        hdr = attrs.get(_A_PACKET_HDR, b"")
+        if len(hdr) < _PACKET_HDR.size:
+            return  # no id: nothing could be said about it, and the kernel drops it in time
+        packet_id, hw_protocol, hook = _PACKET_HDR.unpack_from(hdr)
+        payload = attrs.get(_A_PAYLOAD, b"")
+        version = payload[0] >> 4 if payload else 0
+        out.append(
+            QueuedPacket(
+                packet_id=packet_id,
+                hw_protocol=hw_protocol,
+                hook=hook,
+                payload=payload,
+                mark=_be32(attrs, _A_MARK),
+                uid=_be32(attrs, _A_UID),
+                gid=_be32(attrs, _A_GID),
+                family=version if version in (4, 6) else 0,
+                packet=parse_ip_packet(payload),
+                timestamp=time.time(),
+            )
+        )
+
+    def verdict(
+        self, packet_id: int, accept: bool, mark: int | None = None, repeat: bool = False
+    ) -> None:
+        """Release (accept) or drop a held packet; with repeat, re-run it through the
+        chain that queued it (NF_REPEAT), typically with a new mark a rule accepts.
+        No ack is asked for; a refused verdict shows up in ``verdict_errors``."""
+        if repeat and not accept:
+            raise DatapathError("NFQUEUE verdict: repeat applies to an accepted packet")
+        if mark is not None and not 0 <= mark <= 0xFFFFFFFF:
+            raise DatapathError(f"NFQUEUE mark out of range: {mark}")
+        code = NF_REPEAT if repeat else NF_ACCEPT if accept else NF_DROP
+        attrs = _attr(_A_VERDICT_HDR, struct.pack("!II", code, packet_id))
+        if mark is not None:
+            attrs += _attr(_A_MARK, struct.pack("!I", mark))
+        try:
+            self._require().send(self._message(_VERDICT_TYPE, _NLM_F_REQUEST, attrs))
+        except OSError as exc:
+            raise DatapathError(f"{self._where()}: verdict on {packet_id}: {exc}") from exc
+
+    @property
+    def sock(self) -> socket.socket:
+        """The bound socket itself (for a successor process)."""
+        return self._require()
+
+    def release(self) -> None:
+        """Close our descriptor but keep the binding: another process holds the same
+        socket and goes on reading the queue."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        """Unbind the queue (so another listener may take it) and close the socket.
+        Packets still held are dropped by the kernel, and so are new ones until the
+        next listener binds (no ``bypass``)."""
+        if self._sock is None:
+            return
+        if self.shared:
+            self.release()
+            return
+        try:
+            self._config("unbind", _attr(_CFG_CMD, struct.pack("!BBH", _CMD_UNBIND, 0, 0)))
+        except DatapathError:
+            pass  # closing the socket releases the binding as well
+        finally:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> NfqueueListener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
