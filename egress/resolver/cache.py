@@ -13,10 +13,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from egress.datapath.elements import SetUpdate
-from egress.model import IPAddress
+from egress.model import IPAddress, Ports
 from egress.resolver import wire
 
 _TTL = struct.Struct("!I")
+NO_PORTS = Ports()
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class Entry:
     ips: tuple[IPAddress, ...] = ()  # the addresses ``update`` allows
     ede: bytes = b""  # an Extended DNS Error option for EDNS clients (a refusal's reason)
     names: tuple[str, ...] = ()  # the question and its CNAME chain: what ``ips`` answer for
+    ports: Ports = NO_PORTS  # where ``update`` lets them be reached (its rule's ports)
 
     def remaining(self, now: float) -> int:
         return max(0, int(self.expires_at - now))

@@ -365,7 +365,9 @@ class ResolverCore:
         if acked < len(a.adds) or late:
             revoke: list[Action] = [Revoke(a.fresh)] if late and not a.fresh.is_empty() else []
             return [*revoke, *(Reply(r.client, r.fallback) for r in a.replies)]
-        self.bindings.learn(a.entry.ips, a.entry.names, now, a.planned_at + a.timeout_s)
+        self.bindings.learn(
+            a.entry.ips, a.entry.names, a.entry.ports, now, a.planned_at + a.timeout_s
+        )
         if a.key is None:
             a.entry.allowed_until = a.planned_at + a.timeout_s
         elif a.entry.expires_at > a.planned_at:
@@ -400,10 +402,11 @@ class ResolverCore:
         if filtered.ips:
             update = plan_update([ip for ip, _ in filtered.ips], self._ports(rule), timeout)
         ips = tuple(dict.fromkeys(ip for ip, _ in filtered.ips))
-        # The names these addresses answer for: the question and its CNAME chain.
-        names = (p.qname, *(rr.target for rr in filtered.answers if rr.rtype == message.CNAME))
         entry = cache_mod.make_entry(msg, offsets, ttl, now, update, timeout, ips)
-        entry.names = tuple(dict.fromkeys(names))
+        # What these addresses answer for: the question and its CNAME chain, on the ports
+        # the set elements allow.
+        entry.names = _chain(p.qname, filtered.answers)
+        entry.ports = self._ports(rule)
         return entry
 
     def _ports(self, rule: DnsRule | None) -> Ports:
@@ -448,6 +451,16 @@ _WITHHELD = {  # an answer refused after the upstream gave it
     ViolationClass.DENIED_TYPE: "answer is a CNAME, a record type not allowed",
     ViolationClass.TUNNEL: "answer carries a DNS tunnel's data",
 }
+
+
+def _chain(qname: str, answers: list[message.Record]) -> tuple[str, ...]:
+    """``qname`` and the names its CNAMEs lead to, in order (the filter kept only these;
+    an unfiltered answer, in audit mode, may hold others)."""
+    targets = {rr.name: rr.target for rr in answers if rr.rtype == message.CNAME}
+    chain = [qname]
+    while chain[-1] in targets and targets[chain[-1]] not in chain and len(chain) <= 16:
+        chain.append(targets[chain[-1]])
+    return tuple(chain)
 
 
 def _parse_response(data: bytes) -> message.Response:

@@ -11,8 +11,8 @@ timeout. Anything else is a ``name_mismatch``, with a reason code:
   ``unknown_protocol``;
 - ``name_not_allowed``: no rule allows the name;
 - ``not_resolved_here``: allowed, but no answer in this sandbox put this address in its
-  sets for that name (the address came from another name, or another sandbox, or the
-  answer's timeout has passed).
+  sets for that name on this port (the address came from another name, whose rule
+  allows other ports; or from another sandbox; or the answer's timeout has passed).
 
 Pure, like ``judge``: the same function for each layer that checks a flow.
 """
@@ -54,12 +54,13 @@ def judge_flow(
     if matcher.rule_for(name) is None:
         return FlowVerdict(False, name, "name_not_allowed",
                            f"{where} asks for {name}: no rule allows it")  # fmt: skip
-    if not bindings.bound(dst, name, now):
+    if not bindings.bound(dst, name, dport, now):
         others = bindings.names(dst, now)
         resolved = f"resolved for {', '.join(others)}" if others else "resolved for no name now"
         return FlowVerdict(False, name, "not_resolved_here",
                            f"{where} asks for {name}: this sandbox never resolved it to "
-                           f"{dst}, or no longer does (the address is {resolved})")  # fmt: skip
+                           f"{dst} for port {dport}, or no longer does (the address is "
+                           f"{resolved})")  # fmt: skip
     return FlowVerdict(True, name, "", f"{where} asks for {name}")
 
 

@@ -11,6 +11,7 @@ from dnslib import CNAME, QTYPE, RR, A
 from test_resolver_core import acked, core, only, query, upstream_answer
 
 from egress.datapath.firstbytes import judge
+from egress.model import PortRange, Ports
 from egress.policy.matcher import Matcher
 from egress.resolver.actions import AllowThenReply, Forward
 from egress.resolver.bindings import Bindings
@@ -19,6 +20,7 @@ from egress.resolver.flows import judge_flow
 IP1 = ipaddress.ip_address("203.0.113.10")
 IP2 = ipaddress.ip_address("203.0.113.11")
 IP6 = ipaddress.ip_address("2001:db8:80::10")
+WEB = Ports(tcp=(PortRange(80, 80), PortRange(443, 443)))
 
 
 # --- the table -----------------------------------------------------------------------------
@@ -26,26 +28,47 @@ IP6 = ipaddress.ip_address("2001:db8:80::10")
 
 def test_a_name_is_bound_to_its_addresses_until_its_timeout() -> None:
     b = Bindings()
-    b.learn([IP1, IP6], ["allowed.test"], 0.0, 60.0)
-    assert b.bound(IP1, "allowed.test", 59.9) and b.bound(IP6, "ALLOWED.test.", 0.0)
-    assert not b.bound(IP1, "allowed.test", 60.0)
-    assert not b.bound(IP2, "allowed.test", 1.0)
-    assert not b.bound(IP1, "other.test", 1.0)
+    b.learn([IP1, IP6], ["allowed.test"], WEB, 0.0, 60.0)
+    assert b.bound(IP1, "allowed.test", 443, 59.9) and b.bound(IP6, "ALLOWED.test.", 443, 0.0)
+    assert not b.bound(IP1, "allowed.test", 443, 60.0)
+    assert not b.bound(IP2, "allowed.test", 443, 1.0)
+    assert not b.bound(IP1, "other.test", 443, 1.0)
     assert b.names(IP1, 1.0) == ("allowed.test",) and b.names(IP1, 61.0) == ()
 
 
 def test_a_shorter_answer_never_shortens_a_binding() -> None:
     b = Bindings()
-    b.learn([IP1], ["a.test"], 0.0, 300.0)
-    b.learn([IP1], ["a.test", "b.test"], 10.0, 20.0)
-    assert b.bound(IP1, "a.test", 200.0) and not b.bound(IP1, "b.test", 21.0)
+    b.learn([IP1], ["a.test"], WEB, 0.0, 300.0)
+    b.learn([IP1], ["a.test", "b.test"], WEB, 10.0, 20.0)
+    assert b.bound(IP1, "a.test", 443, 200.0) and not b.bound(IP1, "b.test", 443, 21.0)
+
+
+def test_a_name_is_bound_on_its_rules_ports_only() -> None:
+    b = Bindings()
+    b.learn([IP1], ["web.test"], Ports(tcp=(PortRange(443, 443),)), 0.0, 60.0)
+    b.learn([IP1], ["ssh.test"], Ports(tcp=(PortRange(22, 22),)), 0.0, 60.0)
+    assert b.bound(IP1, "web.test", 443, 1.0) and not b.bound(IP1, "web.test", 22, 1.0)
+    assert b.bound(IP1, "ssh.test", 22, 1.0) and not b.bound(IP1, "ssh.test", 443, 1.0)
+    # the same name through a rule with other ports (a new policy): the new ports count
+    b.learn([IP1], ["web.test"], Ports(tcp=(PortRange(8000, 8100),)), 2.0, 30.0)
+    assert b.bound(IP1, "web.test", 8080, 3.0) and not b.bound(IP1, "web.test", 443, 3.0)
+
+
+def test_an_answer_with_no_names_binds_nothing_and_breaks_nothing() -> None:
+    b = Bindings(max_addresses=1)
+    b.learn([IP1], [], WEB, 0.0, 60.0)
+    b.learn([IP1], ["a.test"], WEB, 0.0, 60.0)
+    b.learn([IP2], ["b.test"], WEB, 61.0, 120.0)
+    assert b.names(IP2, 62.0) == ("b.test",) and len(b) == 1
+    with pytest.raises(ValueError):
+        Bindings(max_names=0)
 
 
 def test_a_full_address_replaces_the_name_that_expires_first() -> None:
     b = Bindings(max_names=3)
     for i, until in enumerate((50.0, 10.0, 30.0)):
-        b.learn([IP1], [f"n{i}.test"], 0.0, until)
-    b.learn([IP1], ["new.test"], 0.0, 40.0)
+        b.learn([IP1], [f"n{i}.test"], WEB, 0.0, until)
+    b.learn([IP1], ["new.test"], WEB, 0.0, 40.0)
     assert set(b.names(IP1, 0.0)) == {"n0.test", "n2.test", "new.test"}
 
 
@@ -53,16 +76,16 @@ def test_a_full_table_drops_what_expired_then_what_it_learned_longest_ago() -> N
     b = Bindings(max_addresses=16)
     ips = [ipaddress.ip_address(f"198.51.100.{i}") for i in range(20)]
     for i, ip in enumerate(ips[:16]):
-        b.learn([ip], ["x.test"], float(i), 100.0 if i % 2 else 5.0)  # evens expire at 5
-    b.learn([ips[16]], ["x.test"], 10.0, 100.0)  # full: the 8 expired go
-    assert len(b) == 9 and all(b.bound(ip, "x.test", 10.0) for ip in ips[1:17:2])
+        b.learn([ip], ["x.test"], WEB, float(i), 100.0 if i % 2 else 5.0)  # evens expire at 5
+    b.learn([ips[16]], ["x.test"], WEB, 10.0, 100.0)  # full: the 8 expired go
+    assert len(b) == 9 and all(b.bound(ip, "x.test", 443, 10.0) for ip in ips[1:17:2])
     for ip in ips[17:]:
-        b.learn([ip], ["x.test"], 11.0, 100.0)
+        b.learn([ip], ["x.test"], WEB, 11.0, 100.0)
     for ip in (ipaddress.ip_address(f"192.0.2.{i}") for i in range(10)):
-        b.learn([ip], ["y.test"], 12.0, 100.0)
+        b.learn([ip], ["y.test"], WEB, 12.0, 100.0)
     assert len(b) <= 16
-    assert not b.bound(ips[1], "x.test", 12.0)  # the oldest live one made room
-    assert b.bound(ipaddress.ip_address("192.0.2.9"), "y.test", 12.0)
+    assert not b.bound(ips[1], "x.test", 443, 12.0)  # the oldest live one made room
+    assert b.bound(ipaddress.ip_address("192.0.2.9"), "y.test", 443, 12.0)
 
 
 # --- the verdict -----------------------------------------------------------------------------
@@ -99,8 +122,8 @@ def test_a_flow_passes_only_for_an_allowed_name_resolved_to_its_address_here(
     data: bytes, allowed: bool, reason: str
 ) -> None:
     b = Bindings()
-    b.learn([IP1], ["allowed.test"], 0.0, 60.0)
-    b.learn([IP2], ["alias.test"], 0.0, 60.0)  # resolved, but to another address
+    b.learn([IP1], ["allowed.test"], WEB, 0.0, 60.0)
+    b.learn([IP2], ["alias.test"], WEB, 0.0, 60.0)  # resolved, but to another address
     v = judge_flow(judge(data), IP1, 443, b, matcher(), 1.0)
     assert (v.allowed, v.reason) == (allowed, reason), v
     if not allowed and v.name:
@@ -109,7 +132,7 @@ def test_a_flow_passes_only_for_an_allowed_name_resolved_to_its_address_here(
 
 def test_a_binding_past_its_timeout_no_longer_lets_a_flow_through() -> None:
     b = Bindings()
-    b.learn([IP1], ["allowed.test"], 0.0, 60.0)
+    b.learn([IP1], ["allowed.test"], WEB, 0.0, 60.0)
     v = judge_flow(judge(hello("allowed.test")), IP1, 443, b, matcher(), 61.0)
     assert (v.allowed, v.reason) == (False, "not_resolved_here")
     assert "resolved for no name now" in v.detail
@@ -135,7 +158,35 @@ def test_the_core_binds_the_question_and_its_cname_chain_once_the_kernel_acks() 
     assert c.bindings.names(IP1, 0.0) == ()  # not before the kernel has the addresses
     c.on_allowed(act.token, len(act.adds), 0.1)
     assert c.bindings.names(IP1, 1.0) == ("alias.test", "allowed.test")
-    assert not c.bindings.bound(IP1, "alias.test", 0.0 + act.update.timeout_s)
+    assert not c.bindings.bound(IP1, "alias.test", 443, 0.0 + act.update.timeout_s)
+
+
+def test_a_flow_on_a_port_only_another_names_rule_allows_is_a_mismatch() -> None:
+    # allowed.test (ports 80, 443) and api.test (443 only) answer with one address: a
+    # flow to port 80 asking for api.test passes the kernel (allowed.test's element) but
+    # not this check.
+    c = core()
+    for name in ("allowed.test", "api.test"):
+        [fwd] = c.on_query(query(name), "c", False, 0.0)
+        rr = RR(name, QTYPE.A, rdata=A("203.0.113.10"), ttl=60)
+        acked(c, fwd.token, upstream_answer(fwd, rr), 0.0)
+    request = b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n"
+    assert judge_flow(judge(request), IP1, 443, c.bindings, c.matcher, 1.0).allowed
+    v = judge_flow(judge(request), IP1, 80, c.bindings, c.matcher, 1.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here") and "port 80" in v.detail
+
+
+def test_only_the_question_and_its_cname_chain_are_bound_also_unfiltered() -> None:
+    c = core(mode="audit")  # audit: an answer with a finding goes back unfiltered
+    [fwd] = only(c.on_query(query("alias.test"), "c", False, 0.0), Forward)
+    records = (
+        RR("alias.test", QTYPE.CNAME, rdata=CNAME("allowed.test"), ttl=60),
+        RR("other.test", QTYPE.CNAME, rdata=CNAME("evil.test"), ttl=60),  # off the chain
+        RR("allowed.test", QTYPE.A, rdata=A("203.0.113.10"), ttl=60),
+        RR("allowed.test", QTYPE.A, rdata=A("10.1.2.3"), ttl=60),  # rebinding: a finding
+    )
+    acked(c, fwd.token, upstream_answer(fwd, *records), 0.0)
+    assert c.bindings.names(IP1, 1.0) == ("alias.test", "allowed.test")
 
 
 def test_a_failed_or_late_set_update_binds_nothing() -> None:
@@ -158,7 +209,7 @@ def test_a_cache_hit_that_refreshes_the_sets_refreshes_the_binding() -> None:
     c.bindings = Bindings()  # as if forgotten: only the refresh can bind it again
     [hit] = c.on_query(query("allowed.test"), "c", False, 50.0)
     c.on_allowed(hit.token, len(hit.adds), 50.0)
-    assert c.bindings.bound(IP1, "allowed.test", 599.0)
+    assert c.bindings.bound(IP1, "allowed.test", 443, 599.0)
 
 
 def test_another_sandboxs_answers_bind_nothing_here() -> None:
