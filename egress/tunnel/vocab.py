@@ -27,7 +27,9 @@ nothing, and a repeat of a name with a new record type only the type's price.
 buckets of four (one 60-bit integer of tags and one of counts per bucket), the least
 counted of a symbol's bucket evicted when it is full, and ``n``/``d`` per context. Hash
 seeds are per process (Python's string hashing), so a workload cannot pick labels that
-collide with a frequent one. Hashes are cut to 62 bits first: what mypyc (``native``)
+collide with a frequent one; types and label counts are small integers, whose hashes are
+themselves, and the table folds their low bits into the tag, so that two of them meet
+only by chance, as labels do. Hashes are cut to 62 bits first: what mypyc (``native``)
 keeps as a machine integer, so the compiled table does no big-integer arithmetic.
 """
 
@@ -67,6 +69,8 @@ OTHER_TYPE_BITS: Final = 16.0
 _LOG2: Final = [0.0] + [math.log2(k) for k in range(1, 129)]
 _LOG2F: Final = math.log2
 _CTX_SALT: Final = [(0x9E3779B97F4A7C15 * (c + 1)) & M62 for c in range(CONTEXTS)]
+_MIX: Final = 0x5BD1E995  # odd, below 2**31
+_LOW30: Final = (1 << 30) - 1
 
 
 def label_bits(label: str, k: int = 0) -> float:
@@ -102,7 +106,11 @@ class Vocab:
         symbol elsewhere. Both prices use the counts from before this symbol."""
         h = (key & M62) ^ _CTX_SALT[ctx]
         bucket = h & self._mask
-        tag = (h >> (62 - TAG_BITS)) or 1
+        # The tag: the high bits, folded with a multiplicative hash of the low 30 (mod
+        # 2**30, so all of them count). Small keys (a record type, a label count: hash(n)
+        # is n) differ in their low bits only and would otherwise share one tag.
+        mixed = ((h & _LOW30) * _MIX) & _LOW30  # below 2**61 before the mask
+        tag = ((mixed >> (30 - TAG_BITS)) ^ (h >> (62 - TAG_BITS))) or 1
         tags, counts = self._tags[bucket], self._counts[bucket]
         nn, dd = self._n, self._d
         n, d = nn[ctx], dd[ctx]

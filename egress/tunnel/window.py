@@ -6,9 +6,9 @@ scorer's memory per sandbox:
 - ``Ring``: a sliding window as ``buckets`` time buckets of ``width`` float metrics (float32,
   in one array), with running totals so a query costs O(width), not O(buckets).
 - ``Seen``: "was this subdomain already counted?" as two generations of a blocked Bloom
-  filter of ``SEEN_BITS`` bits each: a hash sets 5 bits of one 64-bit word, so a lookup
-  reads one word per generation (0.6% false positives at the fullest, where a 3-hash
-  filter of the same size has 0.4%, for 3-6 reads). A generation retires after
+  filter of ``SEEN_BITS`` bits each: a hash sets 5 of the 62 bits used of one word, so a
+  lookup reads one word per generation (0.6% false positives at the fullest, where a
+  3-hash filter of the same size has 0.4%, for 3-6 reads). A generation retires after
   ``SEEN_ROTATE`` inserts, so the set remembers the last 512-1024 distinct names of a
   zone; an attacker's name that collides (about 1% at the fullest, over both) is merely
   undercounted.

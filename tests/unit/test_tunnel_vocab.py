@@ -41,6 +41,16 @@ def test_prices_are_method_c_while_no_bucket_overflows() -> None:
             assert table.use(ctx, key) == ref.use(ctx, key)
 
 
+def test_small_integer_keys_never_pass_for_one_another() -> None:
+    # Record types and label counts are small ints, and hash(n) is n: every one of the
+    # 65,536 types is a symbol of its own in a zone's table (which holds 512 of them), so
+    # none is ever priced as one seen before (CAA was A's symbol when only the low bits
+    # picked the slot and the tag was the salt's).
+    for ctx in (vocab.TYPE, vocab.COUNT):
+        table = Vocab(vocab.ZONE_SLOTS)
+        assert all(table.use(ctx, key) < 0 for key in range(65_536))
+
+
 def _same_bucket(j: int) -> int:
     return j << 50  # the same low bits (bucket), different high bits (tag)
 
