@@ -73,6 +73,10 @@ def test_static_allow_reachable_and_everything_else_blocked_fast(lab: Lab) -> No
     for step in blocked:
         assert not step["ok"], step
         assert step["elapsed"] < 1.0, step
+    # What the workload sees (README): a TCP connect is reset; a datagram (UDP, a ping, a
+    # query to a foreign DNS server) fails in sendto, locally refused.
+    assert {s["error"] for s in blocked if s["op"] == "tcp"} == {"ECONNREFUSED"}, blocked
+    assert {s["error"] for s in blocked if s["op"] != "tcp"} == {"EPERM"}, blocked
     seen = flows(out)
     for key in [
         ("tcp", "203.0.113.10", 8080),
