@@ -1,10 +1,13 @@
-"""Kernel adapters: the only code that talks to netlink, libnftables, NFLOG and cgroupfs.
+"""Kernel adapters: the only code that talks to netlink, libnftables, NFLOG, NFQUEUE and
+cgroupfs.
 
     netns.py       network namespaces, veth pairs, addresses, routes, sysctls (pyroute2, setns)
     nft.py         one libnftables handle per namespace: atomic loads, sets, counters
     nft_worker.py  libnftables in a child process, for egressd's many descriptors
     nft_sets.py    the resolver's set-element adds/deletes as one raw nf_tables batch
+    nfnetlink.py   a raw NETLINK_NETFILTER socket bound to one resource: what the next two share
     nflog.py       NFLOG listeners: the kernel's drop and DNS evidence, per namespace
+    nfqueue.py     NFQUEUE listeners: packets held until a verdict (not yet used by a layer)
     cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill
     idmap.py       idmapped bind mounts (open_tree, mount_setattr, move_mount)
     confine.py     the workload's seccomp filter (libseccomp) and Landlock domain

@@ -28,7 +28,6 @@ which ``read_packets`` counts in ``verdict_errors``. Not thread-safe.
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import struct
@@ -37,15 +36,19 @@ from dataclasses import dataclass
 
 from egress.datapath.packet import Packet, parse_ip_packet
 from egress.errors import DatapathError
-from egress.kernel.netns import in_netns
-from egress.kernel.nflog import _attr, _be32, _iter_attrs, _messages
+from egress.kernel.nfnetlink import (
+    NFGEN,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    NfnlListener,
+    attr,
+    be32,
+    iter_attrs,
+    open_socket,
+)
 
-NETLINK_NETFILTER = 12
 _NFNL_SUBSYS_QUEUE = 3
 _NFQNL_MSG_PACKET, _NFQNL_MSG_VERDICT, _NFQNL_MSG_CONFIG = 0, 1, 2
-_NLMSG_ERROR = 2
-_NLM_F_REQUEST = 0x1
-_NLM_F_ACK = 0x4
 # packet and verdict attributes (linux/netfilter/nfnetlink_queue.h)
 _A_PACKET_HDR, _A_VERDICT_HDR, _A_MARK, _A_PAYLOAD, _A_UID, _A_GID = 1, 2, 3, 10, 16, 17
 # config attributes, commands and flags
@@ -57,13 +60,9 @@ _FLAGS = F_UID_GID | F_GSO  # never F_FAIL_OPEN: the mask clears it explicitly
 _MASK = F_UID_GID | F_GSO | F_FAIL_OPEN
 # verdicts (linux/netfilter.h)
 NF_DROP, NF_ACCEPT, NF_REPEAT = 0, 1, 4
-_HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
-_NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, res_id (big endian)
 _PACKET_HDR = struct.Struct("!IHB")  # packet_id, hw_protocol, hook (packed, 7 bytes)
 _VERDICT_TYPE = (_NFNL_SUBSYS_QUEUE << 8) | _NFQNL_MSG_VERDICT
 _PACKET_TYPE = (_NFNL_SUBSYS_QUEUE << 8) | _NFQNL_MSG_PACKET
-_RECV_SIZE = 1 << 17  # a whole GSO packet (64 KiB) plus the headers
-_SO_RCVBUFFORCE = 33  # not exported by the socket module
 
 
 @dataclass(frozen=True)
@@ -101,22 +100,19 @@ class QueuedPacket:
         return data[start + (data[start + 12] >> 4) * 4 : length if length > start else None]
 
 
-class NfqueueListener:
+class NfqueueListener(NfnlListener[QueuedPacket]):
     """A bound NFQUEUE number in one netns. ``overruns`` counts receive-queue overflows
     (ENOBUFS): packets the kernel could not hand over, and dropped (fail closed)."""
 
+    SUBSYS = _NFNL_SUBSYS_QUEUE
+    CONFIG_MSG = _NFQNL_MSG_CONFIG
+    KIND = "NFQUEUE"
+
     def __init__(self, sock: socket.socket, queue: int, netns: str | None) -> None:
-        self._sock: socket.socket | None = sock
+        super().__init__(sock, queue, netns)
         self.queue = queue
-        self.netns = netns
-        self.overruns = 0
         self.verdict_errors = 0  # errors the kernel sent back for unacked verdicts
         self.last_verdict_error: str | None = None
-        # Another process holds this same socket: closing must not unbind the queue
-        # under it (as NflogListener.shared).
-        self.shared = False
-        self._seq = 0
-        self._pending: list[QueuedPacket] = []
 
     @classmethod
     def open(
@@ -135,133 +131,64 @@ class NfqueueListener:
             raise DatapathError(f"NFQUEUE copy range out of range: {copy_range}")
         if not 0 < maxlen <= 0xFFFFFFFF:
             raise DatapathError(f"NFQUEUE maxlen out of range: {maxlen}")
-        try:
-            with in_netns(netns):
-                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-        except OSError as exc:
-            raise DatapathError(f"cannot open an nfnetlink socket: {exc}") from exc
-        listener = cls(sock, queue, netns)
+        listener = cls(open_socket(netns), queue, netns)
         try:
             listener._setup(copy_range, maxlen, rcvbuf)
         except BaseException:
-            sock.close()  # releases a binding the first message may have made
+            listener.release()  # closing releases a binding the first message may have made
             raise
         return listener
 
     def _setup(self, copy_range: int, maxlen: int, rcvbuf: int) -> None:
-        sock = self._require()
-        sock.bind((0, 0))
-        try:
-            # FORCE lets root exceed net.core.rmem_max: an overflow drops packets.
-            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, rcvbuf)
-        except OSError:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self._bind_socket(rcvbuf)
         # No PF_BIND: obsolete since Linux 3.8, `queue num N` reaches us without it.
-        self._config("bind", _attr(_CFG_CMD, struct.pack("!BBH", _CMD_BIND, 0, 0)))
+        self._config("bind", attr(_CFG_CMD, struct.pack("!BBH", _CMD_BIND, 0, 0)))
         self._config(
             "configure",
-            _attr(_CFG_PARAMS, struct.pack("!IB", copy_range, _COPY_PACKET))
-            + _attr(_CFG_QUEUE_MAXLEN, struct.pack("!I", maxlen))
-            + _attr(_CFG_MASK, struct.pack("!I", _MASK))
-            + _attr(_CFG_FLAGS, struct.pack("!I", _FLAGS)),
+            attr(_CFG_PARAMS, struct.pack("!IB", copy_range, _COPY_PACKET))
+            + attr(_CFG_QUEUE_MAXLEN, struct.pack("!I", maxlen))
+            + attr(_CFG_MASK, struct.pack("!I", _MASK))
+            + attr(_CFG_FLAGS, struct.pack("!I", _FLAGS)),
         )
-        sock.setblocking(False)
-
-    def _require(self) -> socket.socket:
-        if self._sock is None:
-            raise DatapathError("NFQUEUE listener is closed")
-        return self._sock
-
-    def _where(self) -> str:
-        return f"NFQUEUE {self.queue} in {self.netns or 'the current netns'}"
-
-    def _message(self, msg_type: int, flags: int, attrs: bytes) -> bytes:
-        self._seq += 1
-        body = _NFGEN.pack(socket.AF_UNSPEC, 0, self.queue) + attrs
-        return _HDR.pack(_HDR.size + len(body), msg_type, flags, self._seq, 0) + body
-
-    def _config(self, what: str, attrs: bytes) -> None:
-        """Send a config message to our queue and wait for the kernel's ack."""
-        sock = self._require()
-        msg_type = (_NFNL_SUBSYS_QUEUE << 8) | _NFQNL_MSG_CONFIG
-        try:
-            sock.send(self._message(msg_type, _NLM_F_REQUEST | _NLM_F_ACK, attrs))
-            sock.settimeout(2.0)
-            self._await_ack(sock, what)
-        except OSError as exc:
-            raise DatapathError(f"{self._where()}: {what}: {exc}") from exc
-        finally:
-            sock.setblocking(False)
-
-    def _await_ack(self, sock: socket.socket, what: str) -> None:
-        while True:
-            try:
-                buf = sock.recv(_RECV_SIZE)
-            except OSError as exc:
-                if exc.errno != errno.ENOBUFS:
-                    raise  # includes the timeout
-                self.overruns += 1
-                continue
-            for kind, seq, pos, end in _messages(buf):
-                if kind == _NLMSG_ERROR and seq == self._seq:
-                    err = -struct.unpack_from("=i", buf, pos)[0]
-                    if err:
-                        raise DatapathError(f"{self._where()}: {what}: {os.strerror(err)}")
-                    return
-                self._take(kind, buf, pos, end, self._pending)
-
-    def fileno(self) -> int:
-        return self._require().fileno()
 
     def read_packets(self, max_packets: int = 256) -> list[QueuedPacket]:
         """Drain what is ready now (up to max_packets) without blocking. Every packet
         returned waits in the kernel (counting against maxlen) until its verdict."""
-        sock = self._require()
-        packets, self._pending = self._pending, []
-        while len(packets) < max_packets:
-            try:
-                buf = sock.recv(_RECV_SIZE)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno != errno.ENOBUFS:
-                    raise DatapathError(f"{self._where()}: receive: {exc}") from exc
-                self.overruns += 1
-                continue
-            for kind, _seq, pos, end in _messages(buf):
-                self._take(kind, buf, pos, end, packets)
-        return packets
+        return self._drain(max_packets)
 
-    def _take(self, kind: int, buf: bytes, pos: int, end: int, out: list[QueuedPacket]) -> None:
-        if kind == _NLMSG_ERROR and end - pos >= 4:
+    def _decode(self, kind: int, buf: bytes, pos: int, end: int) -> list[QueuedPacket]:
+        if kind == NLMSG_ERROR and end - pos >= 4:
             err = -struct.unpack_from("=i", buf, pos)[0]
             if err:  # a verdict the kernel refused (sent without ack, so only errors come)
                 self.verdict_errors += 1
                 self.last_verdict_error = os.strerror(err)
-            return
-        if kind != _PACKET_TYPE or end - pos < _NFGEN.size:
-            return
-        attrs = _iter_attrs(buf, pos + _NFGEN.size, end)
+            return []
+        if kind != _PACKET_TYPE or end - pos < NFGEN.size:
+            return []
+        attrs = iter_attrs(buf, pos + NFGEN.size, end)
         hdr = attrs.get(_A_PACKET_HDR, b"")
         if len(hdr) < _PACKET_HDR.size:
-            return  # no id: nothing could be said about it, and the kernel drops it in time
+            return []  # no id: nothing could be said about it, and the kernel drops it in time
         packet_id, hw_protocol, hook = _PACKET_HDR.unpack_from(hdr)
         payload = attrs.get(_A_PAYLOAD, b"")
         version = payload[0] >> 4 if payload else 0
-        out.append(
+        return [
             QueuedPacket(
                 packet_id=packet_id,
                 hw_protocol=hw_protocol,
                 hook=hook,
                 payload=payload,
-                mark=_be32(attrs, _A_MARK),
-                uid=_be32(attrs, _A_UID),
-                gid=_be32(attrs, _A_GID),
+                mark=be32(attrs, _A_MARK),
+                uid=be32(attrs, _A_UID),
+                gid=be32(attrs, _A_GID),
                 family=version if version in (4, 6) else 0,
                 packet=parse_ip_packet(payload),
                 timestamp=time.time(),
             )
-        )
+        ]
+
+    def _unbind_attrs(self) -> bytes:
+        return attr(_CFG_CMD, struct.pack("!BBH", _CMD_UNBIND, 0, 0))
 
     def verdict(
         self, packet_id: int, accept: bool, mark: int | None = None, repeat: bool = False
@@ -274,42 +201,13 @@ class NfqueueListener:
         if mark is not None and not 0 <= mark <= 0xFFFFFFFF:
             raise DatapathError(f"NFQUEUE mark out of range: {mark}")
         code = NF_REPEAT if repeat else NF_ACCEPT if accept else NF_DROP
-        attrs = _attr(_A_VERDICT_HDR, struct.pack("!II", code, packet_id))
+        attrs = attr(_A_VERDICT_HDR, struct.pack("!II", code, packet_id))
         if mark is not None:
-            attrs += _attr(_A_MARK, struct.pack("!I", mark))
+            attrs += attr(_A_MARK, struct.pack("!I", mark))
         try:
-            self._require().send(self._message(_VERDICT_TYPE, _NLM_F_REQUEST, attrs))
+            self._require().send(self._message(_VERDICT_TYPE, NLM_F_REQUEST, attrs))
         except OSError as exc:
             raise DatapathError(f"{self._where()}: verdict on {packet_id}: {exc}") from exc
-
-    @property
-    def sock(self) -> socket.socket:
-        """The bound socket itself (for a successor process)."""
-        return self._require()
-
-    def release(self) -> None:
-        """Close our descriptor but keep the binding: another process holds the same
-        socket and goes on reading the queue."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def close(self) -> None:
-        """Unbind the queue (so another listener may take it) and close the socket.
-        Packets still held are dropped by the kernel, and so are new ones until the
-        next listener binds (no ``bypass``)."""
-        if self._sock is None:
-            return
-        if self.shared:
-            self.release()
-            return
-        try:
-            self._config("unbind", _attr(_CFG_CMD, struct.pack("!BBH", _CMD_UNBIND, 0, 0)))
-        except DatapathError:
-            pass  # closing the socket releases the binding as well
-        finally:
-            self._sock.close()
-            self._sock = None
 
     def __enter__(self) -> NfqueueListener:
         return self
