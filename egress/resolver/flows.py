@@ -10,6 +10,8 @@ timeout. Anything else is a ``name_mismatch``, with a reason code:
   ``too_long``, ``host_conflict``, ``no_host``, ``http2_prior_knowledge``,
   ``unknown_protocol``;
 - ``name_not_allowed``: no rule allows the name;
+- ``incomplete``, ``overlap`` (``firstrequest``): no complete first request within the
+  bounds, or segments that overlap with different bytes;
 - ``not_resolved_here``: allowed, but no answer in this sandbox put this address in its
   sets for that name on this port (the address came from another name, whose rule
   allows other ports; or from another sandbox; or the answer's timeout has passed).
@@ -47,7 +49,7 @@ def judge_flow(
     NAME or a REFUSE: the caller waits while it is NEED_MORE)."""
     if first.outcome is Outcome.NEED_MORE:
         raise ValueError("judge_flow needs a complete first request, not NEED_MORE")
-    where = f"{first.protocol or 'a flow'} to {_endpoint(dst, dport)}"
+    where = f"{first.protocol or 'a flow'} to {endpoint(dst, dport)}"
     if first.outcome is Outcome.REFUSE or first.name is None:
         return FlowVerdict(False, None, first.reason or "malformed", f"{where}: {first.detail}")
     name = first.name
@@ -64,5 +66,6 @@ def judge_flow(
     return FlowVerdict(True, name, "", f"{where} asks for {name}")
 
 
-def _endpoint(ip: IPAddress, port: int) -> str:
+def endpoint(ip: IPAddress, port: int) -> str:
+    """``ip:port``, the IPv6 address in brackets."""
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"

@@ -1,0 +1,170 @@
+"""A flow's first request, put together from the segments the kernel holds, then judged.
+
+The kernel hands the first payload segments of a checked TCP flow to the inline layer
+and holds each until it has a verdict (``kernel.nfqueue``). A ClientHello or an HTTP
+header block may take several segments, so nothing is released until the bytes so far
+say what the flow asks for (``datapath.firstbytes``) and ``flows.judge_flow`` has said
+whether that name is one this address was resolved for. Then every held segment of the
+flow gets the same verdict: all pass, or none reaches the server.
+
+Sans-I/O, like the core: ``feed`` a segment and ``expire`` on a timer, and perform the
+``Decision``s they return, in order. Segments that overlap with different bytes refuse
+the flow: a receiver's TCP stack picks one copy, and the check must read what it reads.
+Bounded, and failing closed at each bound: a flow whose first
+request is not complete within ``max_segments`` segments, ``max_bytes`` bytes or
+``timeout_s`` seconds is refused (``incomplete``); beyond ``max_flows`` flows waiting at
+once, the one waiting longest is refused. A decided flow's verdict is remembered for a
+while (``decided``), so that a retransmission of a segment it already judged gets the
+same answer instead of being judged as a new flow's first bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from egress.datapath.firstbytes import MAX_HELLO, Outcome, judge
+from egress.model import IPAddress
+from egress.policy.matcher import Matcher
+from egress.resolver.bindings import Bindings
+from egress.resolver.flows import FlowVerdict, endpoint, judge_flow
+
+FlowKey = tuple[str, int, str, int]  # src, sport, dst, dport
+
+MAX_SEGMENTS = 8  # a ClientHello with a post-quantum key share spans 2-3 full segments
+MAX_BYTES = MAX_HELLO + 5 * 8  # a ClientHello at firstbytes' bound, in records
+TIMEOUT_S = 5.0
+MAX_FLOWS = 1024
+DECIDED = 4096  # flows whose verdict a retransmission may still ask for
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One held TCP segment of a checked flow, as the kernel queued it."""
+
+    packet_id: int
+    key: FlowKey
+    dst: IPAddress
+    dport: int
+    seq: int  # its first byte's sequence number
+    data: bytes  # its payload; empty for a bare ACK
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Release (``accept``) or drop the held segments ``packet_ids``. ``verdict``: the
+    flow's, when this decision is the one that judged it (None for a bare ACK, or a
+    segment of a flow judged before)."""
+
+    packet_ids: tuple[int, ...]
+    accept: bool
+    key: FlowKey
+    verdict: FlowVerdict | None = None
+
+
+@dataclass
+class _Waiting:
+    started: float
+    dst: IPAddress
+    dport: int
+    segments: dict[int, Segment] = field(default_factory=dict)  # by seq
+    held: list[int] = field(default_factory=list)  # packet ids, bare ACKs included
+
+
+class FirstRequests:
+    def __init__(
+        self,
+        max_segments: int = MAX_SEGMENTS,
+        max_bytes: int = MAX_BYTES,
+        timeout_s: float = TIMEOUT_S,
+        max_flows: int = MAX_FLOWS,
+    ) -> None:
+        self.max_segments = max_segments
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.max_flows = max_flows
+        self._waiting: OrderedDict[FlowKey, _Waiting] = OrderedDict()
+        self._decided: OrderedDict[FlowKey, bool] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Flows waiting for the rest of their first request."""
+        return len(self._waiting)
+
+    def feed(
+        self, seg: Segment, bindings: Bindings, matcher: Matcher, now: float
+    ) -> list[Decision]:
+        """Hold ``seg``, or decide on it and what its flow holds."""
+        decided = self._decided.get(seg.key)
+        if decided is not None:
+            return [Decision((seg.packet_id,), decided, seg.key)]
+        out = []
+        flow = self._waiting.get(seg.key)
+        if flow is None:
+            if not seg.data:  # a bare ACK before any byte: it carries nothing
+                return [Decision((seg.packet_id,), True, seg.key)]
+            if len(self._waiting) >= self.max_flows:
+                out.append(self._refuse(next(iter(self._waiting)), "too many flows waiting"))
+            flow = self._waiting[seg.key] = _Waiting(now, seg.dst, seg.dport)
+        flow.held.append(seg.packet_id)
+        known = flow.segments.get(seg.seq) if seg.data else None
+        if known is not None and not _agree(known.data, seg.data):
+            out.append(self._refuse(seg.key, "a retransmission with other bytes", "overlap"))
+            return out
+        if seg.data and (known is None or len(seg.data) > len(known.data)):
+            flow.segments[seg.seq] = seg  # a longer retransmission: the kernel merged some
+        data = self._contiguous(flow)
+        if data is None:
+            out.append(self._refuse(seg.key, "segments overlap with other bytes", "overlap"))
+            return out
+        first = judge(data)
+        if first.outcome is Outcome.NEED_MORE:
+            if len(flow.segments) >= self.max_segments or self._size(flow) >= self.max_bytes:
+                out.append(self._refuse(seg.key, f"no complete first request in "
+                                                 f"{len(flow.segments)} segments"))  # fmt: skip
+            return out
+        out.append(self._decide(seg.key, judge_flow(first, flow.dst, flow.dport, bindings,
+                                                    matcher, now)))  # fmt: skip
+        return out
+
+    def expire(self, now: float) -> list[Decision]:
+        """Refuse the flows whose first request did not complete in ``timeout_s``."""
+        late = [k for k, f in self._waiting.items() if now - f.started >= self.timeout_s]
+        return [self._refuse(k, f"no complete first request in {self.timeout_s:g} s") for k in late]
+
+    def _contiguous(self, flow: _Waiting) -> bytes | None:
+        """The bytes from the first segment held on, up to the first gap; None when two
+        segments overlap with different bytes. Which copy a receiver keeps is its TCP
+        stack's choice, so a flow that sends two is refused, never judged on one."""
+        seqs = sorted(flow.segments)
+        out, start = bytearray(), seqs[0]
+        for seq in seqs:
+            data = flow.segments[seq].data
+            at = start + len(out)
+            if seq > at:
+                break  # a gap: what comes after waits for the segment in between
+            overlap = min(at - seq, len(data))
+            if data[:overlap] != out[seq - start : seq - start + overlap]:
+                return None
+            out += data[overlap:]
+        return bytes(out)
+
+    def _size(self, flow: _Waiting) -> int:
+        return sum(len(s.data) for s in flow.segments.values())
+
+    def _refuse(self, key: FlowKey, why: str, reason: str = "incomplete") -> Decision:
+        flow = self._waiting[key]
+        detail = f"a flow to {endpoint(flow.dst, flow.dport)}: {why}"
+        return self._decide(key, FlowVerdict(False, None, reason, detail))
+
+    def _decide(self, key: FlowKey, verdict: FlowVerdict) -> Decision:
+        flow = self._waiting.pop(key)
+        self._decided[key] = verdict.allowed
+        while len(self._decided) > DECIDED:
+            self._decided.popitem(last=False)
+        return Decision(tuple(flow.held), verdict.allowed, key, verdict)
+
+
+def _agree(a: bytes, b: bytes) -> bool:
+    """The two copies of the same bytes are the same, as far as both go."""
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]

@@ -1,0 +1,141 @@
+"""A flow's first request put together from held segments, then judged (resolver.firstrequest)."""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+
+from test_resolver_bindings import WEB, hello, matcher
+
+from egress.resolver.bindings import Bindings
+from egress.resolver.firstrequest import Decision, FirstRequests, Segment
+
+IP = ipaddress.ip_address("203.0.113.10")
+KEY = ("10.7.0.2", 40000, "203.0.113.10", 443)
+ISN = 1000
+
+
+def bindings() -> Bindings:
+    b = Bindings()
+    b.learn([IP], ["allowed.test"], WEB, 0.0, 60.0)
+    return b
+
+
+def segments(data: bytes, *cuts: int, first_id: int = 1) -> list[Segment]:
+    """``data`` cut at ``cuts`` into segments, sequence numbers from ISN."""
+    bounds = [0, *cuts, len(data)]
+    return [
+        Segment(first_id + i, KEY, IP, 443, ISN + a, data[a:b])
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+def feed(fr: FirstRequests, segs: list[Segment], now: float = 1.0) -> list[Decision]:
+    out: list[Decision] = []
+    b, m = bindings(), matcher()
+    for seg in segs:
+        out += fr.feed(seg, b, m, now)
+    return out
+
+
+def test_nothing_is_released_until_the_name_is_known_then_every_segment_is() -> None:
+    fr = FirstRequests()
+    data = hello("allowed.test")
+    segs = segments(data, 100, 300)
+    assert feed(fr, segs[:2]) == [] and len(fr) == 1  # held: the ClientHello is not complete
+    [d] = feed(fr, segs[2:])
+    assert d.accept and d.packet_ids == (1, 2, 3) and d.verdict and d.verdict.name == "allowed.test"
+    assert len(fr) == 0
+
+
+def test_a_denied_name_drops_every_held_segment() -> None:
+    fr = FirstRequests()
+    [d] = feed(fr, segments(hello("denied.test"), 50, 200))
+    assert not d.accept and d.packet_ids == (1, 2, 3)
+    assert d.verdict is not None and d.verdict.reason == "name_not_allowed"
+
+
+def test_segments_out_of_order_and_retransmitted_are_judged_as_one_stream() -> None:
+    fr = FirstRequests()
+    a, b, c = segments(b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n", 10, 25)
+    again = Segment(9, KEY, IP, 443, a.seq, a.data)  # the same bytes again
+    assert feed(fr, [a, c, again]) == []  # b missing: a gap, nothing judged
+    [d] = feed(fr, [b])
+    assert d.accept and d.packet_ids == (1, 3, 9, 2)
+
+
+def test_a_bare_ack_passes_alone_and_a_held_one_goes_with_its_flow() -> None:
+    fr = FirstRequests()
+    [ack] = feed(fr, [Segment(7, KEY, IP, 443, ISN, b"")])
+    assert ack.accept and ack.packet_ids == (7,) and ack.verdict is None
+    first, rest = segments(b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n", 10)
+    feed(fr, [first, Segment(8, KEY, IP, 443, ISN + 10, b"")])
+    [d] = feed(fr, [rest])
+    assert d.packet_ids == (1, 8, 2)
+
+
+def test_overlapping_segments_with_other_bytes_refuse_the_flow() -> None:
+    request = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    for other in (
+        Segment(5, KEY, IP, 443, ISN, b"PUT / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"),
+        Segment(5, KEY, IP, 443, ISN + 5, b"HTTP/1.0"),  # a partial overlap
+    ):
+        fr = FirstRequests()
+        first, _ = segments(request, 20)
+        [d] = feed(fr, [first, other])
+        assert not d.accept and d.verdict is not None and d.verdict.reason == "overlap"
+        assert d.packet_ids == (1, 5)
+
+
+def test_a_longer_retransmission_is_read_whole() -> None:
+    # Copies that agree as far as both go: the receiver reads the longer one's extra
+    # bytes after the first copy's, which is what is judged here too.
+    fr = FirstRequests()
+    request = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    short, _ = segments(request, 10)
+    [d] = feed(fr, [short, Segment(2, KEY, IP, 443, ISN, request)])
+    assert d.accept and d.packet_ids == (1, 2)
+    fr = FirstRequests()
+    denied = b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n"
+    [d] = feed(fr, [short, Segment(2, KEY, IP, 443, ISN, denied)])
+    assert not d.accept and d.verdict is not None and d.verdict.reason == "name_not_allowed"
+
+
+def test_a_decided_flow_answers_its_retransmissions_alike() -> None:
+    fr = FirstRequests()
+    segs = segments(hello("denied.test"), 100)
+    feed(fr, segs)
+    [d] = feed(fr, [Segment(11, KEY, IP, 443, segs[0].seq, segs[0].data)])
+    assert not d.accept and d.packet_ids == (11,) and d.verdict is None
+
+
+def test_every_bound_fails_closed() -> None:
+    data = hello("allowed.test")
+    fr = FirstRequests(max_segments=3)  # segments
+    decisions = feed(fr, segments(data, 10, 20, 30, 40))
+    assert [(d.accept, d.verdict.reason if d.verdict else None) for d in decisions] == [
+        (False, "incomplete"), (False, None), (False, None)  # the third, then the rest
+    ]  # fmt: skip
+    assert decisions[0].packet_ids == (1, 2, 3)
+    fr = FirstRequests(max_bytes=50)  # bytes
+    d, *rest = feed(fr, segments(data, 60, 120))
+    assert not d.accept and d.verdict is not None and d.verdict.reason == "incomplete"
+    assert d.packet_ids == (1,) and [r.accept for r in rest] == [False, False]
+    fr = FirstRequests(timeout_s=5.0)  # time
+    feed(fr, segments(data, 60)[:1], now=1.0)
+    assert fr.expire(5.9) == []
+    [d] = fr.expire(6.0)
+    assert not d.accept and d.packet_ids == (1,) and len(fr) == 0
+    fr = FirstRequests(max_flows=2)  # flows waiting at once: the oldest goes
+    for port in (1, 2, 3):
+        key = ("10.7.0.2", port, "203.0.113.10", 443)
+        out = fr.feed(Segment(port, key, IP, 443, ISN, data[:50]), bindings(), matcher(), 1.0)
+    assert [(d.key[1], d.accept) for d in out] == [(1, False)] and len(fr) == 2
+
+
+def test_a_complete_request_to_an_address_it_never_resolved_to_is_a_mismatch() -> None:
+    fr = FirstRequests()
+    other = ipaddress.ip_address("203.0.113.99")
+    seg = Segment(1, ("10.7.0.2", 1, str(other), 443), other, 443, ISN, hello("allowed.test"))
+    [d] = fr.feed(seg, bindings(), matcher(), 1.0)
+    assert not d.accept and d.verdict is not None and d.verdict.reason == "not_resolved_here"
