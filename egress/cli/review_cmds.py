@@ -50,12 +50,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "journal",
         help="violations, freezes and decisions, newest first",
         formatter_class=FMT,
-        description="Read the violation journal.",
-        epilog="example:\n  egressctl journal --sandbox 3f2a1c",
+        description=(
+            "Read the violation journal. With --follow, the last --limit events oldest first,\n"
+            "then each new one as it is journaled, until interrupted; with --json as well,\n"
+            "one JSON object per line (for log shippers)."
+        ),
+        epilog=(
+            "examples:\n  egressctl journal --sandbox 3f2a1c\n"
+            "  egressctl journal --follow --json | your-log-shipper"
+        ),
     )
     j.add_argument("--sandbox", metavar="ID", help="only this sandbox")
     j.add_argument("--limit", type=int, default=50, metavar="N", help="at most N events (50)")
-    j.add_argument("--json", action="store_true", help="one JSON array, for scripts")
+    j.add_argument(
+        "--json", action="store_true", help="one JSON array, for scripts (JSON lines with --follow)"
+    )
+    j.add_argument("--follow", "-f", action="store_true", help="go on printing new events")
     _state_dir_arg(j)
     j.set_defaults(func=cmd_journal)
 
@@ -212,6 +222,8 @@ def _when(at: float | None) -> str:
 
 
 def cmd_journal(args: argparse.Namespace) -> int:
+    if args.follow:
+        return _follow(args)
     with _journal(args) as journal:
         if args.sandbox and journal.sandbox(args.sandbox) is None:
             raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path}")
@@ -224,6 +236,50 @@ def cmd_journal(args: argparse.Namespace) -> int:
     if not events:
         print("the journal is empty")
     return 0
+
+
+FOLLOW_POLL_S = 0.25  # how often --follow asks the journal (a read costs ~0.1 ms)
+# Events carry the time their layer saw them, and two processes write: one may land a
+# little after a later one. Each poll looks this far back, and prints what it has not.
+FOLLOW_SLACK_S = 60.0
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """``journal --follow``: the last ``--limit`` events, then each new one, until
+    interrupted (or the reader of a pipe goes away)."""
+    printed: dict[tuple[str, object], float] = {}  # (kind, row id) -> its time
+    with _journal(args) as journal:
+        if args.sandbox and journal.sandbox(args.sandbox) is None:
+            raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path}")
+        backlog = list(reversed(journal.events(args.sandbox, limit=args.limit)))
+        newest = max((e["at"] for e in backlog), default=time.time())
+        try:
+            while True:
+                for e in backlog:
+                    key = (e["kind"], (e["record"] or {}).get("id"))
+                    if key not in printed:
+                        printed[key] = e["at"]
+                        _print_event(e, args.json)
+                        newest = max(newest, e["at"])
+                sys.stdout.flush()
+                for key in [k for k, at in printed.items() if at < newest - FOLLOW_SLACK_S]:
+                    del printed[key]
+                time.sleep(FOLLOW_POLL_S)
+                backlog = journal.events_since(newest - FOLLOW_SLACK_S, args.sandbox, 100_000)
+        except KeyboardInterrupt:
+            return 0
+        except BrokenPipeError:
+            # The reader left: stop quietly, and let Python's exit not complain about it.
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+
+
+def _print_event(e: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(e, default=str, separators=(",", ":")))
+    else:
+        print(f"{_when(e['at'])}  {e['sandbox_id']:<7} {_describe(e)}")
 
 
 def _describe(event: dict[str, Any]) -> str:

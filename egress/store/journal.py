@@ -384,6 +384,13 @@ class Journal:
         with self._read("read events") as conn:
             return schema.timeline(conn, sandbox_id, limit)
 
+    def events_since(
+        self, since: float, sandbox_id: str | None = None, limit: int = 1000
+    ) -> list[Row]:
+        """The timeline from ``since`` on, oldest first (as ``events``' rows)."""
+        with self._read("read events") as conn:
+            return schema.timeline(conn, sandbox_id, limit, since)
+
     def check(self) -> str:
         """``PRAGMA integrity_check``: ``"ok"`` or SQLite's list of problems."""
         rows = self._select("PRAGMA integrity_check", ())

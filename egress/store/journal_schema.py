@@ -161,7 +161,7 @@ def violation_row(sandbox_id: str, v: Violation) -> tuple[object, ...]:
 
 # The timeline behind ``Journal.events``: one mark per thing that happened, pointing at
 # the row that holds its details (``tbl``, ``ref``); ``ord`` breaks ties in causal order.
-EVENTS_SQL = """
+_EVENTS = """
 SELECT kind, at, sandbox_id, tbl, ref FROM (
     SELECT 'sandbox_started' AS kind, created_at AS at, id AS sandbox_id,
            'sandboxes' AS tbl, id AS ref, 0 AS ord FROM sandboxes
@@ -173,10 +173,11 @@ SELECT kind, at, sandbox_id, tbl, ref FROM (
     UNION ALL SELECT 'sandbox_ended', ended_at, id, 'sandboxes', id, 5 FROM sandboxes
               WHERE ended_at IS NOT NULL
 )
-WHERE ? IS NULL OR sandbox_id = ?
-ORDER BY at DESC, ord DESC, ref DESC
-LIMIT ?
+WHERE (? IS NULL OR sandbox_id = ?)
 """
+EVENTS_SQL = _EVENTS + "ORDER BY at DESC, ord DESC, ref DESC LIMIT ?"
+# From a time on, oldest first: what ``egressctl journal --follow`` polls for.
+EVENTS_SINCE_SQL = _EVENTS + "AND at >= ? ORDER BY at, ord, ref LIMIT ?"
 
 _JSON_COLUMNS = ("evidence", "process", "detected_by", "requested_by")
 
@@ -219,8 +220,13 @@ def insert(conn: sqlite3.Connection, sql: str, args: tuple[object, ...]) -> int:
     return rowid
 
 
-def timeline(conn: sqlite3.Connection, sandbox_id: str | None, limit: int) -> list[Row]:
-    marks = conn.execute(EVENTS_SQL, (sandbox_id, sandbox_id, limit)).fetchall()
+def timeline(
+    conn: sqlite3.Connection, sandbox_id: str | None, limit: int, since: float | None = None
+) -> list[Row]:
+    if since is None:
+        marks = conn.execute(EVENTS_SQL, (sandbox_id, sandbox_id, limit)).fetchall()
+    else:
+        marks = conn.execute(EVENTS_SINCE_SQL, (sandbox_id, sandbox_id, since, limit)).fetchall()
     records = {tbl: _by_id(conn, tbl, [m["ref"] for m in marks if m["tbl"] == tbl])
                for tbl in {m["tbl"] for m in marks}}  # fmt: skip
     return [
