@@ -10,12 +10,13 @@ flow gets the same verdict: all pass, or none reaches the server.
 Sans-I/O, like the core: ``feed`` a segment and ``expire`` on a timer, and perform the
 ``Decision``s they return, in order. Segments that overlap with different bytes refuse
 the flow: a receiver's TCP stack picks one copy, and the check must read what it reads.
-Bounded, and failing closed at each bound: a flow whose first
-request is not complete within ``max_segments`` segments, ``max_bytes`` bytes or
-``timeout_s`` seconds is refused (``incomplete``); beyond ``max_flows`` flows waiting at
-once, the one waiting longest is refused. A decided flow's verdict is remembered for a
-while (``decided``), so that a retransmission of a segment it already judged gets the
-same answer instead of being judged as a new flow's first bytes.
+Bounded, and failing closed at each bound: a flow whose first request is not complete
+within ``max_segments`` segments (``HELD_FACTOR`` times as many packets held),
+``max_bytes`` bytes or ``timeout_s`` seconds is refused (``incomplete``); beyond
+``max_flows`` flows waiting at once, the one waiting longest is refused. A decided
+flow's verdict is remembered for a while (``decided``), so that a retransmission of a
+segment it already judged gets the same answer instead of being judged as a new flow's
+first bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ MAX_SEGMENTS = 8  # a ClientHello with a post-quantum key share spans 2-3 full s
 MAX_BYTES = MAX_HELLO + 5 * 8  # a ClientHello at firstbytes' bound, in records
 TIMEOUT_S = 5.0
 MAX_FLOWS = 1024
+HELD_FACTOR = 4  # packets held per flow, retransmissions and bare ACKs too: 4 x segments
 DECIDED = 4096  # flows whose verdict a retransmission may still ask for
 
 
@@ -118,7 +120,11 @@ class FirstRequests:
             return out
         first = judge(data)
         if first.outcome is Outcome.NEED_MORE:
-            if len(flow.segments) >= self.max_segments or self._size(flow) >= self.max_bytes:
+            if (
+                len(flow.segments) >= self.max_segments
+                or len(flow.held) >= HELD_FACTOR * self.max_segments  # bare ACKs, repeats
+                or self._size(flow) >= self.max_bytes
+            ):
                 out.append(self._refuse(seg.key, f"no complete first request in "
                                                  f"{len(flow.segments)} segments"))  # fmt: skip
             return out

@@ -117,6 +117,11 @@ def test_every_bound_fails_closed() -> None:
         (False, "incomplete"), (False, None), (False, None)  # the third, then the rest
     ]  # fmt: skip
     assert decisions[0].packet_ids == (1, 2, 3)
+    fr = FirstRequests(max_segments=3)  # packets held: retransmissions of one segment
+    first = segments(data, 10)[0]
+    repeats = [Segment(i, KEY, IP, 443, ISN, first.data) for i in range(1, 13)]
+    decisions = feed(fr, repeats)
+    assert decisions[0].packet_ids == tuple(range(1, 13)) and not decisions[0].accept
     fr = FirstRequests(max_bytes=50)  # bytes
     d, *rest = feed(fr, segments(data, 60, 120))
     assert not d.accept and d.verdict is not None and d.verdict.reason == "incomplete"
