@@ -21,6 +21,7 @@ from egress.model import ReviewAction, SandboxState
 
 if TYPE_CHECKING:
     from egress.kernel.cgroup import Cgroup
+    from egress.store.journal import Journal
 
 FMT = argparse.RawDescriptionHelpFormatter
 
@@ -222,17 +223,17 @@ def _when(at: float | None) -> str:
 
 
 def cmd_journal(args: argparse.Namespace) -> int:
-    if args.follow:
-        return _follow(args)
     with _journal(args) as journal:
         if args.sandbox and journal.sandbox(args.sandbox) is None:
             raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path}")
+        if args.follow:
+            return _follow(args, journal)
         events = journal.events(args.sandbox, limit=args.limit)
     if args.json:
         print(json.dumps(events, indent=2, default=str))
         return 0
     for e in events:
-        print(f"{_when(e['at'])}  {e['sandbox_id']:<7} {_describe(e)}")
+        _print_event(e, False)
     if not events:
         print("the journal is empty")
     return 0
@@ -244,35 +245,32 @@ FOLLOW_POLL_S = 0.25  # how often --follow asks the journal (a read costs ~0.1 m
 FOLLOW_SLACK_S = 60.0
 
 
-def _follow(args: argparse.Namespace) -> int:
+def _follow(args: argparse.Namespace, journal: Journal) -> int:
     """``journal --follow``: the last ``--limit`` events, then each new one, until
     interrupted (or the reader of a pipe goes away)."""
     printed: dict[tuple[str, object], float] = {}  # (kind, row id) -> its time
-    with _journal(args) as journal:
-        if args.sandbox and journal.sandbox(args.sandbox) is None:
-            raise SandboxError(f"no sandbox {args.sandbox!r} in {journal.path}")
-        backlog = list(reversed(journal.events(args.sandbox, limit=args.limit)))
-        newest = max((e["at"] for e in backlog), default=time.time())
-        try:
-            while True:
-                for e in backlog:
-                    key = (e["kind"], (e["record"] or {}).get("id"))
-                    if key not in printed:
-                        printed[key] = e["at"]
-                        _print_event(e, args.json)
-                        newest = max(newest, e["at"])
-                sys.stdout.flush()
-                for key in [k for k, at in printed.items() if at < newest - FOLLOW_SLACK_S]:
-                    del printed[key]
-                time.sleep(FOLLOW_POLL_S)
-                backlog = journal.events_since(newest - FOLLOW_SLACK_S, args.sandbox, 100_000)
-        except KeyboardInterrupt:
-            return 0
-        except BrokenPipeError:
-            # The reader left: stop quietly, and let Python's exit not complain about it.
-            with contextlib.suppress(OSError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
+    backlog = list(reversed(journal.events(args.sandbox, limit=args.limit)))
+    newest = max((e["at"] for e in backlog), default=time.time())
+    try:
+        while True:
+            for e in backlog:
+                key = (e["kind"], (e["record"] or {}).get("id"))
+                if key not in printed:
+                    printed[key] = e["at"]
+                    _print_event(e, args.json)
+                    newest = max(newest, e["at"])
+            sys.stdout.flush()
+            for key in [k for k, at in printed.items() if at < newest - FOLLOW_SLACK_S]:
+                del printed[key]
+            time.sleep(FOLLOW_POLL_S)
+            backlog = journal.events_since(newest - FOLLOW_SLACK_S, args.sandbox, 100_000)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # The reader left: stop quietly, and let Python's exit not complain about it.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _print_event(e: dict[str, Any], as_json: bool) -> None:

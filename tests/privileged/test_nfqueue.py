@@ -9,7 +9,6 @@ subprocess; one select loop serves the queue and the server, with bounded waits 
 
 from __future__ import annotations
 
-import secrets
 import select
 import shutil
 import socket
@@ -28,7 +27,8 @@ from egress.errors import DatapathError
 from egress.kernel import netns
 from egress.kernel.nfqueue import NfqueueListener, QueuedPacket
 from egress.kernel.nft import NftHandle
-from tests.support import NOBODY, SYSTEM_PYTHON
+from tests.support import NOBODY
+from tests.support.netns import nobody_argv, scratch_netns
 
 pytestmark = [
     pytest.mark.privileged,
@@ -103,14 +103,10 @@ def load_rules(name: str, nft: NftHandle) -> bool:
 
 @pytest.fixture
 def ns() -> Iterator[Netns]:
-    name = f"egq-{secrets.token_hex(4)}"
-    netns.create_netns(name)
-    try:
+    with scratch_netns("nfq") as name:
         netns.loopback_up(name)
         with NftHandle.open(name) as nft:
             yield Netns(name, nft, load_rules(name, nft))
-    finally:
-        netns.remove_netns(name)
 
 
 @pytest.fixture
@@ -128,9 +124,7 @@ def server(ns: Netns) -> Iterator[socket.socket]:
 @contextmanager
 def client(ns: Netns, data: bytes = DATA) -> Iterator[subprocess.Popen[bytes]]:
     """The client as nobody, without capabilities; killed (by its PID) on the way out."""
-    argv = ["ip", "netns", "exec", ns.name, "setpriv", "--reuid", str(NOBODY), "--regid"]
-    argv += [str(NOBODY), "--clear-groups", "--inh-caps=-all", SYSTEM_PYTHON, "-c", CLIENT]
-    proc = subprocess.Popen([*argv, data.hex()], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([*nobody_argv(ns.name, CLIENT), data.hex()], stdout=subprocess.DEVNULL)
     try:
         yield proc
     finally:
@@ -311,12 +305,8 @@ def test_one_listener_per_queue_per_netns(ns: Netns, server: socket.socket) -> N
             seen = pump(first, server, accept_all, got_all, POSITIVE_WAIT)
         assert bytes(seen.received) == DATA
         # Queue numbers are per netns: the same number binds in another one.
-        other = f"egq-{secrets.token_hex(4)}"
-        netns.create_netns(other)
-        try:
+        with scratch_netns("nfq") as other:
             NfqueueListener.open(other, QUEUE).close()
-        finally:
-            netns.remove_netns(other)
     finally:
         first.close()
     first.close()  # idempotent

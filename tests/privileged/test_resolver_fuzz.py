@@ -36,6 +36,7 @@ from egress.policy import Matcher, parse_policy
 from egress.resolver import wire
 from egress.resolver.core import ResolverCore
 from egress.store.paths import read_template
+from tests.support.netns import scratch_netns
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -219,13 +220,9 @@ def check_upstream_query(q: bytes, matcher: Matcher) -> str | None:
 
 @pytest.fixture
 def fuzz_netns() -> Iterator[str]:
-    name = f"eglf{secrets.token_hex(3)}"
-    netns.create_netns(name)
-    try:
+    with scratch_netns("fuzz") as name:
         netns.loopback_up(name)
         yield name
-    finally:
-        netns.remove_netns(name)
 
 
 async def ask(sock: socket.socket, data: bytes, deadline: float) -> bytes:

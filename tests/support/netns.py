@@ -94,11 +94,15 @@ def sandbox_pair() -> Iterator[Pair]:
         yield pair
 
 
+def nobody_argv(ns: str, code: str) -> list[str]:
+    """The argv that runs Python code inside ns as nobody:nogroup without capabilities."""
+    argv = ["ip", "netns", "exec", ns, "setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY)]
+    return [*argv, "--clear-groups", "--inh-caps=-all", SYSTEM_PYTHON, "-c", code]
+
+
 def run_as_nobody(ns: str, code: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
     """Run Python code inside ns as nobody:nogroup without capabilities."""
-    argv = ["ip", "netns", "exec", ns, "setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY)]
-    argv += ["--clear-groups", "--inh-caps=-all", SYSTEM_PYTHON, "-c", code]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(nobody_argv(ns, code), capture_output=True, text=True, timeout=timeout)
 
 
 def ns_inode(path: str) -> int:
