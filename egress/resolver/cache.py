@@ -80,10 +80,13 @@ def make_entry(
     allowed_s: int,
     ips: tuple[IPAddress, ...] = (),
     ede: bytes = b"",
+    names: tuple[str, ...] = (),
+    ports: Ports = NO_PORTS,
 ) -> Entry:
     """``offsets``: where the message's TTLs are (``wire.ttl_offsets`` finds them)."""
     ttls = tuple(_TTL.unpack_from(message, off)[0] for off in offsets)
-    return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s, ips, ede)
+    return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s, ips,
+                 ede, names, ports)  # fmt: skip
 
 
 def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:

@@ -398,16 +398,17 @@ class ResolverCore:
         )
         ttl = filtered.min_ttl() if filtered.answers else filtered.negative_ttl() or 0
         timeout = clamp_ttl(min(ip_ttl, cap), self.policy)
+        ports = self._ports(rule)
         update = None
         if filtered.ips:
-            update = plan_update([ip for ip, _ in filtered.ips], self._ports(rule), timeout)
+            update = plan_update([ip for ip, _ in filtered.ips], ports, timeout)
         ips = tuple(dict.fromkeys(ip for ip, _ in filtered.ips))
-        entry = cache_mod.make_entry(msg, offsets, ttl, now, update, timeout, ips)
         # What these addresses answer for: the question and its CNAME chain, on the ports
         # the set elements allow.
-        entry.names = _chain(p.qname, filtered.answers)
-        entry.ports = self._ports(rule)
-        return entry
+        names = _chain(p.qname, filtered.answers)
+        return cache_mod.make_entry(
+            msg, offsets, ttl, now, update, timeout, ips, names=names, ports=ports
+        )
 
     def _ports(self, rule: DnsRule | None) -> Ports:
         return learned_ports(rule, self.policy)
