@@ -66,6 +66,9 @@ class ViolationClass(enum.Enum):
     FOREIGN_DNS = "foreign_dns"
     REBINDING = "rebinding"
     LAYER_LOSS = "layer_loss"
+    # A checked TCP flow's first bytes (TLS SNI, HTTP Host) named no name that put its
+    # address into this sandbox's sets, or could not be read (resolver.flows).
+    NAME_MISMATCH = "name_mismatch"
 
 
 DEFAULT_ACTIONS: dict[ViolationClass, Action] = {
@@ -76,6 +79,7 @@ DEFAULT_ACTIONS: dict[ViolationClass, Action] = {
     ViolationClass.FOREIGN_DNS: Action.FREEZE,
     ViolationClass.REBINDING: Action.BLOCK,
     ViolationClass.LAYER_LOSS: Action.FREEZE,
+    ViolationClass.NAME_MISMATCH: Action.FREEZE,
 }
 
 
@@ -125,6 +129,10 @@ class DnsRule:
     explicit_types: frozenset[int]  # types the rule itself named (not inherited defaults)
     ports: Ports  # where IPs learned through this rule may be reached
     where: Location
+    # A TCP flow to an address this rule's answers gave, on one of connect.check_names'
+    # ports, must ask for a name that answer named (TLS SNI, HTTP Host). False: this
+    # rule's addresses are reached unread.
+    check_names: bool = True
 
     def describe(self) -> str:
         return f"dns.allow[{self.index}] {self.pattern.text}"
@@ -195,10 +203,16 @@ class DnsSpec:
     rate_limit: RateLimit = RateLimit()
 
 
+DEFAULT_CHECK_PORTS = (80, 443)  # HTTP and HTTPS: the ports a CDN's names share
+
+
 @dataclass(frozen=True)
 class ConnectSpec:
     ports: Ports  # default ports for IPs learned from DNS
     allow: tuple[CidrRule, ...]
+    # TCP ports on which a flow to a DNS-learned address is held until its first bytes
+    # name a name that resolved to it (resolver.flows); empty: no flow is checked.
+    check_names: tuple[int, ...] = DEFAULT_CHECK_PORTS
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,15 @@ A restart must lose no query. Sockets are the state that matters: a query waitin
 resolver socket's receive queue is lost if that socket closes, however quickly a new
 one is bound. So the old egressd passes the sockets themselves (SCM_RIGHTS over a unix
 SOCK_SEQPACKET socket, root only, in the run dir): per sandbox the resolver's UDP and
-TCP listening sockets and the inline layer's NFLOG socket, plus the API's listening
-socket. Both processes then hold the same sockets; whatever either has not read yet, the
-other reads. The old one stops reading only once the new one says it is serving, answers
-the queries it already sent upstream, and exits without touching the kernel's rules.
+TCP listening sockets, the inline layer's NFLOG socket and its first-bytes NFQUEUE socket
+(a held segment's verdict may come from either process: the kernel knows the packet by
+its id, not by who reads it), plus the API's listening socket. Both processes then hold
+the same sockets; whatever either has not read yet, the other reads. The old one stops
+reading only once the new one says it is serving, answers the queries it already sent
+upstream, and exits without touching the kernel's rules.
 
     new ──connect──▶ old: {"op": "takeover"}
-    old: refuse changes (503) ──▶ per sandbox {"kind": "sandbox", ...} + 3 fds
+    old: refuse changes (503) ──▶ per sandbox {"kind": "sandbox", ...} + 4 fds
                               ──▶ {"kind": "api"} + 1 fd ──▶ {"kind": "done"}
     new: adopt with those sockets, serve ──▶ old: {"op": "serving"}
     old: stop reading, drain its in-flight queries, exit 0
@@ -80,10 +82,11 @@ class Handed:
     udp: socket.socket
     tcp: socket.socket
     nflog: socket.socket
+    nfqueue: socket.socket
     learned: list[list[Any]] = field(default_factory=list)
 
     def close(self) -> None:
-        for sock in (self.udp, self.tcp, self.nflog):
+        for sock in (self.udp, self.tcp, self.nflog, self.nfqueue):
             sock.close()
 
 
@@ -142,8 +145,8 @@ def take_over(run_dir: Path) -> Taken | None:
             socks = [socket.socket(fileno=fd) for fd in fds]
             msg = json.loads(data)
             kind = msg.get("kind")
-            if kind == "sandbox" and len(socks) == 3:
-                taken.sandboxes[msg["id"]] = Handed(socks[0], socks[1], socks[2])
+            if kind == "sandbox" and len(socks) == 4:
+                taken.sandboxes[msg["id"]] = Handed(socks[0], socks[1], socks[2], socks[3])
             elif kind == "learned" and msg["id"] in taken.sandboxes:
                 taken.sandboxes[msg["id"]].learned.extend(msg["entries"])
             elif kind == "api" and len(socks) == 1:
@@ -203,7 +206,7 @@ def exec_self(argv: list[str], offers: list[Offer], api: socket.socket | None) -
     """
     manifest: dict[str, Any] = {"pid": os.getpid(), "sandboxes": [], "api": None}
     for offer in offers:
-        fds = [offer.udp.fileno(), offer.tcp.fileno(), offer.nflog.fileno()]
+        fds = offer.fds()
         manifest["sandboxes"].append({"id": offer.id, "fds": fds, "learned": offer.learned})
     keep = [fd for entry in manifest["sandboxes"] for fd in entry["fds"]]
     if api is not None:
@@ -240,8 +243,8 @@ def inherited() -> Taken | None:
     manifest = json.loads(data)
     taken = Taken(None, int(manifest["pid"]), {}, None)
     for entry in manifest["sandboxes"]:
-        udp, tcp, nflog = (_adopt_fd(fd) for fd in entry["fds"])
-        taken.sandboxes[entry["id"]] = Handed(udp, tcp, nflog, entry["learned"])
+        udp, tcp, nflog, nfqueue = (_adopt_fd(fd) for fd in entry["fds"])
+        taken.sandboxes[entry["id"]] = Handed(udp, tcp, nflog, nfqueue, entry["learned"])
     if manifest["api"] is not None:
         taken.api = _adopt_fd(int(manifest["api"]))
     return taken
@@ -263,11 +266,16 @@ class Offer:
     udp: socket.socket
     tcp: socket.socket
     nflog: socket.socket
+    nfqueue: socket.socket
     learned: list[list[Any]]
 
     def dup(self) -> Offer:
         """The same sockets on descriptors of their own (they outlive ours)."""
-        return Offer(self.id, dup(self.udp), dup(self.tcp), dup(self.nflog), self.learned)
+        udp, tcp, nflog, nfqueue = (dup(s) for s in (self.udp, self.tcp, self.nflog, self.nfqueue))
+        return Offer(self.id, udp, tcp, nflog, nfqueue, self.learned)
+
+    def fds(self) -> list[int]:
+        return [s.fileno() for s in (self.udp, self.tcp, self.nflog, self.nfqueue)]
 
 
 class Giver:
@@ -381,8 +389,7 @@ class Giver:
     def _give(self, conn: socket.socket) -> None:
         for offer in self._offers():
             head = {"kind": "sandbox", "id": offer.id}
-            fds = [offer.udp.fileno(), offer.tcp.fileno(), offer.nflog.fileno()]
-            socket.send_fds(conn, [json.dumps(head).encode()], fds)
+            socket.send_fds(conn, [json.dumps(head).encode()], offer.fds())
             for chunk in _chunks(offer.learned):
                 conn.sendall(
                     json.dumps({"kind": "learned", "id": offer.id, "entries": chunk}).encode()

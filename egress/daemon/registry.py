@@ -44,6 +44,7 @@ from egress.inline.session import Session
 from egress.inline.swap import TrackingResolver, swap
 from egress.inline.upstream import parse_upstream, resolve_upstreams
 from egress.kernel.nflog import NflogListener
+from egress.kernel.nfqueue import NfqueueListener
 from egress.model import Policy, ReviewAction, SandboxKind, SandboxState
 from egress.policy import parse_policy
 from egress.sandbox import attach as attach_mod
@@ -286,13 +287,16 @@ class Registry:
         fresh: bool,
         handed: handoff.Handed | None,
     ) -> tuple[Session, TrackingResolver]:
-        listener = None
-        if handed is not None:
+        listener, queue = None, None
+        if handed is not None:  # the predecessor may still serve with them
             listener = NflogListener(handed.nflog, c.INLINE_GROUP, sb.netns)
-            listener.shared = True  # the predecessor may still serve with it
+            listener.shared = True
+            queue = NfqueueListener(handed.nfqueue, c.FIRST_BYTES_QUEUE, sb.netns)
+            queue.shared = True
         session, resolver = wiring.make(
-            sb, self.journal, self.review_hint, upstreams, record.uplink_netns, listener=listener
-        )
+            sb, self.journal, self.review_hint, upstreams, record.uplink_netns,
+            listener=listener, queue=queue,
+        )  # fmt: skip
         try:
             if not fresh:
                 # Adopted: what an earlier egressd's answers put in the sets keeps its
@@ -423,11 +427,15 @@ class Registry:
         """Each served sandbox's sockets and learned addresses, for a successor."""
         out = []
         for s in self.list():
-            s.session.listener.shared = True  # from now on a successor may hold it too
+            s.session.listener.shared = True  # from now on a successor may hold them too
+            flows = s.session.flows
+            assert flows is not None  # wiring.make made it
+            flows.listener.shared = True
             udp, tcp = s.resolver.listening
             out.append(
-                handoff.Offer(s.id, udp, tcp, s.session.listener.sock, s.resolver.learned_list())
-            )
+                handoff.Offer(s.id, udp, tcp, s.session.listener.sock, flows.listener.sock,
+                              s.resolver.learned_list())
+            )  # fmt: skip
         return out
 
     async def close(self, handed_over: bool = False, drain_s: float = 3.0) -> None:
@@ -441,6 +449,8 @@ class Registry:
             for served in self.served.values():
                 with contextlib.suppress(ValueError, OSError):
                     loop.remove_reader(served.session.listener.fileno())
+                if served.session.flows is not None:
+                    served.session.flows.stop_reading()
             await asyncio.gather(*(s.resolver.drain(drain_s) for s in self.served.values()))
         for served in list(self.served.values()):
             await self._stop(served.session, served.resolver, handed_over)

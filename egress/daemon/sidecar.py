@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from egress.datapath import constants as c
-from egress.datapath.render import Sidecar, render_sandbox
+from egress.datapath.render import FIRST_BYTES_DECLARATION, Sidecar, queue_rule, render_sandbox
 from egress.errors import DatapathError, EgressError, SandboxError, UpstreamError
 from egress.inline import wiring
 from egress.inline.swap import CHAINS
 from egress.inline.upstream import parse_upstream, resolve_upstreams, set_mark
 from egress.kernel import netns
+from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.nft import NftHandle
 from egress.model import Policy, SandboxState
@@ -247,6 +248,8 @@ def _enforce(nft: NftHandle, cfg: Config) -> str:
     text = render_sandbox(template, cfg.policy, Sidecar(tuple(cfg.upstreams), os.geteuid()))
     digest = hashlib.sha256(cfg.policy_bytes + b"\0" + template.encode()).hexdigest()
     marker = f"add counter inet {c.TABLE} sidecar_{digest[:16]}\n"
+    if cfg.policy.connect.check_names:  # kept when the sidecar ends, as the table is
+        queue_rules.install(None, queue_rule(), check=True)
     if not nft.table_exists("inet", c.TABLE):
         nft.load(text + marker)
         return "loaded"
@@ -256,7 +259,8 @@ def _enforce(nft: NftHandle, cfg: Config) -> str:
         # Learned under another policy (or by another egress): out, with the old rules.
         nft.load(f"delete table inet {c.TABLE}\n" + text + marker)
         return "replaced, learned addresses dropped (another policy)"
-    flush = "".join(f"flush chain inet {c.TABLE} {chain}\n" for chain in CHAINS)
+    flush = FIRST_BYTES_DECLARATION + "\n"
+    flush += "".join(f"flush chain inet {c.TABLE} {chain}\n" for chain in CHAINS)
     nft.load(flush + text)
     return "replaced, learned addresses kept (same policy)"
 

@@ -30,3 +30,23 @@ HOST_IF_PREFIX = "eg-"  # host ends of sandbox veths; the uplink table matches "
 # ruleset accepts marked packets to exactly its upstreams. Setting SO_MARK needs
 # CAP_NET_ADMIN or CAP_NET_RAW, which the workload must not have. "egsd".
 SIDECAR_MARK = 0x65677364
+
+# Connections bound to names (resolver.flows): a new TCP flow to a DNS-learned address on
+# one of connect.check_names' ports gets conntrack mark CT_NEEDS_CHECK. Its first segments
+# with data get packet mark QUEUE_MARK, and iptables-nft's NFQUEUE target (nft's own
+# `queue` needs CONFIG_NFT_QUEUE, which many kernels lack) hands them to the inline
+# layer on queue FIRST_BYTES_QUEUE, without bypass: nobody listening, they are dropped.
+# The verdict re-marks each one: CHECKED_MARK (the flow's conntrack mark becomes
+# CT_CHECKED, and its later packets stay in the kernel), REFUSED_MARK (answered with a
+# TCP reset) or 0 (a segment with no data,
+# ahead of the flow's first request: the chain's usual rules then take it).
+# Exact values, never bits: SIDECAR_MARK shares the packet mark, and a bit test would
+# match some of its bits. "egr" and a number, like SANDBOX_CT_MARK.
+FIRST_BYTES_QUEUE = 100
+CT_NEEDS_CHECK = 0x65677210
+CT_CHECKED = 0x65677211
+QUEUE_MARK = 0x65677220
+CHECKED_MARK = 0x65677221
+REFUSED_MARK = 0x65677222
+FIRST_BYTES_LOG_PREFIX = "egress first_bytes"  # the observer's copy of a queued segment
+ANSWER_LOG_PREFIX = "egress dns answer"  # the observer's copy of the resolver's answers

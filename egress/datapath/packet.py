@@ -40,7 +40,8 @@ class Packet:
     icmp_type: int | None = None
     icmp_code: int | None = None
     tcp_flags: int | None = None  # e.g. 0x02 SYN
-    payload: bytes = b""  # UDP payload as captured; empty for everything else
+    payload: bytes = b""  # UDP or TCP payload as captured; empty for everything else
+    seq: int | None = None  # TCP: the sequence number of the payload's first byte
     fragment: bool = False  # part of a fragmented datagram
     truncated: bool = False  # captured bytes are fewer than the IP length says
 
@@ -167,8 +168,10 @@ def _with_transport(l3: _L3) -> Packet | None:
 def _tcp(base: Packet, seg: bytes) -> Packet | None:
     if len(seg) < 20:
         return None
-    sport, dport = struct.unpack_from("!HH", seg, 0)
-    return replace(base, sport=sport, dport=dport, tcp_flags=seg[13])
+    sport, dport, seq = struct.unpack_from("!HHI", seg, 0)
+    start = (seg[12] >> 4) * 4
+    payload = seg[start:] if start >= 20 else b""  # a data offset under 5 words is bogus
+    return replace(base, sport=sport, dport=dport, tcp_flags=seg[13], seq=seq, payload=payload)
 
 
 def _udp(base: Packet, seg: bytes) -> Packet | None:

@@ -66,12 +66,19 @@ def render_sandbox(template: str, policy: Policy, sidecar: Sidecar | None = None
     defines = sandbox_defines()
     if sidecar is not None:
         defines.append(Define("SIDECAR_MARK", hex(c.SIDECAR_MARK), "egressd sidecar's SO_MARK"))
+    checks = policy.connect.check_names
+    if checks:
+        defines += _check_defines(checks)
     return fill(
         template,
         {
             "mode_note": _mode_note(policy),
             "defines": "\n".join(d.line() for d in defines),
             "sidecar_upstream": "" if sidecar is None else _sidecar_rules(sidecar),
+            "first_bytes_chain": _first_bytes_chain(bool(checks)),
+            "answer_copy": _answer_copy() if checks else "",
+            "first_bytes_verdicts": _first_bytes_verdicts() if checks else "",
+            "needs_check": _needs_check() if checks else "",
             "static_rules": _static_rules(policy.connect.allow),
             "verdict": _verdict(audit),
             "connect_verdict": _verdict(audit, _holds_connects(policy)),
@@ -117,6 +124,108 @@ def _sidecar_rules(sidecar: Sidecar) -> str:
         # for the sidecar's closed TCP sockets (TIME_WAIT) with no uid on the packet.
         lines.append(f"\t\t{to} udp dport {port} counter name dropped goto foreign_dns")
     return "\n".join(lines)
+
+
+def _check_defines(ports: tuple[int, ...]) -> list[Define]:
+    return [
+        Define("CHECK_PORTS", "{ " + ", ".join(map(str, ports)) + " }",
+               "connect.check_names: TCP ports whose flows are bound to names"),
+        Define("CT_NEEDS_CHECK", hex(c.CT_NEEDS_CHECK), "conntrack mark: first request unread"),
+        Define("CT_CHECKED", hex(c.CT_CHECKED), "conntrack mark: first request judged, passed"),
+        Define("QUEUE_MARK", hex(c.QUEUE_MARK), "packet mark: to the inline layer's NFQUEUE"),
+        Define("CHECKED_MARK", hex(c.CHECKED_MARK), "packet mark: the inline layer passed it"),
+        Define("REFUSED_MARK", hex(c.REFUSED_MARK), "packet mark: the inline layer refused it"),
+    ]  # fmt: skip
+
+
+# Segments with no data stay in the kernel: the IP length is the headers' alone. nft has
+# no arithmetic, so each TCP header length (data offset 5-15 words) gets its own rule
+# (a set of `ip length . tcp doff` would be shorter, but nft 1.0.6 cannot list it).
+_BARE = "\n".join(
+    [f"\t\tip hdrlength 5 tcp doff {d} ip length {20 + 4 * d} accept" for d in range(5, 16)]
+    + [f"\t\tip6 nexthdr tcp tcp doff {d} ip6 length {4 * d} accept" for d in range(5, 16)]
+)
+
+
+# Declared before a swap's flush: a table an older egress loaded may not have the chain.
+FIRST_BYTES_DECLARATION = (
+    f"add chain inet {c.TABLE} first_bytes "
+    "{ type filter hook output priority mangle - 10; policy accept; }"
+)
+
+
+def _first_bytes_chain(checks: bool) -> str:
+    """Between conntrack (-200) and iptables-nft's mangle OUTPUT (-150), whose NFQUEUE
+    rule queues what this chain marks: a checked flow's segments with data, until the
+    inline layer has judged its first request. Always there, empty without checks, so
+    that a policy swap flushes and refills it like the other chains."""
+    if not checks:
+        return """
+	# (connect.check_names is off: no flow is held for its first bytes)
+	counter syn_data {
+	}
+	chain first_bytes {
+		type filter hook output priority mangle - 10; policy accept;
+	}"""
+    return f"""
+	# Connections bound to names: a flow marked CT_NEEDS_CHECK (below, in output) has its
+	# first segments with data marked for the inline layer's NFQUEUE, which holds them until
+	# the TLS SNI or HTTP Host they carry is judged, and copied to the observer.
+	counter syn_data {{
+	}}
+	chain first_bytes {{
+		type filter hook output priority mangle - 10; policy accept;
+		meta l4proto != tcp accept
+		tcp flags & syn == 0 ct mark != $CT_NEEDS_CHECK accept
+{_BARE}
+		# Data in a SYN (TCP Fast Open) would reach the server before any check: dropped, and
+		# the client's kernel sends the SYN again without it.
+		tcp flags & syn == syn counter name syn_data drop
+		log group {c.OBSERVER_GROUP} prefix "{c.FIRST_BYTES_LOG_PREFIX}" meta mark set $QUEUE_MARK
+	}}"""
+
+
+def _answer_copy() -> str:
+    """The observer binds names to addresses from its own copy of the answers."""
+    return (
+        "\n\t\t# The resolver's answers, copied to the observer: it binds names to addresses"
+        "\n\t\t# from them on its own, to judge a flow's first bytes as the inline layer does."
+        '\n\t\toif "lo" ip saddr $RESOLVER4 meta l4proto { tcp, udp } th sport 53 '
+        f'log group {c.OBSERVER_GROUP} prefix "{c.ANSWER_LOG_PREFIX}" accept'
+    )
+
+
+def _first_bytes_verdicts() -> str:
+    """What the inline layer said of a queued segment: before ``ct state established``,
+    which would accept it whatever it carries."""
+    return (
+        "\n\t\t# A queued segment that reached this chain still marked for the queue was"
+        "\n\t\t# never queued (no NFQUEUE rule): dropped. The others carry the verdict."
+        "\n\t\tmeta mark $QUEUE_MARK counter name dropped drop"
+        "\n\t\tmeta mark $REFUSED_MARK reject with tcp reset"
+        "\n\t\tmeta mark $CHECKED_MARK ct mark set $CT_CHECKED accept"
+    )
+
+
+def _needs_check() -> str:
+    return (
+        "\n\t\t# On connect.check_names' ports a new flow is held at its first data (first_bytes)."
+        "\n\t\tip daddr . meta l4proto . th dport @allow4 tcp dport $CHECK_PORTS "
+        "ct mark set $CT_NEEDS_CHECK accept"
+        "\n\t\tip6 daddr . meta l4proto . th dport @allow6 tcp dport $CHECK_PORTS "
+        "ct mark set $CT_NEEDS_CHECK accept"
+    )
+
+
+def queue_rule() -> tuple[str, ...]:
+    """The iptables-nft rule (after ``-t mangle -A OUTPUT``), for IPv4 and IPv6 alike,
+    that hands what ``first_bytes`` marked to the inline layer's NFQUEUE. No
+    ``--queue-bypass``: with no listener the kernel drops the segment (fail closed)."""
+    return (
+        "-m", "mark", "--mark", hex(c.QUEUE_MARK),
+        "-m", "comment", "--comment", c.FIRST_BYTES_LOG_PREFIX,
+        "-j", "NFQUEUE", "--queue-num", str(c.FIRST_BYTES_QUEUE),
+    )  # fmt: skip
 
 
 def _mode_note(policy: Policy) -> str:

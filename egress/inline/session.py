@@ -23,6 +23,7 @@ from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer, FreezeEvent
+from egress.inline.flowcheck import FlowCheck
 from egress.kernel.nflog import NflogListener
 from egress.model import Layer, ReviewAction, Violation, ViolationClass
 from egress.sandbox.lifecycle import Sandbox
@@ -80,6 +81,7 @@ class Session:
         self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
         self._writer.start()
         self.stopping = False
+        self.flows: FlowCheck | None = None  # the first-bytes queue's reader (wiring.make)
         enforcer.on_freeze = self._frozen_from_any_thread
 
     # -- evidence ------------------------------------------------------------------------

@@ -23,9 +23,11 @@ from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.elements import SetUpdate, plan_update
-from egress.datapath.render import render_sandbox
+from egress.datapath.render import FIRST_BYTES_DECLARATION, render_sandbox
+from egress.datapath.render import queue_rule as render_queue_rule
 from egress.errors import DatapathError, EgressError
 from egress.inline.server import ResolverServer
+from egress.kernel import queue_rule
 from egress.kernel.nft import NftHandle
 from egress.model import IPAddress, Policy
 from egress.policy.matcher import Matcher
@@ -34,7 +36,7 @@ from egress.sandbox.lifecycle import Sandbox
 from egress.store.paths import read_template
 from egress.tunnel import scorer_for
 
-CHAINS = ("output", "violation", "foreign_dns", "blocked_connect")
+CHAINS = ("first_bytes", "output", "violation", "foreign_dns", "blocked_connect")
 MAX_TRACKED = 100_000
 
 
@@ -121,7 +123,8 @@ class TrackingResolver(ResolverServer):
 
 def swap_text(nft: NftHandle, policy: Policy, keep: set[str]) -> tuple[str, int]:
     """One nft transaction: the new rules, and the removal of every unjustified element."""
-    lines = [f"flush chain inet {c.TABLE} {chain}" for chain in CHAINS]
+    lines = [FIRST_BYTES_DECLARATION]
+    lines += [f"flush chain inet {c.TABLE} {chain}" for chain in CHAINS]
     lines.append(render_sandbox(read_template("sandbox.nft"), policy))
     removed = 0
     for set_name in c.ALLOW_SETS:
@@ -144,6 +147,8 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
     keep = resolver.justified(policy, now)
     # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,
     # and would call the template's a redefinition.
+    if policy.connect.check_names:  # the NFQUEUE rule first: until it is there, fail closed
+        queue_rule.install(sb.netns, render_queue_rule(), check=True)
     with NftHandle.open(sb.netns) as nft:
         for attempt in (1, 2):
             text, removed = swap_text(nft, policy, keep)

@@ -2,7 +2,8 @@
 `egressd sidecar`.
 
 Each serves a sandbox with the same pieces: ``Session`` (NFLOG reader, Enforcer, journal
-writer) and a resolver on 127.0.0.53 in the sandbox's netns. They differ only in:
+writer, and ``FlowCheck``: the first-bytes NFQUEUE) and a resolver on 127.0.0.53 in the
+sandbox's netns. They differ only in:
 - where the resolver's upstream sockets live: `run` and egressd open them in an uplink
   netns; the sidecar, which has none, opens them in the sandbox netns itself, marked
   (``mark``) so that the sandbox's ruleset lets exactly them through;
@@ -13,9 +14,10 @@ The resolver is a TrackingResolver in all three: it remembers which question all
 which address, which a live policy swap needs (egressd, the sidecar's restart) and which
 costs `run` a dict update per allowed answer.
 
-    make ─▶ Enforcer ─▶ Session (its NFLOG socket on the loop) ─▶ resolver
+    make ─▶ Enforcer ─▶ Session (its NFLOG socket on the loop) ─▶ resolver ─▶ FlowCheck
          (the caller seeds the resolver if it adopts one, then awaits resolver.start())
-    stop ─▶ resolver closed ─▶ session closed (its journal queue written out first)
+    stop ─▶ resolver closed ─▶ FlowCheck, then session closed (its journal queue written
+         out first)
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import contextlib
 from typing import NamedTuple
 
 from egress.freeze.enforcer import Enforcer
+from egress.inline.flowcheck import FlowCheck
 from egress.inline.server import ResolverServer, make_core
 from egress.inline.session import Session
 from egress.inline.swap import TrackingResolver
 from egress.kernel.nflog import NflogListener
+from egress.kernel.nfqueue import NfqueueListener
 from egress.model import Layer
 from egress.sandbox.lifecycle import Sandbox
 from egress.store.journal import Journal
@@ -47,6 +51,7 @@ def make(
     upstream_netns: str | None,
     *,
     listener: NflogListener | None = None,
+    queue: NfqueueListener | None = None,
     mark: int | None = None,
     decision_timeout: float | None = None,
     freeze_off_loop: bool = True,
@@ -57,7 +62,8 @@ def make(
     other sandboxes' answers and the API share; `egressctl run` (False) serves one sandbox
     and acts at once. ``decision_timeout``: how long a frozen sandbox waits for a person
     (`run`'s --decision-timeout). ``listener``: an NFLOG socket a predecessor egressd
-    handed over, already bound to the inline group."""
+    handed over, already bound to the inline group; ``queue``: likewise its first-bytes
+    NFQUEUE socket (``FlowCheck``, which the session holds and closes)."""
     loop = asyncio.get_running_loop()
     enforcer = Enforcer(sb.id, sb.policy, Layer.INLINE, journal, sb.cgroup)
     session = Session(
@@ -75,6 +81,8 @@ def make(
             upstream_netns=upstream_netns,
             mark=mark,
         )
+        session.flows = FlowCheck(sb.netns, resolver, session.on_violation, listener=queue)
+        session.flows.start()
     except BaseException:
         _close_session(session, False)
         raise
@@ -93,6 +101,8 @@ async def stop(
 
 def _close_session(session: Session, handed_over: bool) -> None:
     session.stopping = True
+    if session.flows is not None:
+        session.flows.close(handed_over)
     with contextlib.suppress(ValueError, OSError):
         asyncio.get_running_loop().remove_reader(session.listener.fileno())
     session.close(handed_over)

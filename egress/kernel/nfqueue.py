@@ -84,20 +84,10 @@ class QueuedPacket:
     @property
     def tcp_payload(self) -> bytes:
         """The TCP segment's data as captured: what ``firstbytes.judge`` reads. Empty if
-        this is not a TCP packet, or an IPv6 extension header comes before TCP."""
+        this is not a TCP packet, or a fragment."""
         if self.packet is None or self.packet.proto != "tcp" or self.packet.fragment:
             return b""
-        data = self.payload
-        if self.family == 4:
-            start, length = (data[0] & 0x0F) * 4, struct.unpack_from("!H", data, 2)[0]
-        elif data[6] == 6:  # TCP right after the IPv6 header
-            start, length = 40, 40 + struct.unpack_from("!H", data, 4)[0]
-        else:
-            return b""  # IPv6 extension headers first: rare, not read here
-        if len(data) < start + 13:
-            return b""
-        # A length of 0 (BIG TCP over 64 KiB, jumbogram): trust the capture.
-        return data[start + (data[start + 12] >> 4) * 4 : length if length > start else None]
+        return self.packet.payload
 
 
 class NfqueueListener(NfnlListener[QueuedPacket]):

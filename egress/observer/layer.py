@@ -3,8 +3,10 @@
 It reads the kernel's own evidence from the sandbox netns (its own NFLOG group, which gets
 a copy of every DNS packet sent to the resolver and of every dropped packet, and the drop
 rule's counter), parses the DNS queries itself, applies the same policy, and freezes
-through its own Enforcer. If the inline layer's process dies, that is a ``layer_loss``
-violation. It exits when the sandbox's netns is gone or on SIGTERM.
+through its own Enforcer. From the copies of the resolver's answers and of the segments
+held for the first-bytes check it judges those flows too (``flows.FlowWatch``). If the
+inline layer's process dies, that is a ``layer_loss`` violation. It exits when the
+sandbox's netns is gone or on SIGTERM.
 
 Given a ``teardown`` (only `egressctl run`'s own observer is), it also ends what a dead
 inline layer can no longer end: once that process is gone and nothing runs in the
@@ -36,6 +38,7 @@ from egress.kernel.netns import netns_exists
 from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
+from egress.observer.flows import FlowWatch
 from egress.policy.matcher import Matcher
 from egress.resolver import wire
 from egress.resolver.judge import QueryScorer, judge
@@ -81,8 +84,10 @@ class Observer:
         self.journal = Journal.open(cfg.state_dir)
         self.enforcer = Enforcer(cfg.sandbox_id, cfg.policy, LAYER, self.journal, cgroup)
         self.cgroup = cgroup
-        self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP)
+        # Whole packets: a ClientHello's segments and the answers are read, not only headers.
+        self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP, copy_range=0xFFFF)
         self.nft = NftHandle.open(cfg.netns)
+        self.flows = FlowWatch(cfg.policy, self.matcher, self.nft)
         # Drops counted before this observer bound its group were judged by whoever was
         # watching then (an observer restarted on a policy swap, the inline layer): they
         # are not drops its log missed. Read after binding, so none falls in between.
@@ -119,6 +124,8 @@ class Observer:
                 else:
                     self._drain()
             self._check_counter()
+            for v in self.flows.expire(time.time()):
+                self._act(v)
             self._end_if_abandoned()
         with contextlib.suppress(EgressError, OSError):
             self._drain()  # evidence still queued when told to stop is still evidence
@@ -134,6 +141,8 @@ class Observer:
         for event in self.listener.read_events():
             v = self.judge(event)
             if v is not None:
+                self._act(v)
+            for v in self.flows.on_event(event):
                 self._act(v)
 
     def _act(self, v: Violation) -> None:
@@ -227,8 +236,8 @@ def verdict_on(
     cls = drop_class(event.prefix)
     if cls is not None:
         return drop_violation(policy, cls, event.flow, event.uid, event.timestamp, LAYER)
-    if event.prefix != c.DNS_LOG_PREFIX or event.packet is None:
-        return None
+    if event.prefix != c.DNS_LOG_PREFIX or event.packet is None or event.packet.proto != "udp":
+        return None  # a query over TCP may span segments: the resolver's own check holds
     try:
         q = wire.parse_query(event.packet.payload)
     except wire.WireError:

@@ -25,6 +25,7 @@ from egress.policy.checks import (
     Report,
     duration,
     entry,
+    get_bool,
     get_choice,
     get_list,
     get_map,
@@ -47,7 +48,7 @@ DNS_KEYS = (
     "rate_limit",
     "allow",
 )
-RULE_KEYS = ("name", "types", "ports")
+RULE_KEYS = ("name", "types", "ports", "check_names")
 TTL_KEYS = ("min", "max")
 RATE_KEYS = ("qps", "burst")
 # Beyond what one resolver answers in a second (cache hits: ~200,000): a bigger number can
@@ -261,9 +262,9 @@ def _rule(
     path = f"{PATH}.allow[{index}]"
     if isinstance(item, Map):
         fields = get_map(item, path, report, RULE_KEYS, required=("name",))
-        name_node, types_node, ports_node = (entry(fields, k) for k in RULE_KEYS)
+        name_node, types_node, ports_node, check_node = (entry(fields, k) for k in RULE_KEYS)
     elif isinstance(item, Scalar):
-        name_node, types_node, ports_node = item, None, None
+        name_node, types_node, ports_node, check_node = item, None, None, None
     else:
         report.error(item.where, f"{path}: expected a name or a mapping with 'name', got a list")
         return None
@@ -274,6 +275,7 @@ def _rule(
         if ports_node
         else connect_ports
     )
+    check = get_bool(check_node, f"{path}.check_names", report) if check_node else None
     if pattern is None:
         return None
     return DnsRule(
@@ -283,6 +285,7 @@ def _rule(
         explicit_types=explicit,
         ports=ports,
         where=item.where,
+        check_names=check is not False,
     )
 
 

@@ -50,6 +50,7 @@ def _defs() -> dict[str, Schema]:
             "description": 'A port, or a range like "8000-8100" (connect.allow only).',
             "anyOf": [port, {"type": "string", "pattern": r"^[0-9]{1,5}-[0-9]{1,5}$"}],
         },
+        "portList": {**port_list, "description": "A list of TCP ports."},
         "ports": {
             "description": "A list of ports (TCP), or {tcp: [...], udp: [...]}. Single ports only:"
             " learned addresses are matched one port each.",
@@ -100,6 +101,12 @@ def _dns_rule() -> Schema:
             "ports": {
                 "$ref": "#/$defs/ports",
                 "description": "Ports for addresses learned by this rule (else connect.ports).",
+            },
+            "check_names": {
+                "type": "boolean",
+                "description": "Default true: a TCP flow to this rule's addresses on a"
+                " connect.check_names port must ask (TLS SNI, HTTP Host) for a name this"
+                " sandbox resolved to that address. false: reach them unread.",
             },
         },
         ["name"],
@@ -193,6 +200,12 @@ def _connect() -> Schema:
                 "description": "Ports for addresses learned from DNS. Default [80, 443].",
             },
             "allow": {"type": "array", "items": cidr_rule},
+            "check_names": {
+                "oneOf": [{"type": "boolean"}, {"$ref": "#/$defs/portList"}],
+                "description": "TCP ports on which a flow to a DNS-learned address is held"
+                " until its first bytes (TLS SNI, HTTP Host) name a name this sandbox"
+                " resolved to it; else it is a name_mismatch. Default [80, 443]; false: none.",
+            },
         },
     )
 

@@ -16,19 +16,29 @@ import re
 from egress.errors import Problem
 from egress.model import (
     DEFAULT_ACTIONS,
+    DEFAULT_CHECK_PORTS,
     Action,
     CidrRule,
     ConnectSpec,
+    DnsRule,
     Mode,
     Policy,
     PortRange,
     Ports,
     ViolationClass,
 )
-from egress.policy.checks import Report, entry, get_choice, get_list, get_map, get_str
+from egress.policy.checks import (
+    Report,
+    entry,
+    get_bool,
+    get_choice,
+    get_list,
+    get_map,
+    get_str,
+)
 from egress.policy.dnsspec import build_dns
-from egress.policy.ports import ALL_PORTS, PROTOCOLS, build_ports, for_proto
-from egress.policy.tree import Map, Node
+from egress.policy.ports import ALL_PORTS, PROTOCOLS, build_ports, for_proto, port_list
+from egress.policy.tree import Map, Node, Scalar, Seq
 from egress.policy.tunnelspec import TUNNEL_KEYS as TUNNEL_KEYS  # the vocabulary, in one place
 from egress.policy.tunnelspec import build_tunnel
 from egress.policy.values import parse_cidr
@@ -38,7 +48,7 @@ KIND = "Policy"
 TOP_KEYS = ("apiVersion", "kind", "metadata", "spec")
 METADATA_KEYS = ("name",)
 SPEC_KEYS = ("mode", "dns", "connect", "tunnel", "violations")
-CONNECT_KEYS = ("ports", "allow")
+CONNECT_KEYS = ("ports", "allow", "check_names")
 CIDR_RULE_KEYS = ("cidr", "ports", "proto")
 VIOLATION_KEYS = tuple(cls.value for cls in ViolationClass)
 ACTIONS = tuple(action.value for action in Action)
@@ -89,6 +99,7 @@ def _spec(node: Node | None, name: str, source: str, report: Report) -> Policy:
     spec = get_map(node, "spec", report, SPEC_KEYS, required=("dns",)) if node else None
     connect = _connect(entry(spec, "connect"), report)
     dns = build_dns(entry(spec, "dns"), report, connect.ports)
+    _no_quic_checks(dns.allow, connect, report)
     mode_node = entry(spec, "mode")
     mode = get_choice(mode_node, "spec.mode", report, MODES) if mode_node else None
     return Policy(
@@ -115,7 +126,44 @@ def _connect(node: Node | None, report: Report) -> ConnectSpec:
     allow_node = entry(connect, "allow")
     items = get_list(allow_node, "spec.connect.allow", report, "CIDR rules") if allow_node else []
     rules = (_cidr_rule(i, item, report) for i, item in enumerate(items or ()))
-    return ConnectSpec(ports=ports, allow=tuple(r for r in rules if r is not None))
+    check_node = entry(connect, "check_names")
+    return ConnectSpec(
+        ports=ports,
+        allow=tuple(r for r in rules if r is not None),
+        check_names=_check_ports(check_node, report) if check_node else DEFAULT_CHECK_PORTS,
+    )
+
+
+def _check_ports(node: Node, report: Report) -> tuple[int, ...]:
+    """``connect.check_names``: TCP ports (single ones), or true/false for the default
+    or none."""
+    path = "spec.connect.check_names"
+    if isinstance(node, Scalar) and isinstance(node.value, bool):
+        return DEFAULT_CHECK_PORTS if node.value else ()
+    if not isinstance(node, Seq):
+        get_bool(node, path, report)  # the error says what was expected
+        return DEFAULT_CHECK_PORTS
+    return tuple(r.first for r in port_list(node, path, report, ranges=False))
+
+
+def _no_quic_checks(rules: tuple[DnsRule, ...], connect: ConnectSpec, report: Report) -> None:
+    """A checked rule may not open UDP on a checked port: that is QUIC (HTTP/3), whose
+    Initial packet's SNI egress does not read yet, so the flow could not be bound to its
+    name. Clients fall back to TCP when UDP 443 is blocked."""
+    checked = set(connect.check_names)
+    for rule in rules:
+        quic = [r.first for r in rule.ports.udp if rule.check_names and checked & _span(r)]
+        for port in quic:
+            report.error(
+                rule.where,
+                f"spec.dns.allow[{rule.index}] {rule.pattern.text}: udp {port} (QUIC) can't be "
+                f"name-checked yet; leave it out (clients fall back to TCP), or set "
+                f"check_names: false on this rule to reach its addresses unchecked",
+            )
+
+
+def _span(r: PortRange) -> set[int]:
+    return set(range(r.first, r.last + 1))
 
 
 def _cidr_rule(index: int, node: Node, report: Report) -> CidrRule | None:

@@ -28,7 +28,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import islice
 
-from egress.model import IPAddress, Ports
+from egress.model import IPAddress, Policy, Ports
+from egress.policy.matcher import Matcher
+from egress.resolver import message
+from egress.resolver.answer import learned_ports, record_ip
+from egress.resolver.wire import WireError
 
 MAX_ADDRESSES = 4096
 MAX_NAMES = 8  # per address: a CDN address a sandbox reaches under several names
@@ -40,10 +44,11 @@ class Bindings:
             raise ValueError("a bindings table holds at least one address and one name")
         self.max_addresses = max_addresses
         self.max_names = max_names
-        # address -> {name: (until, ports)}; dict order is learning order (refreshed on
-        # re-learn). ``ports``: those of the rule the answer came through, which are what
-        # the kernel's set elements for the address allow.
-        self._table: dict[IPAddress, dict[str, tuple[float, Ports]]] = {}
+        # address -> {name: (until, ports, checked)}; dict order is learning order
+        # (refreshed on re-learn). ``ports``: those of the rule the answer came through,
+        # which are what the kernel's set elements for the address allow; ``checked``:
+        # that rule's check_names.
+        self._table: dict[IPAddress, dict[str, tuple[float, Ports, bool]]] = {}
 
     def __len__(self) -> int:
         return len(self._table)
@@ -55,10 +60,12 @@ class Bindings:
         ports: Ports,
         now: float,
         until: float,
+        checked: bool = True,
     ) -> None:
         """Bind each of ``names`` to each of ``ips``, on ``ports``, from ``now`` until
         ``until``; an earlier binding of the same pair on the same ports is kept if it
-        lasts longer (on other ports, the new answer's replace it)."""
+        lasts longer (on other ports, the new answer's replace it). ``checked``: False
+        when the answer's rule has check_names off."""
         wanted = [_key(name) for name in names]
         if not wanted:
             return
@@ -71,16 +78,16 @@ class Bindings:
             self._table[ip] = bound  # to the end: the most recently learned
             for name in wanted:
                 old = bound.get(name)
-                if old is not None and old[1] == ports and old[0] >= until:
+                if old is not None and old[1:] == (ports, checked) and old[0] >= until:
                     continue
                 if old is None and len(bound) >= self.max_names:
                     del bound[min(bound, key=lambda n: bound[n][0])]
-                bound[name] = (until, ports)
+                bound[name] = (until, ports, checked)
 
     def names(self, ip: IPAddress, now: float) -> tuple[str, ...]:
         """The names bound to ``ip`` at ``now``, in the order they were learned."""
         bound = self._table.get(ip)
-        return tuple(n for n, (until, _) in bound.items() if until > now) if bound else ()
+        return tuple(n for n, (until, *_) in bound.items() if until > now) if bound else ()
 
     def bound(self, ip: IPAddress, name: str, port: int, now: float) -> bool:
         """``name`` is bound to ``ip`` at ``now``, for TCP ``port``."""
@@ -89,17 +96,69 @@ class Bindings:
             return False
         return any(r.first <= port <= r.last for r in found[1].tcp)
 
+    def unchecked(self, ip: IPAddress, port: int, now: float) -> bool:
+        """A rule with check_names off put ``ip`` in the sets for TCP ``port``: a flow
+        there is reached unread."""
+        return any(
+            until > now and not checked and any(r.first <= port <= r.last for r in ports.tcp)
+            for until, ports, checked in self._table.get(ip, {}).values()
+        )
+
     def _make_room(self, now: float) -> None:
         """Drop what expired; if that is not enough, the eighth learned longest ago (so
         the scan runs once per ``max_addresses / 8`` new addresses, not for each)."""
         expired = [
-            ip for ip, bound in self._table.items() if max(u for u, _ in bound.values()) <= now
+            ip for ip, bound in self._table.items() if max(u for u, *_ in bound.values()) <= now
         ]
         for ip in expired:
             del self._table[ip]
         if len(self._table) >= self.max_addresses:
             for ip in list(islice(self._table, max(1, self.max_addresses // 8))):
                 del self._table[ip]
+
+
+def answer_chain(qname: str, answers: list[message.Record]) -> tuple[str, ...]:
+    """``qname`` and the names its CNAMEs lead to, in order: what an answer's addresses
+    answer for (the filter kept only these; an unfiltered answer, in audit mode, may
+    hold others)."""
+    targets = {rr.name: rr.target for rr in answers if rr.rtype == message.CNAME}
+    chain = [qname]
+    while chain[-1] in targets and targets[chain[-1]] not in chain and len(chain) <= 16:
+        chain.append(targets[chain[-1]])
+    return tuple(chain)
+
+
+def learn_answer(
+    bindings: Bindings, data: bytes, policy: Policy, matcher: Matcher, now: float, grace: float
+) -> int:
+    """Bind what an answer the resolver released names (the observer's copy of it): its
+    question and CNAME chain to its addresses, on the question's rule's ports, for the
+    shortest address TTL clamped as the kernel's timeout is, plus ``grace`` (the copy is
+    read a little after the kernel's element was made). Returns the addresses bound; an
+    answer that does not parse binds nothing."""
+    try:
+        try:
+            response = message.parse(data)
+        except message.Unsupported:
+            response = message.from_dnslib(data)
+    except WireError:
+        return 0
+    if len(response.questions) != 1:
+        return 0
+    qname = response.questions[0][0]
+    ips = [(record_ip(rr), rr.ttl) for rr in response.answers if rr.rtype in ADDRESS_TYPES]
+    rule = matcher.rule_for(qname)
+    if not ips or rule is None:
+        return 0
+    ttl = max(policy.dns.ttl_min, min(min(t for _, t in ips), policy.dns.ttl_max))
+    addresses = list(dict.fromkeys(ip for ip, _ in ips))
+    names = answer_chain(qname, response.answers)
+    bindings.learn(addresses, names, learned_ports(rule, policy), now, now + ttl + grace,
+                   checked=rule.check_names)  # fmt: skip
+    return len(addresses)
+
+
+ADDRESS_TYPES = (message.A, message.AAAA)
 
 
 def _key(name: str) -> str:

@@ -33,6 +33,7 @@ class Entry:
     ede: bytes = b""  # an Extended DNS Error option for EDNS clients (a refusal's reason)
     names: tuple[str, ...] = ()  # the question and its CNAME chain: what ``ips`` answer for
     ports: Ports = NO_PORTS  # where ``update`` lets them be reached (its rule's ports)
+    checked: bool = True  # its rule's check_names: flows to ``ips`` are bound to ``names``
 
     def remaining(self, now: float) -> int:
         return max(0, int(self.expires_at - now))
@@ -82,11 +83,12 @@ def make_entry(
     ede: bytes = b"",
     names: tuple[str, ...] = (),
     ports: Ports = NO_PORTS,
+    checked: bool = True,
 ) -> Entry:
     """``offsets``: where the message's TTLs are (``wire.ttl_offsets`` finds them)."""
     ttls = tuple(_TTL.unpack_from(message, off)[0] for off in offsets)
     return Entry(message, tuple(offsets), ttls, now, now + ttl, update, now + allowed_s, ips,
-                 ede, names, ports)  # fmt: skip
+                 ede, names, ports, checked)  # fmt: skip
 
 
 def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:

@@ -45,7 +45,7 @@ from egress.resolver.actions import (
     Revoke,
 )
 from egress.resolver.answer import Filtered, Finding, filter_answer, learned_ports, record_ip
-from egress.resolver.bindings import Bindings
+from egress.resolver.bindings import Bindings, answer_chain
 from egress.resolver.cache import Cache, Entry
 from egress.resolver.judge import QueryScorer, Verdict, dns_violation, judge
 
@@ -366,8 +366,9 @@ class ResolverCore:
             revoke: list[Action] = [Revoke(a.fresh)] if late and not a.fresh.is_empty() else []
             return [*revoke, *(Reply(r.client, r.fallback) for r in a.replies)]
         self.bindings.learn(
-            a.entry.ips, a.entry.names, a.entry.ports, now, a.planned_at + a.timeout_s
-        )
+            a.entry.ips, a.entry.names, a.entry.ports, now, a.planned_at + a.timeout_s,
+            checked=a.entry.checked,
+        )  # fmt: skip
         if a.key is None:
             a.entry.allowed_until = a.planned_at + a.timeout_s
         elif a.entry.expires_at > a.planned_at:
@@ -405,10 +406,11 @@ class ResolverCore:
         ips = tuple(dict.fromkeys(ip for ip, _ in filtered.ips))
         # What these addresses answer for: the question and its CNAME chain, on the ports
         # the set elements allow.
-        names = _chain(p.qname, filtered.answers)
+        names = answer_chain(p.qname, filtered.answers)
         return cache_mod.make_entry(
-            msg, offsets, ttl, now, update, timeout, ips, names=names, ports=ports
-        )
+            msg, offsets, ttl, now, update, timeout, ips, names=names, ports=ports,
+            checked=rule is None or rule.check_names,
+        )  # fmt: skip
 
     def _ports(self, rule: DnsRule | None) -> Ports:
         return learned_ports(rule, self.policy)
@@ -452,16 +454,6 @@ _WITHHELD = {  # an answer refused after the upstream gave it
     ViolationClass.DENIED_TYPE: "answer is a CNAME, a record type not allowed",
     ViolationClass.TUNNEL: "answer carries a DNS tunnel's data",
 }
-
-
-def _chain(qname: str, answers: list[message.Record]) -> tuple[str, ...]:
-    """``qname`` and the names its CNAMEs lead to, in order (the filter kept only these;
-    an unfiltered answer, in audit mode, may hold others)."""
-    targets = {rr.name: rr.target for rr in answers if rr.rtype == message.CNAME}
-    chain = [qname]
-    while chain[-1] in targets and targets[chain[-1]] not in chain and len(chain) <= 16:
-        chain.append(targets[chain[-1]])
-    return tuple(chain)
 
 
 def _parse_response(data: bytes) -> message.Response:

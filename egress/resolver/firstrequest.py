@@ -92,6 +92,10 @@ class FirstRequests:
         """Flows waiting for the rest of their first request."""
         return len(self._waiting)
 
+    def decided(self, key: FlowKey) -> bool | None:
+        """The verdict on flow ``key`` (passed or not), None while it has none."""
+        return self._decided.get(key)
+
     def feed(
         self, seg: Segment, bindings: Bindings, matcher: Matcher, now: float
     ) -> list[Decision]:
@@ -104,6 +108,12 @@ class FirstRequests:
         if flow is None:
             if not seg.data:  # a bare ACK before any byte: it carries nothing
                 return [Decision((seg.packet_id,), True, seg.key)]
+            if bindings.unchecked(seg.dst, seg.dport, now):  # its rule: check_names false
+                self._remember(seg.key, True)
+                where = endpoint(seg.dst, seg.dport)
+                verdict = FlowVerdict(True, None, "", f"a flow to {where}: not checked "
+                                      "(a rule with check_names: false resolved it)")  # fmt: skip
+                return [Decision((seg.packet_id,), True, seg.key, verdict)]
             if len(self._waiting) >= self.max_flows:
                 out.append(self._refuse(next(iter(self._waiting)), "too many flows waiting"))
             flow = self._waiting[seg.key] = _Waiting(now, seg.dst, seg.dport)
@@ -164,10 +174,13 @@ class FirstRequests:
 
     def _decide(self, key: FlowKey, verdict: FlowVerdict) -> Decision:
         flow = self._waiting.pop(key)
-        self._decided[key] = verdict.allowed
+        self._remember(key, verdict.allowed)
+        return Decision(tuple(flow.held), verdict.allowed, key, verdict)
+
+    def _remember(self, key: FlowKey, allowed: bool) -> None:
+        self._decided[key] = allowed
         while len(self._decided) > DECIDED:
             self._decided.popitem(last=False)
-        return Decision(tuple(flow.held), verdict.allowed, key, verdict)
 
 
 def _agree(a: bytes, b: bytes) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from egress.datapath.firstbytes import FirstBytes, Outcome
-from egress.model import IPAddress
+from egress.model import Flow, IPAddress, Mode, Policy, Violation, ViolationClass
 from egress.policy.matcher import Matcher
 from egress.resolver.bindings import Bindings
 
@@ -64,6 +64,36 @@ def judge_flow(
                            f"{dst} for port {dport}, or no longer does (the address is "
                            f"{resolved})")  # fmt: skip
     return FlowVerdict(True, name, "", f"{where} asks for {name}")
+
+
+def flow_violation(
+    verdict: FlowVerdict,
+    policy: Policy,
+    matcher: Matcher,
+    flow: Flow,
+    uid: int | None,
+    at: float,
+    layer: str,
+) -> Violation:
+    """The ``name_mismatch`` a refused flow is, as ``layer`` saw it: both layers spell it
+    this one way (the journal pairs their records)."""
+    if verdict.allowed:
+        raise ValueError("an allowed flow is no violation")
+    if verdict.reason == "name_not_allowed":
+        rule = "spec.dns.allow: no rule allows the name the flow asks for"
+    elif verdict.reason == "not_resolved_here" and verdict.name is not None:
+        found = matcher.rule_for(verdict.name)
+        rule = f"{found.describe() if found else 'spec.dns.allow'}: only where it resolved"
+    else:
+        rule = "spec.connect.check_names: a flow names its host (TLS SNI, HTTP Host)"
+    verb = "allowed (audit)" if policy.mode is Mode.AUDIT else "refused"
+    who = f" (uid {uid})" if uid is not None else ""
+    cls = ViolationClass.NAME_MISMATCH
+    return Violation(
+        cls=cls, layer=layer, rule=rule, detail=f"{verdict.detail} [{verdict.reason}]: "
+        f"{verb}{who}", at=at, action=policy.action(cls), flow=flow, uid=uid,
+        qname=verdict.name,
+    )  # fmt: skip
 
 
 def endpoint(ip: IPAddress, port: int) -> str:

@@ -304,6 +304,12 @@ def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
         result.counters["violations"] = result.session.state.seen
         result.counters["violations_not_journaled"] = result.session.state.unjournaled
         result.counters["nflog_overruns"] = result.session.state.overruns
+        flows = result.session.flows
+        if flows is not None:  # connections bound to names (connect.check_names)
+            result.counters["first_bytes_packets"] = flows.packets
+            result.counters["flows_passed"] = flows.passed
+            result.counters["flows_refused"] = flows.refused
+            result.counters["first_bytes_errors"] = flows.errors + flows.listener.verdict_errors
 
 
 def _violation_json(row: dict[str, Any]) -> dict[str, Any]:

@@ -22,9 +22,10 @@ import time
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import SandboxNet
-from egress.datapath.render import render_sandbox
+from egress.datapath.render import queue_rule, render_sandbox
 from egress.errors import AlreadyAttached, EgressError, SandboxError
 from egress.kernel import netns
+from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
@@ -65,6 +66,10 @@ def attach(
         if lo_raised:
             netns.loopback_up(netns_ref)
             sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(netns_ref))
+        # Ours to remove when detaching, with the table: this netns outlives the sandbox.
+        sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))
+        if policy.connect.check_names:
+            queue_rules.install(netns_ref, queue_rule(), check=True)
         nft.load(render_sandbox(read_template("sandbox.nft"), policy))
         sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
     except BaseException:
@@ -96,6 +101,7 @@ def adopt(
         raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
     if lo_raised:
         sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(netns_ref))
+    sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))
     sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
     return sb
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
-from egress.datapath.render import render_sandbox
+from egress.datapath.render import queue_rule, render_sandbox
 from egress.errors import SandboxError
 from egress.kernel import netns
+from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
@@ -123,6 +124,8 @@ def _build(
     _addresses(net, name, host_if, uplink)
     nft = NftHandle.open(name)
     undo.append(("nft handle", nft.close))
+    if policy.connect.check_names:  # before the ruleset: a flow it holds is then queued
+        queue_rules.install(name, queue_rule())
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
     uplink_mod.attach(uplink, host_if)
     cgroup = Cgroup.create(claim.id)

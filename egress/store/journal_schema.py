@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from egress.errors import JournalError
-from egress.model import ReviewAction, SandboxState, Violation
+from egress.model import ReviewAction, SandboxState, Violation, ViolationClass
 from egress.store.paths import new_private_file, private_dir, tighten
 
 Row = dict[str, Any]
@@ -133,13 +133,14 @@ def current_version(conn: sqlite3.Connection) -> int:
 
 def violation_key(violation: Violation) -> str:
     """The cross-layer dedup key: ``qname/qtype`` for a DNS verdict, else the flow's
-    5-tuple, else ``""``, plus the class when there is neither.
+    5-tuple (a ``name_mismatch`` too: two flows asking for one name are two events),
+    else ``""``, plus the class when there is neither.
 
     Both layers must derive it the same way: a DNS verdict is keyed by the question
     (the observer also knows the query's packet, the resolver only its question), and
     the name is folded to lowercase without its trailing dot.
     """
-    if violation.qname is not None:
+    if violation.qname is not None and violation.cls is not ViolationClass.NAME_MISMATCH:
         return f"{violation.qname.rstrip('.').lower()}/{violation.qtype or ''}"
     if violation.flow is not None:
         return str(violation.flow)

@@ -600,3 +600,13 @@ def test_record_for_freeze_is_one_commit_and_honours_decisions(tmp_path: Path) -
         late = dataclasses.replace(v, layer="observer", at=v.at + 0.5)
         assert j.record_for_freeze("sb1", late, 2.0, time.time()) == (vid, False, None)
         assert len(j.freezes("sb1")) == 1
+
+
+def test_a_name_mismatch_is_keyed_by_its_flow_not_by_the_name_it_asks_for() -> None:
+    import dataclasses
+
+    v = dataclasses.replace(_violation(cls=ViolationClass.NAME_MISMATCH), qname="other.test")
+    w = dataclasses.replace(v, flow=Flow("tcp", "10.0.0.2", "203.0.113.7", 40001, 443))
+    assert journal_schema.violation_key(v) == str(v.flow) != journal_schema.violation_key(w)
+    dns = dataclasses.replace(v, cls=ViolationClass.DENIED_NAME, qtype="A")
+    assert journal_schema.violation_key(dns) == "other.test/A"

@@ -58,3 +58,22 @@ def test_a_broken_template_is_caught(scratch: str) -> None:
     check = subprocess.run(["ip", "netns", "exec", scratch, "nft", "-c", "-f", "-"],
                            input=broken, capture_output=True, text=True)  # fmt: skip
     assert check.returncode != 0
+
+
+@pytest.mark.parametrize("checks", ["[80, 443]", "false"])
+def test_the_first_bytes_chain_with_and_without_checks_passes_nft_check(
+    scratch: str, checks: str
+) -> None:
+    from egress.datapath.render import render_sandbox
+    from egress.policy import parse_policy
+    from egress.store.paths import read_template
+
+    text = (
+        POLICIES[0].read_text().replace("  connect:\n", f"  connect:\n    check_names: {checks}\n")
+    )
+    policy, _ = parse_policy(text, "p.yaml")
+    ruleset = render_sandbox(read_template("sandbox.nft"), policy)
+    assert ("meta mark set $QUEUE_MARK" in ruleset) is (checks != "false")
+    check = subprocess.run(["ip", "netns", "exec", scratch, "nft", "-c", "-f", "-"],
+                           input=ruleset, capture_output=True, text=True)  # fmt: skip
+    assert check.returncode == 0, check.stderr

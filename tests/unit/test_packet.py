@@ -48,8 +48,9 @@ def ipv6(next_header: int, payload: bytes, plen: int | None = None) -> bytes:
     )
 
 
-def tcp(sport: int, dport: int, flags: int = 0x02) -> bytes:
-    return struct.pack("!HHIIBBHHH", sport, dport, 1, 0, 5 << 4, flags, 65535, 0, 0)
+def tcp(sport: int, dport: int, flags: int = 0x02, data: bytes = b"", doff: int = 5) -> bytes:
+    head = struct.pack("!HHIIBBHHH", sport, dport, 1, 0, doff << 4, flags, 65535, 0, 0)
+    return head + b"\x01" * (doff * 4 - 20) + data  # NOP options
 
 
 def udp(sport: int, dport: int, payload: bytes, length: int | None = None) -> bytes:
@@ -75,7 +76,7 @@ def frag6(next_header: int, offset: int, more: bool) -> bytes:
 
 def test_ipv4_tcp_syn() -> None:
     p = parse_ip_packet(ipv4(6, tcp(40000, 443)))
-    assert p == Packet(4, "tcp", SRC4, DST4, sport=40000, dport=443, tcp_flags=0x02)
+    assert p == Packet(4, "tcp", SRC4, DST4, sport=40000, dport=443, tcp_flags=0x02, seq=1)
     assert p.flow() == Flow("tcp", SRC4, DST4, 40000, 443)
     assert p.proto_number == 6
 
@@ -138,7 +139,14 @@ def test_ipv4_capture_cut_short_is_marked_truncated() -> None:
 
 def test_ipv6_tcp() -> None:
     p = parse_ip_packet(ipv6(6, tcp(50000, 8443, flags=0x12)))
-    assert p == Packet(6, "tcp", SRC6, DST6, sport=50000, dport=8443, tcp_flags=0x12)
+    assert p == Packet(6, "tcp", SRC6, DST6, sport=50000, dport=8443, tcp_flags=0x12, seq=1)
+
+
+def test_tcp_payload_starts_after_the_options() -> None:
+    p = parse_ip_packet(ipv4(6, tcp(40000, 443, 0x18, b"\x16\x03\x01", doff=8)))
+    assert p is not None and (p.seq, p.payload) == (1, b"\x16\x03\x01")
+    bogus = parse_ip_packet(ipv4(6, tcp(40000, 443, 0x18, b"data", doff=2)))
+    assert bogus is not None and bogus.payload == b""
 
 
 def test_ipv6_addresses_are_compressed_text() -> None:

@@ -348,3 +348,26 @@ def test_rate_limit_values() -> None:
             ("5:40", "spec.dns.rate_limit.burst: must be at least 1, got -5"),
         ],
     )
+
+
+def test_quic_on_a_checked_port_is_refused_and_check_names_must_be_ports() -> None:
+    text = HEAD + (
+        "  dns:\n"
+        "    allow:\n"
+        "      - {name: a.example, ports: {tcp: [443], udp: [443]}}\n"
+        "      - {name: b.example, check_names: maybe}\n"
+        "  connect:\n"
+        "    check_names: {tcp: [443]}\n"
+    )
+    assert_problems(
+        text_problems(text),
+        [
+            (
+                "7:9",
+                "spec.dns.allow[0] a.example: udp 443 (QUIC) can't be name-checked yet;"
+                " leave it out (clients fall back to TCP), or set check_names: false",
+            ),
+            ("8:40", "spec.dns.allow[1].check_names: expected true or false, got"),
+            ("10:18", "spec.connect.check_names: expected true or false, got a mapping"),
+        ],
+    )

@@ -39,9 +39,10 @@ spec:
       - "*.pythonhosted.org"
       - "**.githubusercontent.com"
       - {name: api.example.com, types: [A], ports: [443]}
-      - {name: dns.example.com, ports: {tcp: [853], udp: [53, 443]}}
+      - {name: dns.example.com, ports: {tcp: [853], udp: [53, 443]}, check_names: false}
   connect:
     ports: {tcp: [80, 443], udp: [443]}
+    check_names: [8080, 80]
     allow:
       - {cidr: 192.0.2.0/24, ports: [443, "8000-8100"], proto: tcp}
       - {cidr: "2001:db8::/32", ports: [53], proto: any}
@@ -107,6 +108,8 @@ def test_full_policy_rules() -> None:
         tcp=(PortRange(853, 853),), udp=(PortRange(53, 53), PortRange(443, 443))
     )
     assert rules[3].describe() == "dns.allow[3] api.example.com"
+    assert [r.check_names for r in rules] == [True, True, True, True, False]
+    assert policy.connect.check_names == (80, 8080)
 
 
 def test_full_policy_connect() -> None:
@@ -122,7 +125,7 @@ def test_full_policy_connect() -> None:
     assert cidrs[1].ports == Ports(tcp=(PortRange(53, 53),), udp=(PortRange(53, 53),))
     assert cidrs[2].ports == Ports(tcp=(PortRange(1, 65535),))  # no ports: every port, tcp
     assert cidrs[3].ports == Ports(udp=(PortRange(4500, 4500),))
-    assert cidrs[0].where == Location("full.yaml", 22, 9)
+    assert cidrs[0].where == Location("full.yaml", 23, 9)
     assert cidrs[2].describe() == "connect.allow[2] 198.51.100.7/32"
 
 
@@ -139,6 +142,7 @@ def test_defaults() -> None:
     assert policy.dns.allow == ()
     assert policy.connect.ports == WEB
     assert policy.connect.allow == ()
+    assert policy.connect.check_names == (80, 443)
     assert policy.tunnel.enabled is True
     assert policy.violations == DEFAULT_ACTIONS
 
@@ -210,3 +214,21 @@ def test_policy_error_carries_warnings_separately() -> None:
         parse_policy(text, "p.yaml")
     assert [p.message.split(":")[0] for p in info.value.problems] == ["spec.dns.allow[1]"]
     assert [p.warning for p in info.value.warnings] == [True]
+
+
+@pytest.mark.parametrize(
+    ("value", "ports"),
+    [("false", ()), ("true", (80, 443)), ("[]", ()), ("[8443, 443]", (443, 8443))],
+)
+def test_check_names_ports(value: str, ports: tuple[int, ...]) -> None:
+    policy, _ = parse_policy(MINIMAL + f"  connect: {{check_names: {value}}}\n", "p.yaml")
+    assert policy.connect.check_names == ports
+
+
+def test_udp_443_is_allowed_where_it_is_not_checked() -> None:
+    rules = "allow: [{name: a.example, ports: {udp: [443]}, check_names: false}]"
+    policy, _ = parse_policy(MINIMAL.replace("allow: []", rules), "p.yaml")
+    assert policy.dns.allow[0].check_names is False
+    text = MINIMAL.replace("allow: []", "allow: [{name: a.example, ports: {udp: [443]}}]")
+    policy, _ = parse_policy(text + "  connect: {check_names: [80]}\n", "p.yaml")
+    assert policy.dns.allow[0].ports.udp == (PortRange(443, 443),)

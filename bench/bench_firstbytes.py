@@ -1,0 +1,155 @@
+"""What binding connections to names costs: time to first byte, packets queued, throughput.
+
+Two `egressctl run`s of the same workload against a throwaway lab, in the same bench run:
+one whose policy checks flows (connect.check_names, the default) and one whose policy
+does not (check_names: false). The workload resolves allowed.lab.test, then:
+
+- opens N connections one after another, sends one HTTP request on each and times its
+  send to the first byte of the answer (the check holds that request's segment until it
+  has read the Host header, so this is where it adds time);
+- fetches short (1 KB) and long (1 MB) bodies, N each: the run's report counts the
+  segments the kernel handed to the inline layer (``first_bytes_packets``), per flow;
+- downloads 1 GB (10 x 100 MB) on one connection per 100 MB, for the throughput.
+
+Prints figures and the on/off differences; asserts nothing. Needs root.
+
+    .venv/bin/python bench/bench_firstbytes.py [-n 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from egress.lab import Lab
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "allowed.lab.test"
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: bench-firstbytes}}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [{name}]
+  connect: {{ports: [80, 443], check_names: {checks}}}
+"""
+
+WORKLOAD = r"""
+import json, socket, sys, time
+mode, n, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ip = socket.gethostbyname(name)
+def fetch(path, first_only=False):
+    s = socket.create_connection((ip, 80))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t0 = time.perf_counter()
+    s.sendall(b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (path, name.encode()))
+    got = s.recv(65536)
+    first = time.perf_counter() - t0
+    total = len(got)
+    while not first_only and got:
+        got = s.recv(1 << 20)
+        total += len(got)
+    s.close()
+    return first, total
+if mode == "ttfb":
+    print(json.dumps([fetch(b"/", True)[0] for _ in range(n)]))
+elif mode == "sizes":
+    for size in (1000, 1000000):
+        for _ in range(n):
+            fetch(b"/bytes/%d" % size)
+    print(json.dumps([]))
+elif mode == "bulk":
+    t0 = time.perf_counter()
+    total = sum(fetch(b"/bytes/%d" % 100_000_000)[1] for _ in range(n))
+    print(json.dumps([total, time.perf_counter() - t0]))
+"""
+
+
+def run(lab: Lab, d: Path, checks: str, mode: str, n: int) -> tuple[Any, dict[str, int]]:
+    policy = d / f"policy-{checks}.yaml"
+    policy.write_text(POLICY.format(name=NAME, checks=checks))
+    report = d / "report.json"
+    argv = [sys.executable, "-m", "egress.cli.main", "run", "--policy", str(policy),
+            "--uplink-netns", lab.uplink_netns, "--report", str(report), "--workdir",
+            str(d / "work"), "--", "/usr/bin/python3", "w.py", mode, str(n), NAME]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=d / "work", env=env,
+                          timeout=900)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"egressctl run ({checks}, {mode}) failed: {done.stderr[-2000:]}")
+    counters = json.loads(report.read_text())["counters"]
+    return json.loads(done.stdout.splitlines()[-1]), counters
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-n", type=int, default=400, help="connections per measurement")
+    ap.add_argument("--gigabytes", type=int, default=1, help="bulk transfer size (default 1)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench_firstbytes needs root (network namespaces, cgroups)", file=sys.stderr)
+        return 2
+    state = tempfile.mkdtemp(prefix="egress-bench-state-")
+    os.environ["EGRESS_STATE_DIR"] = state
+    d = Path(tempfile.mkdtemp(prefix="egress-bench-fb-"))
+    lab = Lab.up(name=f"eglb{secrets.token_hex(2)}")
+    try:
+        d.chmod(0o755)
+        (d / "work").mkdir(mode=0o777)
+        (d / "work").chmod(0o777)
+        (d / "work" / "w.py").write_text(WORKLOAD)
+        (d / "work" / "w.py").chmod(0o644)
+        ttfb, packets = {}, {}
+        for checks in ("false", "true"):  # off first: the lab's caches are warm for both
+            ttfb[checks], _ = run(lab, d, checks, "ttfb", args.n)
+            _, counters = run(lab, d, checks, "sizes", args.n)
+            packets[checks] = counters
+        print(f"time to first byte, {args.n} new connections each, HTTP/1.1 on port 80 (ms):")
+        for checks, label in (("false", "check off"), ("true", "check on")):
+            xs = [x * 1000 for x in ttfb[checks]]
+            print(f"  {label:<10} p50 {pct(xs, 0.5):6.3f}  p99 {pct(xs, 0.99):6.3f}  "
+                  f"max {max(xs):6.3f}")  # fmt: skip
+        on, off = ([x * 1000 for x in ttfb[k]] for k in ("true", "false"))
+        print(f"  added      p50 {pct(on, 0.5) - pct(off, 0.5):6.3f}  "
+              f"p99 {pct(on, 0.99) - pct(off, 0.99):6.3f}   (bound: 0.2 and 1 ms)")  # fmt: skip
+        c = packets["true"]
+        flows = 2 * args.n
+        print(f"packets handed to the inline layer: {c['first_bytes_packets']} for {flows} flows "
+              f"({c['first_bytes_packets'] / flows:.2f} per flow; {args.n} of 1 KB, "
+              f"{args.n} of 1 MB); passed {c['flows_passed']}, refused {c['flows_refused']}; "
+              f"with the check off: {packets['false'].get('first_bytes_packets', 0)}")  # fmt: skip
+        rates = {}
+        for checks in ("false", "true", "false", "true"):
+            (total, seconds), _ = run(lab, d, checks, "bulk", 10 * args.gigabytes)
+            rates.setdefault(checks, []).append(total / seconds / 1e6)
+        print(f"throughput, {args.gigabytes} GB in 100 MB downloads (MB/s, two runs each):")
+        for checks, label in (("false", "check off"), ("true", "check on")):
+            print(f"  {label:<10} " + "  ".join(f"{r:7.1f}" for r in rates[checks]))
+        ratio = statistics.mean(rates["true"]) / statistics.mean(rates["false"])
+        print(f"  on/off     {ratio:.3f}")
+    finally:
+        lab.down()
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

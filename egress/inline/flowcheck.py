@@ -1,0 +1,161 @@
+"""Layer 1's check of a new flow's first bytes: NFQUEUE in, a verdict per held segment.
+
+The sandbox's ruleset marks a checked flow's first segments with data, iptables-nft's
+NFQUEUE rule hands them here (``kernel.queue_rule``) and the kernel holds each until it
+has a verdict. ``resolver.firstrequest`` puts the flow's first request together and
+judges it against the resolver core's own bindings (the names whose answers put the
+address into this sandbox's sets); this shell performs what it decides:
+
+- passed: each held segment is released with CHECKED_MARK, which sets the flow's
+  conntrack mark to CT_CHECKED, so every later packet of it stays in the kernel;
+- refused: a ``name_mismatch`` goes to the Session (journal, then freeze by default).
+  A flow that freezes the sandbox has its segments dropped: the process stays inside
+  its write or read with its socket open, where attribution finds it. Otherwise, and for
+  every later segment of a refused flow (after a resume), REFUSED_MARK answers the
+  segment with a TCP reset: the client fails at once, and no byte reaches the server;
+- audit mode, or ``name_mismatch: log``: journaled, then released as if it passed;
+- a segment with no data ahead of the flow's first request: released unmarked (the
+  chain's usual rules take it; it carries nothing to read).
+
+If this process dies, the queue has no listener and the kernel drops what it would
+queue: new checked flows fail closed until a layer serves the queue again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import sys
+import time
+from collections.abc import Callable
+
+from egress.datapath import constants as c
+from egress.errors import EgressError
+from egress.inline.server import ResolverServer
+from egress.kernel.nfqueue import NfqueueListener, QueuedPacket
+from egress.model import Action, Flow, Mode, Violation, ViolationClass
+from egress.resolver.firstrequest import Decision, FirstRequests, Segment
+from egress.resolver.flows import flow_violation
+
+EXPIRE_EVERY_S = 0.5  # how often a flow still waiting for its first request is timed
+
+
+class FlowCheck:
+    def __init__(
+        self,
+        netns: str | None,
+        resolver: ResolverServer,
+        on_violation: Callable[[Violation], None],
+        listener: NfqueueListener | None = None,
+    ) -> None:
+        self.resolver = resolver  # its core's bindings, matcher and policy, read per packet
+        self.on_violation = on_violation
+        # A listener handed over by a previous egressd is already bound to the queue.
+        self.listener = listener or NfqueueListener.open(netns, c.FIRST_BYTES_QUEUE)
+        self.requests = FirstRequests()
+        self._held: dict[int, QueuedPacket] = {}  # packet id -> packet, until its verdict
+        self._timer: asyncio.TimerHandle | None = None
+        self.packets = 0  # segments the kernel handed over (the ruleset's queue)
+        self.passed = 0  # flows released after their first request was judged
+        self.refused = 0
+        self.errors = 0  # verdicts the kernel could not take (the socket is gone, ...)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.listener.fileno(), self.on_readable)
+        self._timer = loop.call_later(EXPIRE_EVERY_S, self._expire)
+
+    def on_readable(self) -> None:
+        try:
+            packets = self.listener.read_packets()
+        except EgressError as exc:
+            self._error(f"reading the queue: {exc}")
+            return
+        now = time.time()
+        core = self.resolver.core
+        self.packets += len(packets)
+        for pkt in packets:
+            seg = _segment(pkt)
+            if seg is None:  # not TCP as this reads it: nothing could be judged, so dropped
+                self._verdict(pkt.packet_id, accept=False)
+                continue
+            self._held[pkt.packet_id] = pkt
+            for decision in self.requests.feed(seg, core.bindings, core.matcher, now):
+                self._perform(decision, now)
+
+    def _expire(self) -> None:
+        now = time.time()
+        for decision in self.requests.expire(now):
+            self._perform(decision, now)
+        self._timer = asyncio.get_running_loop().call_later(EXPIRE_EVERY_S, self._expire)
+
+    def _perform(self, d: Decision, now: float) -> None:
+        packets = [self._held.pop(i) for i in d.packet_ids if i in self._held]
+        policy = self.resolver.core.policy
+        action = policy.action(ViolationClass.NAME_MISMATCH)
+        release = d.accept or policy.mode is Mode.AUDIT or action is Action.LOG
+        mark: int | None = c.CHECKED_MARK
+        if d.verdict is None and self.requests.decided(d.key) is None:
+            mark = 0  # no data ahead of the first request: nothing decided yet
+        elif d.verdict is not None and not d.verdict.allowed:
+            self.refused += 1
+            first = packets[0] if packets else None
+            src, sport, dst, dport = d.key
+            v = flow_violation(
+                d.verdict, policy, self.resolver.core.matcher, Flow("tcp", src, dst, sport, dport),
+                first.uid if first else None, now, "inline",
+            )  # fmt: skip
+            self.on_violation(v)
+            if not release and action is Action.FREEZE:
+                mark = None  # dropped: the process is frozen inside its write or read
+        elif d.verdict is not None:
+            self.passed += 1
+        if not release and mark is not None:
+            mark = c.REFUSED_MARK
+        for pkt in packets:
+            self._verdict(pkt.packet_id, accept=mark is not None, mark=mark)
+
+    def _verdict(self, packet_id: int, accept: bool, mark: int | None = None) -> None:
+        try:
+            self.listener.verdict(packet_id, accept, mark=mark if accept else None)
+        except EgressError as exc:
+            self._error(str(exc))
+
+    def _error(self, what: str) -> None:
+        self.errors += 1
+        print(f"egress inline: first-bytes queue: {what}", file=sys.stderr)
+
+    def stop_reading(self) -> None:
+        """A successor reads the queue now (egressd's handoff): take nothing more from it.
+        Segments this layer holds still get their verdicts as their flows complete."""
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            asyncio.get_running_loop().remove_reader(self.listener.fileno())
+
+    def close(self, handed_over: bool = False) -> None:
+        """Stop; held segments are dropped by the kernel as the socket closes (fail
+        closed). With ``handed_over`` a successor serves the queue: keep it bound."""
+        if self._timer is not None:
+            self._timer.cancel()
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            asyncio.get_running_loop().remove_reader(self.listener.fileno())
+        if handed_over:
+            # The successor shares the queue: the segments held here would wait there for
+            # a verdict nobody gives. Dropped, their clients send them again, and the
+            # successor judges the flow from its first segment.
+            for packet_id in list(self._held):
+                self._verdict(packet_id, accept=False)
+            self._held.clear()
+            self.listener.release()
+        else:
+            self.listener.close()
+
+
+def _segment(pkt: QueuedPacket) -> Segment | None:
+    p = pkt.packet
+    if p is None or p.proto != "tcp" or p.fragment or p.seq is None or p.dport is None:
+        return None
+    if p.sport is None:
+        return None
+    return Segment(pkt.packet_id, (p.src, p.sport, p.dst, p.dport), ipaddress.ip_address(p.dst),
+                   p.dport, p.seq, p.payload)  # fmt: skip

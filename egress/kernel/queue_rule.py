@@ -1,0 +1,72 @@
+"""The one iptables-nft rule a sandbox netns needs: NFQUEUE for what nft marked.
+
+nft's own ``queue`` statement needs nft_queue (CONFIG_NFT_QUEUE), which many kernels,
+this project's test VMs among them, are built without; iptables-nft's ``-j NFQUEUE``
+goes through nft_compat and the xt target instead. So the sandbox's nft table marks the
+segments to hold (``datapath.render``'s ``first_bytes`` chain) and this rule, in
+iptables-nft's ``mangle`` OUTPUT chain (priority -150), queues them. The table is
+iptables-nft's own (``table ip mangle``, ``table ip6 mangle``): the sandbox's atomic nft
+loads never touch it, and removing the netns removes it.
+
+Without this rule nothing is let through unchecked: a marked segment that is not queued
+meets a drop in the sandbox's output chain.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+from egress.errors import SandboxError
+from egress.kernel.netns import in_netns
+
+TOOLS = {4: "iptables-nft", 6: "ip6tables-nft"}
+TIMEOUT_S = 30.0
+
+
+def install(netns: str | None, rule: Sequence[str], check: bool = False) -> None:
+    """Append ``rule`` to mangle OUTPUT for IPv4 and IPv6 in ``netns``. With ``check``
+    (a netns egress did not make: a container's), only where it is not there yet."""
+    for family in (4, 6):
+        if check and _present(netns, family, rule):
+            continue
+        _run(netns, family, "-A", rule)
+
+
+def remove(netns: str | None, rule: Sequence[str]) -> None:
+    """Delete every copy of ``rule`` from ``netns`` (a netns egress leaves behind)."""
+    for family in (4, 6):
+        while _present(netns, family, rule):
+            _run(netns, family, "-D", rule)
+
+
+def present(netns: str | None, rule: Sequence[str]) -> bool:
+    """The rule is there for both IPv4 and IPv6."""
+    return all(_present(netns, family, rule) for family in (4, 6))
+
+
+def _present(netns: str | None, family: int, rule: Sequence[str]) -> bool:
+    if shutil.which(TOOLS[family]) is None:
+        return False  # no iptables-nft, so nobody put the rule there through it
+    return _run(netns, family, "-C", rule, quiet=True) == 0
+
+
+def _run(netns: str | None, family: int, op: str, rule: Sequence[str], quiet: bool = False) -> int:
+    tool = shutil.which(TOOLS[family])
+    if tool is None:
+        raise SandboxError(
+            f"{TOOLS[family]} not found: name checks (connect.check_names) queue a flow's "
+            "first bytes with its NFQUEUE target; install the iptables package, or set "
+            "connect.check_names: false"
+        )
+    argv = [tool, "-w", "5", "-t", "mangle", op, "OUTPUT", *rule]
+    with in_netns(netns):  # the child inherits the thread's netns
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxError(f"{TOOLS[family]} {op}: {exc}") from exc
+    if done.returncode != 0 and not quiet:
+        why = done.stderr.strip() or f"exit {done.returncode}"
+        raise SandboxError(f"{TOOLS[family]} -t mangle {op} OUTPUT in netns {netns}: {why}")
+    return done.returncode

@@ -1,0 +1,119 @@
+"""The observer's own check of a flow's first bytes, from its own copies.
+
+The sandbox's ruleset copies to the observer's NFLOG group every answer the resolver
+releases (``egress dns answer``) and every segment it hands to the inline layer's queue
+(``egress first_bytes``). From the answers the observer keeps bindings of its own
+(``resolver.bindings.learn_answer``: the names each address was resolved for, until
+when), and it judges the segments with the same ``resolver.firstrequest`` and
+``resolver.flows`` the inline layer runs. A refused flow is its ``name_mismatch`` too:
+so if the inline layer let a mismatch through, or is gone, the observer still freezes.
+
+It trusts nothing the inline layer says. What it cannot know it does not judge: an
+address already in the sets when it started (egressd restarts an observer on a policy
+swap) was resolved for names whose answers it never saw, so ``not_resolved_here`` for
+such an address is left to the inline layer until the kernel's element expires.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import struct
+import time
+
+from egress.datapath import constants as c
+from egress.errors import EgressError
+from egress.kernel.nflog import NflogEvent
+from egress.kernel.nft import NftHandle
+from egress.model import Flow, IPAddress, Layer, Policy, Violation
+from egress.policy.matcher import Matcher
+from egress.resolver.bindings import Bindings, learn_answer
+from egress.resolver.firstrequest import Decision, FirstRequests, Segment
+from egress.resolver.flows import flow_violation
+
+# The copy of an answer is read a little after the kernel's element was made, and its
+# TTLs are whole seconds: bind a little longer than the inline layer does, never shorter.
+GRACE_S = 2.0
+
+
+class FlowWatch:
+    def __init__(self, policy: Policy, matcher: Matcher, nft: NftHandle | None) -> None:
+        self.policy = policy
+        self.matcher = matcher
+        self.bindings = Bindings()
+        self.requests = FirstRequests()
+        self._ids = itertools.count(1)  # NFLOG copies have no packet id: one per segment
+        self._uids: dict[tuple[str, int, str, int], int | None] = {}
+        self.unknown: dict[IPAddress, float] = _in_sets(nft) if nft is not None else {}
+
+    def on_event(self, event: NflogEvent) -> list[Violation]:
+        if event.prefix == c.ANSWER_LOG_PREFIX:
+            self._on_answer(event)
+            return []
+        if event.prefix == c.FIRST_BYTES_LOG_PREFIX:
+            return self._on_segment(event)
+        return []
+
+    def expire(self, now: float) -> list[Violation]:
+        if not len(self.requests):
+            return []
+        return self._violations(self.requests.expire(now), now)
+
+    def _on_answer(self, event: NflogEvent) -> None:
+        p = event.packet
+        if p is None:
+            return
+        data = p.payload
+        if p.proto == "tcp":  # one message per segment: the resolver writes each whole
+            if len(data) < 2 or struct.unpack_from("!H", data)[0] != len(data) - 2:
+                return
+            data = data[2:]
+        elif p.proto != "udp":
+            return
+        learn_answer(self.bindings, data, self.policy, self.matcher, event.timestamp, GRACE_S)
+
+    def _on_segment(self, event: NflogEvent) -> list[Violation]:
+        p = event.packet
+        if p is None or p.proto != "tcp" or p.seq is None or p.sport is None or p.dport is None:
+            return []
+        key = (p.src, p.sport, p.dst, p.dport)
+        self._uids.setdefault(key, event.uid)
+        dst = ipaddress.ip_address(p.dst)
+        seg = Segment(next(self._ids), key, dst, p.dport, p.seq, p.payload)
+        now = event.timestamp
+        return self._violations(self.requests.feed(seg, self.bindings, self.matcher, now), now)
+
+    def _violations(self, decisions: list[Decision], now: float) -> list[Violation]:
+        out = []
+        for d in decisions:
+            uid = self._uids.pop(d.key, None)
+            if d.verdict is None or d.verdict.allowed:
+                continue
+            dst = ipaddress.ip_address(d.key[2])
+            if d.verdict.reason == "not_resolved_here" and self.unknown.get(dst, 0.0) > now:
+                continue  # resolved before this observer started: the inline layer judges
+            src, sport, _, dport = d.key
+            flow = Flow("tcp", src, d.key[2], sport, dport)
+            out.append(flow_violation(d.verdict, self.policy, self.matcher, flow, uid, now,
+                                      Layer.OBSERVER))  # fmt: skip
+        if len(self._uids) > 4 * self.requests.max_flows:
+            self._uids.clear()  # flows that never completed a decision here
+        return out
+
+
+def _in_sets(nft: NftHandle) -> dict[IPAddress, float]:
+    """The addresses in the allow sets now, each until its last element expires."""
+    now, out = time.time(), dict[IPAddress, float]()
+    for set_name in c.ALLOW_SETS:
+        try:
+            elements = nft.list_set("inet", c.TABLE, set_name)
+        except EgressError:
+            continue
+        for e in elements:
+            try:
+                ip = ipaddress.ip_address(str(e["key"]).split(" . ")[0])
+            except ValueError:
+                continue
+            until = now + float(e.get("expires") or 0) + GRACE_S
+            out[ip] = max(out.get(ip, 0.0), until)
+    return out

@@ -1,0 +1,331 @@
+"""Issue 14: a connection is bound to the name that allowed its address.
+
+The lab answers allowed.lab.test and https.lab.test with the same address
+(203.0.113.10), and its port 443 presents one certificate for both. Real clients run
+inside `egressctl run` as the unprivileged workload: curl, openssl s_client and Python's
+ssl/urllib (git over HTTPS is test_real_tools.py's, whose policy now checks it too). Each
+test checks what reached the lab's web server (its access log, which records the SNI and
+Host of every request it answered), not only what egress reported.
+
+The attacks: resolve an allowed name, then ask its address for another name, over TLS
+(SNI) and plain HTTP (Host); ask for an allowed name this sandbox never resolved (another
+sandbox did); split the ClientHello over 2 and 3 segments; send the ECH extension; kill
+the inline layer and try again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from egress.lab import Lab
+from egress.store import claims
+from egress.store.journal import Journal
+from tests.support.sandboxes import cleanup
+from tests.support.tools import EGRESSCTL, ToolRun, run_tool, tool_dirs, tool_env
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+ADDRESS = "203.0.113.10"
+ALLOWED = "allowed.lab.test"
+OTHER = "https.lab.test"  # the same address, the same certificate (*.lab.test)
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: bound}}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [{names}]
+  connect: {{ports: [80, 443]}}
+  violations:
+    blocked_connect: freeze
+    denied_name: freeze
+    name_mismatch: {action}
+    layer_loss: {loss}
+"""
+
+
+def policy(names: str = ALLOWED, action: str = "freeze", loss: str = "freeze") -> str:
+    return POLICY.format(names=names, action=action, loss=loss)
+
+
+# The workload's Python: a ClientHello made by the ssl module (SNI as given), sent over a
+# plain socket in N pieces (TCP_NODELAY: each send is its own segment), optionally with
+# an extension added; prints what came back: "tls" (a server's handshake record),
+# "reset", "closed" or "timeout".
+HELLO = r"""
+import socket, ssl, struct, sys, time
+ip, sni, pieces = sys.argv[1], sys.argv[2], int(sys.argv[3])
+extra = bytes.fromhex(sys.argv[4]) if len(sys.argv) > 4 else b""
+ctx = ssl.create_default_context()
+inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+obj = ctx.wrap_bio(inc, out, server_hostname=sni)
+try:
+    obj.do_handshake()
+except ssl.SSLWantReadError:
+    pass
+hello = out.read()
+if extra:  # append one extension: fix the extensions', handshake's and record's lengths
+    body = bytearray(hello[9:])
+    pos = 2 + 32
+    pos += 1 + body[pos]
+    pos += 2 + struct.unpack_from("!H", body, pos)[0]
+    pos += 1 + body[pos]
+    ext_len = struct.unpack_from("!H", body, pos)[0]
+    struct.pack_into("!H", body, pos, ext_len + len(extra))
+    body += extra
+    hello = hello[:5] + b"\x01" + struct.pack("!I", len(body))[1:] + bytes(body)
+    hello = hello[:3] + struct.pack("!H", len(hello) - 5) + hello[5:]
+s = socket.create_connection((ip, 443), timeout=5)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+step = -(-len(hello) // pieces)
+for i in range(0, len(hello), step):
+    s.sendall(hello[i:i + step])
+    time.sleep(0.05)
+started = time.monotonic()
+try:
+    got = s.recv(5)
+    print("tls" if got[:1] == b"\x16" else "closed" if not got else "other %r" % got)
+except ConnectionResetError:
+    print("reset %.2f" % (time.monotonic() - started))
+except socket.timeout:
+    print("timeout")
+"""
+
+ECH = "fe0d" + "0004" + "00000000"  # encrypted_client_hello, 4 bytes of (bogus) body
+
+
+def files(lab: Lab) -> dict[str, str | Path]:
+    return {"ca.pem": lab.ca_file, "hello.py": _hello_file()}
+
+
+def _hello_file() -> Path:
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"egress-hello-{os.getpid()}.py"
+    if not path.exists():
+        path.write_text(HELLO)
+    return path
+
+
+def lab_saw(run: ToolRun) -> list[tuple[bool, str | None, str]]:
+    return [(r["tls"], r["sni"], r["host"]) for r in run.requests]
+
+
+def mismatches(run: ToolRun) -> list[dict[str, object]]:
+    return [v for v in run.violations() if v["class"] == "name_mismatch"]
+
+
+def test_allowed_names_pass_over_tls_and_plain_http(lab: Lab) -> None:
+    script = f"""set -eu
+curl -sS --max-time 10 --cacert ca.pem https://{ALLOWED}/
+curl -sS --max-time 10 http://{ALLOWED}/
+printf 'GET / HTTP/1.0\\r\\nHost: {OTHER}\\r\\n\\r\\n' \\
+    | openssl s_client -quiet -connect {OTHER}:443 -servername {OTHER} -CAfile ca.pem \\
+    -verify_return_error -verify_hostname {OTHER} 2>/dev/null | tail -1
+/usr/bin/python3 -c "import ssl, urllib.request as u
+ctx = ssl.create_default_context(cafile='ca.pem')
+print(u.urlopen('https://{OTHER}/', context=ctx, timeout=10).read().decode(), end='')"
+"""
+    with run_tool(lab, policy(f"{ALLOWED}, {OTHER}"), script, files=files(lab)) as run:
+        assert run.rc == 0 and run.violations() == [], run.explain()
+        assert (
+            run.stdout.splitlines()
+            == [f"lab {ADDRESS}:443", f"lab {ADDRESS}:80"] + [f"lab {ADDRESS}:443"] * 2
+        ), run.explain()
+        assert lab_saw(run) == [
+            (True, ALLOWED, ALLOWED), (False, None, ALLOWED), (True, OTHER, OTHER),
+            (True, OTHER, OTHER),
+        ], run.explain()  # fmt: skip
+
+
+# Each client resolves the allowed name first (so the address is in the sets), then asks
+# that address for the other name.
+CLIENTS = {
+    "curl-sni": f"curl -sS --max-time 10 --cacert ca.pem --resolve {OTHER}:443:{ADDRESS} "
+    f"https://{OTHER}/",
+    "curl-host": f"curl -sS --max-time 10 -H 'Host: {OTHER}' http://{ALLOWED}/",
+    "openssl": f"echo | openssl s_client -connect {ADDRESS}:443 -servername {OTHER} -CAfile ca.pem",
+    "python-ssl": f'/usr/bin/python3 -c "import socket, ssl\n'
+    f"ctx = ssl.create_default_context(cafile='ca.pem')\n"
+    f"s = socket.create_connection(('{ADDRESS}', 443))\n"
+    f"s = ctx.wrap_socket(s, server_hostname='{OTHER}')\n"
+    f'print(s.version())"',
+    "absolute-form": f"printf 'GET http://{OTHER}/ HTTP/1.1\\r\\nHost: {ALLOWED}\\r\\n\\r\\n' "
+    f'| /usr/bin/python3 -c "import socket, sys\n'
+    f"s = socket.create_connection(('{ADDRESS}', 80)); s.sendall(sys.stdin.buffer.read())\n"
+    f'print(s.recv(100))"',
+}
+REASONS = {
+    "curl-sni": "name_not_allowed",
+    "curl-host": "name_not_allowed",
+    "openssl": "name_not_allowed",
+    "python-ssl": "name_not_allowed",
+    "absolute-form": "host_conflict",
+}
+
+
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+def test_another_name_on_an_allowed_address_freezes_and_reaches_nothing(
+    lab: Lab, client: str
+) -> None:
+    script = f"curl -sS --max-time 10 --cacert ca.pem https://{ALLOWED}/\n{CLIENTS[client]}\n"
+    with run_tool(lab, policy(), script, files=files(lab)) as run:
+        assert run.rc == 137 and run.report["frozen"], run.explain()  # killed, unresumed
+        assert lab_saw(run) == [(True, ALLOWED, ALLOWED)], run.explain()
+        [v] = mismatches(run)
+        assert v["action"] == "freeze" and f"[{REASONS[client]}]" in str(v["detail"])
+        if REASONS[client] == "name_not_allowed":
+            assert v["qname"] == OTHER, run.explain()
+        assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}, run.explain()
+        process = v["process"]
+        assert isinstance(process, dict) and process.get("pid"), run.explain()
+        assert process.get("method") != "uid", run.explain()  # found by its socket
+        assert run.stdout.count("\n") == 1 or client != "curl-sni", run.explain()
+
+
+def test_block_answers_with_a_reset_at_once(lab: Lab) -> None:
+    script = f"""getent ahostsv4 {ALLOWED} >/dev/null
+/usr/bin/python3 hello.py {ADDRESS} {OTHER} 1
+curl -sS --max-time 10 -H 'Host: {OTHER}' http://{ALLOWED}/ || echo "curl exit $?"
+"""
+    with run_tool(lab, policy(action="block"), script, files=files(lab)) as run:
+        assert run.rc == 0 and not run.report["frozen"], run.explain()
+        first, second = run.stdout.splitlines()
+        assert first.startswith("reset ") and float(first.split()[1]) < 1.0, run.explain()
+        assert second == "curl exit 56", run.explain()  # "Connection reset by peer"
+        assert lab_saw(run) == [], run.explain()
+        assert [v["action"] for v in mismatches(run)] == ["block", "block"], run.explain()
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_a_client_hello_in_several_segments_is_judged_whole(lab: Lab, pieces: int) -> None:
+    script = f"""getent ahostsv4 {ALLOWED} >/dev/null
+/usr/bin/python3 hello.py {ADDRESS} {ALLOWED} {pieces}
+/usr/bin/python3 hello.py {ADDRESS} {OTHER} {pieces}
+"""
+    with run_tool(lab, policy(action="block"), script, files=files(lab)) as run:
+        allowed, other = run.stdout.splitlines()
+        assert allowed == "tls", run.explain()
+        assert other.startswith("reset"), run.explain()
+        [v] = mismatches(run)
+        assert v["qname"] == OTHER and "[name_not_allowed]" in str(v["detail"])
+
+
+def test_an_ech_client_hello_is_a_mismatch(lab: Lab) -> None:
+    script = f"""getent ahostsv4 {ALLOWED} >/dev/null
+/usr/bin/python3 hello.py {ADDRESS} {ALLOWED} 1
+/usr/bin/python3 hello.py {ADDRESS} {ALLOWED} 1 {ECH}
+"""
+    with run_tool(lab, policy(action="block"), script, files=files(lab)) as run:
+        assert run.stdout.splitlines() == ["tls", run.stdout.splitlines()[1]], run.explain()
+        assert run.stdout.splitlines()[1].startswith("reset"), run.explain()
+        [v] = mismatches(run)
+        assert "[ech]" in str(v["detail"]), run.explain()
+
+
+def test_an_allowed_name_another_sandbox_resolved_is_not_bound_here(lab: Lab) -> None:
+    both = policy(f"{ALLOWED}, {OTHER}", action="block")
+    first_script = f"getent ahostsv4 {OTHER} >/dev/null; echo ready; sleep 60"
+    with _background(lab, both, first_script) as (first, _):
+        assert first.stdout is not None and first.stdout.readline().strip().endswith("ready")
+        script = f"""getent ahostsv4 {ALLOWED} >/dev/null
+/usr/bin/python3 hello.py {ADDRESS} {ALLOWED} 1
+/usr/bin/python3 hello.py {ADDRESS} {OTHER} 1
+"""
+        with run_tool(lab, both, script, files=files(lab)) as run:
+            allowed, other = run.stdout.splitlines()
+            assert (allowed, other[:5]) == ("tls", "reset"), run.explain()
+            [v] = mismatches(run)
+            assert "[not_resolved_here]" in str(v["detail"]), run.explain()
+            assert f"resolved for {ALLOWED}" in str(v["detail"]), run.explain()
+
+
+def test_with_the_inline_layer_killed_flows_fail_closed_and_the_observer_freezes(
+    lab: Lab,
+) -> None:
+    script = f"""getent ahostsv4 {ALLOWED} >/dev/null
+echo ready
+while [ ! -e go ]; do sleep 0.05; done
+/usr/bin/python3 hello.py {ADDRESS} {ALLOWED} 1
+/usr/bin/python3 hello.py {ADDRESS} {OTHER} 1
+echo done
+"""
+    with _background(lab, policy(loss="log"), script, with_files=True) as (run, work):
+        assert run.stdout is not None and run.stdout.readline().strip() == "ready"
+        sandbox = _sandbox_of(run.pid)
+        lab.clear_requests()
+        os.kill(run.pid, signal.SIGKILL)  # egressctl run: the inline layer and its queue
+        run.wait()
+        (work / "go").touch()
+        assert run.stdout.readline().strip() == "timeout"  # the allowed name: fail closed
+        v = _wait_for_mismatch(sandbox)
+        assert [d["layer"] for d in v["detected_by"]] == ["observer"]
+        assert v["evidence"]["qname"] == OTHER
+        assert lab.requests() == []
+
+
+@contextmanager
+def _background(
+    lab: Lab, text: str, script: str, with_files: bool = False
+) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """`egressctl run` of ``script`` left running; stopped and cleaned up after."""
+    with tool_dirs() as (outside, work):
+        (outside / "policy.yaml").write_text(text)
+        if with_files:
+            for name, source in files(lab).items():
+                (work / name).write_bytes(Path(source).read_bytes())
+        argv = [*EGRESSCTL, "run", "--policy", str(outside / "policy.yaml"),
+                "--uplink-netns", lab.uplink_netns, "--", "/bin/sh", "-c", script]  # fmt: skip
+        proc = subprocess.Popen(argv, cwd=work, env=tool_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+        sandbox = ""
+        try:
+            sandbox = _wait_for_sandbox(proc.pid)
+            yield proc, work
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+            if sandbox:
+                cleanup(sandbox)
+
+
+def _sandbox_of(pid: int) -> str:
+    [sandbox] = [c.id for c in claims.load_all() if c.owner_pid == pid]
+    return sandbox
+
+
+def _wait_for_sandbox(pid: int, timeout: float = 30.0) -> str:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = [c.id for c in claims.load_all() if c.owner_pid == pid]
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    return ""
+
+
+def _wait_for_mismatch(sandbox: str, timeout: float = 20.0) -> dict[str, object]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with Journal.open(os.environ["EGRESS_STATE_DIR"]) as j:
+            found = [v for v in j.violations(sandbox) if v["class"] == "name_mismatch"]
+            frozen = j.freezes(sandbox)
+        if found and frozen and frozen[0].get("confirmed_at"):
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no confirmed name_mismatch freeze of {sandbox} in {timeout} s")

@@ -1,0 +1,128 @@
+"""The observer judges a flow's first bytes from its own copies, as the inline layer does
+(observer.flows; issue 14, item 2): the answers the resolver released bind its names, and
+the segments the kernel queued get the same verdict and the same violation."""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+
+from dnslib import CNAME, QTYPE, RR, A
+from test_resolver_bindings import hello
+from test_resolver_core import core, query, upstream_answer
+
+from egress.datapath import constants as c
+from egress.datapath.packet import Packet
+from egress.kernel.nflog import NflogEvent
+from egress.model import Flow, Layer
+from egress.observer.flows import GRACE_S, FlowWatch
+from egress.resolver.actions import AllowThenReply, Reply
+from egress.resolver.core import ResolverCore
+from egress.resolver.firstrequest import FirstRequests, Segment
+from egress.resolver.flows import flow_violation
+
+SRC, DST, SPORT = "10.7.0.2", "203.0.113.10", 40000
+
+
+def released(core_: ResolverCore, name: str, *records: RR, now: float = 0.0) -> bytes:
+    """The answer the inline core releases for ``name`` once the kernel acked it."""
+    [fwd] = core_.on_query(query(name), "c", False, now)
+    [act] = core_.on_upstream_reply(fwd.token, upstream_answer(fwd, *records), now)
+    assert isinstance(act, AllowThenReply)
+    [reply] = core_.on_allowed(act.token, len(act.adds), now)
+    assert isinstance(reply, Reply)
+    return reply.data
+
+
+def answer_event(data: bytes, at: float, tcp: bool = False) -> NflogEvent:
+    proto, payload = ("tcp", struct.pack("!H", len(data)) + data) if tcp else ("udp", data)
+    p = Packet(4, proto, c.RESOLVER4, SRC, sport=53, dport=5353, payload=payload, seq=1)
+    return NflogEvent(c.OBSERVER_GROUP, c.ANSWER_LOG_PREFIX, b"", None, None, 4, 0x0800, at,
+                      p.flow(), p)  # fmt: skip
+
+
+def segment_event(data: bytes, at: float, sport: int = SPORT, seq: int = 1000) -> NflogEvent:
+    p = Packet(4, "tcp", SRC, DST, sport=sport, dport=443, tcp_flags=0x18, payload=data, seq=seq)
+    return NflogEvent(c.OBSERVER_GROUP, c.FIRST_BYTES_LOG_PREFIX, b"", 1234, 1234, 4, 0x0800,
+                      at, p.flow(), p)  # fmt: skip
+
+
+def inline_violations(core_: ResolverCore, data: bytes, at: float, sport: int = SPORT) -> list:
+    """What the inline layer's FlowCheck reports for the same bytes: FirstRequests fed
+    with the core's own bindings, each refusal made a violation."""
+    fr, out = FirstRequests(), []
+    seg = Segment(1, (SRC, sport, DST, 443), ipaddress.ip_address(DST), 443, 1000, data)
+    for d in fr.feed(seg, core_.bindings, core_.matcher, at):
+        if d.verdict is not None and not d.verdict.allowed:
+            flow = Flow("tcp", SRC, DST, sport, 443)
+            out.append(flow_violation(d.verdict, core_.policy, core_.matcher, flow, 1234, at,
+                                      Layer.INLINE))  # fmt: skip
+    return out
+
+
+def test_both_layers_say_the_same_of_each_flow() -> None:
+    inline = core()
+    rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    assert watch.on_event(answer_event(released(inline, "allowed.test", rr), 0.1)) == []
+    for i, name in enumerate(["allowed.test", "denied.test", "api.test", "192.0.2.1"]):
+        data = hello(name) if not name[0].isdigit() else b"GET / HTTP/1.1\r\nHost: 1.2.3.4\r\n\r\n"
+        theirs = inline_violations(inline, data, 1.0, SPORT + i)
+        ours = watch.on_event(segment_event(data, 1.0, SPORT + i))
+        assert [v.to_json() | {"layer": "inline"} for v in ours] == [v.to_json() for v in theirs]
+        assert len(ours) == (0 if name == "allowed.test" else 1), name
+    # Bound from the copy's time for the TTL, plus the grace: never shorter than inline.
+    until = 0.1 + 60 + GRACE_S
+    assert watch.on_event(segment_event(hello("allowed.test"), until - 0.01, 50000)) == []
+    [late] = watch.on_event(segment_event(hello("allowed.test"), until + 0.01, 50001))
+    assert "[not_resolved_here]" in late.detail and late.layer == Layer.OBSERVER
+
+
+def test_a_cname_chain_and_an_answer_over_tcp_bind_every_name_on_it() -> None:
+    inline = core()
+    records = (
+        RR("alias.test", QTYPE.CNAME, rdata=CNAME("allowed.test"), ttl=60),
+        RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60),
+    )
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    watch.on_event(answer_event(released(inline, "alias.test", *records), 0.1, tcp=True))
+    assert watch.bindings.names(ipaddress.ip_address(DST), 1.0) == ("alias.test", "allowed.test")
+
+
+def test_a_copy_that_does_not_parse_binds_nothing() -> None:
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
+    data = released(inline, "allowed.test", rr)
+    for bad in (data[:20], b"\x00" * 3, data[:-2], b""):
+        watch.on_event(answer_event(bad, 0.1))
+    tcp = answer_event(data, 0.1, tcp=True)  # a TCP copy whose length prefix is wrong
+    assert tcp.packet is not None
+    watch.on_event(answer_event(b"", 0.1, tcp=True))
+    short = Packet(4, "tcp", c.RESOLVER4, SRC, sport=53, dport=5353, seq=1,
+                   payload=struct.pack("!H", len(data) + 1) + data)  # fmt: skip
+    watch.on_event(NflogEvent(c.OBSERVER_GROUP, c.ANSWER_LOG_PREFIX, b"", None, None, 4, 0x0800,
+                              0.1, short.flow(), short))  # fmt: skip
+    assert watch.bindings.names(ipaddress.ip_address(DST), 1.0) == ()
+    [v] = watch.on_event(segment_event(hello("allowed.test"), 1.0))
+    assert "[not_resolved_here]" in v.detail
+
+
+def test_an_address_in_the_sets_before_the_observer_started_is_left_to_the_inline_layer() -> None:
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    watch.unknown[ipaddress.ip_address(DST)] = 30.0  # what _in_sets found at start
+    assert watch.on_event(segment_event(hello("allowed.test"), 1.0)) == []
+    [denied] = watch.on_event(segment_event(hello("denied.test"), 1.0, SPORT + 1))
+    assert "[name_not_allowed]" in denied.detail  # what it can judge, it judges
+    [late] = watch.on_event(segment_event(hello("allowed.test"), 31.0, SPORT + 2))
+    assert "[not_resolved_here]" in late.detail
+
+
+def test_a_first_request_that_never_completes_is_refused_by_the_timer() -> None:
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    assert watch.on_event(segment_event(hello("allowed.test")[:100], 1.0)) == []
+    assert watch.expire(2.0) == []
+    [v] = watch.expire(1.0 + watch.requests.timeout_s)
+    assert "[incomplete]" in v.detail and v.uid == 1234

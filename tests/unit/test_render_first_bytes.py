@@ -1,0 +1,70 @@
+"""The first-bytes rules in a sandbox's ruleset (datapath.render; issue 14, item 2).
+
+What nft -c cannot say: that a checked flow's segments are marked for the queue only
+while unread, that the verdict rules come before ``ct state established`` (which would
+accept a held segment whatever it carries), and that no check means no mark at all."""
+
+from __future__ import annotations
+
+from egress.datapath import constants as c
+from egress.datapath.render import queue_rule, render_sandbox
+from egress.policy import parse_policy
+from egress.store.paths import read_template
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {{name: t}}
+spec:
+  dns: {{allow: [a.test]}}
+  connect: {{ports: [443, 8443], check_names: {checks}}}
+"""
+
+
+def ruleset(checks: str) -> str:
+    policy, _ = parse_policy(POLICY.format(checks=checks), "t.yaml")
+    return render_sandbox(read_template("sandbox.nft"), policy)
+
+
+def chain(text: str, name: str) -> list[str]:
+    body = text.split(f"\tchain {name} {{\n", 1)[1].split("\n\t}", 1)[0]
+    return [
+        line.strip()
+        for line in body.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+
+
+def test_checked_flows_are_marked_when_new_and_queued_until_judged() -> None:
+    text = ruleset("[443]")
+    assert "define CHECK_PORTS = { 443 }" in text
+    out = chain(text, "output")
+    established = out.index("ct state established,related accept")
+    verdicts = [i for i, r in enumerate(out) if r.startswith("meta mark $")]
+    assert len(verdicts) == 3 and max(verdicts) < established
+    assert out[verdicts[0]].endswith("counter name dropped drop")  # never queued: dropped
+    needs = [r for r in out if "ct mark set $CT_NEEDS_CHECK" in r]
+    assert [r.split()[0] for r in needs] == ["ip", "ip6"]
+    assert all("tcp dport $CHECK_PORTS" in r for r in needs)
+    assert out.index(needs[0]) < out.index("ip daddr . meta l4proto . th dport @allow4 accept")
+    fb = chain(text, "first_bytes")
+    assert fb[0].startswith("type filter hook output priority mangle - 10")
+    assert fb[2] == "tcp flags & syn == 0 ct mark != $CT_NEEDS_CHECK accept"
+    assert sum(r.endswith("accept") and "doff" in r for r in fb) == 22  # no data: no queue
+    assert fb[-1].endswith("meta mark set $QUEUE_MARK") and c.FIRST_BYTES_LOG_PREFIX in fb[-1]
+    assert any(c.ANSWER_LOG_PREFIX in r for r in out)
+
+
+def test_no_checks_no_mark_and_an_empty_chain() -> None:
+    text = ruleset("false")
+    assert "QUEUE_MARK" not in text and "CT_NEEDS_CHECK" not in text
+    assert chain(text, "first_bytes") == [
+        "type filter hook output priority mangle - 10; policy accept;"
+    ]
+
+
+def test_the_queue_rule_has_no_bypass() -> None:
+    rule = queue_rule()
+    assert "--queue-bypass" not in rule and "--fail-open" not in rule
+    assert rule[rule.index("--mark") + 1] == hex(c.QUEUE_MARK)
+    assert rule[rule.index("--queue-num") + 1] == str(c.FIRST_BYTES_QUEUE)
