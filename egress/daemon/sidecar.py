@@ -290,7 +290,7 @@ async def _serve(
     except BaseException:
         await wiring.stop(session, None)
         if cfg.remove_on_exit or how == "loaded":  # nothing of ours stays behind
-            sb.nft.delete_table("inet", c.TABLE)
+            _remove_rules(sb)
         with contextlib.suppress(EgressError):
             journal.set_sandbox_state(sb.id, SandboxState.EXITED)
         raise
@@ -312,11 +312,16 @@ def _leave(sb: sbx.Sandbox, journal: Journal, remove: bool) -> None:
         print(f"egressd sidecar: stopped serving {sb.id}; its rules stay in force "
               "(no DNS, no new flows)", file=sys.stderr)  # fmt: skip
         return
-    sb.nft.delete_table("inet", c.TABLE)
+    _remove_rules(sb)
     with contextlib.suppress(EgressError):
         journal.set_sandbox_state(sb.id, SandboxState.EXITED)
-    print(f"egressd sidecar: stopped serving {sb.id}; table inet {c.TABLE} removed",
-          file=sys.stderr)  # fmt: skip
+    print(f"egressd sidecar: stopped serving {sb.id}; table inet {c.TABLE} and its NFQUEUE "
+          "rule removed", file=sys.stderr)  # fmt: skip
+
+
+def _remove_rules(sb: sbx.Sandbox) -> None:
+    sb.nft.delete_table("inet", c.TABLE)
+    queue_rules.remove(None, queue_rule())
 
 
 def _stop_on_signals() -> asyncio.Event:

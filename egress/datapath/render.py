@@ -199,8 +199,10 @@ def _first_bytes_verdicts() -> str:
     """What the inline layer said of a queued segment: before ``ct state established``,
     which would accept it whatever it carries."""
     return (
-        "\n\t\t# A queued segment that reached this chain still marked for the queue was"
-        "\n\t\t# never queued (no NFQUEUE rule): dropped. The others carry the verdict."
+        "\n\t\t# Still marked for the queue: re-run by the inline layer (a probe) and its flow"
+        "\n\t\t# is checked by now, so the queue's rule let it by; or never queued (no NFQUEUE"
+        "\n\t\t# rule): dropped. The others carry the inline layer's verdict."
+        "\n\t\tmeta mark $QUEUE_MARK ct mark $CT_CHECKED accept"
         "\n\t\tmeta mark $QUEUE_MARK counter name dropped drop"
         "\n\t\tmeta mark $REFUSED_MARK reject with tcp reset"
         "\n\t\tmeta mark $CHECKED_MARK ct mark set $CT_CHECKED accept"
@@ -223,6 +225,9 @@ def queue_rule() -> tuple[str, ...]:
     ``--queue-bypass``: with no listener the kernel drops the segment (fail closed)."""
     return (
         "-m", "mark", "--mark", hex(c.QUEUE_MARK),
+        # Only flows conntrack still has unchecked: a segment re-run (NF_REPEAT) after its
+        # flow passed goes by, one of a new connection on the same ports is queued again.
+        "-m", "connmark", "--mark", hex(c.CT_NEEDS_CHECK),
         "-m", "comment", "--comment", c.FIRST_BYTES_LOG_PREFIX,
         "-j", "NFQUEUE", "--queue-num", str(c.FIRST_BYTES_QUEUE),
     )  # fmt: skip

@@ -7,6 +7,9 @@
         ─▶ AllowThenReply ─▶ sets.SetWriter (kernel.nft_sets, each add acked)
         ─▶ core.on_allowed ─▶ the reply, or SERVFAIL
     kernel NFLOG (inline group) ─▶ session.Session ─▶ Enforcer (journal, freeze)
+    kernel NFQUEUE (a checked flow's first segments) ─▶ flowcheck.FlowCheck
+        ─▶ egress.resolver.firstrequest against the core's bindings ─▶ pass (CHECKED)
+           or name_mismatch ─▶ session.Session ─▶ Enforcer; dropped or reset
     tcp_front.py  the resolver's TCP side: capped accepts, framed queries
     swap.py       a live policy swap (rules, learned elements, core) in one transaction
     wiring.py     the one wiring `egressctl run`, egressd and the sidecar all use

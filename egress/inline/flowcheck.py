@@ -15,7 +15,10 @@ address into this sandbox's sets); this shell performs what it decides:
   segment with a TCP reset: the client fails at once, and no byte reaches the server;
 - audit mode, or ``name_mismatch: log``: journaled, then released as if it passed;
 - a segment with no data ahead of the flow's first request: released unmarked (the
-  chain's usual rules take it; it carries nothing to read).
+  chain's usual rules take it; it carries nothing to read);
+- a segment that may continue a passed flow (``Decision.probe``): re-run through the
+  queue's rule (NF_REPEAT), which queues only flows conntrack has unchecked. If it comes
+  back it is a new connection's from the same port: judged afresh.
 
 If this process dies, the queue has no listener and the kernel drops what it would
 queue: new checked flows fail closed until a layer serves the queue again.
@@ -28,6 +31,7 @@ import contextlib
 import ipaddress
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from egress.datapath import constants as c
@@ -35,10 +39,11 @@ from egress.errors import EgressError
 from egress.inline.server import ResolverServer
 from egress.kernel.nfqueue import NfqueueListener, QueuedPacket
 from egress.model import Action, Flow, Mode, Violation, ViolationClass
-from egress.resolver.firstrequest import Decision, FirstRequests, Segment
+from egress.resolver.firstrequest import Decision, FirstRequests, FlowKey, Segment
 from egress.resolver.flows import flow_violation
 
 EXPIRE_EVERY_S = 0.5  # how often a flow still waiting for its first request is timed
+MAX_PROBED = 1024  # segments re-run to ask conntrack whose they are, remembered
 
 
 class FlowCheck:
@@ -55,6 +60,7 @@ class FlowCheck:
         self.listener = listener or NfqueueListener.open(netns, c.FIRST_BYTES_QUEUE)
         self.requests = FirstRequests()
         self._held: dict[int, QueuedPacket] = {}  # packet id -> packet, until its verdict
+        self._probed: OrderedDict[tuple[FlowKey, int], None] = OrderedDict()  # (flow, seq)
         self._timer: asyncio.TimerHandle | None = None
         self.packets = 0  # segments the kernel handed over (the ruleset's queue)
         self.passed = 0  # flows released after their first request was judged
@@ -81,6 +87,8 @@ class FlowCheck:
                 self._verdict(pkt.packet_id, accept=False)
                 continue
             self._held[pkt.packet_id] = pkt
+            if self._probed.pop((seg.key, seg.seq), 0) is None:  # it came back: a new flow
+                self.requests.forget(seg.key)
             for decision in self.requests.feed(seg, core.bindings, core.matcher, now):
                 self._perform(decision, now)
 
@@ -92,6 +100,10 @@ class FlowCheck:
 
     def _perform(self, d: Decision, now: float) -> None:
         packets = [self._held.pop(i) for i in d.packet_ids if i in self._held]
+        if d.probe:
+            for pkt in packets:
+                self._probe(d.key, pkt)
+            return
         policy = self.resolver.core.policy
         action = policy.action(ViolationClass.NAME_MISMATCH)
         release = d.accept or policy.mode is Mode.AUDIT or action is Action.LOG
@@ -115,6 +127,19 @@ class FlowCheck:
             mark = c.REFUSED_MARK
         for pkt in packets:
             self._verdict(pkt.packet_id, accept=mark is not None, mark=mark)
+
+    def _probe(self, key: FlowKey, pkt: QueuedPacket) -> None:
+        seq = pkt.packet.seq if pkt.packet is not None else None
+        if seq is None:
+            self._verdict(pkt.packet_id, accept=False)
+            return
+        self._probed[(key, seq)] = None
+        while len(self._probed) > MAX_PROBED:
+            self._probed.popitem(last=False)
+        try:
+            self.listener.verdict(pkt.packet_id, True, repeat=True)
+        except EgressError as exc:
+            self._error(str(exc))
 
     def _verdict(self, packet_id: int, accept: bool, mark: int | None = None) -> None:
         try:

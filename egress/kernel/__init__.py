@@ -7,7 +7,8 @@ cgroupfs.
     nft_sets.py    the resolver's set-element adds/deletes as one raw nf_tables batch
     nfnetlink.py   a raw NETLINK_NETFILTER socket bound to one resource: what the next two share
     nflog.py       NFLOG listeners: the kernel's drop and DNS evidence, per namespace
-    nfqueue.py     NFQUEUE listeners: packets held until a verdict (not yet used by a layer)
+    nfqueue.py     NFQUEUE listeners: packets held until a verdict (a flow's first bytes)
+    queue_rule.py  the iptables-nft NFQUEUE rule a sandbox netns needs for them
     cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill
     idmap.py       idmapped bind mounts (open_tree, mount_setattr, move_mount)
     confine.py     the workload's seccomp filter (libseccomp) and Landlock domain

@@ -35,10 +35,33 @@ def install(netns: str | None, rule: Sequence[str], check: bool = False) -> None
 
 
 def remove(netns: str | None, rule: Sequence[str]) -> None:
-    """Delete every copy of ``rule`` from ``netns`` (a netns egress leaves behind)."""
+    """Delete every copy of ``rule`` from ``netns`` (a netns egress leaves behind), and
+    iptables-nft's mangle table if nothing else is left in it: installing made it."""
     for family in (4, 6):
         while _present(netns, family, rule):
             _run(netns, family, "-D", rule)
+        if shutil.which(TOOLS[family]) is not None and _empty(netns, family):
+            _nft(netns, ["delete", "table", "ip" if family == 4 else "ip6", "mangle"])
+
+
+def _empty(netns: str | None, family: int) -> bool:
+    """mangle has no rule and no chain of its own (``-S`` lists only the policies)."""
+    listing = _capture(netns, [TOOLS[family], "-w", "5", "-t", "mangle", "-S"])
+    return listing is not None and all(line.startswith("-P ") for line in listing.splitlines())
+
+
+def _nft(netns: str | None, args: list[str]) -> None:
+    if shutil.which("nft") is not None:
+        _capture(netns, ["nft", *args])
+
+
+def _capture(netns: str | None, argv: list[str]) -> str | None:
+    with in_netns(netns):
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return done.stdout if done.returncode == 0 else None
 
 
 def present(netns: str | None, rule: Sequence[str]) -> bool:

@@ -3,6 +3,8 @@
     kernel NFLOG (observer group: a copy of every DNS query and of every drop)
         ─▶ layer.Observer: egress.resolver.judge on each query, drop evidence, the drop
            counter, the inline layer's pidfd ─▶ its own Enforcer ─▶ journal, freeze
+    kernel NFLOG copies of the resolver's answers and of a checked flow's queued segments
+        ─▶ flows.FlowWatch: its own bindings, the same first-bytes judgment
     process.py     forks one Observer for `egressctl run`; if run dies, that Observer
                    removes the sandbox once nothing runs in it (`egressctl kill`)
     supervisor.py  `egressd observer`: one forked Observer per sandbox egressd serves

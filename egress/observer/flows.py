@@ -11,7 +11,10 @@ so if the inline layer let a mismatch through, or is gone, the observer still fr
 It trusts nothing the inline layer says. What it cannot know it does not judge: an
 address already in the sets when it started (egressd restarts an observer on a policy
 swap) was resolved for names whose answers it never saw, so ``not_resolved_here`` for
-such an address is left to the inline layer until the kernel's element expires.
+such an address is left to the inline layer until the kernel's element expires; and a
+segment on the ports of a flow that just passed is judged only if it is a whole first
+request naming a host (conntrack, which tells the inline layer whether it is the same
+connection, does not tell the observer).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import struct
 import time
 
 from egress.datapath import constants as c
+from egress.datapath.firstbytes import Outcome, judge
 from egress.errors import EgressError
 from egress.kernel.nflog import NflogEvent
 from egress.kernel.nft import NftHandle
@@ -81,7 +85,17 @@ class FlowWatch:
         dst = ipaddress.ip_address(p.dst)
         seg = Segment(next(self._ids), key, dst, p.dport, p.seq, p.payload)
         now = event.timestamp
-        return self._violations(self.requests.feed(seg, self.bindings, self.matcher, now), now)
+        decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
+        if any(d.probe for d in decisions):
+            # Late bytes of a flow that passed, or a new connection from the same port:
+            # the inline layer asks conntrack, this layer cannot. A segment that is a whole
+            # first request naming a host is judged as one (what a reconnect must send to
+            # reach another name); anything else is left as the passed flow's.
+            if judge(p.payload).outcome is not Outcome.NAME:
+                return []
+            self.requests.forget(key)
+            decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
+        return self._violations(decisions, now)
 
     def _violations(self, decisions: list[Decision], now: float) -> list[Violation]:
         out = []

@@ -13,10 +13,21 @@ the flow: a receiver's TCP stack picks one copy, and the check must read what it
 Bounded, and failing closed at each bound: a flow whose first request is not complete
 within ``max_segments`` segments (``HELD_FACTOR`` times as many packets held),
 ``max_bytes`` bytes or ``timeout_s`` seconds is refused (``incomplete``); beyond
-``max_flows`` flows waiting at once, the one waiting longest is refused. A decided
-flow's verdict is remembered for a while (``decided``), so that a retransmission of a
-segment it already judged gets the same answer instead of being judged as a new flow's
-first bytes.
+``max_flows`` flows waiting at once, the one waiting longest is refused.
+
+A decided flow's verdict is remembered, so that a segment of it still queued when the
+verdict came (a retransmission, a request body sent right after its headers) gets the
+same answer instead of being judged as a new flow's first bytes. But the four-tuple
+does not say "the same connection", and neither do sequence numbers: a client may
+connect again from the same port at once (the server closed first), and Linux's
+initial sequence number for the same four-tuple only grows with the clock (RFC 6528),
+so the new connection's bytes start just past the old ones. Only conntrack knows: the
+old connection's entry is marked checked, a new one's is not. So a segment that could
+continue a pass (within ``CONTINUE_BYTES`` of the judged bytes, within ``PASSED_S``) is
+a ``probe``: the shell re-runs it through the queue's chain (NF_REPEAT), whose rule
+queues only flows still unchecked in conntrack. A segment of the passed connection
+goes on; one of a new connection comes back, and ``forget`` makes it judged as what it
+is. A refusal is kept as it is: its retransmissions (after a resume) are refused again.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ TIMEOUT_S = 5.0
 MAX_FLOWS = 1024
 HELD_FACTOR = 4  # packets held per flow, retransmissions and bare ACKs too: 4 x segments
 DECIDED = 4096  # flows whose verdict a retransmission may still ask for
+CONTINUE_BYTES = 256 * 1024  # a decided flow's later segments: this far past its bytes
+PASSED_S = 2.0  # how long a pass is remembered
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +75,15 @@ class Decision:
     accept: bool
     key: FlowKey
     verdict: FlowVerdict | None = None
+    probe: bool = False  # re-run it through the queue's rule: conntrack says which flow
+
+
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    allowed: bool
+    start: int  # sequence number of the first judged byte
+    length: int  # bytes judged
+    at: float
 
 
 @dataclass
@@ -86,15 +108,20 @@ class FirstRequests:
         self.timeout_s = timeout_s
         self.max_flows = max_flows
         self._waiting: OrderedDict[FlowKey, _Waiting] = OrderedDict()
-        self._decided: OrderedDict[FlowKey, bool] = OrderedDict()
+        self._decided: OrderedDict[FlowKey, _Decided] = OrderedDict()
 
     def __len__(self) -> int:
         """Flows waiting for the rest of their first request."""
         return len(self._waiting)
 
+    def forget(self, key: FlowKey) -> None:
+        """A probed segment came back: it is a new connection's, so judge it afresh."""
+        self._decided.pop(key, None)
+
     def decided(self, key: FlowKey) -> bool | None:
         """The verdict on flow ``key`` (passed or not), None while it has none."""
-        return self._decided.get(key)
+        found = self._decided.get(key)
+        return None if found is None else found.allowed
 
     def feed(
         self, seg: Segment, bindings: Bindings, matcher: Matcher, now: float
@@ -102,14 +129,19 @@ class FirstRequests:
         """Hold ``seg``, or decide on it and what its flow holds."""
         decided = self._decided.get(seg.key)
         if decided is not None:
-            return [Decision((seg.packet_id,), decided, seg.key)]
+            if not decided.allowed:
+                return [Decision((seg.packet_id,), False, seg.key)]
+            if _continues(decided, seg, now):
+                return [Decision((seg.packet_id,), True, seg.key, probe=True)]
+            del self._decided[seg.key]  # another connection from the same port
+
         out = []
         flow = self._waiting.get(seg.key)
         if flow is None:
             if not seg.data:  # a bare ACK before any byte: it carries nothing
                 return [Decision((seg.packet_id,), True, seg.key)]
             if bindings.unchecked(seg.dst, seg.dport, now):  # its rule: check_names false
-                self._remember(seg.key, True)
+                self._remember(seg.key, True, seg.seq, len(seg.data), now)
                 where = endpoint(seg.dst, seg.dport)
                 verdict = FlowVerdict(True, None, "", f"a flow to {where}: not checked "
                                       "(a rule with check_names: false resolved it)")  # fmt: skip
@@ -139,7 +171,7 @@ class FirstRequests:
                                                  f"{len(flow.segments)} segments"))  # fmt: skip
             return out
         out.append(self._decide(seg.key, judge_flow(first, flow.dst, flow.dport, bindings,
-                                                    matcher, now)))  # fmt: skip
+                                                    matcher, now), now))  # fmt: skip
         return out
 
     def expire(self, now: float) -> list[Decision]:
@@ -172,15 +204,23 @@ class FirstRequests:
         detail = f"a flow to {endpoint(flow.dst, flow.dport)}: {why}"
         return self._decide(key, FlowVerdict(False, None, reason, detail))
 
-    def _decide(self, key: FlowKey, verdict: FlowVerdict) -> Decision:
+    def _decide(self, key: FlowKey, verdict: FlowVerdict, now: float | None = None) -> Decision:
         flow = self._waiting.pop(key)
-        self._remember(key, verdict.allowed)
+        start = min(flow.segments, default=0)
+        length = sum(len(s.data) for s in flow.segments.values())
+        self._remember(key, verdict.allowed, start, length, flow.started if now is None else now)
         return Decision(tuple(flow.held), verdict.allowed, key, verdict)
 
-    def _remember(self, key: FlowKey, allowed: bool) -> None:
-        self._decided[key] = allowed
+    def _remember(self, key: FlowKey, allowed: bool, start: int, length: int, at: float) -> None:
+        self._decided[key] = _Decided(allowed, start, length, at)
         while len(self._decided) > DECIDED:
             self._decided.popitem(last=False)
+
+
+def _continues(d: _Decided, seg: Segment, now: float) -> bool:
+    """``seg`` may belong to the passed flow: within its bytes or just past them (sequence
+    numbers wrap at 2^32), soon after it. Anything else is judged as a new flow at once."""
+    return now - d.at <= PASSED_S and (seg.seq - d.start) % (1 << 32) < d.length + CONTINUE_BYTES
 
 
 def _agree(a: bytes, b: bytes) -> bool:

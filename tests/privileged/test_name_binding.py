@@ -146,6 +146,17 @@ print(u.urlopen('https://{OTHER}/', context=ctx, timeout=10).read().decode(), en
         ], run.explain()  # fmt: skip
 
 
+def test_a_rule_with_check_names_off_is_reached_unread(lab: Lab) -> None:
+    text = policy().replace(
+        f"allow: [{ALLOWED}]", f"allow: [{{name: {ALLOWED}, check_names: false}}]"
+    )
+    script = f"curl -sS --max-time 10 -H 'Host: {OTHER}' http://{ALLOWED}/\n"
+    with run_tool(lab, text, script) as run:
+        assert run.rc == 0 and run.violations() == [], run.explain()
+        assert lab_saw(run) == [(False, None, OTHER)], run.explain()
+        assert run.report["counters"]["flows_passed"] == 1, run.explain()
+
+
 # Each client resolves the allowed name first (so the address is in the sets), then asks
 # that address for the other name.
 CLIENTS = {
@@ -229,6 +240,43 @@ def test_an_ech_client_hello_is_a_mismatch(lab: Lab) -> None:
         assert run.stdout.splitlines()[1].startswith("reset"), run.explain()
         [v] = mismatches(run)
         assert "[ech]" in str(v["detail"]), run.explain()
+
+
+# Connect again from the same source port right after a pass (the server closes first,
+# so the port is free at once): the new connection must be judged, not given the pass.
+REUSE = r"""
+import socket, sys
+ip, allowed, other = sys.argv[1:4]
+def ask(host, port):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    s.connect((ip, 80))
+    s.sendall(b"GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host.encode())
+    try:
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        return ("ok" if got.startswith(b"HTTP/1.1 200") else "other"), s.getsockname()[1]
+    except ConnectionResetError:
+        return "reset", port
+    finally:
+        s.close()
+first, port = ask(allowed, 0)
+print(first, ask(other, port)[0], ask(other, port)[0])
+"""
+
+
+def test_a_new_connection_from_the_same_port_does_not_inherit_a_pass(lab: Lab) -> None:
+    script = f"""getent ahostsv4 {ALLOWED} >/dev/null
+/usr/bin/python3 -c '{REUSE}' {ADDRESS} {ALLOWED} {OTHER}
+"""
+    with run_tool(lab, policy(action="block"), script) as run:
+        assert run.stdout.split() == ["ok", "reset", "reset"], run.explain()
+        assert lab_saw(run) == [(False, None, ALLOWED)], run.explain()
+        [v] = mismatches(run)  # one flow (the same ports twice): one event, both layers
+        assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}, run.explain()
+        assert v["qname"] == OTHER and "[name_not_allowed]" in str(v["detail"])
 
 
 def test_an_allowed_name_another_sandbox_resolved_is_not_bound_here(lab: Lab) -> None:

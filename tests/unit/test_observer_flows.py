@@ -126,3 +126,16 @@ def test_a_first_request_that_never_completes_is_refused_by_the_timer() -> None:
     assert watch.expire(2.0) == []
     [v] = watch.expire(1.0 + watch.requests.timeout_s)
     assert "[incomplete]" in v.detail and v.uid == 1234
+
+
+def test_a_reconnect_from_the_same_port_is_judged_and_late_bytes_are_not() -> None:
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
+    watch.on_event(answer_event(released(inline, "allowed.test", rr), 0.1))
+    first = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    assert watch.on_event(segment_event(first, 1.0)) == []
+    assert watch.on_event(segment_event(b"x" * 500, 1.0, seq=1000 + len(first))) == []
+    again = b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n"
+    [v] = watch.on_event(segment_event(again, 1.1, seq=1000 + len(first) + 9000))
+    assert "[name_not_allowed]" in v.detail

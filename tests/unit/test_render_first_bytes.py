@@ -41,8 +41,9 @@ def test_checked_flows_are_marked_when_new_and_queued_until_judged() -> None:
     out = chain(text, "output")
     established = out.index("ct state established,related accept")
     verdicts = [i for i, r in enumerate(out) if r.startswith("meta mark $")]
-    assert len(verdicts) == 3 and max(verdicts) < established
-    assert out[verdicts[0]].endswith("counter name dropped drop")  # never queued: dropped
+    assert len(verdicts) == 4 and max(verdicts) < established
+    assert out[verdicts[0]] == "meta mark $QUEUE_MARK ct mark $CT_CHECKED accept"  # a probe
+    assert out[verdicts[1]].endswith("counter name dropped drop")  # never queued: dropped
     needs = [r for r in out if "ct mark set $CT_NEEDS_CHECK" in r]
     assert [r.split()[0] for r in needs] == ["ip", "ip6"]
     assert all("tcp dport $CHECK_PORTS" in r for r in needs)
@@ -67,4 +68,5 @@ def test_the_queue_rule_has_no_bypass() -> None:
     rule = queue_rule()
     assert "--queue-bypass" not in rule and "--fail-open" not in rule
     assert rule[rule.index("--mark") + 1] == hex(c.QUEUE_MARK)
+    assert rule[rule.index("connmark") + 2] == hex(c.CT_NEEDS_CHECK)  # unchecked flows only
     assert rule[rule.index("--queue-num") + 1] == str(c.FIRST_BYTES_QUEUE)

@@ -144,3 +144,50 @@ def test_a_complete_request_to_an_address_it_never_resolved_to_is_a_mismatch() -
     seg = Segment(1, ("10.7.0.2", 1, str(other), 443), other, 443, ISN, hello("allowed.test"))
     [d] = fr.feed(seg, bindings(), matcher(), 1.0)
     assert not d.accept and d.verdict is not None and d.verdict.reason == "not_resolved_here"
+
+
+def test_a_new_connection_from_the_same_port_is_judged_not_given_the_old_pass() -> None:
+    from egress.resolver.firstrequest import CONTINUE_BYTES, PASSED_S
+
+    fr = FirstRequests()
+    first = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    [d] = feed(fr, segments(first))
+    assert d.accept
+    # Sent before the verdict, or connected again from the same port at once (the server
+    # closed first; Linux's next sequence number for the same ports is just past the old
+    # one): which it is, only conntrack knows, so it is a probe for the shell to re-run.
+    again = b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n"
+    near = Segment(9, KEY, IP, 443, ISN + len(first) + 5000, again)
+    assert feed(fr, [near], now=1.5) == [Decision((9,), True, KEY, probe=True)]
+    fr.forget(KEY)  # it came back: a new connection's, judged as what it is
+    [d] = feed(fr, [near], now=1.5)
+    assert not d.accept and d.verdict and d.verdict.reason == "name_not_allowed"
+    # Far from the judged bytes, or long after: a new flow at once, no probe.
+    for seq, now in ((ISN + len(first) + CONTINUE_BYTES, 1.5), (ISN - 1, 1.5),
+                     (ISN + len(first), 1.0 + PASSED_S + 0.01)):  # fmt: skip
+        fr = FirstRequests()
+        feed(fr, segments(first))
+        [d] = feed(fr, [Segment(10, KEY, IP, 443, seq, again)], now=now)
+        assert not d.probe and not d.accept and d.verdict, (seq, now)
+
+
+def test_a_refused_flow_stays_refused_for_its_retransmissions() -> None:
+    fr = FirstRequests()
+    [d] = feed(fr, segments(hello("denied.test"), 100))
+    assert not d.accept
+    [again] = feed(fr, [segments(hello("denied.test"), 100)[0]], now=3600.0)
+    assert again == Decision((1,), False, KEY)  # no new verdict: no second violation
+
+
+def test_an_address_a_rule_with_check_names_off_resolved_is_reached_unread() -> None:
+    b = Bindings()
+    b.learn([IP], ["mirror.test"], WEB, 0.0, 60.0, checked=False)
+    fr = FirstRequests()
+    seg = Segment(1, KEY, IP, 443, ISN, b"\x00 no name in here at all")
+    [d] = fr.feed(seg, b, matcher(), 1.0)
+    assert d.accept and d.verdict is not None and "check_names: false" in d.verdict.detail
+    [again] = fr.feed(Segment(2, KEY, IP, 443, ISN, seg.data), b, matcher(), 1.5)
+    assert again.probe  # the pass is remembered like any other
+    assert not b.unchecked(IP, 22, 1.0)  # on its rule's ports only
+    [late] = FirstRequests().feed(Segment(3, KEY, IP, 443, ISN, seg.data), b, matcher(), 61.0)
+    assert not late.accept  # the answer's timeout passed: read, and refused
