@@ -32,9 +32,9 @@ def resolve(name: str) -> list[str]:
     return sorted({str(i[4][0]) for i in infos})
 
 
-def http_get(host: str) -> str:
-    with socket.create_connection((host, 80), timeout=3) as s:
-        s.sendall(b"GET / HTTP/1.0\r\nHost: demo\r\n\r\n")
+def http_get(address: str, name: str) -> str:
+    with socket.create_connection((address, 80), timeout=3) as s:
+        s.sendall(b"GET / HTTP/1.0\r\nHost: " + name.encode() + b"\r\n\r\n")
         data = b""
         while chunk := s.recv(4096):
             data += chunk
@@ -43,15 +43,17 @@ def http_get(host: str) -> str:
 
 def fetch(name: str) -> dict[str, Any]:
     addresses = resolve(name)
-    return {"addresses": addresses, "body": http_get(addresses[0])}
+    return {"addresses": addresses, "body": http_get(addresses[0], name)}
 
 
 def main() -> None:
     allowed, denied, rebind, direct = sys.argv[1:5]
     step("fetch-allowed", lambda: fetch(allowed))
+    # The allowed name's address, asked for another name: what a CDN would answer.
+    step("other-name", lambda: {"body": http_get(resolve(allowed)[0], denied)})
     step("resolve-denied", lambda: {"addresses": resolve(denied)})
     step("resolve-rebinding", lambda: {"addresses": resolve(rebind)})
-    step("connect-direct", lambda: {"body": http_get(direct)})
+    step("connect-direct", lambda: {"body": http_get(direct, direct)})
 
 
 if __name__ == "__main__":

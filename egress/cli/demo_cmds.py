@@ -36,6 +36,7 @@ spec:
     ports: [80]
   violations:
     blocked_connect: freeze          # the default, spelled out: stop everything, keep it
+    name_mismatch: block             # an allowed address asked for another name: reset
 """
 
 ALLOWED, DENIED, REBIND, DIRECT = (
@@ -181,6 +182,14 @@ def _narrate(steps: list[dict[str, Any]], report: dict[str, Any], lab: Any, err:
         by.get("fetch-allowed"),
         f"resolve {ALLOWED} and fetch it over HTTP",
         lambda s: f"{s['addresses'][0]}, got {s['body']!r}",
+    )
+    served = [r for r in lab.requests() if r.get("host") == DENIED]
+    _line(
+        by.get("other-name"),
+        f"ask {ALLOWED}'s address for {DENIED} (HTTP Host)",
+        lambda s: f"answered {s['body']!r}",
+        "refused ({error}); the lab's web server "
+        + ("answered it!" if served else "never saw the request"),
     )
     upstream = "it reached the lab's DNS server!" if lab.saw(DENIED) else "never sent upstream"
     _line(

@@ -21,6 +21,7 @@ from egress.daemon import handoff
 from egress.errors import DaemonError
 from egress.kernel.cgroup import Cgroup
 from egress.lab import Lab
+from egress.store.journal import Journal
 from tests.support import ROOT
 from tests.support.dnsperf import dnsperf, figures
 from tests.support.egressd import Egressd, egressd
@@ -227,3 +228,47 @@ def test_the_api_socket_file_goes_with_the_last_egressd(lab: Lab, daemon: Egress
     assert os.path.exists(daemon.socket)
     daemon.stop()
     assert not os.path.exists(daemon.socket)
+
+
+CHECKED = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: checked}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [allowed.lab.test]
+  violations: {blocked_connect: freeze, name_mismatch: block}
+"""
+
+
+def curl(netns: str, *args: str) -> tuple[int, str]:
+    argv = ["ip", "netns", "exec", netns, "curl", "-sS", "--max-time", "5", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    return done.returncode, done.stdout
+
+
+@pytest.mark.parametrize("how", ["replace", "sighup"])
+def test_the_first_bytes_queue_is_served_across_a_handover(
+    lab: Lab, daemon: Egressd, state_dir: Path, how: str
+) -> None:
+    """The new egressd reads the NFQUEUE socket the old one handed over: a checked flow
+    still passes (without a listener it would hang, the queue failing closed), and one
+    that asks the address for another name is still refused."""
+    made = daemon.create(CHECKED, lab.uplink_netns)
+    ns, url = made["netns"], "http://allowed.lab.test/"
+    assert curl(ns, url) == (0, "lab 203.0.113.10:80\n"), daemon.stderr()
+    old = replace(daemon) if how == "replace" else reload(daemon)
+    try:
+        if how == "replace":
+            assert old.wait(timeout=10) == 0, daemon.stderr()
+        for _ in range(3):
+            assert curl(ns, url) == (0, "lab 203.0.113.10:80\n"), daemon.stderr()
+        assert curl(ns, "-H", "Host: https.lab.test", url)[0] == 56  # reset at once
+    finally:
+        if old.poll() is None and old is not daemon.proc:
+            old.kill()
+            old.wait(timeout=10)
+    with Journal.open(str(state_dir)) as journal:
+        rows = journal.violations(made["id"])
+    assert [v["class"] for v in rows] == ["name_mismatch"], rows

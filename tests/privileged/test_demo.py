@@ -22,6 +22,10 @@ def test_the_demo_agent_is_allowed_refused_and_frozen_as_it_says() -> None:
     out = done.stdout
     assert "ok  resolve allowed.lab.test and fetch it over HTTP" in out, out
     assert "no  resolve denied.lab.test: refused" in out, out
+    assert (
+        "no  ask allowed.lab.test's address for denied.lab.test (HTTP Host): refused "
+        "(Connection reset by peer); the lab's web server never saw the request" in out
+    ), out
     assert "no  resolve meta.lab.test" in out and "the answer was dropped" in out, out
     assert "frozen inside connect(), then killed" in out, out
     assert "its own) with no capabilities, in its own PID namespace" in out, out

@@ -21,7 +21,10 @@ def tcp(step):
         s.settimeout(step.get("timeout", 2))
         s.connect((step["host"], step["port"]))
         if step.get("http", True):
-            s.sendall(b"GET / HTTP/1.0\r\nHost: lab\r\n\r\n")
+            # The name it resolved, when it did: a request to a DNS-learned address on a
+            # checked port must ask for that name (connect.check_names), as a client does.
+            host = step.get("name", "lab").encode()
+            s.sendall(b"GET / HTTP/1.0\r\nHost: " + host + b"\r\n\r\n")
             data = b""
             while chunk := s.recv(4096):
                 data += chunk
@@ -67,7 +70,8 @@ def fetch(step):
     family = socket.AF_INET6 if step.get("v6") else socket.AF_INET
     infos = socket.getaddrinfo(step["name"], step.get("port", 80), family, socket.SOCK_STREAM)
     host = infos[0][4][0]
-    out = tcp({"host": host, "port": step.get("port", 80), "timeout": step.get("timeout", 2)})
+    out = tcp({"host": host, "port": step.get("port", 80), "timeout": step.get("timeout", 2),
+               "name": step["name"]})
     out["address"] = host
     return out
 
