@@ -70,8 +70,14 @@ def fetch(step):
     family = socket.AF_INET6 if step.get("v6") else socket.AF_INET
     infos = socket.getaddrinfo(step["name"], step.get("port", 80), family, socket.SOCK_STREAM)
     host = infos[0][4][0]
-    out = tcp({"host": host, "port": step.get("port", 80), "timeout": step.get("timeout", 2),
-               "name": step["name"]})
+    out = tcp(
+        {
+            "host": host,
+            "port": step.get("port", 80),
+            "timeout": step.get("timeout", 2),
+            "name": step["name"],
+        }
+    )
     out["address"] = host
     return out
 
