@@ -82,12 +82,13 @@ class Handed:
     udp: socket.socket
     tcp: socket.socket
     nflog: socket.socket
-    nfqueue: socket.socket
+    nfqueue: socket.socket | None  # None from an egressd older than the first-bytes check
     learned: list[list[Any]] = field(default_factory=list)
 
     def close(self) -> None:
         for sock in (self.udp, self.tcp, self.nflog, self.nfqueue):
-            sock.close()
+            if sock is not None:
+                sock.close()
 
 
 @dataclass
@@ -145,8 +146,9 @@ def take_over(run_dir: Path) -> Taken | None:
             socks = [socket.socket(fileno=fd) for fd in fds]
             msg = json.loads(data)
             kind = msg.get("kind")
-            if kind == "sandbox" and len(socks) == 4:
-                taken.sandboxes[msg["id"]] = Handed(socks[0], socks[1], socks[2], socks[3])
+            if kind == "sandbox" and len(socks) in (3, 4):  # 3: an egressd before NFQUEUE
+                queue = socks[3] if len(socks) == 4 else None
+                taken.sandboxes[msg["id"]] = Handed(socks[0], socks[1], socks[2], queue)
             elif kind == "learned" and msg["id"] in taken.sandboxes:
                 taken.sandboxes[msg["id"]].learned.extend(msg["entries"])
             elif kind == "api" and len(socks) == 1:
@@ -243,8 +245,10 @@ def inherited() -> Taken | None:
     manifest = json.loads(data)
     taken = Taken(None, int(manifest["pid"]), {}, None)
     for entry in manifest["sandboxes"]:
-        udp, tcp, nflog, nfqueue = (_adopt_fd(fd) for fd in entry["fds"])
-        taken.sandboxes[entry["id"]] = Handed(udp, tcp, nflog, nfqueue, entry["learned"])
+        socks = [_adopt_fd(fd) for fd in entry["fds"]]
+        queue = socks[3] if len(socks) == 4 else None  # 3: the image before was older
+        taken.sandboxes[entry["id"]] = Handed(socks[0], socks[1], socks[2], queue,
+                                              entry["learned"])  # fmt: skip
     if manifest["api"] is not None:
         taken.api = _adopt_fd(int(manifest["api"]))
     return taken

@@ -291,8 +291,9 @@ class Registry:
         if handed is not None:  # the predecessor may still serve with them
             listener = NflogListener(handed.nflog, c.INLINE_GROUP, sb.netns)
             listener.shared = True
-            queue = NfqueueListener(handed.nfqueue, c.FIRST_BYTES_QUEUE, sb.netns)
-            queue.shared = True
+            if handed.nfqueue is not None:
+                queue = NfqueueListener(handed.nfqueue, c.FIRST_BYTES_QUEUE, sb.netns)
+                queue.shared = True
         session, resolver = wiring.make(
             sb, self.journal, self.review_hint, upstreams, record.uplink_netns,
             listener=listener, queue=queue,

@@ -154,6 +154,13 @@ FIRST_BYTES_DECLARATION = (
 )
 
 
+_RESYN = "\n".join(
+    f"\t\ttcp flags & (syn | ack) == syn {family} daddr . meta l4proto . th dport @{name} "
+    "tcp dport $CHECK_PORTS ct mark set $CT_NEEDS_CHECK"
+    for family, name in (("ip", c.ALLOW4), ("ip6", c.ALLOW6))
+)
+
+
 def _first_bytes_chain(checks: bool) -> str:
     """Between conntrack (-200) and iptables-nft's mangle OUTPUT (-150), whose NFQUEUE
     rule queues what this chain marks: a checked flow's segments with data, until the
@@ -176,6 +183,10 @@ def _first_bytes_chain(checks: bool) -> str:
 	chain first_bytes {{
 		type filter hook output priority mangle - 10; policy accept;
 		meta l4proto != tcp accept
+		# Every SYN to a checked destination starts unchecked, also when conntrack takes it
+		# for an old entry's (a closed connection it keeps a while, a server's reset): the
+		# connection it opens is new to the server, and its bytes are read.
+{_RESYN}
 		tcp flags & syn == 0 ct mark != $CT_NEEDS_CHECK accept
 {_BARE}
 		# Data in a SYN (TCP Fast Open) would reach the server before any check: dropped, and
@@ -211,7 +222,12 @@ def _first_bytes_verdicts() -> str:
 
 def _needs_check() -> str:
     return (
-        "\n\t\t# On connect.check_names' ports a new flow is held at its first data (first_bytes)."
+        "\n\t\t# On connect.check_names' ports a new flow is held at its first data (first_bytes);"
+        "\n\t\t# a flow conntrack picked up midway (no SYN) was never read: dropped."
+        "\n\t\tip daddr . meta l4proto . th dport @allow4 tcp dport $CHECK_PORTS "
+        "tcp flags & (syn | ack) != syn drop"
+        "\n\t\tip6 daddr . meta l4proto . th dport @allow6 tcp dport $CHECK_PORTS "
+        "tcp flags & (syn | ack) != syn drop"
         "\n\t\tip daddr . meta l4proto . th dport @allow4 tcp dport $CHECK_PORTS "
         "ct mark set $CT_NEEDS_CHECK accept"
         "\n\t\tip6 daddr . meta l4proto . th dport @allow6 tcp dport $CHECK_PORTS "

@@ -39,10 +39,12 @@ from egress.errors import EgressError
 from egress.inline.server import ResolverServer
 from egress.kernel.nfqueue import NfqueueListener, QueuedPacket
 from egress.model import Action, Flow, Mode, Violation, ViolationClass
-from egress.resolver.firstrequest import Decision, FirstRequests, FlowKey, Segment
+from egress.resolver.firstrequest import MAX_HELD, Decision, FirstRequests, FlowKey, Segment
 from egress.resolver.flows import flow_violation
 
 EXPIRE_EVERY_S = 0.5  # how often a flow still waiting for its first request is timed
+QUEUE_MAXLEN = 2 * MAX_HELD  # the kernel's queue: never full while FirstRequests bounds it
+LOSS_S = 2.0  # after the socket overflowed (segments dropped), new flows are refused this long
 MAX_PROBED = 1024  # segments re-run to ask conntrack whose they are, remembered
 
 
@@ -53,16 +55,21 @@ class FlowCheck:
         resolver: ResolverServer,
         on_violation: Callable[[Violation], None],
         listener: NfqueueListener | None = None,
+        frozen: Callable[[], bool] = lambda: False,
     ) -> None:
         self.resolver = resolver  # its core's bindings, matcher and policy, read per packet
         self.on_violation = on_violation
         # A listener handed over by a previous egressd is already bound to the queue.
-        self.listener = listener or NfqueueListener.open(netns, c.FIRST_BYTES_QUEUE)
+        self.listener = listener or NfqueueListener.open(
+            netns, c.FIRST_BYTES_QUEUE, maxlen=QUEUE_MAXLEN
+        )
+        self.frozen = frozen  # is the sandbox frozen now (a refused flow's retransmission)
         self.requests = FirstRequests()
         self._held: dict[int, QueuedPacket] = {}  # packet id -> packet, until its verdict
         self._probed: OrderedDict[tuple[FlowKey, int], None] = OrderedDict()  # (flow, seq)
         self._timer: asyncio.TimerHandle | None = None
         self.packets = 0  # segments the kernel handed over (the ruleset's queue)
+        self._overruns = 0
         self.passed = 0  # flows released after their first request was judged
         self.refused = 0
         self.errors = 0  # verdicts the kernel could not take (the socket is gone, ...)
@@ -81,6 +88,9 @@ class FlowCheck:
         now = time.time()
         core = self.resolver.core
         self.packets += len(packets)
+        if self.listener.overruns != self._overruns:  # the kernel dropped some: which flows?
+            self._overruns = self.listener.overruns
+            self.requests.refuse_new_until = now + LOSS_S
         for pkt in packets:
             seg = _segment(pkt)
             if seg is None:  # not TCP as this reads it: nothing could be judged, so dropped
@@ -123,6 +133,8 @@ class FlowCheck:
                 mark = None  # dropped: the process is frozen inside its write or read
         elif d.verdict is not None:
             self.passed += 1
+        elif not d.accept and action is Action.FREEZE and not release and self.frozen():
+            mark = None  # a retransmission while frozen: dropped, the socket stays as it was
         if not release and mark is not None:
             mark = c.REFUSED_MARK
         for pkt in packets:

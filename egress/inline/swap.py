@@ -32,6 +32,7 @@ from egress.kernel.nft import NftHandle
 from egress.model import IPAddress, Policy
 from egress.policy.matcher import Matcher
 from egress.resolver.actions import Action, AllowThenReply
+from egress.resolver.answer import learned_ports
 from egress.sandbox.lifecycle import Sandbox
 from egress.store.paths import read_template
 from egress.tunnel import scorer_for
@@ -97,7 +98,11 @@ class TrackingResolver(ResolverServer):
         ]
 
     def restore(self, entries: list[list[Any]]) -> None:
-        """Take over a predecessor's ``learned_list()``; malformed entries are skipped."""
+        """Take over a predecessor's ``learned_list()``; malformed entries are skipped.
+        Each question binds its name to its addresses again (``core.bindings``), so a
+        client that cached the answer still passes the first-bytes check; the names of a
+        CNAME chain behind it are not handed over, and bind only when asked again."""
+        now = time.time()
         for entry in entries[:MAX_TRACKED]:
             try:
                 name, qtype, ips, until = entry
@@ -105,6 +110,11 @@ class TrackingResolver(ResolverServer):
                 self.learned[(str(name), int(qtype))] = learned
             except (TypeError, ValueError):
                 continue
+            rule = self.core.matcher.rule_for(str(name))
+            if rule is not None and learned.until > now:
+                ports = learned_ports(rule, self.core.policy)
+                self.core.bindings.learn(learned.ips, [str(name)], ports, now, learned.until,
+                                         checked=rule.check_names)  # fmt: skip
 
     def seed_expiry(self) -> None:
         """Learn when the elements already in the sets expire (an adopted sandbox), so

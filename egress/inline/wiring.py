@@ -81,7 +81,8 @@ def make(
             upstream_netns=upstream_netns,
             mark=mark,
         )
-        session.flows = FlowCheck(sb.netns, resolver, session.on_violation, listener=queue)
+        session.flows = FlowCheck(sb.netns, resolver, session.on_violation, listener=queue,
+                                  frozen=sb.cgroup.is_frozen)  # fmt: skip
         session.flows.start()
     except BaseException:
         _close_session(session, False)

@@ -47,6 +47,10 @@ MAX_SEGMENTS = 8  # a ClientHello with a post-quantum key share spans 2-3 full s
 MAX_BYTES = MAX_HELLO + 5 * 8  # a ClientHello at firstbytes' bound, in records
 TIMEOUT_S = 5.0
 MAX_FLOWS = 1024
+# Packets held over all flows: half the kernel's queue (kernel.nfqueue's maxlen), so the
+# queue never fills. A full queue drops silently, and a flow whose first segment was
+# dropped there would be judged on a later one.
+MAX_HELD = 2048
 HELD_FACTOR = 4  # packets held per flow, retransmissions and bare ACKs too: 4 x segments
 DECIDED = 4096  # flows whose verdict a retransmission may still ask for
 CONTINUE_BYTES = 256 * 1024  # a decided flow's later segments: this far past its bytes
@@ -91,6 +95,7 @@ class _Waiting:
     started: float
     dst: IPAddress
     dport: int
+    first_seq: int = 0  # of the first segment held: sequence numbers are ordered from it
     segments: dict[int, Segment] = field(default_factory=dict)  # by seq
     held: list[int] = field(default_factory=list)  # packet ids, bare ACKs included
 
@@ -102,11 +107,17 @@ class FirstRequests:
         max_bytes: int = MAX_BYTES,
         timeout_s: float = TIMEOUT_S,
         max_flows: int = MAX_FLOWS,
+        max_held: int = MAX_HELD,
     ) -> None:
         self.max_segments = max_segments
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self.max_flows = max_flows
+        self.max_held = max_held
+        self._held = 0  # packets held over all waiting flows
+        # Until then a new flow is refused: the queue overflowed, and a flow whose first
+        # segment was lost there would be judged on a later one (set by the shell).
+        self.refuse_new_until = 0.0
         self._waiting: OrderedDict[FlowKey, _Waiting] = OrderedDict()
         self._decided: OrderedDict[FlowKey, _Decided] = OrderedDict()
 
@@ -148,8 +159,21 @@ class FirstRequests:
                 return [Decision((seg.packet_id,), True, seg.key, verdict)]
             if len(self._waiting) >= self.max_flows:
                 out.append(self._refuse(next(iter(self._waiting)), "too many flows waiting"))
-            flow = self._waiting[seg.key] = _Waiting(now, seg.dst, seg.dport)
+            if now < self.refuse_new_until:
+                flow = self._waiting[seg.key] = _Waiting(now, seg.dst, seg.dport, seg.seq)
+                flow.held.append(seg.packet_id)
+                self._held += 1
+                out.append(self._refuse(seg.key, "the queue lost segments just now, maybe "
+                                        "this flow's first"))  # fmt: skip
+                return out
+            flow = self._waiting[seg.key] = _Waiting(now, seg.dst, seg.dport, seg.seq)
         flow.held.append(seg.packet_id)
+        self._held += 1
+        if self._held > self.max_held:  # the kernel's queue must never fill up: see above
+            oldest = next(iter(self._waiting))
+            out.append(self._refuse(oldest, f"{self._held - 1} segments held already"))
+            if oldest == seg.key:
+                return out
         known = flow.segments.get(seg.seq) if seg.data else None
         if known is not None and not _agree(known.data, seg.data):
             out.append(self._refuse(seg.key, "a retransmission with other bytes", "overlap"))
@@ -182,16 +206,19 @@ class FirstRequests:
     def _contiguous(self, flow: _Waiting) -> bytes | None:
         """The bytes from the first segment held on, up to the first gap; None when two
         segments overlap with different bytes. Which copy a receiver keeps is its TCP
-        stack's choice, so a flow that sends two is refused, never judged on one."""
-        seqs = sorted(flow.segments)
+        stack's choice, so a flow that sends two is refused, never judged on one.
+        Sequence numbers wrap at 2^32: ordered by their signed distance from the first
+        segment held (a retransmission of an earlier one comes before it)."""
+        seqs = sorted(flow.segments, key=lambda s: _distance(flow.first_seq, s))
         out, start = bytearray(), seqs[0]
         for seq in seqs:
             data = flow.segments[seq].data
-            at = start + len(out)
-            if seq > at:
+            at = len(out)
+            off = (seq - start) % (1 << 32)
+            if off > at:
                 break  # a gap: what comes after waits for the segment in between
-            overlap = min(at - seq, len(data))
-            if data[:overlap] != out[seq - start : seq - start + overlap]:
+            overlap = min(at - off, len(data))
+            if data[:overlap] != out[off : off + overlap]:
                 return None
             out += data[overlap:]
         return bytes(out)
@@ -206,7 +233,8 @@ class FirstRequests:
 
     def _decide(self, key: FlowKey, verdict: FlowVerdict, now: float | None = None) -> Decision:
         flow = self._waiting.pop(key)
-        start = min(flow.segments, default=0)
+        self._held -= len(flow.held)
+        start = min(flow.segments, key=lambda s: _distance(flow.first_seq, s), default=0)
         length = sum(len(s.data) for s in flow.segments.values())
         self._remember(key, verdict.allowed, start, length, flow.started if now is None else now)
         return Decision(tuple(flow.held), verdict.allowed, key, verdict)
@@ -215,6 +243,12 @@ class FirstRequests:
         self._decided[key] = _Decided(allowed, start, length, at)
         while len(self._decided) > DECIDED:
             self._decided.popitem(last=False)
+
+
+def _distance(base: int, seq: int) -> int:
+    """How far ``seq`` is past ``base``, negative before it (mod 2^32, signed)."""
+    d = (seq - base) % (1 << 32)
+    return d - (1 << 32) if d >= 1 << 31 else d
 
 
 def _continues(d: _Decided, seg: Segment, now: float) -> bool:

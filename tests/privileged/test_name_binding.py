@@ -247,12 +247,13 @@ def test_an_ech_client_hello_is_a_mismatch(lab: Lab) -> None:
 REUSE = r"""
 import socket, sys
 ip, allowed, other = sys.argv[1:4]
-def ask(host, port):
+def ask(host, port, unread=b""):
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("0.0.0.0", port))
     s.connect((ip, 80))
-    s.sendall(b"GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host.encode())
+    req = b"GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host.encode()
+    s.sendall(req + unread)
     try:
         got = b""
         while chunk := s.recv(4096):
@@ -262,18 +263,26 @@ def ask(host, port):
         return "reset", port
     finally:
         s.close()
-first, port = ask(allowed, 0)
+# unread: bytes after the request that the server never reads, so that it closes with a
+# reset; conntrack then keeps the old, passed entry (CLOSE) for a new SYN on those ports.
+unread = b"x" * int(sys.argv[4]) if len(sys.argv) > 4 else b""
+first, port = ask(allowed, 0, unread)
 print(first, ask(other, port)[0], ask(other, port)[0])
 """
 
 
-def test_a_new_connection_from_the_same_port_does_not_inherit_a_pass(lab: Lab) -> None:
+@pytest.mark.parametrize("unread", [0, 70000], ids=["server-fin", "server-reset"])
+def test_a_new_connection_from_the_same_port_does_not_inherit_a_pass(lab: Lab, unread: int) -> None:
     script = f"""getent ahostsv4 {ALLOWED} >/dev/null
-/usr/bin/python3 -c '{REUSE}' {ADDRESS} {ALLOWED} {OTHER}
+/usr/bin/python3 -c '{REUSE}' {ADDRESS} {ALLOWED} {OTHER} {unread}
 """
     with run_tool(lab, policy(action="block"), script) as run:
-        assert run.stdout.split() == ["ok", "reset", "reset"], run.explain()
-        assert lab_saw(run) == [(False, None, ALLOWED)], run.explain()
+        first, *again = run.stdout.split()
+        # With bytes it never reads, the lab's server resets the first connection (before
+        # or instead of answering); what counts is that the reconnects reach nothing.
+        assert first in (("ok", "reset", "other") if unread else ("ok",)), run.explain()
+        assert again == ["reset", "reset"], run.explain()
+        assert [r for r in lab_saw(run) if r[2] != ALLOWED] == [], run.explain()
         [v] = mismatches(run)  # one flow (the same ports twice): one event, both layers
         assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}, run.explain()
         assert v["qname"] == OTHER and "[name_not_allowed]" in str(v["detail"])

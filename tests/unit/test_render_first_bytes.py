@@ -46,11 +46,19 @@ def test_checked_flows_are_marked_when_new_and_queued_until_judged() -> None:
     assert out[verdicts[1]].endswith("counter name dropped drop")  # never queued: dropped
     needs = [r for r in out if "ct mark set $CT_NEEDS_CHECK" in r]
     assert [r.split()[0] for r in needs] == ["ip", "ip6"]
+    pickups = [r for r in out if r.endswith("tcp flags & (syn | ack) != syn drop")]
+    assert len(pickups) == 2 and out.index(pickups[1]) < out.index(needs[0])
     assert all("tcp dport $CHECK_PORTS" in r for r in needs)
     assert out.index(needs[0]) < out.index("ip daddr . meta l4proto . th dport @allow4 accept")
     fb = chain(text, "first_bytes")
     assert fb[0].startswith("type filter hook output priority mangle - 10")
-    assert fb[2] == "tcp flags & syn == 0 ct mark != $CT_NEEDS_CHECK accept"
+    # every SYN to a checked destination starts unchecked, whatever conntrack makes of it
+    assert [r.split(" daddr")[0] for r in fb[2:4]] == [
+        "tcp flags & (syn | ack) == syn ip",
+        "tcp flags & (syn | ack) == syn ip6",
+    ]
+    assert all(r.endswith("ct mark set $CT_NEEDS_CHECK") for r in fb[2:4])
+    assert fb[4] == "tcp flags & syn == 0 ct mark != $CT_NEEDS_CHECK accept"
     assert sum(r.endswith("accept") and "doff" in r for r in fb) == 22  # no data: no queue
     assert fb[-1].endswith("meta mark set $QUEUE_MARK") and c.FIRST_BYTES_LOG_PREFIX in fb[-1]
     assert any(c.ANSWER_LOG_PREFIX in r for r in out)

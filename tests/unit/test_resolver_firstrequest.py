@@ -191,3 +191,35 @@ def test_an_address_a_rule_with_check_names_off_resolved_is_reached_unread() -> 
     assert not b.unchecked(IP, 22, 1.0)  # on its rule's ports only
     [late] = FirstRequests().feed(Segment(3, KEY, IP, 443, ISN, seg.data), b, matcher(), 61.0)
     assert not late.accept  # the answer's timeout passed: read, and refused
+
+
+def test_a_first_request_across_the_sequence_wrap_is_read_in_order() -> None:
+    data = b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n"
+    top = 2**32 - 10
+    a = Segment(1, KEY, IP, 443, top, data[:10])
+    b = Segment(2, KEY, IP, 443, 0, data[10:])  # wrapped: comes after, not before
+    fr = FirstRequests()
+    [d] = feed(fr, [a, b])
+    assert d.verdict is not None and d.verdict.reason == "name_not_allowed"
+    assert d.verdict.name == "denied.test"
+
+
+def test_the_segments_held_over_all_flows_are_bounded() -> None:
+    fr = FirstRequests(max_held=3)
+    part = hello("allowed.test")[:50]
+    out = []
+    for port in range(4):
+        key = ("10.7.0.2", 40000 + port, "203.0.113.10", 443)
+        out += fr.feed(Segment(port + 1, key, IP, 443, ISN, part), bindings(), matcher(), 1.0)
+    [d] = out  # the fourth held packet refuses the flow waiting longest
+    assert not d.accept and d.key[1] == 40000 and d.verdict and d.verdict.reason == "incomplete"
+    assert len(fr) == 3
+
+
+def test_after_the_queue_lost_segments_new_flows_are_refused_a_while() -> None:
+    fr = FirstRequests()
+    fr.refuse_new_until = 2.0
+    [d] = feed(fr, segments(hello("allowed.test")), now=1.0)
+    assert not d.accept and d.verdict and "lost segments" in d.verdict.detail
+    [ok] = FirstRequests().feed(segments(hello("allowed.test"))[0], bindings(), matcher(), 2.0)
+    assert ok.accept
