@@ -1,10 +1,10 @@
 """Hold the packets nftables queues to an NFQUEUE number, and give each one its verdict.
 
-The inline layer will judge a TCP flow by the name its first client bytes ask for (TLS
-SNI, HTTP Host: ``egress.datapath.firstbytes``). A rule such as ``tcp flags & (syn|fin|rst)
-== 0 queue num N`` hands those segments to this listener; the kernel holds each one until
-``verdict()`` says accept (optionally re-marked, or re-run through the chain with
-``repeat`` so a ``meta mark M accept`` rule lets the flow's later segments by) or drop.
+The inline layer judges a TCP flow by the name its first client bytes ask for (TLS SNI,
+HTTP Host: ``egress.inline.flowcheck``). The sandbox's rules mark those segments and an
+iptables-nft NFQUEUE rule (``queue_rule``) hands them to this listener; the kernel holds
+each one until ``verdict()`` says accept (optionally re-marked, or re-run through the
+rule with ``repeat``, which then asks conntrack again whether to queue it) or drop.
 pyroute2 0.9.7 has no NFQUEUE support, so this speaks nfnetlink_queue directly over a raw
 NETLINK_NETFILTER socket, in the manner of ``egress.kernel.nflog``. The rule's side does
 not matter here: nft's ``queue`` needs nft_queue (CONFIG_NFT_QUEUE, absent from this

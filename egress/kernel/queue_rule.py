@@ -64,11 +64,6 @@ def _capture(netns: str | None, argv: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def present(netns: str | None, rule: Sequence[str]) -> bool:
-    """The rule is there for both IPv4 and IPv6."""
-    return all(_present(netns, family, rule) for family in (4, 6))
-
-
 def _present(netns: str | None, family: int, rule: Sequence[str]) -> bool:
     if shutil.which(TOOLS[family]) is None:
         return False  # no iptables-nft, so nobody put the rule there through it
