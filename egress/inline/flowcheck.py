@@ -45,7 +45,8 @@ from egress.resolver.flows import flow_violation
 EXPIRE_EVERY_S = 0.5  # how often a flow still waiting for its first request is timed
 QUEUE_MAXLEN = 2 * MAX_HELD  # the kernel's queue: never full while FirstRequests bounds it
 LOSS_S = 2.0  # after the socket overflowed (segments dropped), new flows are refused this long
-MAX_PROBED = 1024  # segments re-run to ask conntrack whose they are, remembered
+MAX_PROBED = 1024
+TCP_URG = 0x20  # segments re-run to ask conntrack whose they are, remembered
 
 
 class FlowCheck:
@@ -103,10 +104,12 @@ class FlowCheck:
                 self._perform(decision, now)
 
     def _expire(self) -> None:
-        now = time.time()
-        for decision in self.requests.expire(now):
-            self._perform(decision, now)
-        self._timer = asyncio.get_running_loop().call_later(EXPIRE_EVERY_S, self._expire)
+        try:
+            now = time.time()
+            for decision in self.requests.expire(now):
+                self._perform(decision, now)
+        finally:  # a failure must not leave waiting flows untimed
+            self._timer = asyncio.get_running_loop().call_later(EXPIRE_EVERY_S, self._expire)
 
     def _perform(self, d: Decision, now: float) -> None:
         packets = [self._held.pop(i) for i in d.packet_ids if i in self._held]
@@ -165,7 +168,11 @@ class FlowCheck:
 
     def stop_reading(self) -> None:
         """A successor reads the queue now (egressd's handoff): take nothing more from it.
-        Segments this layer holds still get their verdicts as their flows complete."""
+        What it holds is dropped when it closes (the clients send it again, to the
+        successor); no timer refuses it meanwhile."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         with contextlib.suppress(ValueError, OSError, RuntimeError):
             asyncio.get_running_loop().remove_reader(self.listener.fileno())
 
@@ -194,5 +201,7 @@ def _segment(pkt: QueuedPacket) -> Segment | None:
         return None
     if p.sport is None:
         return None
-    return Segment(pkt.packet_id, (p.src, p.sport, p.dst, p.dport), ipaddress.ip_address(p.dst),
-                   p.dport, p.seq, p.payload)  # fmt: skip
+    key = (p.src, p.sport, p.dst, p.dport)
+    urgent = bool((p.tcp_flags or 0) & TCP_URG)
+    return Segment(pkt.packet_id, key, ipaddress.ip_address(p.dst), p.dport, p.seq, p.payload,
+                   urgent)  # fmt: skip

@@ -10,8 +10,9 @@ so if the inline layer let a mismatch through, or is gone, the observer still fr
 
 It trusts nothing the inline layer says. What it cannot know it does not judge: an
 address already in the sets when it started (egressd restarts an observer on a policy
-swap) was resolved for names whose answers it never saw, so ``not_resolved_here`` for
-such an address is left to the inline layer until the kernel's element expires; and a
+swap) was resolved for names whose answers it never saw (maybe through a rule with
+check_names off), so a flow there is judged only for a name no rule allows, the rest
+being left to the inline layer until the kernel's element expires; and a
 segment on the ports of a flow that just passed is judged only if it is a whole first
 request naming a host (conntrack, which tells the inline layer whether it is the same
 connection, does not tell the observer).
@@ -83,7 +84,8 @@ class FlowWatch:
         key = (p.src, p.sport, p.dst, p.dport)
         self._uids.setdefault(key, event.uid)
         dst = ipaddress.ip_address(p.dst)
-        seg = Segment(next(self._ids), key, dst, p.dport, p.seq, p.payload)
+        urgent = bool((p.tcp_flags or 0) & 0x20)  # URG: the server may read other bytes
+        seg = Segment(next(self._ids), key, dst, p.dport, p.seq, p.payload, urgent)
         now = event.timestamp
         decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
         if any(d.probe for d in decisions):
@@ -104,8 +106,9 @@ class FlowWatch:
             if d.verdict is None or d.verdict.allowed:
                 continue
             dst = ipaddress.ip_address(d.key[2])
-            if d.verdict.reason == "not_resolved_here" and self.unknown.get(dst, 0.0) > now:
-                continue  # resolved before this observer started: the inline layer judges
+            if d.verdict.reason != "name_not_allowed" and self.unknown.get(dst, 0.0) > now:
+                continue  # resolved before this observer started (maybe through a rule with
+                # check_names off): the inline layer, which saw the answer, judges
             src, sport, _, dport = d.key
             flow = Flow("tcp", src, d.key[2], sport, dport)
             out.append(flow_violation(d.verdict, self.policy, self.matcher, flow, uid, now,

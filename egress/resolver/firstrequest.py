@@ -67,6 +67,9 @@ class Segment:
     dport: int
     seq: int  # its first byte's sequence number
     data: bytes  # its payload; empty for a bare ACK
+    # URG set: a server without SO_OOBINLINE takes the urgent byte out of the stream, so
+    # it would read other bytes than the check did. A first request never needs it.
+    urgent: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +172,10 @@ class FirstRequests:
             flow = self._waiting[seg.key] = _Waiting(now, seg.dst, seg.dport, seg.seq)
         flow.held.append(seg.packet_id)
         self._held += 1
+        if seg.urgent and seg.data:
+            out.append(self._refuse(seg.key, "urgent data (URG) in the first request",
+                                    "malformed"))  # fmt: skip
+            return out
         if self._held > self.max_held:  # the kernel's queue must never fill up: see above
             oldest = next(iter(self._waiting))
             out.append(self._refuse(oldest, f"{self._held - 1} segments held already"))

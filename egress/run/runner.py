@@ -310,6 +310,7 @@ def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
             result.counters["flows_passed"] = flows.passed
             result.counters["flows_refused"] = flows.refused
             result.counters["first_bytes_errors"] = flows.errors + flows.listener.verdict_errors
+            result.counters["first_bytes_overruns"] = flows.listener.overruns  # dropped: closed
 
 
 def _violation_json(row: dict[str, Any]) -> dict[str, Any]:

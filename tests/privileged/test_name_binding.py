@@ -230,6 +230,29 @@ def test_a_client_hello_in_several_segments_is_judged_whole(lab: Lab, pieces: in
         assert v["qname"] == OTHER and "[name_not_allowed]" in str(v["detail"])
 
 
+# Urgent data: a server that does not read it inline takes the urgent byte out, so it
+# would read other bytes than the check did ("GET /X http://other/" becomes a proxy form).
+URGENT = r"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], 80), timeout=5)
+s.send(b"GET / HTTP/1.1\r\nHost: %s\r\n\r\n" % sys.argv[2].encode(), socket.MSG_OOB)
+try:
+    print("answered" if s.recv(100) else "closed")
+except ConnectionResetError:
+    print("reset")
+"""
+
+
+def test_urgent_data_in_a_first_request_is_refused(lab: Lab) -> None:
+    send = f"/usr/bin/python3 -c '{URGENT}' {ADDRESS} {ALLOWED}"
+    script = f"getent ahostsv4 {ALLOWED} >/dev/null\n{send}\n"
+    with run_tool(lab, policy(action="block"), script) as run:
+        assert run.stdout.split() == ["reset"], run.explain()
+        assert lab_saw(run) == [], run.explain()
+        [v] = mismatches(run)
+        assert "urgent" in str(v["detail"]), run.explain()
+
+
 def test_an_ech_client_hello_is_a_mismatch(lab: Lab) -> None:
     script = f"""getent ahostsv4 {ALLOWED} >/dev/null
 /usr/bin/python3 hello.py {ADDRESS} {ALLOWED} 1

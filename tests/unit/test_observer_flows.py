@@ -115,6 +115,8 @@ def test_an_address_in_the_sets_before_the_observer_started_is_left_to_the_inlin
     assert watch.on_event(segment_event(hello("allowed.test"), 1.0)) == []
     [denied] = watch.on_event(segment_event(hello("denied.test"), 1.0, SPORT + 1))
     assert "[name_not_allowed]" in denied.detail  # what it can judge, it judges
+    # no SNI: fine if a rule with check_names off resolved it, which this observer missed
+    assert watch.on_event(segment_event(b"\x00\x01 no name", 1.0, SPORT + 3)) == []
     [late] = watch.on_event(segment_event(hello("allowed.test"), 31.0, SPORT + 2))
     assert "[not_resolved_here]" in late.detail
 

@@ -223,3 +223,11 @@ def test_after_the_queue_lost_segments_new_flows_are_refused_a_while() -> None:
     assert not d.accept and d.verdict and "lost segments" in d.verdict.detail
     [ok] = FirstRequests().feed(segments(hello("allowed.test"))[0], bindings(), matcher(), 2.0)
     assert ok.accept
+
+
+def test_urgent_data_in_a_first_request_refuses_the_flow() -> None:
+    fr = FirstRequests()
+    data = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    urgent = Segment(1, KEY, IP, 443, ISN, data, urgent=True)
+    [d] = fr.feed(urgent, bindings(), matcher(), 1.0)
+    assert not d.accept and d.verdict and "urgent" in d.verdict.detail
