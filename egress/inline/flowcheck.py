@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import sys
 import time
 from collections import OrderedDict
@@ -39,14 +38,13 @@ from egress.errors import EgressError
 from egress.inline.server import ResolverServer
 from egress.kernel.nfqueue import NfqueueListener, QueuedPacket
 from egress.model import Action, Flow, Mode, Violation, ViolationClass
-from egress.resolver.firstrequest import MAX_HELD, Decision, FirstRequests, FlowKey, Segment
+from egress.resolver.firstrequest import MAX_HELD, Decision, FirstRequests, FlowKey, segment_of
 from egress.resolver.flows import flow_violation
 
 EXPIRE_EVERY_S = 0.5  # how often a flow still waiting for its first request is timed
 QUEUE_MAXLEN = 2 * MAX_HELD  # the kernel's queue: never full while FirstRequests bounds it
 LOSS_S = 2.0  # after the socket overflowed (segments dropped), new flows are refused this long
-MAX_PROBED = 1024
-TCP_URG = 0x20  # segments re-run to ask conntrack whose they are, remembered
+MAX_PROBED = 1024  # segments re-run to ask conntrack whose they are, remembered
 
 
 class FlowCheck:
@@ -93,7 +91,7 @@ class FlowCheck:
             self._overruns = self.listener.overruns
             self.requests.refuse_new_until = now + LOSS_S
         for pkt in packets:
-            seg = _segment(pkt)
+            seg = segment_of(pkt.packet_id, pkt.packet)
             if seg is None:  # not TCP as this reads it: nothing could be judged, so dropped
                 self._verdict(pkt.packet_id, accept=False)
                 continue
@@ -193,15 +191,3 @@ class FlowCheck:
             self.listener.release()
         else:
             self.listener.close()
-
-
-def _segment(pkt: QueuedPacket) -> Segment | None:
-    p = pkt.packet
-    if p is None or p.proto != "tcp" or p.fragment or p.seq is None or p.dport is None:
-        return None
-    if p.sport is None:
-        return None
-    key = (p.src, p.sport, p.dst, p.dport)
-    urgent = bool((p.tcp_flags or 0) & TCP_URG)
-    return Segment(pkt.packet_id, key, ipaddress.ip_address(p.dst), p.dport, p.seq, p.payload,
-                   urgent)  # fmt: skip

@@ -33,7 +33,7 @@ from egress.kernel.nft import NftHandle
 from egress.model import Flow, IPAddress, Layer, Policy, Violation
 from egress.policy.matcher import Matcher
 from egress.resolver.bindings import Bindings, learn_answer
-from egress.resolver.firstrequest import Decision, FirstRequests, Segment
+from egress.resolver.firstrequest import Decision, FirstRequests, segment_of
 from egress.resolver.flows import flow_violation
 
 # The copy of an answer is read a little after the kernel's element was made, and its
@@ -78,14 +78,11 @@ class FlowWatch:
         learn_answer(self.bindings, data, self.policy, self.matcher, event.timestamp, GRACE_S)
 
     def _on_segment(self, event: NflogEvent) -> list[Violation]:
-        p = event.packet
-        if p is None or p.proto != "tcp" or p.seq is None or p.sport is None or p.dport is None:
+        seg = segment_of(next(self._ids), event.packet)
+        if seg is None:
             return []
-        key = (p.src, p.sport, p.dst, p.dport)
+        key = seg.key
         self._uids.setdefault(key, event.uid)
-        dst = ipaddress.ip_address(p.dst)
-        urgent = bool((p.tcp_flags or 0) & 0x20)  # URG: the server may read other bytes
-        seg = Segment(next(self._ids), key, dst, p.dport, p.seq, p.payload, urgent)
         now = event.timestamp
         decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
         if any(d.probe for d in decisions):
@@ -93,7 +90,7 @@ class FlowWatch:
             # the inline layer asks conntrack, this layer cannot. A segment that is a whole
             # first request naming a host is judged as one (what a reconnect must send to
             # reach another name); anything else is left as the passed flow's.
-            if judge(p.payload).outcome is not Outcome.NAME:
+            if judge(seg.data).outcome is not Outcome.NAME:
                 return []
             self.requests.forget(key)
             decisions = self.requests.feed(seg, self.bindings, self.matcher, now)

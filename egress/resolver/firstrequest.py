@@ -32,10 +32,12 @@ is. A refusal is kept as it is: its retransmissions (after a resume) are refused
 
 from __future__ import annotations
 
+import ipaddress
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from egress.datapath.firstbytes import MAX_HELLO, Outcome, judge
+from egress.datapath.packet import Packet
 from egress.model import IPAddress
 from egress.policy.matcher import Matcher
 from egress.resolver.bindings import Bindings
@@ -70,6 +72,22 @@ class Segment:
     # URG set: a server without SO_OOBINLINE takes the urgent byte out of the stream, so
     # it would read other bytes than the check did. A first request never needs it.
     urgent: bool = False
+
+
+TCP_URG = 0x20
+
+
+def segment_of(packet_id: int, p: Packet | None) -> Segment | None:
+    """The segment a parsed packet carries, or None if it is not one this can judge (not
+    TCP, a fragment, no ports): both layers read their copies through this."""
+    if p is None or p.proto != "tcp" or p.fragment or p.seq is None:
+        return None
+    if p.sport is None or p.dport is None:
+        return None
+    key = (p.src, p.sport, p.dst, p.dport)
+    urgent = bool((p.tcp_flags or 0) & TCP_URG)
+    return Segment(packet_id, key, ipaddress.ip_address(p.dst), p.dport, p.seq, p.payload,
+                   urgent)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +260,7 @@ class FirstRequests:
         flow = self._waiting.pop(key)
         self._held -= len(flow.held)
         start = min(flow.segments, key=lambda s: _distance(flow.first_seq, s), default=0)
-        length = sum(len(s.data) for s in flow.segments.values())
+        length = self._size(flow)
         self._remember(key, verdict.allowed, start, length, flow.started if now is None else now)
         return Decision(tuple(flow.held), verdict.allowed, key, verdict)
 
