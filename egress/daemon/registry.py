@@ -303,7 +303,7 @@ class Registry:
                 # Adopted: what an earlier egressd's answers put in the sets keeps its
                 # expiry (no later answer shortens it), and, if it handed over, which
                 # question put it there (so a policy swap keeps what is still allowed).
-                resolver.seed_expiry()
+                resolver.seed_expiry(inherit=handed is None)
                 if handed is not None:
                     resolver.restore(handed.learned)
             await resolver.start(None if handed is None else (handed.udp, handed.tcp))

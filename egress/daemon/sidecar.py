@@ -241,6 +241,8 @@ def _check_port() -> None:
 
 # -- rules --------------------------------------------------------------------------------
 
+KEPT = "replaced, learned addresses kept (same policy)"  # what _enforce says of a restart
+
 
 def _enforce(nft: NftHandle, cfg: Config) -> str:
     """Load the ruleset, or replace a previous sidecar's in one transaction; says which."""
@@ -262,7 +264,7 @@ def _enforce(nft: NftHandle, cfg: Config) -> str:
     flush = FIRST_BYTES_DECLARATION + "\n"
     flush += "".join(f"flush chain inet {c.TABLE} {chain}\n" for chain in CHAINS)
     nft.load(flush + text)
-    return "replaced, learned addresses kept (same policy)"
+    return KEPT
 
 
 # -- serving -----------------------------------------------------------------------------
@@ -286,6 +288,11 @@ async def _serve(
         session, resolver = wiring.make(
             sb, journal, cfg.review_hint, cfg.upstreams, None, mark=c.SIDECAR_MARK
         )
+        if how == KEPT:
+            # The kernel keeps what the last sidecar's answers allowed, and the workload
+            # may hold those answers: no answer shortens them, and a cached address
+            # still connects under an allowed name (Bindings.inherit).
+            resolver.seed_expiry()
         await resolver.start()
     except BaseException:
         await wiring.stop(session, None)

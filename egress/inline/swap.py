@@ -116,16 +116,17 @@ class TrackingResolver(ResolverServer):
                 self.core.bindings.learn(learned.ips, [str(name)], ports, now, learned.until,
                                          checked=rule.check_names)  # fmt: skip
 
-    def seed_expiry(self) -> None:
+    def seed_expiry(self, inherit: bool = True) -> None:
         """Learn when the elements already in the sets expire (an adopted sandbox), so
-        no answer shortens them: the kernel remembers what our predecessor allowed."""
+        no answer shortens them: the kernel remembers what our predecessor allowed.
+        ``inherit``: no handover says which names they are for (``Bindings.inherit``)."""
         for set_name in c.ALLOW_SETS:
             try:
                 elements = self.nft.list_set("inet", c.TABLE, set_name)
             except EgressError:
                 continue  # nothing to keep: answers set their own timeouts
             left = [(e["key"], int(e["expires"])) for e in elements if e["expires"]]
-            self.core.seed_expiry(left, time.time())
+            self.core.seed_expiry(left, time.time(), inherit)
 
     def forget_unjustified(self, keep_names: Matcher) -> None:
         self.learned = {q: v for q, v in self.learned.items() if keep_names.decide(*q).allowed}

@@ -21,6 +21,13 @@ addresses share their names (one answer binds its names to all of its addresses)
 Each binding keeps the ports of the rule the answer came through: the kernel's elements
 allow the address on those, and a flow to another port (allowed through another name's
 rule) must not pass as this name.
+
+An egressd that adopts a sandbox after a crash (no handover) finds addresses in the
+kernel's sets whose answers it never saw, and that a client may still hold in its cache.
+``inherit`` records them, per TCP port, until their elements expire: a flow there passes
+if its name is one the policy allows, though perhaps not the one the address was resolved
+for. Weaker, and only until the predecessor's elements expire; the alternative would
+freeze every workload that reuses a cached address after a restart.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ class Bindings:
         # which are what the kernel's set elements for the address allow; ``checked``:
         # that rule's check_names.
         self._table: dict[IPAddress, dict[str, tuple[float, Ports, bool]]] = {}
+        # address -> {TCP port: until}: what a predecessor's answers allowed (``inherit``).
+        # Bounded by the kernel's sets, which only this resolver's answers fill.
+        self._inherited: dict[IPAddress, dict[int, float]] = {}
 
     def __len__(self) -> int:
         return len(self._table)
@@ -90,11 +100,33 @@ class Bindings:
         return tuple(n for n, (until, *_) in bound.items() if until > now) if bound else ()
 
     def bound(self, ip: IPAddress, name: str, port: int, now: float) -> bool:
-        """``name`` is bound to ``ip`` at ``now``, for TCP ``port``."""
+        """``name`` is bound to ``ip`` at ``now``, for TCP ``port`` (or the address is
+        inherited there: ``inherit``)."""
         found = self._table.get(ip, {}).get(_key(name))
-        if found is None or found[0] <= now:
+        if (
+            found is not None
+            and found[0] > now
+            and any(r.first <= port <= r.last for r in found[1].tcp)
+        ):
+            return True
+        return self.inherited(ip, port, now)
+
+    def inherit(self, ip: IPAddress, port: int, until: float) -> None:
+        """A predecessor's answer allowed ``ip`` on TCP ``port`` until ``until``, for names
+        this table does not know (module docstring)."""
+        ports = self._inherited.setdefault(ip, {})
+        ports[port] = max(ports.get(port, 0.0), until)
+
+    def inherited(self, ip: IPAddress, port: int, now: float) -> bool:
+        """``inherit`` allowed ``ip`` on TCP ``port`` and that has not expired."""
+        found = self._inherited.get(ip)
+        if found is None:
             return False
-        return any(r.first <= port <= r.last for r in found[1].tcp)
+        if found.get(port, 0.0) > now:
+            return True
+        if not any(until > now for until in found.values()):
+            del self._inherited[ip]
+        return False
 
     def unchecked(self, ip: IPAddress, port: int, now: float) -> bool:
         """A rule with check_names off put ``ip`` in the sets for TCP ``port``: a flow

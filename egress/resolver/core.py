@@ -16,6 +16,7 @@ perform the actions and call back with upstream replies, failures and set acks.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -375,12 +376,25 @@ class ResolverCore:
             self.cache.put(a.key, a.entry)
         return [Reply(r.client, r.data) for r in a.replies]
 
-    def seed_expiry(self, elements: list[tuple[str, int]], now: float) -> None:
+    def seed_expiry(
+        self, elements: list[tuple[str, int]], now: float, inherit: bool = True
+    ) -> None:
         """(element, seconds left) the kernel already holds (an adopted sandbox): no
-        answer shortens what a predecessor allowed."""
+        answer shortens what a predecessor allowed. With ``inherit`` (no handover told
+        which questions put them there), its TCP elements are inherited by ``bindings``:
+        a client may still connect there from its cache, under a name this resolver
+        never saw answered."""
         booked = self._book_time(now)
         for element, left in elements:
             self.expiry.record((element,), left, booked)
+            parts = element.split(" . ")
+            if not inherit or len(parts) != 3 or parts[1] != "tcp" or not parts[2].isdigit():
+                continue
+            try:
+                ip = ipaddress.ip_address(parts[0])
+            except ValueError:
+                continue
+            self.bindings.inherit(ip, int(parts[2]), now + left)
 
     def _book_time(self, now: float) -> float:
         return now if self._monotonic is None else self._monotonic()

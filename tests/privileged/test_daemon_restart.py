@@ -272,3 +272,27 @@ def test_the_first_bytes_queue_is_served_across_a_handover(
     with Journal.open(str(state_dir)) as journal:
         rows = journal.violations(made["id"])
     assert [v["class"] for v in rows] == ["name_mismatch"], rows
+
+
+def test_a_cached_address_still_connects_after_egressd_is_killed(
+    lab: Lab, daemon: Egressd, state_dir: Path
+) -> None:
+    """egressd dies (no handover) and the next one adopts the sandbox: it never saw the
+    answer that put 203.0.113.10 in the sets, and the workload has it cached. A flow there
+    under an allowed name passes until the kernel's element expires; another name is
+    still refused. Without the inherited addresses the cached flow would be refused as
+    never resolved here."""
+    made = daemon.create(CHECKED, lab.uplink_netns)
+    ns, url = made["netns"], "http://allowed.lab.test/"
+    assert curl(ns, url) == (0, "lab 203.0.113.10:80\n"), daemon.stderr()
+    daemon.stop(signal.SIGKILL)
+    daemon.start()  # adopts it from the run dir, with nothing handed over
+    cached = ("--resolve", "allowed.lab.test:80:203.0.113.10")  # no DNS: the client's cache
+    for _ in range(2):
+        assert curl(ns, *cached, url) == (0, "lab 203.0.113.10:80\n"), daemon.stderr()
+    assert curl(ns, *cached, "-H", "Host: https.lab.test", url)[0] == 56  # reset at once
+    with Journal.open(str(state_dir)) as journal:
+        rows = journal.violations(made["id"])
+    assert [(v["class"], "[name_not_allowed]" in v["detail"]) for v in rows] == [
+        ("name_mismatch", True)
+    ], rows

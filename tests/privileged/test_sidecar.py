@@ -256,9 +256,19 @@ def workload_argv(box: Box, argv: list[str], caps: str = "-all") -> list[str]:
 
 def probe(box: Box, steps: list[dict[str, Any]], timeout: float = 60) -> list[dict[str, Any]]:
     argv = workload_argv(box, [SYSTEM_PYTHON, str(box.dir / "probe.py"), json.dumps(steps)])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    out = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(out) == len(steps), done.stderr
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        # A frozen probe holds its pipes open and ignores signals: killed through its
+        # cgroup, or communicate() would wait for it forever.
+        frozen = box.cgroup.is_frozen()
+        box.cgroup.kill()
+        proc.kill()
+        proc.communicate(timeout=30)
+        raise AssertionError(f"the probe did not finish in {timeout} s (frozen: {frozen})") from exc
+    out = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert len(out) == len(steps), stderr
     return out
 
 
@@ -405,7 +415,12 @@ def test_sigterm_leaves_the_rules_and_a_restart_replaces_them(
     uplink: str, lab: Lab, state_dir: Path
 ) -> None:
     with hand_made(uplink) as box:
-        first = policy_file(box.dir, policy("sc1", "*.any.lab.test"))
+        # Names checked on the lab's port too: the restarted sidecar never saw the answer
+        # its predecessor gave, which the workload still holds.
+        text = policy("sc1", "*.any.lab.test").replace(
+            "ports: [80, 8081]", "ports: [80, 8081]\n    check_names: [80, 8081]"
+        )
+        first = policy_file(box.dir, text)
         with sidecar(box, first, state_dir) as running:
             assert "rules loaded" in running.ready
             assert probe(box, [fetch()])[0]["ok"]
@@ -424,7 +439,10 @@ def test_sigterm_leaves_the_rules_and_a_restart_replaces_them(
             assert "learned addresses kept" in running.ready, running.ready
             assert ruleset(box.ns) == rules
             assert set_ips(box.ns) == {ALLOWED_IP}
+            cached = {"op": "tcp", "host": ALLOWED_IP, "port": 8081, "name": ALLOWED}
+            assert probe(box, [cached])[0]["ok"]  # no DNS: the address from before
             assert probe(box, [fetch()])[0]["ok"]
+            assert not box.cgroup.is_frozen()
             assert running.stop() == 0
         # Another policy: its rules, and the old policy's addresses are gone at once.
         second = policy_file(box.dir, policy("sc2", "allowed.lab.test"), "second.yaml")

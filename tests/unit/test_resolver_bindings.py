@@ -221,3 +221,33 @@ def test_another_sandboxs_answers_bind_nothing_here() -> None:
     assert (v.allowed, v.reason) == (False, "not_resolved_here")
     v = judge_flow(judge(hello("allowed.test")), IP1, 443, theirs.bindings, theirs.matcher, 1.0)
     assert v.allowed
+
+
+# --- an adopted sandbox: what a predecessor's answers allowed -------------------------------
+
+
+def test_an_inherited_address_passes_allowed_names_on_its_ports_until_it_expires() -> None:
+    # egressd adopted the sandbox after a crash: the kernel holds 203.0.113.10 on 443,
+    # which a client may still have cached, for a name nobody here saw answered.
+    c = core()
+    elements = [("203.0.113.10 . tcp . 443", 30), ("203.0.113.11 . udp . 443", 30),
+                ("bad . tcp . 443", 30), ("203.0.113.11 . tcp . x", 30)]  # fmt: skip
+    c.seed_expiry(elements, 100.0)
+    ok = judge_flow(judge(hello("alias.test")), IP1, 443, c.bindings, c.matcher, 129.0)
+    assert ok.allowed, ok
+    for data, port, now, reason in (
+        (hello("denied.test"), 443, 129.0, "name_not_allowed"),  # still only allowed names
+        (hello("alias.test"), 80, 129.0, "not_resolved_here"),  # not on another port
+        (hello("alias.test"), 443, 130.0, "not_resolved_here"),  # not after it expires
+    ):
+        v = judge_flow(judge(data), IP1, port, c.bindings, c.matcher, now)
+        assert (v.allowed, v.reason) == (False, reason), v
+    v = judge_flow(judge(hello("alias.test")), IP2, 443, c.bindings, c.matcher, 101.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here")  # never in the sets
+
+
+def test_a_handover_names_the_questions_so_nothing_is_inherited() -> None:
+    c = core()
+    c.seed_expiry([("203.0.113.10 . tcp . 443", 30)], 100.0, inherit=False)
+    v = judge_flow(judge(hello("alias.test")), IP1, 443, c.bindings, c.matcher, 101.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here")
