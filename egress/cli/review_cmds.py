@@ -207,11 +207,14 @@ def sandbox_cgroup(row: dict[str, Any]) -> Cgroup:
     """The cgroup a journaled sandbox runs in: egress's own (by id), or the one it was
     attached to (egressd attach, egressd sidecar), from the paths the journal keeps."""
     from egress.kernel.cgroup import Cgroup
+    from egress.kernel.netns import netns_path
 
     try:
         return Cgroup.open(row["id"])
     except EgressError:
         if not row.get("cgroup"):
+            if row.get("netns"):  # attached before its processes ran (a CNI ADD)
+                return Cgroup.in_netns(netns_path(row["netns"]))
             raise
         return Cgroup.attach_existing(row["cgroup"], row.get("freezer"))
 

@@ -96,12 +96,13 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def attach(request: web.Request) -> web.Response:
-    fields = {"netns": True, "cgroup": True, "policy": True, "freezer": False,
-              "uplink_netns": False, "upstream": False, "id": False}  # fmt: skip
+    fields = {"netns": True, "cgroup": False, "policy": True, "freezer": False,
+              "uplink_netns": False, "upstream": False, "id": False, "owner": False}  # fmt: skip
     data = await body(request, fields)
     served = await _registry(request).attach(
         data["netns"], data["cgroup"], data["policy"], freezer=data["freezer"],
         uplink_netns=data["uplink_netns"], upstream=data["upstream"], sandbox_id=data["id"],
+        owner=data["owner"],
     )  # fmt: skip
     return web.json_response(served.to_json(), status=201)
 

@@ -43,6 +43,7 @@ from egress.inline import wiring
 from egress.inline.session import Session
 from egress.inline.swap import TrackingResolver, swap
 from egress.inline.upstream import parse_upstream, resolve_upstreams
+from egress.kernel.cgroup import Cgroup
 from egress.kernel.nflog import NflogListener
 from egress.kernel.nfqueue import NfqueueListener
 from egress.model import Policy, ReviewAction, SandboxKind, SandboxState
@@ -89,6 +90,7 @@ class Served:
             "uplink_netns": r.uplink_netns,
             "upstream": r.upstream,
             "uid": r.uid,  # the workload's own uid and gid (created sandboxes)
+            "owner": r.owner,
             "address4": None if r.kind == SandboxKind.ATTACHED else str(self.sb.net.address4),
             "created_at": r.created_at,
             "violations": len(self.session.state.violations),
@@ -179,30 +181,34 @@ class Registry:
     async def attach(
         self,
         netns_ref: str,
-        cgroup: str,
+        cgroup: str | None,
         policy_text: str,
         *,
         freezer: str | None = None,
         uplink_netns: str | None = None,
         upstream: str | None = None,
         sandbox_id: str | None = None,
+        owner: str | None = None,
     ) -> Served:
+        """``cgroup`` None: bound later, from the processes in the netns (a CNI ADD)."""
         async with self._change():
             served = await self._attach(
-                netns_ref, cgroup, policy_text, freezer, uplink_netns, upstream, sandbox_id
-            )
+                netns_ref, cgroup, policy_text, freezer, uplink_netns, upstream, sandbox_id,
+                owner,
+            )  # fmt: skip
         _log(f"attached {served.id} (policy {served.sb.policy.name}, netns {netns_ref})")
         return served
 
     async def _attach(
         self,
         netns_ref: str,
-        cgroup: str,
+        cgroup: str | None,
         policy_text: str,
         freezer: str | None,
         uplink_netns: str | None,
         upstream: str | None,
         sandbox_id: str | None,
+        owner: str | None,
     ) -> Served:
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
@@ -216,10 +222,10 @@ class Registry:
             except AlreadyAttached as exc:
                 raise Conflict(str(exc)) from None
             record = rundir.Record(
-                id=sid, kind=SandboxKind.ATTACHED, netns=netns_ref, cgroup=cgroup,
-                policy=policy_text, freezer=freezer, uplink_netns=uplink_netns,
+                id=sid, kind=SandboxKind.ATTACHED, netns=netns_ref, cgroup=sb.cgroup.v2_path,
+                policy=policy_text, freezer=sb.cgroup.freezer_path, uplink_netns=uplink_netns,
                 upstream=upstream, lo_raised=lo_raised, created_at=time.time(),
-                daemon_pid=os.getpid(),
+                daemon_pid=os.getpid(), owner=owner,
             )  # fmt: skip
             return await self._serve(sb, record, upstreams, fresh=True)
         finally:
@@ -265,6 +271,8 @@ class Registry:
                     uid=sb.uid,
                 )  # fmt: skip
             session, resolver = await self._start(sb, record, upstreams, fresh, handed)
+            if not sb.cgroup.bound:
+                sb.cgroup.on_bind = lambda cgroup: self._bound(record, cgroup)
             rundir.save(self.run_dir, record)
         except BaseException:
             await self._stop(session, resolver)
@@ -338,6 +346,20 @@ class Registry:
             problems.append(f"sandbox {sandbox_id}: handed over but has no record; not served")
             leftover.close()
         return problems
+
+    def _bound(self, record: rundir.Record, cgroup: Cgroup) -> None:
+        """An attached sandbox's cgroup was found from its processes: kept in its record
+        and the journal (what the next egressd and `egressctl resume` act on). Called on
+        whichever thread froze; both writes are whole-file or one transaction."""
+        record.cgroup, record.freezer = cgroup.v2_path, cgroup.freezer_path
+        try:
+            rundir.save(self.run_dir, record)
+            self.journal.update_sandbox(record.id, cgroup=cgroup.v2_path,
+                                        freezer=cgroup.freezer_path)  # fmt: skip
+        except (EgressError, OSError) as exc:
+            print(f"egressd: {record.id}: could not record its cgroup {cgroup.v2_path}: {exc}",
+                  file=sys.stderr)  # fmt: skip
+        _log(f"bound {record.id} to cgroup {cgroup.v2_path} (its processes')")
 
     async def _adopt(self, record: rundir.Record, handed: handoff.Handed | None) -> None:
         policy = parse(record.policy)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from egress.errors import EgressError
@@ -63,6 +63,18 @@ class Enforcer:
         """Journal ``v`` and act on it; returns the freeze it caused, if any."""
         if not self.wants_freeze(v):
             self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
+            return None
+        if not self.cgroup.bind():
+            # Attached before its processes ran (a CNI ADD), and none has run since: the
+            # kernel blocked it; the journal says it could not be frozen, and why.
+            unfrozen = replace(
+                v,
+                action=Action.BLOCK,
+                detail=f"{v.detail}; not frozen: {self.cgroup.unbound_reason}",
+            )
+            self._try(
+                lambda: self.journal.record_or_detect(self.sandbox_id, unfrozen, DEDUP_WINDOW_S)
+            )
             return None
         key = violation_key(v)
         if key in self.frozen_keys:

@@ -24,6 +24,7 @@ import re
 import select
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -99,9 +100,12 @@ class Cgroup:
     """One sandbox cgroup in the v2 hierarchy, mirrored in the v1 freezer if present."""
 
     def __init__(self, v2_path: str, freezer_path: str | None, ours: bool = False) -> None:
-        self.v2_path = v2_path
+        self.v2_path = v2_path  # "" while unbound (``in_netns``)
         self.freezer_path = freezer_path
         self.ours = ours  # under egress's own parent: the last one out removes the parent
+        self.netns: str | None = None  # unbound: the netns whose processes say which
+        self.on_bind: Callable[[Cgroup], None] | None = None  # e.g. record it in the journal
+        self.unbound_reason = ""  # why the last bind found none
 
     # ---- construction -------------------------------------------------------------
 
@@ -145,6 +149,42 @@ class Cgroup:
             raise SandboxError(f"{freezer_path} is not a v1 freezer cgroup")
         return cls(v2_path, freezer_path)
 
+    @classmethod
+    def in_netns(cls, netns_path: str) -> Cgroup:
+        """Not bound yet: the cgroup of the processes that will run in the netns (a CNI
+        ADD comes before the container's first process). Found when first needed
+        (``bind``, ``kernel.netns_cgroup``); until then nothing can be frozen."""
+        cgroup = cls("", None)
+        cgroup.netns = netns_path
+        cgroup.unbound_reason = f"no process has run in netns {netns_path} yet"
+        return cgroup
+
+    @property
+    def bound(self) -> bool:
+        return bool(self.v2_path)
+
+    def bind(self) -> bool:
+        """Bound, or bind it now from the processes in its netns; False (the reason in
+        ``unbound_reason``) while there is none to bind."""
+        if self.v2_path:
+            return True
+        if self.netns is None:
+            return False
+        from egress.kernel.netns_cgroup import NoCgroup, discover  # it reads mounts here
+
+        try:
+            self.v2_path, self.freezer_path = discover(self.netns)
+        except NoCgroup as exc:
+            self.unbound_reason = str(exc)
+            return False
+        if self.on_bind is not None:
+            self.on_bind(self)
+        return True
+
+    def _bound(self) -> None:
+        if not self.bind():
+            raise SandboxError(f"no cgroup to act on: {self.unbound_reason}")
+
     # ---- membership ---------------------------------------------------------------
 
     @property
@@ -157,13 +197,16 @@ class Cgroup:
         return os.path.join(self.freezer_path, "cgroup.procs") if self.freezer_path else None
 
     def add_pid(self, pid: int) -> None:
+        self._bound()
         for d in self._dirs():
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def pids(self) -> list[int]:
-        return _procs(self.v2_path)
+        return _procs(self.v2_path) if self.bind() else []
 
     def populated(self) -> bool:
+        if not self.bind():
+            return False
         return _events(_read(os.path.join(self.v2_path, "cgroup.events"))).get("populated") == "1"
 
     def empty(self) -> bool:
@@ -181,6 +224,7 @@ class Cgroup:
         Safe to call concurrently from several processes: every caller returns once the
         cgroup is frozen. v2/v1 select hierarchies (v1 is skipped where absent).
         """
+        self._bound()
         use_v1 = v1 and self.freezer_path is not None
         if not (v2 or use_v1):
             raise SandboxError("freeze: no freezer selected")
@@ -205,6 +249,8 @@ class Cgroup:
 
     def thaw(self, timeout: float = 2.0) -> None:
         """Thaw both hierarchies and wait until neither reports frozen."""
+        if not self.bind():
+            return  # nothing was ever frozen
         _write(os.path.join(self.v2_path, "cgroup.freeze"), "0")
         if self.freezer_path:
             _write(self._state_path(), "THAWED")
@@ -212,6 +258,8 @@ class Cgroup:
 
     def is_frozen(self) -> bool:
         """True when the workload cannot run: either hierarchy reports it frozen."""
+        if not self.bind():
+            return False
         return self.v2_frozen() or self.v1_state() == "FROZEN"
 
     def v2_frozen(self) -> bool:
@@ -257,8 +305,8 @@ class Cgroup:
         can execute another user instruction. v2 freezing is left as is; it does not
         block SIGKILL.
         """
-        if not os.path.isdir(self.v2_path):
-            return  # already removed: nothing left to kill
+        if not self.bind() or not os.path.isdir(self.v2_path):
+            return  # never bound, or already removed: nothing left to kill
         has_kill = os.path.exists(os.path.join(self.v2_path, "cgroup.kill"))
         if has_kill:
             _write(os.path.join(self.v2_path, "cgroup.kill"), "1")
@@ -290,6 +338,8 @@ class Cgroup:
 
     def remove(self) -> None:
         """rmdir both directories (idempotent); SandboxError if tasks remain."""
+        if not self.v2_path:
+            return  # unbound: nothing of ours
         if os.path.isdir(self.v2_path) and not self.empty():
             raise SandboxError(f"cgroup {self.v2_path} still has processes; kill it first")
         for d in reversed(self._dirs()):

@@ -34,7 +34,7 @@ from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
-from egress.kernel.netns import netns_exists
+from egress.kernel.netns import netns_exists, netns_path
 from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
@@ -71,6 +71,8 @@ class ObserverConfig:
     def open_cgroup(self) -> Cgroup:
         if self.cgroup is None:
             return Cgroup.open(self.sandbox_id)
+        if not self.cgroup:  # attached before its processes ran: found from them
+            return Cgroup.in_netns(netns_path(self.netns))
         return Cgroup.attach_existing(self.cgroup, self.freezer)
 
 

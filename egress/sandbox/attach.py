@@ -43,19 +43,21 @@ def attach(
     sandbox_id: str,
     policy: Policy,
     netns_ref: str,
-    cgroup_v2: str,
+    cgroup_v2: str | None,
     freezer: str | None = None,
 ) -> tuple[Sandbox, bool]:
     """Enforce ``policy`` in a foreign netns: (the sandbox, whether egress raised lo).
 
-    On failure nothing of egress's is left there. ``Sandbox.destroy`` detaches.
+    ``cgroup_v2`` None: not known yet (a CNI ADD); bound from the processes that come
+    to run in the netns (``Cgroup.in_netns``). On failure nothing of egress's is left
+    there. ``Sandbox.destroy`` detaches.
     """
     start = time.monotonic()
     if not os.path.exists(netns.netns_path(netns_ref)):
         raise SandboxError(
             f"netns {netns_ref!r} does not exist (a name under /run/netns or a path)"
         )
-    cgroup = Cgroup.attach_existing(cgroup_v2, freezer)
+    cgroup = _cgroup(netns_ref, cgroup_v2, freezer)
     nft = NftHandle.open(netns_ref)
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
@@ -92,7 +94,7 @@ def adopt(
     are; ``Sandbox.destroy`` detaches it the same way."""
     if not os.path.exists(netns.netns_path(netns_ref)):
         raise SandboxError(f"netns {netns_ref!r} is gone")
-    cgroup = Cgroup.attach_existing(cgroup_v2, freezer)
+    cgroup = _cgroup(netns_ref, cgroup_v2 or None, freezer)
     nft = NftHandle.open(netns_ref)
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
@@ -104,6 +106,14 @@ def adopt(
     sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))
     sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
     return sb
+
+
+def _cgroup(netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> Cgroup:
+    if cgroup_v2 is None:
+        if freezer is not None:
+            raise SandboxError("a freezer cgroup needs the cgroup v2 directory it mirrors")
+        return Cgroup.in_netns(netns.netns_path(netns_ref))
+    return Cgroup.attach_existing(cgroup_v2, freezer)
 
 
 def _ifreq(netns_ref: str, request: int, flags: int = 0) -> int:

@@ -43,6 +43,9 @@ class Record:
     created_at: float = 0.0
     daemon_pid: int = 0
     uid: int | None = None  # the workload's uid and gid (created sandboxes)
+    # Who asked for it, for that caller to find its own again (a CNI plugin's GC):
+    # free text, e.g. "cni:NETWORK:CONTAINERID:IFNAME".
+    owner: str | None = None
 
     @property
     def policy_sha256(self) -> str:

@@ -1,0 +1,335 @@
+"""egress-cni: a chained CNI plugin that puts a container's or pod's netns behind egress.
+
+It runs after the network's own plugins (bridge, host-local, ...), as the CNI spec
+(1.0, 1.1) says a chained plugin does: the runtime gives the command and the container
+in the environment, the network's configuration (with the previous plugin's result) on
+stdin, and reads a result or an error as JSON on stdout. The plugin itself holds no
+state: egressd, over its unix socket, attaches to the netns (``POST
+/v1/sandboxes/attach``, owner ``cni:NETWORK:CONTAINERID:IFNAME``) and detaches.
+
+    ADD     attach CNI_NETNS with the policy the config names, or the one the mapping
+            picks for K8S_POD_NAMESPACE/K8S_POD_NAME; prevResult out as it came in.
+            egressd unreachable, or the policy unreadable or invalid: the ADD fails, so
+            the container does not start (fail closed).
+    DEL     detach, if attached; nothing attached, or egressd gone: success (the rules
+            go with the netns).
+    CHECK   fails when egressd no longer serves it or its table is gone from the netns.
+    STATUS  exit 50 while egressd is unreachable.
+    GC      detach this network's sandboxes that are not in cni.dev/attachments.
+    VERSION the versions below.
+
+The cgroup to freeze is not known at ADD (the container's first process does not exist
+yet): egressd finds it from the processes that come to run in the netns, and until then
+blocks violations and journals that it could not freeze.
+
+Configuration (the plugin's entry in the conflist)::
+
+    {"type": "egress-cni",
+     "policy": "NAME",                      # policies/NAME.yaml under policyDir
+     "policyDir": "/etc/egress/policies",   # default
+     "mapping": [{"namespace": "agents", "pod": "*", "policy": "agent"}],  # first match
+     "socket": "/run/egress/egressd.sock",  # default: egressd's
+     "uplinkNetns": "NAME", "upstream": "IP[:PORT]"}   # optional, as for attach
+
+Errors are the spec's: ``{"cniVersion", "code", "msg", "details"}`` on stdout, and the
+code as the exit status (1-99 the spec's, 100+ egress's).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import secrets
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from egress.cli.client import Client, default_socket
+from egress.errors import DaemonError, EgressError
+from egress.policy import parse_policy
+
+SUPPORTED = ("0.4.0", "1.0.0", "1.1.0")
+DEFAULT_POLICY_DIR = "/etc/egress/policies"
+TIMEOUT_S = 60.0  # egressd attaches in tens of ms; a handover can hold a request ~seconds
+
+# The spec's codes (SPEC.md, "Error"), and egress's own from 100.
+INCOMPATIBLE_VERSION = 1
+UNSUPPORTED_FIELD = 2
+UNKNOWN_CONTAINER = 3
+BAD_ENVIRONMENT = 4
+IO_FAILURE = 5
+DECODE_FAILURE = 6
+BAD_CONFIG = 7
+TRY_AGAIN = 11
+NOT_AVAILABLE = 50
+RULES_GONE = 100  # CHECK: egressd no longer serves it, or its table is gone
+REFUSED = 101  # egressd refused the attach (the netns has a table already, ...)
+
+
+class CniError(Exception):
+    def __init__(self, code: int, msg: str, details: str = "") -> None:
+        super().__init__(msg)
+        self.code, self.msg, self.details = code, msg, details
+
+
+@dataclass(frozen=True)
+class Call:
+    """One invocation: what the environment and stdin said."""
+
+    command: str
+    container_id: str
+    netns: str
+    ifname: str
+    args: dict[str, str]  # CNI_ARGS, K=V;K=V
+    config: dict[str, Any]
+
+    @property
+    def version(self) -> str:
+        return str(self.config.get("cniVersion", "1.0.0"))
+
+    @property
+    def network(self) -> str:
+        return str(self.config.get("name", ""))
+
+    @property
+    def owner(self) -> str:
+        return f"cni:{self.network}:{self.container_id}:{self.ifname}"
+
+
+def parse_call(env: Mapping[str, str], stdin: bytes) -> Call:
+    """The invocation, or a CniError with the spec's code."""
+    command = env.get("CNI_COMMAND", "")
+    if command not in ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION"):
+        raise CniError(BAD_ENVIRONMENT, f"CNI_COMMAND {command!r} is not a CNI command",
+                       "ADD, DEL, CHECK, STATUS, GC or VERSION")  # fmt: skip
+    try:
+        config = json.loads(stdin or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CniError(DECODE_FAILURE, "the network configuration is not JSON", str(exc)) from None
+    if not isinstance(config, dict):
+        raise CniError(DECODE_FAILURE, "the network configuration is not a JSON object")
+    call = Call(command, env.get("CNI_CONTAINERID", ""), env.get("CNI_NETNS", ""),
+                env.get("CNI_IFNAME", ""), _args(env.get("CNI_ARGS", "")), config)  # fmt: skip
+    if command == "VERSION":
+        return call
+    if call.version not in SUPPORTED:
+        raise CniError(INCOMPATIBLE_VERSION, f"CNI version {call.version} is not supported",
+                       f"supported: {', '.join(SUPPORTED)}")  # fmt: skip
+    if command in ("ADD", "DEL", "CHECK"):
+        need = ["CNI_CONTAINERID", "CNI_IFNAME"] + (["CNI_NETNS"] if command != "DEL" else [])
+        missing = [name for name in need if not env.get(name)]
+        if missing:
+            raise CniError(BAD_ENVIRONMENT, f"{', '.join(missing)} not set",
+                           f"egress-cni {command} needs {', '.join(need)}")  # fmt: skip
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", call.container_id):
+            raise CniError(BAD_ENVIRONMENT, f"CNI_CONTAINERID {call.container_id!r} is invalid",
+                           "letters, digits, _ . - (the spec's)")  # fmt: skip
+    if not call.network:
+        raise CniError(BAD_CONFIG, "the network configuration has no name")
+    return call
+
+
+def _args(text: str) -> dict[str, str]:
+    out = {}
+    for pair in text.split(";"):
+        key, sep, value = pair.partition("=")
+        if sep and key:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def policy_name(call: Call) -> str:
+    """The policy for this container: the first mapping entry that matches its pod's
+    namespace and name (globs), else the config's ``policy``."""
+    mapping = call.config.get("mapping", [])
+    if not isinstance(mapping, list):
+        raise CniError(BAD_CONFIG, "mapping must be a list of {namespace, pod, policy}")
+    namespace = call.args.get("K8S_POD_NAMESPACE", "")
+    pod = call.args.get("K8S_POD_NAME", "")
+    for i, entry in enumerate(mapping):
+        if not isinstance(entry, dict) or not isinstance(entry.get("policy"), str):
+            raise CniError(BAD_CONFIG, f"mapping[{i}] needs a policy (a name)")
+        unknown = sorted(set(entry) - {"namespace", "pod", "policy"})
+        if unknown:
+            raise CniError(UNSUPPORTED_FIELD, f"mapping[{i}]: unknown key {unknown[0]!r}",
+                           "known: namespace, pod, policy")  # fmt: skip
+        if not namespace and not pod:
+            break  # not a pod: only the default applies
+        if fnmatch.fnmatchcase(namespace, str(entry.get("namespace", "*"))) and (
+            fnmatch.fnmatchcase(pod, str(entry.get("pod", "*")))
+        ):
+            return str(entry["policy"])
+    name = call.config.get("policy")
+    if not isinstance(name, str) or not name:
+        where = f"pod {namespace}/{pod}" if namespace or pod else "this container"
+        hint = "set policy (a name under policyDir), or a mapping entry that matches"
+        raise CniError(BAD_CONFIG, f"no policy for {where}", hint)
+    return name
+
+
+def policy_text(call: Call, name: str) -> str:
+    """The policy NAME from policyDir, checked here (so a bad one fails the ADD with
+    where it is wrong, before egressd is asked)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name):
+        raise CniError(BAD_CONFIG, f"policy name {name!r} is not a file name")
+    directory = Path(str(call.config.get("policyDir") or DEFAULT_POLICY_DIR))
+    path = directory / f"{name}.yaml"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CniError(BAD_CONFIG, f"policy {name}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CniError(BAD_CONFIG, f"policy {name}: {path} is not UTF-8") from None
+    try:
+        parse_policy(text, str(path))
+    except EgressError as exc:
+        raise CniError(BAD_CONFIG, f"policy {name} is invalid", str(exc)) from None
+    return text
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def client(call: Call) -> Client:
+    return Client(str(call.config.get("socket") or default_socket()), timeout=TIMEOUT_S)
+
+
+def mine(call: Call, rows: Any) -> list[dict[str, Any]]:
+    """The sandboxes egressd serves for this container's attachment."""
+    return [r for r in rows if isinstance(r, dict) and r.get("owner") == call.owner]
+
+
+def add(call: Call) -> dict[str, Any]:
+    prev = call.config.get("prevResult")
+    if not isinstance(prev, dict):
+        raise CniError(BAD_CONFIG, "egress-cni is a chained plugin: no prevResult",
+                       "list it after the plugins that make the interface")  # fmt: skip
+    text = policy_text(call, policy_name(call))
+    api = client(call)
+    rows = _call(api, "GET", "/v1/sandboxes")
+    for row in mine(call, rows):  # an ADD again (a retry): start from nothing
+        _call(api, "DELETE", f"/v1/sandboxes/{row['id']}")
+    body: dict[str, Any] = {"netns": call.netns, "policy": text, "owner": call.owner,
+                            "id": _sandbox_id(call.container_id)}  # fmt: skip
+    for key, field in (("uplinkNetns", "uplink_netns"), ("upstream", "upstream")):
+        if call.config.get(key):
+            body[field] = str(call.config[key])
+    _call(api, "POST", "/v1/sandboxes/attach", body)
+    return {**prev, "cniVersion": call.version}
+
+
+def delete(call: Call) -> None:
+    api = client(call)
+    try:
+        rows = api.call("GET", "/v1/sandboxes")
+    except DaemonError as exc:
+        # Best effort: the rules live in the netns, which goes with the container; the
+        # next egressd finds the netns gone and drops the record.
+        print(f"egress-cni: DEL {call.container_id}: {exc}; nothing detached", file=sys.stderr)
+        return
+    for row in mine(call, rows):
+        try:
+            api.call("DELETE", f"/v1/sandboxes/{row['id']}")
+        except DaemonError as exc:
+            if exc.status != 404:  # gone meanwhile: what DEL wants
+                print(f"egress-cni: DEL {row['id']}: {exc}", file=sys.stderr)
+
+
+def check(call: Call) -> None:
+    rows = _call(client(call), "GET", "/v1/sandboxes")
+    found = mine(call, rows)
+    if not found:
+        raise CniError(RULES_GONE, f"egressd serves no sandbox for {call.owner}")
+    from egress.kernel.nft import NftHandle  # root's, in the container's netns
+
+    try:
+        with NftHandle.open(call.netns) as nft:
+            present = nft.table_exists("inet", "egress")
+    except EgressError as exc:
+        raise CniError(IO_FAILURE, f"cannot read the rules in {call.netns}", str(exc)) from None
+    if not present:
+        raise CniError(RULES_GONE, f"table inet egress is gone from {call.netns}",
+                       f"sandbox {found[0]['id']}")  # fmt: skip
+
+
+def status(call: Call) -> None:
+    try:
+        client(call).call("GET", "/v1/sandboxes")
+    except DaemonError as exc:
+        raise CniError(NOT_AVAILABLE, "egressd is unreachable", str(exc)) from None
+
+
+def gc(call: Call) -> None:
+    valid = call.config.get("cni.dev/attachments", [])
+    if not isinstance(valid, list):
+        raise CniError(BAD_CONFIG, "cni.dev/attachments must be a list")
+    keep = {
+        f"cni:{call.network}:{a.get('containerID')}:{a.get('ifname')}"
+        for a in valid
+        if isinstance(a, dict)
+    }
+    api = client(call)
+    prefix = f"cni:{call.network}:"
+    for row in _call(api, "GET", "/v1/sandboxes"):
+        owner = row.get("owner") if isinstance(row, dict) else None
+        if isinstance(owner, str) and owner.startswith(prefix) and owner not in keep:
+            try:
+                api.call("DELETE", f"/v1/sandboxes/{row['id']}")
+            except DaemonError as exc:
+                print(f"egress-cni: GC {row['id']}: {exc}", file=sys.stderr)
+
+
+def _sandbox_id(container_id: str) -> str:
+    """Readable in `egressctl ps` (the container's short id), unique with a random tail:
+    a container started again gets a new sandbox, and the journal keeps the old one."""
+    short = re.sub(r"[^a-z0-9_-]", "", container_id.lower())[:12] or "c"
+    return f"cni-{short}-{secrets.token_hex(3)}"
+
+
+def _call(api: Client, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+    try:
+        return api.call(method, url, body)
+    except DaemonError as exc:
+        if not exc.status:
+            raise CniError(TRY_AGAIN, "egress: egressd is unreachable; the container is not "
+                           "started without its egress policy", str(exc)) from None  # fmt: skip
+        if exc.status == 503:
+            raise CniError(TRY_AGAIN, "egress: egressd is handing over; try again",
+                           str(exc)) from None  # fmt: skip
+        detail = exc.data if isinstance(exc.data, dict) else {}
+        problems = "; ".join(str(p) for p in detail.get("problems", []))
+        raise CniError(REFUSED, f"egress: {exc}", problems) from None
+
+
+def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | None]:
+    """(exit status, JSON for stdout or None): the whole plugin, for main and tests."""
+    version = "1.1.0"
+    try:
+        call = parse_call(env, stdin)
+        version = call.version if call.version in SUPPORTED else version
+        if call.command == "VERSION":
+            return 0, {"cniVersion": version, "supportedVersions": list(SUPPORTED)}
+        if call.command == "ADD":
+            return 0, add(call)
+        {"DEL": delete, "CHECK": check, "STATUS": status, "GC": gc}[call.command](call)
+        return 0, None
+    except CniError as exc:
+        error = {"cniVersion": version, "code": exc.code, "msg": exc.msg}
+        if exc.details:
+            error["details"] = exc.details
+        return exc.code, error
+
+
+def main() -> None:
+    code, out = run(os.environ, sys.stdin.buffer.read())
+    if out is not None:
+        sys.stdout.write(json.dumps(out) + "\n")
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
