@@ -10,10 +10,12 @@ STAMPS := .make
 # from a venv made with --system-site-packages), DNS tools for tests and benchmarks, and the
 # real tunnel tools the detection tests run; a C compiler and Python's headers for the
 # scorer's compiled modules (egress/tunnel/native.py); iptables-nft, whose NFQUEUE target
-# (through nft_compat) queues packets on kernels built without nft's own queue statement.
+# (through nft_compat) queues packets on kernels built without nft's own queue statement;
+# podman (CNI backend), runc, the reference CNI plugins and busybox-static for the container
+# tests' runtime and image (no registry needed).
 APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils iodine \
 	dns2tcp dnsmasq-base dnsperf tcpdump procps util-linux bubblewrap tini python3-seccomp \
-	git openssl gcc python3-dev iptables
+	git openssl gcc python3-dev iptables podman runc containernetworking-plugins busybox-static
 # What mypyc compiles (egress.tunnel.native.MODULES): rebuilt when any of them changes.
 NATIVE_SRC := $(addprefix egress/tunnel/,entropy.py features.py labels.py overrides.py \
 	scorer.py verdict.py vocab.py window.py zone.py)

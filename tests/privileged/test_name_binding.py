@@ -15,6 +15,7 @@ the inline layer and try again.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -112,6 +113,7 @@ def _hello_file() -> Path:
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"egress-hello-{os.getpid()}.py"
     if not path.exists():
         path.write_text(HELLO)
+        atexit.register(path.unlink, missing_ok=True)
     return path
 
 

@@ -1,0 +1,149 @@
+"""Issue 15: containers under Debian's podman (CNI backend, runc) behind egress.
+
+A network whose conflist chains egress-cni after bridge and host-local: the container
+resolves and reaches an allowed name, a denied connect freezes it (its cgroup, found from
+its processes, reports frozen), the journal names the rule and the process, `egressctl
+kill` ends it, and `podman rm` leaves nothing of egress behind. With egressd down the
+container does not start, and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from egress.kernel.cgroup import Cgroup
+from egress.lab import Lab
+from egress.store.journal import Journal
+from tests.support.egressd import Egressd, egressd
+from tests.support.podman import IMAGE, Podman, available, podman
+from tests.support.probes import wait_until
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: podman-test}
+spec:
+  dns:
+    upstreams: ["198.51.100.53"]
+    allow: [allowed.lab.test]
+  violations: {blocked_connect: freeze}
+"""
+
+
+@pytest.fixture(scope="module")
+def pod(lab: Lab) -> Iterator[Podman]:
+    why = available()
+    if why is not None:
+        pytest.fail(why)  # make setup installs them: missing is a broken machine, not a skip
+    with podman(lab.uplink_netns) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def daemon(lab: Lab, state_dir: Path) -> Iterator[Egressd]:
+    with egressd(state_dir) as d:
+        yield d
+
+
+@pytest.fixture
+def network(pod: Podman, daemon: Egressd, lab: Lab, tmp_path: Path) -> str:
+    (tmp_path / "podman-test.yaml").write_text(POLICY)
+    chained = {"type": "egress-cni", "policy": "podman-test", "policyDir": str(tmp_path),
+               "socket": daemon.socket, "uplinkNetns": lab.uplink_netns}  # fmt: skip
+    pod.network("egtest", "10.89.7.0/24", chained)
+    return "egtest"
+
+
+def start(pod: Podman, network: str, name: str) -> subprocess.CompletedProcess[str]:
+    return pod.run("run", "-d", "--name", name, "--network", network, "--dns", "127.0.0.53",
+                   IMAGE, "sleep", "300", check=False)  # fmt: skip
+
+
+def egress_of(daemon: Egressd, container_id: str) -> list[dict[str, Any]]:
+    rows = daemon.client.call("GET", "/v1/sandboxes")
+    return [r for r in rows if str(r.get("owner", "")).startswith(f"cni:egtest:{container_id}")]
+
+
+def test_a_container_on_a_chained_network_is_enforced_frozen_and_killed(
+    pod: Podman, daemon: Egressd, network: str, lab: Lab, state_dir: Path
+) -> None:
+    done = start(pod, network, "egc1")
+    assert done.returncode == 0, done.stderr
+    cid = done.stdout.strip()
+    [box] = egress_of(daemon, cid)
+    lab.clear_queries()
+    lab.clear_requests()
+    got = pod.run("exec", "egc1", "wget", "-q", "-O", "-", "http://allowed.lab.test/")
+    assert got.stdout == "lab 203.0.113.10:80\n"
+    denied = pod.run("exec", "egc1", "nslookup", "denied.lab.test", check=False)
+    assert denied.returncode != 0 and "203.0.113" not in denied.stdout
+    assert lab.saw("allowed.lab.test") and not lab.saw("denied.lab.test")
+    # A connect the policy does not allow: the container's cgroup is frozen.
+    pod.run("exec", "-d", "egc1", "wget", "-q", "-O", "-", "http://198.51.100.12/")
+    assert wait_until(lambda: egress_of(daemon, cid)[0]["state"] == "frozen", 20)
+    [box] = egress_of(daemon, cid)
+    pid = pod.pid("egc1")
+    assert box["cgroup"] and Cgroup.attach_existing(box["cgroup"], box["freezer"]).is_frozen()
+    assert pid in Cgroup.attach_existing(box["cgroup"]).pids()
+    with Journal.open(state_dir) as journal:
+        [v] = [v for v in journal.violations(box["id"]) if v["class"] == "blocked_connect"]
+    assert "198.51.100.12" in v["detail"] and v["rule"], v
+    assert v["process"] and "wget" in json.dumps(v["process"]), v
+    assert [r["local"] for r in lab.requests()] == ["203.0.113.10:80"]  # nothing else got in
+    killed = subprocess.run([sys.executable, "-m", "egress.cli.main", "kill", "--state-dir",
+                             str(state_dir), box["id"]], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert killed.returncode == 0, killed.stderr
+    assert wait_until(lambda: pod.run("inspect", "-f", "{{.State.Running}}", "egc1")
+                      .stdout.strip() == "false", 30)  # fmt: skip
+    pod.run("rm", "egc1")
+    assert egress_of(daemon, cid) == []  # CNI DEL detached it
+    assert not Path(f"/run/egress/daemon/{box['id']}.json").exists()
+
+
+def test_with_egressd_down_the_container_does_not_start(
+    pod: Podman, daemon: Egressd, network: str
+) -> None:
+    daemon.stop()
+    try:
+        done = start(pod, network, "egc2")
+        assert done.returncode != 0
+        assert "egress" in done.stderr and "egressd is unreachable" in done.stderr, done.stderr
+        state = pod.run("inspect", "-f", "{{.State.Status}}", "egc2", check=False)
+        assert state.stdout.strip() != "running"
+        pod.run("rm", "--force", "egc2", check=False)
+    finally:
+        daemon.start()
+
+
+def test_egressd_restarted_while_a_container_runs_adopts_it(
+    pod: Podman, daemon: Egressd, network: str, state_dir: Path
+) -> None:
+    done = start(pod, network, "egc3")
+    assert done.returncode == 0, done.stderr
+    cid = done.stdout.strip()
+    [box] = egress_of(daemon, cid)
+    daemon.stop()  # the rules stay in the container's netns: nothing new gets out
+    blocked = pod.run("exec", "egc3", "wget", "-q", "-T", "3", "-O", "-",
+                      "http://allowed.lab.test/", check=False)  # fmt: skip
+    assert blocked.returncode != 0  # no resolver serves while egressd is down
+    daemon.start()
+    assert [b["id"] for b in egress_of(daemon, cid)] == [box["id"]]
+    got = pod.run("exec", "egc3", "wget", "-q", "-O", "-", "http://allowed.lab.test/")
+    assert got.stdout == "lab 203.0.113.10:80\n"
+    pod.run("exec", "-d", "egc3", "wget", "-q", "-O", "-", "http://198.51.100.12/")
+    assert wait_until(lambda: egress_of(daemon, cid)[0]["state"] == "frozen", 20)
+    with Journal.open(state_dir) as journal:
+        classes = [v["class"] for v in journal.violations(box["id"])]
+    assert "blocked_connect" in classes, classes
+    pod.run("rm", "--force", "--time", "0", "egc3")
+    assert egress_of(daemon, cid) == []
