@@ -214,7 +214,7 @@ def add(call: Call) -> dict[str, Any]:
     for row in mine(call, rows):  # an ADD again (a retry): start from nothing
         _call(api, "DELETE", f"/v1/sandboxes/{row['id']}")
     body: dict[str, Any] = {"netns": call.netns, "policy": text, "owner": call.owner,
-                            "id": _sandbox_id(call.container_id)}  # fmt: skip
+                            "id": container_sandbox_id("cni", call.container_id)}  # fmt: skip
     for key, field in (("uplinkNetns", "uplink_netns"), ("upstream", "upstream")):
         if call.config.get(key):
             body[field] = str(call.config[key])
@@ -283,11 +283,12 @@ def gc(call: Call) -> None:
                 print(f"egress-cni: GC {row['id']}: {exc}", file=sys.stderr)
 
 
-def _sandbox_id(container_id: str) -> str:
-    """Readable in `egressctl ps` (the container's short id), unique with a random tail:
-    a container started again gets a new sandbox, and the journal keeps the old one."""
+def container_sandbox_id(kind: str, container_id: str) -> str:
+    """Readable in `egressctl ps` (``kind`` and the container's short id), unique with a
+    random tail: a container started again gets a new sandbox, and the journal keeps the
+    old one."""
     short = re.sub(r"[^a-z0-9_-]", "", container_id.lower())[:12] or "c"
-    return f"cni-{short}-{secrets.token_hex(3)}"
+    return f"{kind}-{short}-{secrets.token_hex(3)}"
 
 
 def _call(api: Client, method: str, url: str, body: dict[str, Any] | None = None) -> Any:

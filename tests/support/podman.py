@@ -30,7 +30,8 @@ from tests.support import ROOT
 from tests.support.netns import unique
 
 IMAGE = "localhost/egress-test-busybox:1"
-APPLETS = ("sh", "wget", "nslookup", "sleep", "cat", "echo", "ls", "ps", "true")
+# Not wget -T: Debian 12's busybox-static crashes on it (SIGSEGV); use timeout.
+APPLETS = ("sh", "wget", "nslookup", "sleep", "cat", "echo", "ls", "ps", "true", "timeout")
 CONTAINERS_CONF = """
 [containers]
 default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
