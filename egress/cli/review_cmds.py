@@ -242,31 +242,20 @@ def cmd_journal(args: argparse.Namespace) -> int:
     return 0
 
 
-FOLLOW_POLL_S = 0.25  # how often --follow asks the journal (a read costs ~0.1 ms)
-# Events carry the time their layer saw them, and two processes write: one may land a
-# little after a later one. Each poll looks this far back, and prints what it has not.
-FOLLOW_SLACK_S = 60.0
-
-
 def _follow(args: argparse.Namespace, journal: Journal) -> int:
     """``journal --follow``: the last ``--limit`` events, then each new one, until
     interrupted (or the reader of a pipe goes away)."""
-    printed: dict[tuple[str, object], float] = {}  # (kind, row id) -> its time
-    backlog = list(reversed(journal.events(args.sandbox, limit=args.limit)))
-    newest = max((e["at"] for e in backlog), default=time.time())
+    from egress.store.follow import POLL_S, Follower
+
+    follower = Follower(journal, args.sandbox)
+    events = follower.backlog(args.limit)
     try:
         while True:
-            for e in backlog:
-                key = (e["kind"], (e["record"] or {}).get("id"))
-                if key not in printed:
-                    printed[key] = e["at"]
-                    _print_event(e, args.json)
-                    newest = max(newest, e["at"])
+            for e in events:
+                _print_event(e, args.json)
             sys.stdout.flush()
-            for key in [k for k, at in printed.items() if at < newest - FOLLOW_SLACK_S]:
-                del printed[key]
-            time.sleep(FOLLOW_POLL_S)
-            backlog = journal.events_since(newest - FOLLOW_SLACK_S, args.sandbox, 100_000)
+            time.sleep(POLL_S)
+            events = follower.poll()
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:
@@ -278,7 +267,9 @@ def _follow(args: argparse.Namespace, journal: Journal) -> int:
 
 def _print_event(e: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        print(json.dumps(e, default=str, separators=(",", ":")))
+        from egress.store.follow import event_json
+
+        print(event_json(e))
     else:
         print(f"{_when(e['at'])}  {e['sandbox_id']:<7} {_describe(e)}")
 

@@ -11,6 +11,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
 from egress.observer.supervisor import Supervisor
 from egress.store import rundir, uids
+from egress.store.follow import POLL_S, Follower, event_json
 from egress.store.journal import Journal
 from egress.store.paths import EGRESS_GROUP, egress_gid, private_dir, run_dir, state_dir
 
@@ -70,6 +72,39 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
+class JournalLog:
+    """``--log-journal``: a thread following the journal (its own connection) and
+    printing each new event as a JSON line. It starts after what the last minute
+    journaled (a predecessor printed that), and prints all that is there when stopped."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="journal-log", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            with Journal.open(self.state) as journal:
+                follower = Follower(journal)
+                follower.skip_recent()
+                while True:
+                    stopping = self._stop.is_set()  # then one last poll
+                    for event in follower.poll():
+                        print(event_json(event), flush=True)
+                    if stopping:
+                        return
+                    self._stop.wait(POLL_S)
+        except (EgressError, OSError) as exc:
+            print(f"egressd: --log-journal stopped: {exc}", file=sys.stderr, flush=True)
+
+
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="egressd",
@@ -99,6 +134,13 @@ def serve_parser() -> argparse.ArgumentParser:
         "--no-adopt",
         action="store_true",
         help="do not serve the sandboxes an earlier egressd left in --run-dir",
+    )
+    p.add_argument(
+        "--log-journal",
+        action="store_true",
+        help="print each new journal event (violations, freezes, decisions, sandboxes; "
+        "both layers') to stdout as a JSON line, as `egressctl journal --follow --json` "
+        "does: for a DaemonSet's log collector",
     )
     p.add_argument(
         "--uid-range", metavar="START-END",
@@ -210,7 +252,10 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     giver: handoff.Giver | None = None
     api_file: int | None = None
     ended = "stop"
+    logger = JournalLog(state) if args.log_journal else None
     try:
+        if logger is not None:
+            logger.start()
         if taken is not None or not args.no_adopt:
             handed = taken.sandboxes if taken is not None else None
             for problem in await registry.adopt(handed):
@@ -239,6 +284,8 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
         ended = await _until_signalled(giver)
     finally:
+        if logger is not None:
+            logger.stop()  # what was journaled until now is printed first
         if taken is not None:
             taken.close()  # whatever adoption did not use
         reload = None

@@ -463,3 +463,31 @@ def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(
             cg.kill()
             proc.wait(timeout=10)
         daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+def test_log_journal_prints_each_event_once_as_a_json_line(lab: Lab, state_dir: Path) -> None:
+    """`egressd --log-journal`: what a DaemonSet's log collector reads on stdout, the
+    same JSON as `egressctl journal --follow --json`, each event once."""
+    import json
+
+    with egressd(state_dir, "--log-journal") as d:
+        box = d.create(policy("logj", "allowed.lab.test"), lab.uplink_netns)
+        connect(box["netns"], "198.51.100.12")
+        seen: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "frozen" not in [e["kind"] for e in seen]:
+            line = d.line(timeout=max(deadline - time.monotonic(), 0.1))
+            if line.startswith("{"):
+                event = json.loads(line)
+                if event["sandbox_id"] == box["id"]:
+                    seen.append(event)
+        kinds = [e["kind"] for e in seen]
+        assert kinds[0] == "sandbox_started" and "frozen" in kinds, kinds
+        [v] = [e for e in seen if e["kind"] == "violation"]
+        assert v["record"]["class"] == "blocked_connect", v
+        assert "198.51.100.12" in v["record"]["detail"]
+        with Journal.open(state_dir) as journal:
+            logged = {(e["kind"], e["record"]["id"]) for e in journal.events(box["id"])}
+        assert len(kinds) == len(set((e["kind"], e["record"]["id"]) for e in seen))  # once
+        assert {(e["kind"], e["record"]["id"]) for e in seen} <= logged
+        d.delete(box["id"])
