@@ -38,22 +38,25 @@ code as the exit status (1-99 the spec's, 100+ egress's).
 from __future__ import annotations
 
 import fnmatch
+import http.client
 import json
 import os
 import re
 import secrets
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from egress.cli.client import Client, default_socket
-from egress.errors import DaemonError, EgressError
-from egress.policy import parse_policy
+# Standard library only, on purpose: this one file is the whole plugin, copied as is to a
+# node's /opt/cni/bin (containers/kubernetes), where only python3 is. egressd validates
+# the policy and says where it is wrong.
 
 SUPPORTED = ("0.4.0", "1.0.0", "1.1.0")
 DEFAULT_POLICY_DIR = "/etc/egress/policies"
+DEFAULT_SOCKET = "/run/egress/egressd.sock"
 TIMEOUT_S = 60.0  # egressd attaches in tens of ms; a handover can hold a request ~seconds
 
 # The spec's codes (SPEC.md, "Error"), and egress's own from 100.
@@ -68,6 +71,7 @@ TRY_AGAIN = 11
 NOT_AVAILABLE = 50
 RULES_GONE = 100  # CHECK: egressd no longer serves it, or its table is gone
 REFUSED = 101  # egressd refused the attach (the netns has a table already, ...)
+INVALID_POLICY = 102  # egressd found the policy invalid (ADD says 7, with where)
 
 
 class CniError(Exception):
@@ -171,35 +175,70 @@ def policy_name(call: Call) -> str:
     return name
 
 
-def policy_text(call: Call, name: str) -> str:
-    """The policy NAME from policyDir, checked here (so a bad one fails the ADD with
-    where it is wrong, before egressd is asked)."""
+def policy_path(call: Call, name: str) -> Path:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name):
         raise CniError(BAD_CONFIG, f"policy name {name!r} is not a file name")
-    directory = Path(str(call.config.get("policyDir") or DEFAULT_POLICY_DIR))
-    path = directory / f"{name}.yaml"
+    return Path(str(call.config.get("policyDir") or DEFAULT_POLICY_DIR)) / f"{name}.yaml"
+
+
+def policy_text(call: Call, name: str) -> str:
+    """The policy NAME from policyDir (egressd validates it)."""
+    path = policy_path(call, name)
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
         raise CniError(BAD_CONFIG, f"policy {name}: cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise CniError(BAD_CONFIG, f"policy {name}: {path} is not UTF-8") from None
-    try:
-        parse_policy(text, str(path))
-    except EgressError as exc:
-        raise CniError(BAD_CONFIG, f"policy {name} is invalid", str(exc)) from None
-    return text
 
 
 # -- commands ------------------------------------------------------------------------------
 
 
-def client(call: Call) -> Client:
-    return Client(str(call.config.get("socket") or default_socket()), timeout=TIMEOUT_S)
+class Unreachable(Exception):
+    """egressd's socket could not be reached (no socket, refused, permission)."""
+
+
+class Api:
+    """egressd's HTTP API over its unix socket (the plugin's own few lines of it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def request(self, method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("egressd", timeout=TIMEOUT_S)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(TIMEOUT_S)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise Unreachable(f"{self.path}: {exc.strerror or exc}") from None
+        conn.sock = sock
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            conn.request(method, url, payload, headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except OSError as exc:
+            raise Unreachable(f"{self.path}: {exc}") from None
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw.decode(errors="replace")
+
+
+def client(call: Call) -> Api:
+    return Api(str(call.config.get("socket") or DEFAULT_SOCKET))
 
 
 def mine(call: Call, rows: Any) -> list[dict[str, Any]]:
     """The sandboxes egressd serves for this container's attachment."""
+    if not isinstance(rows, list):
+        return []
     return [r for r in rows if isinstance(r, dict) and r.get("owner") == call.owner]
 
 
@@ -208,58 +247,59 @@ def add(call: Call) -> dict[str, Any]:
     if not isinstance(prev, dict):
         raise CniError(BAD_CONFIG, "egress-cni is a chained plugin: no prevResult",
                        "list it after the plugins that make the interface")  # fmt: skip
-    text = policy_text(call, policy_name(call))
+    name = policy_name(call)
+    text = policy_text(call, name)
     api = client(call)
-    rows = _call(api, "GET", "/v1/sandboxes")
-    for row in mine(call, rows):  # an ADD again (a retry): start from nothing
+    for row in mine(call, _call(api, "GET", "/v1/sandboxes")):  # a retried ADD: anew
         _call(api, "DELETE", f"/v1/sandboxes/{row['id']}")
     body: dict[str, Any] = {"netns": call.netns, "policy": text, "owner": call.owner,
                             "id": container_sandbox_id("cni", call.container_id)}  # fmt: skip
     for key, field in (("uplinkNetns", "uplink_netns"), ("upstream", "upstream")):
         if call.config.get(key):
             body[field] = str(call.config[key])
-    _call(api, "POST", "/v1/sandboxes/attach", body)
+    try:
+        _call(api, "POST", "/v1/sandboxes/attach", body)
+    except CniError as exc:
+        if exc.code != INVALID_POLICY:
+            raise
+        where = str(policy_path(call, name))
+        raise CniError(BAD_CONFIG, f"egress: policy {name} is invalid",
+                       exc.details.replace("<api>", where)) from None  # fmt: skip
     return {**prev, "cniVersion": call.version}
 
 
 def delete(call: Call) -> None:
     api = client(call)
     try:
-        rows = api.call("GET", "/v1/sandboxes")
-    except DaemonError as exc:
+        status, rows = api.request("GET", "/v1/sandboxes")
+    except Unreachable as exc:
         # Best effort: the rules live in the netns, which goes with the container; the
         # next egressd finds the netns gone and drops the record.
         print(f"egress-cni: DEL {call.container_id}: {exc}; nothing detached", file=sys.stderr)
         return
-    for row in mine(call, rows):
+    for row in mine(call, rows if status == 200 else []):
         try:
-            api.call("DELETE", f"/v1/sandboxes/{row['id']}")
-        except DaemonError as exc:
-            if exc.status != 404:  # gone meanwhile: what DEL wants
-                print(f"egress-cni: DEL {row['id']}: {exc}", file=sys.stderr)
+            _call(api, "DELETE", f"/v1/sandboxes/{row['id']}")
+        except CniError as exc:
+            if "404" not in exc.msg:  # gone meanwhile: what DEL wants
+                print(f"egress-cni: DEL {row['id']}: {exc.msg}", file=sys.stderr)
 
 
 def check(call: Call) -> None:
-    rows = _call(client(call), "GET", "/v1/sandboxes")
-    found = mine(call, rows)
+    api = client(call)
+    found = mine(call, _call(api, "GET", "/v1/sandboxes"))
     if not found:
         raise CniError(RULES_GONE, f"egressd serves no sandbox for {call.owner}")
-    from egress.kernel.nft import NftHandle  # root's, in the container's netns
-
-    try:
-        with NftHandle.open(call.netns) as nft:
-            present = nft.table_exists("inet", "egress")
-    except EgressError as exc:
-        raise CniError(IO_FAILURE, f"cannot read the rules in {call.netns}", str(exc)) from None
-    if not present:
+    box = _call(api, "GET", f"/v1/sandboxes/{found[0]['id']}")
+    if not box.get("rules"):
         raise CniError(RULES_GONE, f"table inet egress is gone from {call.netns}",
                        f"sandbox {found[0]['id']}")  # fmt: skip
 
 
 def status(call: Call) -> None:
     try:
-        client(call).call("GET", "/v1/sandboxes")
-    except DaemonError as exc:
+        client(call).request("GET", "/v1/sandboxes")
+    except Unreachable as exc:
         raise CniError(NOT_AVAILABLE, "egressd is unreachable", str(exc)) from None
 
 
@@ -278,9 +318,9 @@ def gc(call: Call) -> None:
         owner = row.get("owner") if isinstance(row, dict) else None
         if isinstance(owner, str) and owner.startswith(prefix) and owner not in keep:
             try:
-                api.call("DELETE", f"/v1/sandboxes/{row['id']}")
-            except DaemonError as exc:
-                print(f"egress-cni: GC {row['id']}: {exc}", file=sys.stderr)
+                _call(api, "DELETE", f"/v1/sandboxes/{row['id']}")
+            except CniError as exc:
+                print(f"egress-cni: GC {row['id']}: {exc.msg}", file=sys.stderr)
 
 
 def container_sandbox_id(kind: str, container_id: str) -> str:
@@ -291,19 +331,24 @@ def container_sandbox_id(kind: str, container_id: str) -> str:
     return f"{kind}-{short}-{secrets.token_hex(3)}"
 
 
-def _call(api: Client, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+def _call(api: Api, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+    """The JSON of a 2xx answer, else the CniError it is."""
     try:
-        return api.call(method, url, body)
-    except DaemonError as exc:
-        if not exc.status:
-            raise CniError(TRY_AGAIN, "egress: egressd is unreachable; the container is not "
-                           "started without its egress policy", str(exc)) from None  # fmt: skip
-        if exc.status == 503:
-            raise CniError(TRY_AGAIN, "egress: egressd is handing over; try again",
-                           str(exc)) from None  # fmt: skip
-        detail = exc.data if isinstance(exc.data, dict) else {}
-        problems = "; ".join(str(p) for p in detail.get("problems", []))
-        raise CniError(REFUSED, f"egress: {exc}", problems) from None
+        status, data = api.request(method, url, body)
+    except Unreachable as exc:
+        raise CniError(TRY_AGAIN, "egress: egressd is unreachable; the container is not "
+                       "started without its egress policy", str(exc)) from None  # fmt: skip
+    if status < 400:
+        return data
+    message = data.get("error") if isinstance(data, dict) else str(data)
+    if status == 503:
+        raise CniError(TRY_AGAIN, f"egress: egressd is handing over; try again ({message})")
+    problems = data.get("problems") if isinstance(data, dict) else None
+    details = "; ".join(str(p) for p in problems) if isinstance(problems, list) else ""
+    if status == 422 and details:
+        raise CniError(INVALID_POLICY, f"egress: {message}", details)
+    raise CniError(REFUSED, f"egress: egressd refused {method} {url} ({status}): {message}",
+                   details)  # fmt: skip
 
 
 def run(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | None]:

@@ -112,7 +112,11 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 
 async def show(request: web.Request) -> web.Response:
-    return web.json_response(_registry(request).get(request.match_info["id"]).to_json())
+    served = _registry(request).get(request.match_info["id"])
+    loop = asyncio.get_running_loop()
+    # Whether its table is still in the netns (egress-cni's CHECK): one netlink read.
+    rules = await loop.run_in_executor(None, served.rules_present)
+    return web.json_response({**served.to_json(), "rules": rules})
 
 
 async def resume(request: web.Request) -> web.Response:

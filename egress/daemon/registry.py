@@ -72,6 +72,17 @@ class Served:
     def id(self) -> str:
         return self.sb.id
 
+    def rules_present(self) -> bool:
+        """Its table inet egress is in its netns (someone may have deleted it). A handle
+        of its own: this runs on a worker thread, and libnftables' are not shared."""
+        from egress.kernel.nft import NftHandle
+
+        try:
+            with NftHandle.open(self.sb.netns) as nft:
+                return nft.table_exists("inet", c.TABLE)
+        except EgressError:
+            return False
+
     def to_json(self) -> dict[str, Any]:
         r = self.record
         frozen = False
