@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """egress-cni: a chained CNI plugin that puts a container's or pod's netns behind egress.
 
 It runs after the network's own plugins (bridge, host-local, ...), as the CNI spec

@@ -179,6 +179,15 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
 
 
+def make_metrics_app(registry: Registry) -> web.Application:
+    """``--metrics-address``: /metrics alone, read-only, for a scraper over TCP (the API
+    itself stays on the unix socket: it can resume, kill and detach)."""
+    app = web.Application(middlewares=[errors])
+    app[REGISTRY] = registry
+    app.router.add_get("/metrics", prometheus)
+    return app
+
+
 def make_app(registry: Registry) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
     app[REGISTRY] = registry

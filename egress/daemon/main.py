@@ -27,7 +27,7 @@ from egress.store.journal import Journal
 from egress.store.paths import EGRESS_GROUP, egress_gid, private_dir, run_dir, state_dir
 
 from . import handoff, sidecar
-from .api import make_app
+from .api import make_app, make_metrics_app
 from .registry import Registry
 
 FMT = argparse.RawDescriptionHelpFormatter
@@ -134,6 +134,12 @@ def serve_parser() -> argparse.ArgumentParser:
         "--no-adopt",
         action="store_true",
         help="do not serve the sandboxes an earlier egressd left in --run-dir",
+    )
+    p.add_argument(
+        "--metrics-address",
+        metavar="HOST:PORT",
+        help="also serve /metrics (only it, read-only) over TCP there, for Prometheus; "
+        "the API stays on the unix socket",
     )
     p.add_argument(
         "--log-journal",
@@ -252,6 +258,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     giver: handoff.Giver | None = None
     api_file: int | None = None
     ended = "stop"
+    metrics_runner: web.AppRunner | None = None
     logger = JournalLog(state) if args.log_journal else None
     try:
         if logger is not None:
@@ -269,6 +276,8 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         else:
             api = _listen(args.socket, gid)
         await web.SockSite(runner, api).start()
+        if args.metrics_address:
+            metrics_runner = await _serve_metrics(registry, args.metrics_address)
         giver = handoff.Giver(
             run_dir, registry.offers, lambda: api, registry.pause, registry.settled
         )
@@ -300,6 +309,8 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             giver.close()
         if runner is not None:
             await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         if ended == "stop":
             print(f"egressd: stopping; {len(registry.served)} sandboxes keep their rules "
                   "in the kernel for the next egressd", file=sys.stderr, flush=True)  # fmt: skip
@@ -338,6 +349,20 @@ def _raise_open_files() -> None:
     wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+async def _serve_metrics(registry: Registry, address: str) -> web.AppRunner:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SandboxError(f"--metrics-address {address!r}: give HOST:PORT, e.g. 0.0.0.0:9469")
+    runner = web.AppRunner(make_metrics_app(registry), handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host.strip("[]") or None, int(port)).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise SandboxError(f"--metrics-address {address}: {exc.strerror}") from None
+    return runner
 
 
 def _listen(path: str, gid: int) -> socket.socket:

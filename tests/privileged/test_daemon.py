@@ -491,3 +491,22 @@ def test_log_journal_prints_each_event_once_as_a_json_line(lab: Lab, state_dir: 
         assert len(kinds) == len(set((e["kind"], e["record"]["id"]) for e in seen))  # once
         assert {(e["kind"], e["record"]["id"]) for e in seen} <= logged
         d.delete(box["id"])
+
+
+def test_metrics_address_serves_metrics_and_nothing_else_over_tcp(state_dir: Path) -> None:
+    import socket as socket_mod
+    import urllib.error
+    import urllib.request
+
+    with socket_mod.socket() as s:  # a free port on loopback (nothing leaves the machine)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with egressd(state_dir, "--metrics-address", f"127.0.0.1:{port}"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert r.status == 200 and "egress_sandboxes" in text, text[:500]
+        for path in ("/v1/sandboxes", "/v1/journal", "/openapi.json"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+            err.value.close()
+            assert err.value.code == 404  # the API is the unix socket's only
