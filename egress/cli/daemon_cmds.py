@@ -63,7 +63,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
              "egressctl sandbox attach --netns agent1 --cgroup /sys/fs/cgroup/agent1 "
              "--policy p.yaml")  # fmt: skip
     a.add_argument("--netns", required=True, metavar="NAME|PATH")
-    a.add_argument("--cgroup", required=True, metavar="DIR", help="cgroup v2 directory")
+    a.add_argument(
+        "--cgroup",
+        metavar="DIR",
+        help="cgroup v2 directory (default: the one the processes in the netns come to run "
+        "in; until one does, violations are blocked and journaled, not frozen)",
+    )
     a.add_argument("--freezer", metavar="DIR", help="v1 freezer cgroup directory, if any")
     a.add_argument("--policy", required=True, metavar="FILE")
     a.add_argument("--uplink-netns", metavar="NS", help="netns upstream DNS queries leave from")
