@@ -20,13 +20,14 @@ APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils
 NATIVE_SRC := $(addprefix egress/tunnel/,entropy.py features.py labels.py overrides.py \
 	scorer.py verdict.py vocab.py window.py zone.py)
 
-.PHONY: help setup demo test test-unit lint bench clean
+.PHONY: help setup demo test test-unit lint bench image clean
 
 help:
 	@echo "make demo   install what is missing, then run the demo (no network needed)"
 	@echo "make test   install what is missing, then run the whole test suite"
 	@echo "make lint   ruff, mypy --strict egress/, import-linter layer contracts"
 	@echo "make bench  run the benchmarks in bench/ and print their figures"
+	@echo "make image  build the OCI image localhost/egress:VERSION (Debian packages, no registry)"
 
 $(STAMPS)/apt: Makefile
 	@mkdir -p $(STAMPS)
@@ -72,6 +73,13 @@ lint: setup
 	$(VENV)/bin/ruff format --check egress tests bench
 	$(VENV)/bin/mypy --strict egress
 	$(VENV)/bin/lint-imports
+
+# The OCI image: a Debian root filesystem by mmdebstrap, the project's wheels in a venv,
+# podman import (containers/image/build.sh). Downloads Debian packages and the wheels.
+image: setup
+	@command -v mmdebstrap >/dev/null || { echo "installing: mmdebstrap"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null; }
+	PY=$(PY) containers/image/build.sh
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
