@@ -1,0 +1,89 @@
+"""egress-cni's pure parts: the call from the environment and stdin, the policy a pod
+gets, and the common cgroup of a netns's processes (issue 15)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from egress.cli.cni import (
+    BAD_CONFIG,
+    BAD_ENVIRONMENT,
+    Call,
+    CniError,
+    parse_call,
+    policy_name,
+    run,
+)
+from egress.kernel.netns_cgroup import common
+
+ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "abc", "CNI_NETNS": "/run/netns/x",
+       "CNI_IFNAME": "eth0"}  # fmt: skip
+
+
+def call(config: dict[str, object], **env: str) -> Call:
+    return parse_call(
+        {**ENV, **env}, json.dumps({"cniVersion": "1.0.0", "name": "n", **config}).encode()
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [
+        ("K8S_POD_NAMESPACE=agents;K8S_POD_NAME=coder-1", "coder"),
+        ("K8S_POD_NAMESPACE=agents;K8S_POD_NAME=other", "agents"),
+        ("K8S_POD_NAMESPACE=default;K8S_POD_NAME=coder-1", "fallback"),
+        ("", "fallback"),  # not a pod: the default only
+        ("IgnoreUnknown=1; K8S_POD_NAMESPACE = agents ;K8S_POD_NAME=coder-2", "coder"),
+    ],
+)
+def test_the_first_matching_mapping_entry_wins(args: str, want: str) -> None:
+    mapping = [{"namespace": "agents", "pod": "coder-*", "policy": "coder"},
+               {"namespace": "agents", "policy": "agents"}]  # fmt: skip
+    c = call({"mapping": mapping, "policy": "fallback"}, CNI_ARGS=args)
+    assert policy_name(c) == want
+
+
+def test_no_policy_for_a_pod_is_a_config_error_naming_it() -> None:
+    c = call({"mapping": [{"namespace": "x", "policy": "p"}]},
+             CNI_ARGS="K8S_POD_NAMESPACE=a;K8S_POD_NAME=b")  # fmt: skip
+    with pytest.raises(CniError) as err:
+        policy_name(c)
+    assert err.value.code == BAD_CONFIG and "pod a/b" in err.value.msg
+
+
+def test_an_unknown_mapping_key_is_refused() -> None:
+    c = call({"mapping": [{"namespace": "x", "labels": {}, "policy": "p"}], "policy": "d"},
+             CNI_ARGS="K8S_POD_NAMESPACE=x;K8S_POD_NAME=y")  # fmt: skip
+    with pytest.raises(CniError, match="unknown key 'labels'"):
+        policy_name(c)
+
+
+def test_del_needs_no_netns_but_add_and_check_do() -> None:
+    for command in ("ADD", "CHECK"):
+        with pytest.raises(CniError) as err:
+            call({}, CNI_COMMAND=command, CNI_NETNS="")
+        assert err.value.code == BAD_ENVIRONMENT
+    assert call({}, CNI_COMMAND="DEL", CNI_NETNS="").netns == ""
+
+
+def test_errors_carry_the_configs_version_and_the_code_as_exit_status() -> None:
+    code, out = run({**ENV, "CNI_COMMAND": "ADD"}, b'{"cniVersion": "0.4.0", "name": "n"}')
+    assert code == 7 and out is not None  # no prevResult: a chained plugin's config error
+    assert sorted(out) == ["cniVersion", "code", "details", "msg"]
+    assert (out["cniVersion"], out["code"]) == ("0.4.0", 7) and "chained" in out["msg"]
+
+
+@pytest.mark.parametrize(
+    ("paths", "want"),
+    [
+        (["/kubepods/pod1/c1", "/kubepods/pod1/c2"], "/kubepods/pod1"),
+        (["/libpod_parent/libpod-a"], "/libpod_parent/libpod-a"),
+        (["/a/b", "/a/bc"], "/a"),  # by whole names, not characters
+        (["/a/b", "/c"], "/"),
+        (["/", "/a"], "/"),
+    ],
+)
+def test_common_is_the_deepest_cgroup_holding_all(paths: list[str], want: str) -> None:
+    assert common(paths) == want
