@@ -29,6 +29,7 @@ Configuration (the plugin's entry in the conflist)::
      "policy": "NAME",                      # policies/NAME.yaml under policyDir
      "policyDir": "/etc/egress/policies",   # default
      "mapping": [{"namespace": "agents", "pod": "*", "policy": "agent"}],  # first match
+     "unmatched": "refuse",                 # or "pass": no policy, no egress
      "socket": "/run/egress/egressd.sock",  # default: egressd's
      "uplinkNetns": "NAME", "upstream": "IP[:PORT]"}   # optional, as for attach
 
@@ -133,8 +134,9 @@ def parse_call(env: Mapping[str, str], stdin: bytes) -> Call:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", call.container_id):
             raise CniError(BAD_ENVIRONMENT, f"CNI_CONTAINERID {call.container_id!r} is invalid",
                            "letters, digits, _ . - (the spec's)")  # fmt: skip
-    if not call.network:
-        raise CniError(BAD_CONFIG, "the network configuration has no name")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", call.network):
+        raise CniError(BAD_CONFIG, f"network name {call.network!r} is not a CNI network name",
+                       "letters, digits, _ . - (the spec's)")  # fmt: skip
     return call
 
 
@@ -147,9 +149,10 @@ def _args(text: str) -> dict[str, str]:
     return out
 
 
-def policy_name(call: Call) -> str:
+def policy_name(call: Call) -> str | None:
     """The policy for this container: the first mapping entry that matches its pod's
-    namespace and name (globs), else the config's ``policy``."""
+    namespace and name (globs), else the config's ``policy``; else, with ``"unmatched":
+    "pass"``, None (not egress's: the node's own pods, CoreDNS), or an error."""
     mapping = call.config.get("mapping", [])
     if not isinstance(mapping, list):
         raise CniError(BAD_CONFIG, "mapping must be a list of {namespace, pod, policy}")
@@ -169,6 +172,11 @@ def policy_name(call: Call) -> str:
         ):
             return str(entry["policy"])
     name = call.config.get("policy")
+    unmatched = call.config.get("unmatched", "refuse")
+    if unmatched not in ("refuse", "pass"):
+        raise CniError(BAD_CONFIG, f"unmatched must be refuse or pass, not {unmatched!r}")
+    if (not isinstance(name, str) or not name) and unmatched == "pass":
+        return None
     if not isinstance(name, str) or not name:
         where = f"pod {namespace}/{pod}" if namespace or pod else "this container"
         hint = "set policy (a name under policyDir), or a mapping entry that matches"
@@ -249,6 +257,8 @@ def add(call: Call) -> dict[str, Any]:
         raise CniError(BAD_CONFIG, "egress-cni is a chained plugin: no prevResult",
                        "list it after the plugins that make the interface")  # fmt: skip
     name = policy_name(call)
+    if name is None:
+        return {**prev, "cniVersion": call.version}  # not egress's ("unmatched": "pass")
     text = policy_text(call, name)
     api = client(call)
     for row in mine(call, _call(api, "GET", "/v1/sandboxes")):  # a retried ADD: anew
@@ -278,7 +288,10 @@ def delete(call: Call) -> None:
         # next egressd finds the netns gone and drops the record.
         print(f"egress-cni: DEL {call.container_id}: {exc}; nothing detached", file=sys.stderr)
         return
-    for row in mine(call, rows if status == 200 else []):
+    if status != 200:  # egressd is there but cannot say (a handover): let the runtime retry
+        raise CniError(TRY_AGAIN, f"egress: egressd could not list its sandboxes ({status})",
+                       str(rows))  # fmt: skip
+    for row in mine(call, rows):
         try:
             _call(api, "DELETE", f"/v1/sandboxes/{row['id']}")
         except CniError as exc:
@@ -287,8 +300,12 @@ def delete(call: Call) -> None:
 
 
 def check(call: Call) -> None:
+    if not isinstance(call.config.get("prevResult"), dict):
+        raise CniError(BAD_CONFIG, "egress-cni is a chained plugin: no prevResult")
     api = client(call)
     found = mine(call, _call(api, "GET", "/v1/sandboxes"))
+    if not found and policy_name(call) is None:
+        return  # not egress's: nothing to check
     if not found:
         raise CniError(RULES_GONE, f"egressd serves no sandbox for {call.owner}")
     box = _call(api, "GET", f"/v1/sandboxes/{found[0]['id']}")

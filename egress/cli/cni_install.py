@@ -109,6 +109,8 @@ def entry_for(args: argparse.Namespace) -> dict[str, Any]:
                              "socket": args.socket}  # fmt: skip
     if args.default_policy:
         entry["policy"] = args.default_policy
+    if args.unmatched:
+        entry["unmatched"] = args.unmatched
     if args.mapping:
         try:
             mapping = yaml.safe_load(Path(args.mapping).read_text()) or []
@@ -117,7 +119,7 @@ def entry_for(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(mapping, list):
             raise InstallError(f"--mapping {args.mapping}: a list of {{namespace, pod, policy}}")
         entry["mapping"] = mapping
-    if not entry.get("policy") and not entry.get("mapping"):
+    if not entry.get("policy") and not entry.get("mapping") and args.unmatched != "pass":
         raise InstallError("give --default-policy, --mapping, or both")
     return entry
 
@@ -138,6 +140,12 @@ def parser() -> argparse.ArgumentParser:
         "--mapping",
         metavar="FILE",
         help="YAML list of {namespace, pod, policy} (globs), first match wins",
+    )
+    p.add_argument(
+        "--unmatched",
+        choices=["refuse", "pass"],
+        help="a pod no mapping entry matches and no --default-policy covers: its start "
+        "fails (refuse, the plugin's default), or it runs without egress (pass)",
     )
     p.add_argument("--socket", default=cni.DEFAULT_SOCKET, help="egressd's socket on the node")
     p.add_argument("--remove", action="store_true", help="take the egress-cni entry out")

@@ -20,6 +20,7 @@ from aiohttp import web
 from egress import __version__
 from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
+from egress.kernel.netns_cgroup import enter_host_cgroupns
 from egress.observer.supervisor import Supervisor
 from egress.store import rundir, uids
 from egress.store.follow import POLL_S, Follower, event_json
@@ -205,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args_in[:1] == ["observer"]:
             args = observer_parser().parse_args(args_in[1:])
+            _host_cgroupns("egressd observer")
             sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir))
             return sup.run()
         if args_in[:1] == ["sidecar"]:
@@ -216,12 +218,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = [a for a in args_in if a != "--replace"]  # for a re-exec on SIGHUP
         gid = _group(args.group)
         _check_reach(args.socket, gid)
+        _host_cgroupns("egressd")
         return asyncio.run(serve(args, gid))
     except EgressError as exc:
         print(f"egressd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _host_cgroupns(who: str) -> None:
+    """In a container of its own cgroup namespace (a DaemonSet's pod), see cgroups as the
+    host does, or attached sandboxes' cgroups cannot be found (kernel.netns_cgroup).
+    Here, before any thread starts: a namespace is per thread."""
+    try:
+        if enter_host_cgroupns():
+            print(f"{who}: entered the host's cgroup namespace (PID 1's)", file=sys.stderr)
+    except OSError as exc:
+        print(f"{who}: stays in its own cgroup namespace ({exc.strerror}): sandboxes "
+              "attached without a cgroup are blocked, not frozen", file=sys.stderr)  # fmt: skip
 
 
 def _group(name: str | None) -> int:

@@ -43,7 +43,6 @@ from egress.inline import wiring
 from egress.inline.session import Session
 from egress.inline.swap import TrackingResolver, swap
 from egress.inline.upstream import parse_upstream, resolve_upstreams
-from egress.kernel.cgroup import Cgroup
 from egress.kernel.nflog import NflogListener
 from egress.kernel.nfqueue import NfqueueListener
 from egress.model import Policy, ReviewAction, SandboxKind, SandboxState
@@ -281,9 +280,14 @@ class Registry:
                     freezer=sb.cgroup.freezer_path, policy_sha256=record.policy_sha256,
                     uid=sb.uid,
                 )  # fmt: skip
+            if sb.cgroup.netns is not None:  # found from its processes: record each find
+                loop = asyncio.get_running_loop()
+                # Called on whichever thread froze, after the freeze's discovery: the
+                # record and journal are written on the loop, not in the freeze's path.
+                sb.cgroup.on_bind = lambda cg: loop.call_soon_threadsafe(
+                    self._bound, record, cg.v2_path, cg.freezer_path
+                )
             session, resolver = await self._start(sb, record, upstreams, fresh, handed)
-            if not sb.cgroup.bound:
-                sb.cgroup.on_bind = lambda cgroup: self._bound(record, cgroup)
             rundir.save(self.run_dir, record)
         except BaseException:
             await self._stop(session, resolver)
@@ -358,19 +362,19 @@ class Registry:
             leftover.close()
         return problems
 
-    def _bound(self, record: rundir.Record, cgroup: Cgroup) -> None:
+    def _bound(self, record: rundir.Record, v2: str, freezer: str | None) -> None:
         """An attached sandbox's cgroup was found from its processes: kept in its record
-        and the journal (what the next egressd and `egressctl resume` act on). Called on
-        whichever thread froze; both writes are whole-file or one transaction."""
-        record.cgroup, record.freezer = cgroup.v2_path, cgroup.freezer_path
+        and the journal (what the next egressd and `egressctl resume` act on)."""
+        if record.id not in self.served or record.cgroup == v2:
+            return
+        record.cgroup, record.freezer, record.cgroup_found = v2, freezer, True
         try:
             rundir.save(self.run_dir, record)
-            self.journal.update_sandbox(record.id, cgroup=cgroup.v2_path,
-                                        freezer=cgroup.freezer_path)  # fmt: skip
+            self.journal.update_sandbox(record.id, cgroup=v2, freezer=freezer)
         except (EgressError, OSError) as exc:
-            print(f"egressd: {record.id}: could not record its cgroup {cgroup.v2_path}: {exc}",
+            print(f"egressd: {record.id}: could not record its cgroup {v2}: {exc}",
                   file=sys.stderr)  # fmt: skip
-        _log(f"bound {record.id} to cgroup {cgroup.v2_path} (its processes')")
+        _log(f"bound {record.id} to cgroup {v2} (its processes')")
 
     async def _adopt(self, record: rundir.Record, handed: handoff.Handed | None) -> None:
         policy = parse(record.policy)
@@ -380,7 +384,7 @@ class Registry:
         else:
             sb = await _in_thread(
                 attach_mod.adopt, record.id, policy, record.netns, record.cgroup,
-                record.freezer, record.lo_raised,
+                record.freezer, record.lo_raised, record.cgroup_found or not record.cgroup,
             )  # fmt: skip
         record.daemon_pid = os.getpid()
         try:

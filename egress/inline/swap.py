@@ -170,6 +170,7 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
                 if attempt == 2 or "No such file or directory" not in str(exc):
                     raise
     resolver.core.set_policy(policy)
+    resolver.core.bindings.forget_inherited()  # their elements went with the swap
     resolver.core.scorer = scorer_for(policy.tunnel, time.time)
     resolver.forget_unjustified(resolver.core.matcher)
     sb.policy = policy

@@ -23,6 +23,7 @@ import os
 import re
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,8 +105,10 @@ class Cgroup:
         self.freezer_path = freezer_path
         self.ours = ours  # under egress's own parent: the last one out removes the parent
         self.netns: str | None = None  # unbound: the netns whose processes say which
-        self.on_bind: Callable[[Cgroup], None] | None = None  # e.g. record it in the journal
+        self.on_bind: Callable[[Cgroup], object] | None = None  # e.g. record it in the journal
         self.unbound_reason = ""  # why the last bind found none
+        self.nobody = False  # ... because no process runs in the netns (nothing to act on)
+        self._lock = threading.Lock()  # one discovery at a time (freeze, kill, API threads)
 
     # ---- construction -------------------------------------------------------------
 
@@ -150,11 +153,15 @@ class Cgroup:
         return cls(v2_path, freezer_path)
 
     @classmethod
-    def in_netns(cls, netns_path: str) -> Cgroup:
-        """Not bound yet: the cgroup of the processes that will run in the netns (a CNI
-        ADD comes before the container's first process). Found when first needed
-        (``bind``, ``kernel.netns_cgroup``); until then nothing can be frozen."""
-        cgroup = cls("", None)
+    def in_netns(
+        cls, netns_path: str, v2_path: str = "", freezer_path: str | None = None
+    ) -> Cgroup:
+        """The cgroup of the processes that run in the netns (a CNI ADD comes before the
+        container's first process): found when an act needs it (``bind``, from
+        ``kernel.netns_cgroup``), and found again at each freeze, so it widens to cover
+        every process there then (a pod's containers after its pause container). Read
+        paths never look: until bound, nothing is frozen and there is nothing to list."""
+        cgroup = cls(v2_path, freezer_path)
         cgroup.netns = netns_path
         cgroup.unbound_reason = f"no process has run in netns {netns_path} yet"
         return cgroup
@@ -163,26 +170,31 @@ class Cgroup:
     def bound(self) -> bool:
         return bool(self.v2_path)
 
-    def bind(self) -> bool:
-        """Bound, or bind it now from the processes in its netns; False (the reason in
-        ``unbound_reason``) while there is none to bind."""
-        if self.v2_path:
-            return True
-        if self.netns is None:
-            return False
+    def bind(self, refresh: bool = False) -> bool:
+        """Bound, or bind it now from the processes in its netns (with ``refresh``, look
+        again even if bound: they may have spread). False, the reason in
+        ``unbound_reason``, while there is none to bind; an earlier binding is kept when
+        a later look finds none."""
+        if self.netns is None or (self.v2_path and not refresh):
+            return bool(self.v2_path)
         from egress.kernel.netns_cgroup import NoCgroup, discover  # it reads mounts here
 
-        try:
-            self.v2_path, self.freezer_path = discover(self.netns)
-        except NoCgroup as exc:
-            self.unbound_reason = str(exc)
-            return False
-        if self.on_bind is not None:
+        with self._lock:
+            try:
+                v2, freezer = discover(self.netns)
+            except NoCgroup as exc:
+                self.unbound_reason = str(exc)
+                self.nobody = exc.nobody
+                return bool(self.v2_path)
+            changed = v2 != self.v2_path or freezer != self.freezer_path
+            self.freezer_path = freezer  # first: whoever sees the v2 path sees its twin
+            self.v2_path = v2
+        if changed and self.on_bind is not None:
             self.on_bind(self)
         return True
 
     def _bound(self) -> None:
-        if not self.bind():
+        if not self.bind(refresh=True):
             raise SandboxError(f"no cgroup to act on: {self.unbound_reason}")
 
     # ---- membership ---------------------------------------------------------------
@@ -202,10 +214,10 @@ class Cgroup:
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def pids(self) -> list[int]:
-        return _procs(self.v2_path) if self.bind() else []
+        return _procs(self.v2_path) if self.v2_path else []
 
     def populated(self) -> bool:
-        if not self.bind():
+        if not self.v2_path:
             return False
         return _events(_read(os.path.join(self.v2_path, "cgroup.events"))).get("populated") == "1"
 
@@ -249,8 +261,8 @@ class Cgroup:
 
     def thaw(self, timeout: float = 2.0) -> None:
         """Thaw both hierarchies and wait until neither reports frozen."""
-        if not self.bind():
-            return  # nothing was ever frozen
+        if not self.v2_path:
+            return  # never bound: nothing was ever frozen
         _write(os.path.join(self.v2_path, "cgroup.freeze"), "0")
         if self.freezer_path:
             _write(self._state_path(), "THAWED")
@@ -258,7 +270,7 @@ class Cgroup:
 
     def is_frozen(self) -> bool:
         """True when the workload cannot run: either hierarchy reports it frozen."""
-        if not self.bind():
+        if not self.v2_path:
             return False
         return self.v2_frozen() or self.v1_state() == "FROZEN"
 
@@ -305,8 +317,12 @@ class Cgroup:
         can execute another user instruction. v2 freezing is left as is; it does not
         block SIGKILL.
         """
-        if not self.bind() or not os.path.isdir(self.v2_path):
-            return  # never bound, or already removed: nothing left to kill
+        if not self.bind(refresh=True):
+            if self.nobody:
+                return  # nothing runs in its netns: nothing to kill
+            raise SandboxError(f"cannot kill: {self.unbound_reason}")
+        if not os.path.isdir(self.v2_path):
+            return  # already removed: nothing left to kill
         has_kill = os.path.exists(os.path.join(self.v2_path, "cgroup.kill"))
         if has_kill:
             _write(os.path.join(self.v2_path, "cgroup.kill"), "1")

@@ -4,9 +4,13 @@ before its processes existed (a CNI ADD runs before the container's first proces
 The runtime exposes the cgroup nowhere egress can read at ADD time, but once the
 container runs, its processes are in the netns and in its cgroup. The cgroup to freeze
 is the deepest one that holds every process in the netns (a pod's containers share the
-netns and sit in sibling cgroups under the pod's). Never one that holds egress itself,
-or the root: a host process that entered the netns (``ip netns exec``, a debugger) would
-otherwise turn the answer into a cgroup with the host in it.
+netns and sit in sibling cgroups under the pod's), and it must hold nothing else: a
+host process that entered the netns (``ip netns exec``, a debugger, another pod's
+shell) would otherwise widen it to a cgroup with other workloads, or the host, in it.
+Such a cgroup is refused, and says why.
+
+A process counts as in the netns if any of its threads is: a workload whose main thread
+exited (a zombie leader) or moved to another netns is still found by its others.
 """
 
 from __future__ import annotations
@@ -17,22 +21,38 @@ from egress.kernel.cgroup import find_mounts
 
 
 class NoCgroup(Exception):
-    """Why no cgroup could be bound (for the journal)."""
+    """Why no cgroup could be bound (for the journal). ``nobody``: no process runs in
+    the netns yet (as opposed to a cgroup refused)."""
+
+    def __init__(self, message: str, nobody: bool = False) -> None:
+        super().__init__(message)
+        self.nobody = nobody
 
 
-def processes_in(netns_path: str) -> list[int]:
-    """PIDs (thread-group leaders) whose network namespace is the one at ``netns_path``."""
+def _same(path: str, want: os.stat_result) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False  # gone, a kernel thread, or a zombie leader
+    return (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino)
+
+
+def processes_in(netns_path: str) -> set[int]:
+    """PIDs (thread-group ids) with a thread in the network namespace at ``netns_path``."""
     want = os.stat(netns_path)
-    out = []
+    out = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        if _same(f"/proc/{entry}/ns/net", want):
+            out.add(int(entry))
+            continue
         try:
-            st = os.stat(f"/proc/{entry}/ns/net")
+            tasks = os.listdir(f"/proc/{entry}/task")
         except OSError:
-            continue  # gone, or a kernel thread
-        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
-            out.append(int(entry))
+            continue
+        if tasks != [entry] and any(_same(f"/proc/{entry}/task/{t}/ns/net", want) for t in tasks):
+            out.add(int(entry))  # another thread is: a zombie leader, or one that moved
     return out
 
 
@@ -62,9 +82,21 @@ def common(paths: list[str]) -> str:
     return "/" + "/".join(shared)
 
 
+def procs_below(directory: str) -> set[int]:
+    """Every process in the cgroup at ``directory`` and its descendants."""
+    out: set[int] = set()
+    for root, _dirs, _files in os.walk(directory):
+        try:
+            with open(os.path.join(root, "cgroup.procs")) as f:
+                out.update(int(p) for p in f.read().split())
+        except OSError:
+            continue  # removed meanwhile
+    return out
+
+
 def discover(netns_path: str) -> tuple[str, str | None]:
     """(v2 directory, v1 freezer directory or None) to freeze for the processes in the
-    netns; NoCgroup says why there is none (no process yet, or only a host one)."""
+    netns; NoCgroup says why there is none."""
     mounts = find_mounts()
     if mounts.v2 is None:
         raise NoCgroup("no cgroup2 filesystem is mounted")
@@ -73,24 +105,64 @@ def discover(netns_path: str) -> tuple[str, str | None]:
     except OSError as exc:
         raise NoCgroup(f"netns {netns_path}: {exc.strerror}") from None
     found: list[tuple[str, str | None]] = []
-    for pid in pids:
+    for pid in sorted(pids):
         try:
             found.append(cgroup_paths(pid))
         except OSError:
             continue  # exited meanwhile
     if not found:
-        raise NoCgroup(f"no process runs in netns {netns_path} yet")
+        raise NoCgroup(f"no process runs in netns {netns_path} yet", nobody=True)
+    if any("/.." in v2 or v2.startswith("..") for v2, _ in found):
+        raise NoCgroup("egressd runs in a cgroup namespace of its own, which hides where "
+                       "the netns's processes are: run it in the host's (podman "
+                       "--cgroupns=host)")  # fmt: skip
     v2 = common([p for p, _ in found])
-    mine = cgroup_paths(os.getpid())[0]
-    if v2 == "/" or common([v2, mine]) == v2:
-        raise NoCgroup(
-            f"the processes in netns {netns_path} share only cgroup {v2}, which holds "
-            "egress too: not frozen (a host process entered the netns?)"
-        )
-    freezers = [f for _, f in found]
+    v2_dir = os.path.join(mounts.v2, v2.lstrip("/"))
+    outside = _outsiders(v2_dir, netns_path) if v2 != "/" else set()
+    if v2 == "/" or outside:
+        shown = ", ".join(str(p) for p in sorted(outside)[:5]) or "the host's"
+        raise NoCgroup(f"the processes in netns {netns_path} share only cgroup {v2}, which "
+                       f"also holds processes outside it ({shown}): not frozen")  # fmt: skip
     freezer = None
-    if mounts.freezer and all(f is not None for f in freezers):
+    freezers = [f for _, f in found]
+    if mounts.freezer and all(f is not None and "/.." not in f for f in freezers):
         shared = common([f for f in freezers if f is not None])
-        if shared != "/":
-            freezer = os.path.join(mounts.freezer, shared.lstrip("/"))
-    return os.path.join(mounts.v2, v2.lstrip("/")), freezer
+        candidate = os.path.join(mounts.freezer, shared.lstrip("/"))
+        if shared != "/" and not _outsiders(candidate, netns_path):
+            freezer = candidate  # else v2 alone freezes it
+    return v2_dir, freezer
+
+
+def _outsiders(directory: str, netns_path: str) -> set[int]:
+    """Processes under the cgroup that are not in the netns. Listed twice: one that a
+    process in the netns forked meanwhile is in the second list of the netns's."""
+    below = procs_below(directory)
+    outside = below - processes_in(netns_path)
+    return outside - processes_in(netns_path) if outside else outside
+
+
+CLONE_NEWCGROUP = 0x02000000
+
+
+def enter_host_cgroupns(pid: int = 1) -> bool:
+    """Join the cgroup namespace of PID 1 (``pid``: the host's, with the host's PID namespace: a
+    DaemonSet's hostPID, podman's --pid host) if this process is in another; True if it
+    moved. Call it before any thread starts: a namespace is per thread, and threads
+    take their creator's. Without it, /proc/PID/cgroup says ``/..`` for everything
+    outside this container, and ``discover`` refuses (it cannot say which cgroup)."""
+    try:
+        if os.stat(f"/proc/{pid}/ns/cgroup").st_ino == os.stat("/proc/self/ns/cgroup").st_ino:
+            return False
+    except OSError:
+        return False  # no cgroup namespaces here, or PID 1 is not ours to see
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/proc/{pid}/ns/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWCGROUP) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns(cgroup of PID {pid}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    return True

@@ -22,12 +22,15 @@ Each binding keeps the ports of the rule the answer came through: the kernel's e
 allow the address on those, and a flow to another port (allowed through another name's
 rule) must not pass as this name.
 
-An egressd that adopts a sandbox after a crash (no handover) finds addresses in the
-kernel's sets whose answers it never saw, and that a client may still hold in its cache.
-``inherit`` records them, per TCP port, until their elements expire: a flow there passes
-if its name is one the policy allows, though perhaps not the one the address was resolved
-for. Weaker, and only until the predecessor's elements expire; the alternative would
-freeze every workload that reuses a cached address after a restart.
+An egressd that adopts a sandbox without a handover (after a crash, or a plain stop and
+start: a systemd restart, a DaemonSet rollout), and a restarted sidecar, find addresses
+in the kernel's sets whose answers they never saw, and that a client may still hold in
+its cache. ``inherit`` records them, per TCP port, until their elements expire: a flow
+there passes if its name is one the policy allows on that port (``flows.judge_flow``),
+though perhaps not the one the address was resolved for. Weaker, and only until the
+predecessor's elements expire; the alternative would freeze every workload that reuses
+a cached address after a restart. ``--replace`` and SIGHUP hand the questions over, and
+inherit nothing.
 """
 
 from __future__ import annotations
@@ -100,22 +103,24 @@ class Bindings:
         return tuple(n for n, (until, *_) in bound.items() if until > now) if bound else ()
 
     def bound(self, ip: IPAddress, name: str, port: int, now: float) -> bool:
-        """``name`` is bound to ``ip`` at ``now``, for TCP ``port`` (or the address is
-        inherited there: ``inherit``)."""
+        """``name`` is bound to ``ip`` at ``now``, for TCP ``port``, by an answer seen
+        here (an inherited address is ``inherited``'s: its caller checks the name's
+        rule allows the port)."""
         found = self._table.get(ip, {}).get(_key(name))
-        if (
-            found is not None
-            and found[0] > now
-            and any(r.first <= port <= r.last for r in found[1].tcp)
-        ):
-            return True
-        return self.inherited(ip, port, now)
+        if found is None or found[0] <= now:
+            return False
+        return any(r.first <= port <= r.last for r in found[1].tcp)
 
     def inherit(self, ip: IPAddress, port: int, until: float) -> None:
         """A predecessor's answer allowed ``ip`` on TCP ``port`` until ``until``, for names
         this table does not know (module docstring)."""
         ports = self._inherited.setdefault(ip, {})
         ports[port] = max(ports.get(port, 0.0), until)
+
+    def forget_inherited(self) -> None:
+        """A policy swap removes from the sets what no question of this resolver
+        justifies, inherited addresses included: so they go here too."""
+        self._inherited.clear()
 
     def inherited(self, ip: IPAddress, port: int, now: float) -> bool:
         """``inherit`` allowed ``ip`` on TCP ``port`` and that has not expired."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from egress.datapath.firstbytes import FirstBytes, Outcome
 from egress.model import Flow, IPAddress, Mode, Policy, Violation, ViolationClass
 from egress.policy.matcher import Matcher
+from egress.resolver.answer import learned_ports
 from egress.resolver.bindings import Bindings
 
 
@@ -53,10 +54,14 @@ def judge_flow(
     if first.outcome is Outcome.REFUSE or first.name is None:
         return FlowVerdict(False, None, first.reason or "malformed", f"{where}: {first.detail}")
     name = first.name
-    if matcher.rule_for(name) is None:
+    rule = matcher.rule_for(name)
+    if rule is None:
         return FlowVerdict(False, name, "name_not_allowed",
                            f"{where} asks for {name}: no rule allows it")  # fmt: skip
-    if not bindings.bound(dst, name, dport, now):
+    if not bindings.bound(dst, name, dport, now) and not (
+        bindings.inherited(dst, dport, now)
+        and any(r.first <= dport <= r.last for r in learned_ports(rule, matcher.policy).tcp)
+    ):
         others = bindings.names(dst, now)
         resolved = f"resolved for {', '.join(others)}" if others else "resolved for no name now"
         return FlowVerdict(False, name, "not_resolved_here",

@@ -89,12 +89,17 @@ def adopt(
     cgroup_v2: str,
     freezer: str | None,
     lo_raised: bool,
+    found: bool = False,
 ) -> Sandbox:
     """An attachment a previous process made, with its rules (and learned sets) as they
-    are; ``Sandbox.destroy`` detaches it the same way."""
+    are; ``Sandbox.destroy`` detaches it the same way. ``found``: its cgroup is the one
+    its processes run in (``Cgroup.in_netns``), looked for again at each freeze."""
     if not os.path.exists(netns.netns_path(netns_ref)):
         raise SandboxError(f"netns {netns_ref!r} is gone")
-    cgroup = _cgroup(netns_ref, cgroup_v2 or None, freezer)
+    if found:
+        cgroup = Cgroup.in_netns(netns.netns_path(netns_ref), cgroup_v2, freezer)
+    else:
+        cgroup = _cgroup(netns_ref, cgroup_v2 or None, freezer)
     nft = NftHandle.open(netns_ref)
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)

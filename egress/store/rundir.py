@@ -46,6 +46,7 @@ class Record:
     # Who asked for it, for that caller to find its own again (a CNI plugin's GC):
     # free text, e.g. "cni:NETWORK:CONTAINERID:IFNAME".
     owner: str | None = None
+    cgroup_found: bool = False  # cgroup found from the netns's processes: look again later
 
     @property
     def policy_sha256(self) -> str:

@@ -67,7 +67,9 @@ def test_the_daemonset_has_what_egress_needs_on_a_node(rendered: list[dict[str, 
     assert egressd["command"][:1] == ["egressd"] and observer["command"][:2] == [
         "egressd", "observer"]  # fmt: skip
     assert "--log-journal" in egressd["command"]
-    assert any(a.startswith("--metrics-address=") for a in egressd["command"])
+    assert "--metrics-address=$(HOST_IP):9469" in egressd["command"]
+    [env] = [e for e in egressd["env"] if e["name"] == "HOST_IP"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     for c in pod["containers"]:
         assert c["securityContext"]["privileged"]
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
@@ -90,9 +92,10 @@ def test_the_policies_are_valid_and_the_mapping_names_them(
         assert f"{policy.name}.yaml" == name  # the file name is the policy's name
     [ds] = by_kind(rendered, "DaemonSet")
     install = ds["spec"]["template"]["spec"]["initContainers"][0]["command"]
-    default = next(a.split("=", 1)[1] for a in install if a.startswith("--default-policy="))
+    defaults = [a.split("=", 1)[1] for a in install if a.startswith("--default-policy=")]
+    assert defaults or "--unmatched=pass" in install  # else every other pod fails to start
     mapping = yaml.safe_load(maps["egress-mapping"]["data"]["mapping.yaml"])
-    for name in [default, *(e["policy"] for e in mapping)]:
+    for name in [*defaults, *(e["policy"] for e in mapping)]:
         assert f"{name}.yaml" in policies, name
 
 

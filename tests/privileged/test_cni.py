@@ -25,7 +25,7 @@ from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.nft import NftHandle
 from egress.lab import Lab
 from egress.store.journal import Journal
-from tests.support import SYSTEM_PYTHON
+from tests.support import ROOT, SYSTEM_PYTHON
 from tests.support.egressd import Egressd, egressd
 from tests.support.netns import unique
 from tests.support.probes import wait_until
@@ -278,6 +278,103 @@ def test_the_cgroup_is_bound_from_the_containers_processes(
         assert cni("DEL", conf, ns, cid="bindme")[0] == 0
 
 
+@contextmanager
+def pod_cgroups(tag: str) -> Iterator[tuple[Cgroup, Cgroup, Cgroup]]:
+    """A pod's cgroup with two containers' under it, as a kubelet lays them out (v2, and
+    the v1 freezer twins where the machine has them); everything in them killed after."""
+    mounts = find_mounts()
+    assert mounts.v2 is not None
+    name = unique(tag)
+    roots = [mounts.v2] + ([mounts.freezer] if mounts.freezer else [])
+    rels = [name, f"{name}/c1", f"{name}/c2"]
+    for root in roots:
+        for rel in rels:
+            os.mkdir(os.path.join(root, rel))
+
+    def cg(rel: str) -> Cgroup:
+        twin = os.path.join(mounts.freezer, rel) if mounts.freezer else None
+        return Cgroup.attach_existing(os.path.join(roots[0], rel), twin)
+
+    try:
+        yield cg(rels[0]), cg(rels[1]), cg(rels[2])
+    finally:
+        with suppress(Exception):
+            cg(rels[0]).kill()
+        for root in roots:
+            for rel in reversed(rels):
+                with suppress(OSError):
+                    os.rmdir(os.path.join(root, rel))
+
+
+def test_a_pods_containers_are_frozen_together_and_reading_binds_nothing(
+    daemon: Egressd, policies: Path, lab: Lab, state_dir: Path
+) -> None:
+    conf = config(daemon, policies, lab, prevResult=PREV)
+    with netns("cnipod") as ns, pod_cgroups("cnipod") as (pod, c1, c2):
+        assert cni("ADD", conf, ns, cid="pod")[0] == 0
+        pause = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "sleep", "300"],
+                                 preexec_fn=lambda: c1.add_pid(os.getpid()))  # fmt: skip
+        assert wait_until(lambda: pause.pid in c1.pids(), 10)
+        for _ in range(3):  # the API's reads (and CNI's, a probe's) bind nothing
+            [box] = served(daemon, "pod")
+            assert box["cgroup"] == "", box
+        # A process outside the netns in the pod's cgroup: the only common cgroup holds
+        # it, so it is refused (and the connect blocked, journaled as not frozen).
+        outsider = subprocess.Popen(["sleep", "300"], preexec_fn=lambda: c2.add_pid(os.getpid()))
+        first = connector(ns, c2, "192.0.2.9")
+        assert wait_until(lambda: _violations(state_dir, box["id"]), 20)
+        [v] = _violations(state_dir, box["id"])
+        assert "not frozen" in v["detail"] and "outside" in v["detail"], v
+        assert not pod.is_frozen() and not c1.is_frozen()
+        outsider.kill()
+        outsider.wait(timeout=10)
+        # Now the pod's cgroup holds only the netns's processes, in both containers: it
+        # is the one frozen, pause and app alike.
+        second = connector(ns, c2, "192.0.2.10")
+        try:
+            assert wait_until(pod.is_frozen, 20), _violations(state_dir, box["id"])
+            [box] = served(daemon, "pod")
+            assert box["cgroup"] == pod.v2_path, box
+            assert {pause.pid, first.pid, second.pid} <= set(pod.pids()) | set(c1.pids()) | set(
+                c2.pids()
+            )
+        finally:
+            with suppress(Exception):
+                pod.kill()
+            for proc in (pause, first, second):
+                proc.kill()
+                proc.wait(timeout=10)
+        assert cni("DEL", conf, ns, cid="pod")[0] == 0
+
+
 def _violations(state_dir: Path, sandbox_id: str) -> list[dict[str, Any]]:
     with Journal.open(state_dir) as journal:
         return journal.violations(sandbox_id)
+
+
+def test_egressd_in_a_cgroup_namespace_of_its_own_joins_the_hosts(tmp_path: Path) -> None:
+    """A DaemonSet's containers get a cgroup namespace of their own, where every other
+    process's cgroup reads as /..: enter_host_cgroupns joins the one of a process
+    outside (PID 1 in the DaemonSet; here a process of the test's, PID 1 not being
+    readable on this machine), and the real paths show again."""
+    mounts = find_mounts()
+    assert mounts.v2 is not None
+    name = unique("cgns")
+    inner = os.path.join(mounts.v2, name)
+    os.mkdir(inner)
+    outside = subprocess.Popen(["sleep", "60"])  # in the host's cgroup namespace
+    code = (
+        "import sys\nfrom egress.kernel.netns_cgroup import enter_host_cgroupns as e\n"
+        "print(open('/proc/self/cgroup').read().splitlines()[-1])\n"
+        f"print(e({outside.pid}), e({outside.pid}))\n"
+        "print(open('/proc/self/cgroup').read().splitlines()[-1])\n"
+    )
+    try:
+        argv = ["sh", "-c", f'echo $$ > {inner}/cgroup.procs && exec unshare --cgroup "$@"',
+                "sh", sys.executable, "-c", code]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    finally:
+        outside.kill()
+        outside.wait(timeout=10)
+        os.rmdir(inner)
+    assert done.stdout.split("\n")[:3] == ["0::/", "True False", f"0::/{name}"], done

@@ -121,9 +121,14 @@ def test_a_container_on_a_chained_network_is_enforced_frozen_and_killed(
     assert killed.returncode == 0, killed.stderr
     assert wait_until(lambda: pod.run("inspect", "-f", "{{.State.Running}}", "egc1")
                       .stdout.strip() == "false", 30)  # fmt: skip
+    netns = box["netns"]
     pod.run("rm", "egc1")
     assert egress_of(daemon, cid) == []  # CNI DEL detached it
-    assert not Path(f"/run/egress/daemon/{box['id']}.json").exists()
+    assert list(daemon.run_dir.glob(f"{box['id']}*")) == []  # no record for a successor
+    assert not Path(netns).exists()  # and the netns went with the container
+    with Journal.open(state_dir) as journal:
+        row = journal.sandbox(box["id"])
+    assert row is not None and row["state"] == "exited"
 
 
 def test_with_egressd_down_the_container_does_not_start(

@@ -459,8 +459,16 @@ def test_sigterm_leaves_the_rules_and_a_restart_replaces_them(
         assert table(box.ns)
 
 
+def settled(ns: str) -> bool:
+    """No IPv6 address still in duplicate address detection: its "tentative" flag goes
+    by itself a moment after the link is up, and would tell two snapshots apart."""
+    argv = ["ip", "-n", ns, "addr"]
+    return "tentative" not in subprocess.run(argv, capture_output=True, text=True).stdout
+
+
 def test_remove_on_exit_leaves_the_netns_as_it_was(uplink: str, state_dir: Path) -> None:
     with hand_made(uplink) as box:
+        assert wait_for(lambda: settled(box.ns), 20)
         before = snapshot(box.ns)
         path = policy_file(box.dir, policy("sc3", "*.any.lab.test"))
         with sidecar(box, path, state_dir, "--remove-on-exit") as running:

@@ -87,3 +87,26 @@ def test_errors_carry_the_configs_version_and_the_code_as_exit_status() -> None:
 )
 def test_common_is_the_deepest_cgroup_holding_all(paths: list[str], want: str) -> None:
     assert common(paths) == want
+
+
+def test_unmatched_pass_leaves_a_pod_no_rule_names_alone() -> None:
+    mapping = [{"namespace": "agents", "policy": "agents"}]
+    c = call({"mapping": mapping, "unmatched": "pass"},
+             CNI_ARGS="K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=coredns-1")  # fmt: skip
+    assert policy_name(c) is None
+    c = call({"mapping": mapping, "unmatched": "pass"},
+             CNI_ARGS="K8S_POD_NAMESPACE=agents;K8S_POD_NAME=a")  # fmt: skip
+    assert policy_name(c) == "agents"
+    with pytest.raises(CniError, match="unmatched must be"):
+        policy_name(call({"unmatched": "allow"}))
+    code, out = run({**ENV, "CNI_COMMAND": "ADD"}, json.dumps({
+        "cniVersion": "1.0.0", "name": "n", "unmatched": "pass",
+        "prevResult": {"cniVersion": "1.0.0", "ips": []}}).encode())  # fmt: skip
+    assert (code, out) == (0, {"cniVersion": "1.0.0", "ips": []})  # no egressd asked
+
+
+@pytest.mark.parametrize("name", ["a:b", "", "-x", "a b"])
+def test_a_network_name_the_spec_refuses_is_a_config_error(name: str) -> None:
+    with pytest.raises(CniError) as err:
+        parse_call(ENV, json.dumps({"cniVersion": "1.0.0", "name": name}).encode())
+    assert err.value.code == BAD_CONFIG

@@ -251,3 +251,17 @@ def test_a_handover_names_the_questions_so_nothing_is_inherited() -> None:
     c.seed_expiry([("203.0.113.10 . tcp . 443", 30)], 100.0, inherit=False)
     v = judge_flow(judge(hello("alias.test")), IP1, 443, c.bindings, c.matcher, 101.0)
     assert (v.allowed, v.reason) == (False, "not_resolved_here")
+
+
+def test_an_inherited_address_passes_a_name_only_on_its_rules_ports() -> None:
+    # api.test's rule allows port 443 only: an inherited element on port 80 (put there
+    # for another name) does not let a flow asking for api.test through on 80.
+    c = core()
+    c.seed_expiry([("203.0.113.10 . tcp . 80", 30), ("203.0.113.10 . tcp . 443", 30)], 100.0)
+    ok = judge_flow(judge(hello("api.test")), IP1, 443, c.bindings, c.matcher, 101.0)
+    assert ok.allowed, ok
+    v = judge_flow(judge(hello("api.test")), IP1, 80, c.bindings, c.matcher, 101.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here")
+    c.bindings.forget_inherited()  # a policy swap
+    v = judge_flow(judge(hello("api.test")), IP1, 443, c.bindings, c.matcher, 101.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here")
