@@ -235,7 +235,7 @@ class Registry:
                 id=sid, kind=SandboxKind.ATTACHED, netns=netns_ref, cgroup=sb.cgroup.v2_path,
                 policy=policy_text, freezer=sb.cgroup.freezer_path, uplink_netns=uplink_netns,
                 upstream=upstream, lo_raised=lo_raised, created_at=time.time(),
-                daemon_pid=os.getpid(), owner=owner,
+                daemon_pid=os.getpid(), owner=owner, netns_inode=list(_inode(netns_ref)),
             )  # fmt: skip
             return await self._serve(sb, record, upstreams, fresh=True)
         finally:
@@ -382,6 +382,14 @@ class Registry:
         if record.kind == SandboxKind.CREATED:
             sb = await _in_thread(adopt_created, record, policy)
         else:
+            try:
+                same = (
+                    record.netns_inode is None or list(_inode(record.netns)) == record.netns_inode
+                )
+            except OSError:
+                same = False
+            if not same:  # e.g. /proc/PID/ns/net of a reused PID: not the netns we attached
+                raise SandboxError(f"netns {record.netns} is not the one attached any more")
             sb = await _in_thread(
                 attach_mod.adopt, record.id, policy, record.netns, record.cgroup,
                 record.freezer, record.lo_raised, record.cgroup_found or not record.cgroup,

@@ -47,6 +47,9 @@ class Record:
     # free text, e.g. "cni:NETWORK:CONTAINERID:IFNAME".
     owner: str | None = None
     cgroup_found: bool = False  # cgroup found from the netns's processes: look again later
+    # The netns's (st_dev, st_ino) when attached: a /proc/PID/ns/net path names another
+    # netns once the PID is reused, and an adoption must not follow it there.
+    netns_inode: list[int] | None = None
 
     @property
     def policy_sha256(self) -> str:

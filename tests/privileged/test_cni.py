@@ -378,3 +378,27 @@ def test_egressd_in_a_cgroup_namespace_of_its_own_joins_the_hosts(tmp_path: Path
         outside.wait(timeout=10)
         os.rmdir(inner)
     assert done.stdout.split("\n")[:3] == ["0::/", "True False", f"0::/{name}"], done
+
+
+def test_adoption_refuses_a_netns_that_is_not_the_one_attached(
+    lab: Lab, policies: Path, state_dir: Path
+) -> None:
+    """A record names its netns by path, and /proc/PID/ns/net names another netns once
+    the PID is reused: the next egressd checks the inode the record kept."""
+    with egressd(state_dir) as d, netns("cniino") as ns:
+        conf = config(d, policies, lab, prevResult=PREV)
+        assert cni("ADD", conf, ns, cid="ino")[0] == 0
+        [box] = served(d, "ino")
+        d.stop()
+        path = d.run_dir / f"{box['id']}.json"
+        record = json.loads(path.read_text())
+        assert record["netns_inode"] == list(map(int, (os.stat(f"/run/netns/{ns}").st_dev,
+                                                       os.stat(f"/run/netns/{ns}").st_ino)))  # fmt: skip
+        record["netns_inode"] = [0, 0]  # as if the path named another netns now
+        path.write_text(json.dumps(record))
+        d.start()
+        assert served(d, "ino") == []
+        assert "is not the one attached any more" in d.stderr()
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "egress"],
+                       check=False)  # fmt: skip
+        path.unlink()
