@@ -392,8 +392,8 @@ def test_adoption_refuses_a_netns_that_is_not_the_one_attached(
         d.stop()
         path = d.run_dir / f"{box['id']}.json"
         record = json.loads(path.read_text())
-        assert record["netns_inode"] == list(map(int, (os.stat(f"/run/netns/{ns}").st_dev,
-                                                       os.stat(f"/run/netns/{ns}").st_ino)))  # fmt: skip
+        st = os.stat(f"/run/netns/{ns}")
+        assert record["netns_inode"] == [st.st_dev, st.st_ino]
         record["netns_inode"] = [0, 0]  # as if the path named another netns now
         path.write_text(json.dumps(record))
         d.start()
