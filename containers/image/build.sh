@@ -35,6 +35,7 @@ podman import --quiet \
 	"$WORK/rootfs.tar" "$TAG" >/dev/null
 size=$(podman image inspect --format '{{.Size}}' "$TAG")
 echo "built $TAG: $((size / 1000000)) MB"
-# It runs: runc where present (crun refuses hybrid cgroup hosts).
-podman run --rm ${RUNC:+--runtime "$RUNC"} --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
+# It runs (no network: the host's forwarding and NAT stay as they are; runc where
+# present, as crun refuses hybrid cgroup hosts).
+podman run --rm --network none ${RUNC:+--runtime "$RUNC"} --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
 	"$TAG" egressctl --version
