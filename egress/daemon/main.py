@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import grp
 import os
 import resource
@@ -311,6 +312,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         with contextlib.suppress(OSError):  # the API socket file is ours to remove at exit
             api_file = os.stat(args.socket).st_ino
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
+        gc.freeze()  # start-up's objects out of the collector's walks (run/runner.py)
         ended = await _until_signalled(giver)
     finally:
         if logger is not None:

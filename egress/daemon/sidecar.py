@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import gc
 import hashlib
 import os
 import signal
@@ -294,6 +295,7 @@ async def _serve(
             # still connects under an allowed name (Bindings.inherit).
             resolver.seed_expiry()
         await resolver.start()
+        gc.freeze()  # start-up's objects out of the collector's walks (run/runner.py)
     except BaseException:
         await wiring.stop(session, None)
         if cfg.remove_on_exit or how == "loaded":  # nothing of ours stays behind

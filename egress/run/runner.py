@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import secrets
@@ -255,6 +256,10 @@ async def _serve(
     the_view: view.View | None = None
     try:
         await resolver.start()
+        # What start-up made (the policy, the compiled matcher, imports) lives as long as
+        # the run: out of the collector's sight, so a collection while a flow or query
+        # waits walks only what serving makes.
+        gc.freeze()
         watcher = loop.create_task(session.watch_frozen())
         procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
         the_view = view.prepare(sb.id, sb.netns, who, plan.workdir, opts.binds)
