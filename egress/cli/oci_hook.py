@@ -6,8 +6,10 @@ container's namespaces and cgroup but started nothing in it; it passes the conta
 state (id, pid, bundle, annotations) on stdin. The hook asks egressd, over its unix
 socket, to attach to the container's netns and cgroup with the policy its annotation
 ``io.egress.policy=NAME`` names (``NAME.yaml`` under ``--policy-dir``), or, with
-``--default-policy``, that one for a container without the annotation. A container
-without either is left alone. At ``poststop`` it detaches.
+``--default-policy``, that one for a container without the annotation (the runtime
+runs the hook for those only if its hooks.d file says ``"when": {"always": true}``; the
+shipped ones match the annotation). A container without either is left alone. At
+``poststop`` it detaches.
 
 A hook that fails stops the container from starting: egressd unreachable, or a policy
 missing or invalid, is such a failure (fail closed), said on stderr.
