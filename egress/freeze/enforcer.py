@@ -64,9 +64,16 @@ class Enforcer:
         if not self.wants_freeze(v):
             self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
             return None
-        if not self.cgroup.bind():
-            # Attached before its processes ran (a CNI ADD), and none has run since: the
-            # kernel blocked it; the journal says it could not be frozen, and why.
+        key = violation_key(v)
+        if key in self.frozen_keys:
+            # The same flow again (a SYN retransmit, a retried query): it already froze the
+            # sandbox once, and a person has seen it or is about to. Journal the sighting.
+            self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
+            return None
+        if not self.cgroup.bind(refresh=True):
+            # Attached without a cgroup (a CNI ADD), and none qualifies now (looked for
+            # again at each new freeze, so it covers every process there): the kernel
+            # blocked it; the journal says it could not be frozen, and why.
             unfrozen = replace(
                 v,
                 action=Action.BLOCK,
@@ -75,12 +82,6 @@ class Enforcer:
             self._try(
                 lambda: self.journal.record_or_detect(self.sandbox_id, unfrozen, DEDUP_WINDOW_S)
             )
-            return None
-        key = violation_key(v)
-        if key in self.frozen_keys:
-            # The same flow again (a SYN retransmit, a retried query): it already froze the
-            # sandbox once, and a person has seen it or is about to. Journal the sighting.
-            self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
             return None
         # Journal before act: the violation and the freeze request, in one durable commit.
         recorded = self._try(

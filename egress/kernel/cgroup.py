@@ -158,7 +158,8 @@ class Cgroup:
     ) -> Cgroup:
         """The cgroup of the processes that run in the netns (a CNI ADD comes before the
         container's first process): found when an act needs it (``bind``, from
-        ``kernel.netns_cgroup``), and found again at each freeze, so it widens to cover
+        ``kernel.netns_cgroup``), and found again at each freeze (the Enforcer's
+        ``bind(refresh=True)``) and kill, so it widens to cover
         every process there then (a pod's containers after its pause container). Read
         paths never look: until bound, nothing is frozen and there is nothing to list."""
         cgroup = cls(v2_path, freezer_path)
@@ -194,7 +195,7 @@ class Cgroup:
         return True
 
     def _bound(self) -> None:
-        if not self.bind(refresh=True):
+        if not self.bind():
             raise SandboxError(f"no cgroup to act on: {self.unbound_reason}")
 
     # ---- membership ---------------------------------------------------------------

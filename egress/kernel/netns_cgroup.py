@@ -118,7 +118,7 @@ def discover(netns_path: str) -> tuple[str, str | None]:
                        "--cgroupns=host)")  # fmt: skip
     v2 = common([p for p, _ in found])
     v2_dir = os.path.join(mounts.v2, v2.lstrip("/"))
-    outside = _outsiders(v2_dir, netns_path) if v2 != "/" else set()
+    outside = _outsiders(v2_dir, pids, netns_path) if v2 != "/" else set()
     if v2 == "/" or outside:
         shown = ", ".join(str(p) for p in sorted(outside)[:5]) or "the host's"
         raise NoCgroup(f"the processes in netns {netns_path} share only cgroup {v2}, which "
@@ -128,17 +128,20 @@ def discover(netns_path: str) -> tuple[str, str | None]:
     if mounts.freezer and all(f is not None and "/.." not in f for f in freezers):
         shared = common([f for f in freezers if f is not None])
         candidate = os.path.join(mounts.freezer, shared.lstrip("/"))
-        if shared != "/" and not _outsiders(candidate, netns_path):
+        if shared != "/" and not _outsiders(candidate, pids, netns_path):
             freezer = candidate  # else v2 alone freezes it
     return v2_dir, freezer
 
 
-def _outsiders(directory: str, netns_path: str) -> set[int]:
-    """Processes under the cgroup that are not in the netns. Listed twice: one that a
-    process in the netns forked meanwhile is in the second list of the netns's."""
-    below = procs_below(directory)
-    outside = below - processes_in(netns_path)
-    return outside - processes_in(netns_path) if outside else outside
+def _outsiders(directory: str, inside: set[int], netns_path: str) -> set[int]:
+    """Processes under the cgroup that are not among ``inside``, the netns's. A process
+    there forked after ``inside`` was listed would look like one: on a find, the netns
+    is listed once more (into ``inside``, for the next call too) before it counts."""
+    outside = procs_below(directory) - inside
+    if outside:
+        inside |= processes_in(netns_path)
+        outside -= inside
+    return outside
 
 
 CLONE_NEWCGROUP = 0x02000000
