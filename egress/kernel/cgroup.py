@@ -167,6 +167,17 @@ class Cgroup:
         cgroup.unbound_reason = f"no process has run in netns {netns_path} yet"
         return cgroup
 
+    @classmethod
+    def attached(
+        cls, netns_path: str, v2_path: str | None, freezer_path: str | None, found: bool = False
+    ) -> Cgroup:
+        """An attached sandbox's cgroup, as its record has it: the runtime's, given as
+        paths; or (no path yet, or ``found``: it was found from its processes) the one
+        its processes run in (``in_netns``), bound to the recorded paths if any."""
+        if not v2_path or found:
+            return cls.in_netns(netns_path, v2_path or "", freezer_path)
+        return cls.attach_existing(v2_path, freezer_path)
+
     @property
     def bound(self) -> bool:
         return bool(self.v2_path)

@@ -67,13 +67,13 @@ class ObserverConfig:
     # Removes the sandbox (returns what resisted); called once the watched inline layer
     # is dead and the cgroup empty. Only where that layer owned the sandbox's end.
     teardown: Callable[[], list[str]] | None = None
+    cgroup_found: bool = False  # ``cgroup`` was found from the netns's processes: again
 
     def open_cgroup(self) -> Cgroup:
         if self.cgroup is None:
             return Cgroup.open(self.sandbox_id)
-        if not self.cgroup:  # attached before its processes ran: found from them
-            return Cgroup.in_netns(netns_path(self.netns))
-        return Cgroup.attach_existing(self.cgroup, self.freezer)
+        return Cgroup.attached(netns_path(self.netns), self.cgroup, self.freezer,
+                               self.cgroup_found)  # fmt: skip
 
 
 class Observer:

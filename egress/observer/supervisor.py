@@ -116,7 +116,7 @@ def _watch(record: rundir.Record, state_dir: Path, run_dir: Path) -> int:
         policy, _ = parse_policy(record.policy, f"<sandbox {record.id}>")
         cfg = ObserverConfig(
             record.id, record.netns, policy, str(state_dir), None, record.cgroup,
-            record.freezer, current,
+            record.freezer, current, cgroup_found=record.cgroup_found,
         )  # fmt: skip
         observer = Observer(cfg)
         with contextlib.suppress(EgressError):  # `egressctl ps` shows both layers' pids

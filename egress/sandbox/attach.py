@@ -96,10 +96,7 @@ def adopt(
     its processes run in (``Cgroup.in_netns``), looked for again at each freeze."""
     if not os.path.exists(netns.netns_path(netns_ref)):
         raise SandboxError(f"netns {netns_ref!r} is gone")
-    if found:
-        cgroup = Cgroup.in_netns(netns.netns_path(netns_ref), cgroup_v2, freezer)
-    else:
-        cgroup = _cgroup(netns_ref, cgroup_v2 or None, freezer)
+    cgroup = Cgroup.attached(netns.netns_path(netns_ref), cgroup_v2, freezer, found)
     nft = NftHandle.open(netns_ref)
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
@@ -114,11 +111,9 @@ def adopt(
 
 
 def _cgroup(netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> Cgroup:
-    if cgroup_v2 is None:
-        if freezer is not None:
-            raise SandboxError("a freezer cgroup needs the cgroup v2 directory it mirrors")
-        return Cgroup.in_netns(netns.netns_path(netns_ref))
-    return Cgroup.attach_existing(cgroup_v2, freezer)
+    if cgroup_v2 is None and freezer is not None:
+        raise SandboxError("a freezer cgroup needs the cgroup v2 directory it mirrors")
+    return Cgroup.attached(netns.netns_path(netns_ref), cgroup_v2, freezer)
 
 
 def _ifreq(netns_ref: str, request: int, flags: int = 0) -> int:
