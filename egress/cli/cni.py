@@ -57,6 +57,9 @@ from typing import Any
 # the policy and says where it is wrong.
 
 SUPPORTED = ("0.4.0", "1.0.0", "1.1.0")
+# The spec's form of a container id and a network name; egress's of a policy name (a file
+# name under policyDir, so never a path).
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 DEFAULT_POLICY_DIR = "/etc/egress/policies"
 DEFAULT_SOCKET = "/run/egress/egressd.sock"
 TIMEOUT_S = 60.0  # egressd attaches in tens of ms; a handover can hold a request ~seconds
@@ -131,10 +134,10 @@ def parse_call(env: Mapping[str, str], stdin: bytes) -> Call:
         if missing:
             raise CniError(BAD_ENVIRONMENT, f"{', '.join(missing)} not set",
                            f"egress-cni {command} needs {', '.join(need)}")  # fmt: skip
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", call.container_id):
+        if not NAME.fullmatch(call.container_id):
             raise CniError(BAD_ENVIRONMENT, f"CNI_CONTAINERID {call.container_id!r} is invalid",
                            "letters, digits, _ . - (the spec's)")  # fmt: skip
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", call.network):
+    if not NAME.fullmatch(call.network):
         raise CniError(BAD_CONFIG, f"network name {call.network!r} is not a CNI network name",
                        "letters, digits, _ . - (the spec's)")  # fmt: skip
     return call
@@ -185,7 +188,7 @@ def policy_name(call: Call) -> str | None:
 
 
 def policy_path(call: Call, name: str) -> Path:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name):
+    if not NAME.fullmatch(name):
         raise CniError(BAD_CONFIG, f"policy name {name!r} is not a file name")
     return Path(str(call.config.get("policyDir") or DEFAULT_POLICY_DIR)) / f"{name}.yaml"
 

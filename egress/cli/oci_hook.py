@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from egress.cli.client import Client, default_socket
-from egress.cli.cni import container_sandbox_id
+from egress.cli.cni import NAME, container_sandbox_id
 from egress.errors import DaemonError, EgressError
 from egress.policy import parse_policy
 
@@ -89,7 +89,7 @@ def policy_for(state: dict[str, Any], args: argparse.Namespace) -> tuple[str, st
     name = name or args.default_policy
     if not name:
         return None
-    if not isinstance(name, str) or "/" in name or name.startswith("."):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise HookError(f"{ANNOTATION}={name!r} is not a policy name")
     path = Path(args.policy_dir) / f"{name}.yaml"
     try:
