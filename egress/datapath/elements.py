@@ -63,6 +63,18 @@ def plan_update(ips: Iterable[IPAddress], ports: Ports, timeout_s: int) -> SetUp
     return SetUpdate(tuple(v4), tuple(v6), timeout_s)
 
 
+def element_parts(key: str) -> tuple[IPAddress, str, int] | None:
+    """An allow set's element key, ``IP . PROTO . PORT`` (``plan_update``'s form, and
+    how nft lists them), as its parts; None if it is not one."""
+    parts = key.split(" . ")
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    try:
+        return ipaddress.ip_address(parts[0]), parts[1], int(parts[2])
+    except ValueError:
+        return None
+
+
 def parse_ips(texts: Iterable[str]) -> list[IPAddress]:
     return [ipaddress.ip_address(t) for t in texts]
 

@@ -25,7 +25,7 @@ from egress.datapath import constants as c
 from egress.datapath.elements import SetUpdate, plan_update
 from egress.datapath.render import FIRST_BYTES_DECLARATION, render_sandbox
 from egress.datapath.render import queue_rule as render_queue_rule
-from egress.errors import DatapathError, EgressError
+from egress.errors import DatapathError
 from egress.inline.server import ResolverServer
 from egress.kernel import queue_rule
 from egress.kernel.nft import NftHandle
@@ -120,13 +120,8 @@ class TrackingResolver(ResolverServer):
         """Learn when the elements already in the sets expire (an adopted sandbox), so
         no answer shortens them: the kernel remembers what our predecessor allowed.
         ``inherit``: no handover says which names they are for (``Bindings.inherit``)."""
-        for set_name in c.ALLOW_SETS:
-            try:
-                elements = self.nft.list_set("inet", c.TABLE, set_name)
-            except EgressError:
-                continue  # nothing to keep: answers set their own timeouts
-            left = [(e["key"], int(e["expires"])) for e in elements if e["expires"]]
-            self.core.seed_expiry(left, time.time(), inherit)
+        left = [(key, secs) for key, secs in self.nft.allowed_elements() if secs]
+        self.core.seed_expiry(left, time.time(), inherit)
 
     def forget_unjustified(self, keep_names: Matcher) -> None:
         self.learned = {q: v for q, v in self.learned.items() if keep_names.decide(*q).allowed}

@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 
 import nftables
 
-from egress.errors import DatapathError, SandboxError
+from egress.datapath import constants as c
+from egress.errors import DatapathError, EgressError, SandboxError
 from egress.kernel.netns import in_netns, netns_path
 from egress.kernel.nft_worker import NftWorker
 
@@ -259,6 +260,18 @@ class NftHandle:
         if not sets:
             return []
         return [_parse_element(e) for e in sets[0].get("elem", [])]
+
+    def allowed_elements(self) -> list[tuple[str, int]]:
+        """(key, seconds left; 0 without a timeout) of every element in the sandbox's
+        allow sets (``allow4``, ``allow6``); a set that is not there adds nothing."""
+        out = []
+        for set_name in c.ALLOW_SETS:
+            try:
+                elements = self.list_set("inet", c.TABLE, set_name)
+            except EgressError:
+                continue
+            out += [(str(e["key"]), int(e["expires"] or 0)) for e in elements]
+        return out
 
     # ---- counters and tables ------------------------------------------------------
 

@@ -26,8 +26,8 @@ import struct
 import time
 
 from egress.datapath import constants as c
+from egress.datapath.elements import element_parts
 from egress.datapath.firstbytes import Outcome, judge
-from egress.errors import EgressError
 from egress.kernel.nflog import NflogEvent
 from egress.kernel.nft import NftHandle
 from egress.model import Flow, IPAddress, Layer, Policy, Violation
@@ -118,16 +118,8 @@ class FlowWatch:
 def _in_sets(nft: NftHandle) -> dict[IPAddress, float]:
     """The addresses in the allow sets now, each until its last element expires."""
     now, out = time.time(), dict[IPAddress, float]()
-    for set_name in c.ALLOW_SETS:
-        try:
-            elements = nft.list_set("inet", c.TABLE, set_name)
-        except EgressError:
-            continue
-        for e in elements:
-            try:
-                ip = ipaddress.ip_address(str(e["key"]).split(" . ")[0])
-            except ValueError:
-                continue
-            until = now + float(e.get("expires") or 0) + GRACE_S
-            out[ip] = max(out.get(ip, 0.0), until)
+    for key, left in nft.allowed_elements():
+        parts = element_parts(key)
+        if parts is not None:
+            out[parts[0]] = max(out.get(parts[0], 0.0), now + left + GRACE_S)
     return out

@@ -16,11 +16,17 @@ perform the actions and call back with upstream replies, failures and set acks.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from egress.datapath.elements import ExpiryBook, SetAdd, SetUpdate, clamp_ttl, plan_update
+from egress.datapath.elements import (
+    ExpiryBook,
+    SetAdd,
+    SetUpdate,
+    clamp_ttl,
+    element_parts,
+    plan_update,
+)
 from egress.model import (
     Action as OnViolation,
 )
@@ -387,14 +393,9 @@ class ResolverCore:
         booked = self._book_time(now)
         for element, left in elements:
             self.expiry.record((element,), left, booked)
-            parts = element.split(" . ")
-            if not inherit or len(parts) != 3 or parts[1] != "tcp" or not parts[2].isdigit():
-                continue
-            try:
-                ip = ipaddress.ip_address(parts[0])
-            except ValueError:
-                continue
-            self.bindings.inherit(ip, int(parts[2]), now + left)
+            parts = element_parts(element) if inherit else None
+            if parts is not None and parts[1] == "tcp":
+                self.bindings.inherit(parts[0], parts[2], now + left)
 
     def _book_time(self, now: float) -> float:
         return now if self._monotonic is None else self._monotonic()
