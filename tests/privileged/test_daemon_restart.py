@@ -288,9 +288,12 @@ def test_a_cached_address_still_connects_after_egressd_is_killed(
     daemon.stop(signal.SIGKILL)
     daemon.start()  # adopts it from the run dir, with nothing handed over
     cached = ("--resolve", "allowed.lab.test:80:203.0.113.10")  # no DNS: the client's cache
+    lab.clear_requests()
     for _ in range(2):
         assert curl(ns, *cached, url) == (0, "lab 203.0.113.10:80\n"), daemon.stderr()
     assert curl(ns, *cached, "-H", "Host: https.lab.test", url)[0] == 56  # reset at once
+    # What reached the lab's server: the two allowed requests, not the other name's.
+    assert [r["host"] for r in lab.requests()] == ["allowed.lab.test"] * 2
     with Journal.open(str(state_dir)) as journal:
         rows = journal.violations(made["id"])
     assert [(v["class"], "[name_not_allowed]" in v["detail"]) for v in rows] == [
