@@ -22,6 +22,11 @@ LOG_BURST = 100
 SANDBOX_IF = "eth0"  # the sandbox's end of its veth
 DNS_LOG_PREFIX = "egress dns"
 DROP_LOG_PREFIX = "egress "  # followed by the violation class
+# mode: audit logs every new flow it lets through to the inline layer, for `egressctl learn`
+# (no violation class starts with "connect", so drop_class ignores these).
+CONNECT_PREFIX = "egress connect "
+CONNECT_LEARNED_PREFIX = "egress connect learned"  # to a DNS-learned address
+CONNECT_STATIC_PREFIX = "egress connect static"  # to a spec.connect.allow destination
 UPLINK_TABLE = "egress_uplink"  # inet table shared by every sandbox of one uplink netns
 SANDBOX_CT_MARK = 0x65677231  # "egr1": marks sandbox flows for the uplink's NAT hook
 HOST_IF_PREFIX = "eg-"  # host ends of sandbox veths; the uplink table matches "eg-*"

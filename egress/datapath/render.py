@@ -79,7 +79,8 @@ def render_sandbox(template: str, policy: Policy, sidecar: Sidecar | None = None
             "answer_copy": _answer_copy() if checks else "",
             "first_bytes_verdicts": _first_bytes_verdicts() if checks else "",
             "needs_check": _needs_check() if checks else "",
-            "static_rules": _static_rules(policy.connect.allow),
+            "static_rules": _static_rules(policy.connect.allow, audit),
+            "audit_connects": _audit_connects() if audit else "",
             "verdict": _verdict(audit),
             "connect_verdict": _verdict(audit, _holds_connects(policy)),
             "held_rules": _held_rules() if not audit and _holds_connects(policy) else "",
@@ -287,23 +288,38 @@ def _verdict(audit: bool, hold_tcp: bool = False) -> str:
     return "\t\tmeta l4proto tcp reject with tcp reset\n\t\treject with icmpx admin-prohibited"
 
 
-def _static_rules(rules: tuple[CidrRule, ...]) -> str:
+def _audit_connects() -> str:
+    """mode: audit: each new flow to a learned address is logged for `egressctl learn`
+    (no verdict here: the rules below still decide). Not rate-limited: a limit that ran
+    out would make a learned policy miss a destination, and only a flow's first packet
+    gets here (established ones were accepted above)."""
+    log = f'log group {c.INLINE_GROUP} prefix "{c.CONNECT_LEARNED_PREFIX}"'
+    return (
+        "\n\t\t# mode: audit: every new flow to a learned address, for egressctl learn.\n"
+        f"\t\tct state new ip daddr . meta l4proto . th dport @allow4 {log}\n"
+        f"\t\tct state new ip6 daddr . meta l4proto . th dport @allow6 {log}"
+    )
+
+
+def _static_rules(rules: tuple[CidrRule, ...], audit: bool = False) -> str:
     lines: list[str] = []
     for rule in rules:
-        lines.extend(_cidr_lines(rule))
+        lines.extend(_cidr_lines(rule, audit))
     if not lines:
         return "\t\t# (none)"
     return "\n".join(lines)
 
 
-def _cidr_lines(rule: CidrRule) -> list[str]:
+def _cidr_lines(rule: CidrRule, audit: bool = False) -> list[str]:
     family = "ip" if rule.network.version == 4 else "ip6"
     head = f"\t\t{family} daddr {rule.network}"
     note = f"  # {rule.describe()} ({rule.where})"
+    # audit: logged (a flow's first packet only: established ones were accepted above)
+    log = f'log group {c.INLINE_GROUP} prefix "{c.CONNECT_STATIC_PREFIX}" ' if audit else ""
     out = []
     for proto, ranges in (("tcp", rule.ports.tcp), ("udp", rule.ports.udp)):
         if ranges:
-            out.append(f"{head} {proto} dport {port_set(ranges)} accept{note}")
+            out.append(f"{head} {proto} dport {port_set(ranges)} {log}accept{note}")
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import os
 import queue
@@ -25,7 +26,9 @@ from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer, FreezeEvent
 from egress.inline.flowcheck import FlowCheck
 from egress.kernel.nflog import NflogListener
-from egress.model import Layer, ReviewAction, Violation, ViolationClass
+from egress.model import Flow, Layer, ReviewAction, Violation, ViolationClass
+from egress.resolver.audit import AuditBatch
+from egress.resolver.core import ResolverCore
 from egress.sandbox.lifecycle import Sandbox
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
@@ -33,6 +36,7 @@ TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 FROZEN_POLL_S = 0.05
 JOURNAL_BACKLOG = 10_000  # block/log verdicts waiting for their fsync
 MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps more)
+AUDIT_FLUSH_S = 5.0  # mode: audit: what the resolver saw goes to the journal this often
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Session:
         # Bounded: a workload flooding denied queries must not grow egressctl without end.
         # Ordered by urgency: a freeze-worthy verdict (with freeze_off_loop) goes before
         # every block/log record still waiting for its fsync.
-        self._journal_queue: queue.PriorityQueue[tuple[int, int, Violation | None]] = (
+        self._journal_queue: queue.PriorityQueue[tuple[int, int, Violation | AuditBatch | None]] = (
             queue.PriorityQueue(JOURNAL_BACKLOG)
         )
         self._queued = itertools.count()
@@ -82,18 +86,60 @@ class Session:
         self._writer.start()
         self.stopping = False
         self.flows: FlowCheck | None = None  # the first-bytes queue's reader (wiring.make)
+        self.core: ResolverCore | None = None  # its AuditLog, in mode: audit (wiring.make)
+        self._audit_timer: asyncio.TimerHandle | None = None
         enforcer.on_freeze = self._frozen_from_any_thread
 
     # -- evidence ------------------------------------------------------------------------
 
     def on_nflog(self) -> None:
         for event in self.listener.read_events():
+            if event.prefix.startswith(c.CONNECT_PREFIX):
+                self._audit_connect(event.flow, event.prefix, event.timestamp)
+                continue
             cls = drop_class(event.prefix)
             if cls is not None:
                 pol = self.sb.policy
+                if cls is ViolationClass.BLOCKED_CONNECT:
+                    self._audit_connect(event.flow, event.prefix, event.timestamp)
                 self.on_violation(
                     drop_violation(pol, cls, event.flow, event.uid, event.timestamp, Layer.INLINE)
                 )
+
+    # -- mode: audit ---------------------------------------------------------------------
+
+    def _audit_connect(self, flow: Flow | None, prefix: str, at: float) -> None:
+        if self.core is None or flow is None or flow.dport is None:
+            return
+        try:
+            address = ipaddress.ip_address(flow.dst)
+        except ValueError:
+            return
+        static = prefix == c.CONNECT_STATIC_PREFIX
+        blocked = prefix.startswith(c.DROP_LOG_PREFIX + ViolationClass.BLOCKED_CONNECT.value)
+        self.core.audit_connect(address, flow.proto, flow.dport, static, blocked, at)
+
+    def start_audit(self, core: ResolverCore) -> None:
+        """Flush ``core``'s AuditLog to the journal every AUDIT_FLUSH_S (it records only in
+        mode: audit; a swap may turn that on later), and once more at close."""
+        self.core = core
+        self._audit_timer = asyncio.get_running_loop().call_later(AUDIT_FLUSH_S, self._audit_tick)
+
+    def _audit_tick(self) -> None:
+        self.flush_audit()
+        if not self.stopping:
+            loop = asyncio.get_running_loop()
+            self._audit_timer = loop.call_later(AUDIT_FLUSH_S, self._audit_tick)
+
+    def flush_audit(self) -> None:
+        """Hand what the audit log saw since the last flush to the journal writer."""
+        if self.core is None:
+            return
+        batch = self.core.audit_log.take()
+        if batch.is_empty():
+            return
+        # Blocks if the writer is that far behind: audit rows are few, and never dropped.
+        self._journal_queue.put((1, next(self._queued), batch))
 
     def on_violation(self, v: Violation) -> None:
         """Freeze-worthy verdicts are acted on here and now (journal, then freeze); the
@@ -121,8 +167,18 @@ class Session:
             print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
 
     def _journal_writer(self) -> None:
-        while (v := self._journal_queue.get()[2]) is not None:
-            self._act(v)
+        while (item := self._journal_queue.get()[2]) is not None:
+            if isinstance(item, AuditBatch):
+                self._record_audit(item)
+            else:
+                self._act(item)
+
+    def _record_audit(self, batch: AuditBatch) -> None:
+        try:
+            self.enforcer.journal.record_audit(self.sb.id, batch)
+        except EgressError as exc:  # audit evidence lost is reported, never swallowed
+            print(f"egress inline: could not journal what audit mode saw: {exc}",
+                  file=sys.stderr)  # fmt: skip
 
     def observer_died(self) -> None:
         if self.stopping:
@@ -145,6 +201,9 @@ class Session:
         if not handed_over:
             with contextlib.suppress(EgressError):
                 self.on_nflog()  # evidence that arrived while the command was exiting
+        if self._audit_timer is not None:
+            self._audit_timer.cancel()
+        self.flush_audit()
         # Last in line (after every record), blocks until there is room: nothing is lost.
         self._journal_queue.put((2, next(self._queued), None))
         self._writer.join()  # everything seen is in the journal before the report is made

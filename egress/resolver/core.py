@@ -33,6 +33,7 @@ from egress.model import (
 from egress.model import (
     DeniedResponse,
     DnsRule,
+    IPAddress,
     Layer,
     Mode,
     Policy,
@@ -52,9 +53,11 @@ from egress.resolver.actions import (
     Revoke,
 )
 from egress.resolver.answer import Filtered, Finding, filter_answer, learned_ports, record_ip
+from egress.resolver.audit import ALLOWED, AuditLog
 from egress.resolver.bindings import Bindings, answer_chain
 from egress.resolver.cache import Cache, Entry
 from egress.resolver.judge import QueryScorer, Verdict, dns_violation, judge
+from egress.resolver.rebinding import rebinding_reason
 
 LAYER = Layer.INLINE
 
@@ -137,6 +140,7 @@ class ResolverCore:
         # what a flow's SNI or Host is checked against (``flows``).
         self.bindings = Bindings()
         self.allowing: dict[int, Allowing] = {}
+        self.audit_log = AuditLog()  # mode: audit only; kept across swaps
         self.set_policy(policy)
 
     @property
@@ -189,10 +193,12 @@ class ResolverCore:
         max_size = 65535 if tcp else (q.edns_size or wire.MAX_UDP_NO_EDNS)
         entry = self.cache.get(q.key, now)
         if entry is not None:
+            if self.audit:
+                self._audit_hit(q, now)
             self._stats["cache_hits"] += 1
             self._stats["allowed"] += 1
             actions = self._from_cache(entry, q, client, now, max_size)
-            if not tcp and type(actions[0]) is Reply:
+            if not tcp and not self.audit and type(actions[0]) is Reply:  # audit counts each
                 self._remember(data, actions[0].data, entry, now)
             return actions
         return self._decide(q, Waiter(client, q, max_size), now)
@@ -219,6 +225,8 @@ class ResolverCore:
 
     def _decide(self, q: wire.Query, waiter: Waiter, now: float) -> list[Action]:
         verdict = judge(q, self.matcher, self.scorer)
+        if self.audit:
+            self.audit_log.name(q.qname, q.qtype, _verdict_text(verdict), now)
         if verdict.allowed:
             self._stats["allowed"] += 1
             return self._forward(q, waiter, verdict.rule)
@@ -316,6 +324,8 @@ class ResolverCore:
         else:
             filtered = filter_answer(response, p.qname, p.qtype, rule, self.matcher, self.policy)
         actions: list[Action] = [self._finding(f, p, now) for f in filtered.findings]
+        if self.audit:
+            self._audit_answer(p, response)
         if self.audit and rule is not None and filtered.findings:
             filtered = _unfiltered(response)  # audit: record, then answer as a forwarder would
         if filtered.refused:
@@ -452,11 +462,49 @@ class ResolverCore:
     def _servfail(self, q: wire.Query) -> bytes:
         return wire.error_reply(q, wire.SERVFAIL)
 
+    def _audit_hit(self, q: wire.Query, now: float) -> None:
+        # A cache hit repeats a question already judged; one cached before a swap to
+        # audit mode is judged here (without the scorer: it sends nothing upstream).
+        verdict = None if self.audit_log.knows(q.qname, q.qtype) else judge(q, self.matcher, None)
+        text = ALLOWED if verdict is None else _verdict_text(verdict)
+        self.audit_log.name(q.qname, q.qtype, text, now)
+
+    def _audit_answer(self, p: Pending, response: message.Response) -> None:
+        """What the learner needs of an answer: its CNAME chain (each name on it must be
+        allowed, and CNAME with it) and whether it pointed inside (a rebinding answer is
+        a risk, never learned; a name forwarded under no rule was not filtered)."""
+        chain = answer_chain(p.qname, response.answers)
+        self.audit_log.chain(p.qname, p.qtype, chain[1:])
+        for rr in response.answers:
+            if rr.rtype in ADDRESS_TYPES and rebinding_reason(record_ip(rr)) is not None:
+                self.audit_log.risk(p.qname, p.qtype, ViolationClass.REBINDING.value)
+
+    def audit_connect(
+        self, address: IPAddress, proto: str, port: int, static: bool, blocked: bool, now: float
+    ) -> None:
+        """Audit mode: a new flow the kernel logged. Enforce would have blocked it if the
+        kernel did (``blocked``), or if only answers to names the policy denies (which
+        audit mode forwarded) put its address in the sets."""
+        if not self.audit:
+            return
+        names = self.bindings.names(address, now)
+        allowed = not blocked and (
+            static or any(self.matcher.decide(n, 1).name_allowed for n in names)
+        )
+        verdict = ALLOWED if allowed else ViolationClass.BLOCKED_CONNECT.value
+        self.audit_log.connect(str(address), proto, port, verdict, names, now)
+
     def _finding(self, f: Finding, p: Pending, now: float) -> Report:
+        if self.audit:
+            self.audit_log.risk(p.qname, p.qtype, f.cls.value)
         return Report(
             dns_violation(f.cls, f.rule, f.detail, p.qname, p.qtype,
                           layer=LAYER, policy=self.policy, at=now)
         )  # fmt: skip
+
+
+def _verdict_text(verdict: Verdict) -> str:
+    return ALLOWED if verdict.cls is None else verdict.cls.value
 
 
 _WHY = {  # a query refused before it went upstream

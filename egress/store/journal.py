@@ -41,6 +41,8 @@ from typing import NamedTuple
 
 from egress.errors import JournalError
 from egress.model import SandboxState, Violation, ViolationClass
+from egress.resolver.audit import AuditBatch
+from egress.store import audit_sql
 from egress.store import journal_schema as schema
 
 JOURNAL_FILE = "journal.db"
@@ -390,6 +392,28 @@ class Journal:
         """The timeline from ``since`` on, oldest first (as ``events``' rows)."""
         with self._read("read events") as conn:
             return schema.timeline(conn, sandbox_id, limit, since)
+
+    # -- mode: audit -------------------------------------------------------------------
+
+    def record_audit(self, sandbox_id: str, batch: AuditBatch) -> None:
+        """Add what a sandbox's resolver saw in mode: audit (store.audit_sql)."""
+        with self._write(f"record audit of sandbox {sandbox_id!r}") as conn:
+            self._require(conn, "sandboxes", sandbox_id, "sandbox")
+            audit_sql.record(conn, sandbox_id, batch)
+
+    def audit(self, sandbox_ids: list[str], since: float = 0.0) -> dict[str, object]:
+        """The audit record of ``sandbox_ids`` seen since ``since``: names, connects and
+        what the cap left out (``overflow``)."""
+        with self._read("read audit") as conn:
+            return {
+                "names": audit_sql.read(conn, "audit_names", sandbox_ids, since),
+                "connects": audit_sql.read(conn, "audit_connects", sandbox_ids, since),
+                "overflow": audit_sql.overflow(conn, sandbox_ids),
+            }
+
+    def audited_sandboxes(self, since: float = 0.0) -> list[str]:
+        with self._read("read audit") as conn:
+            return audit_sql.sandboxes(conn, since)
 
     def check(self) -> str:
         """``PRAGMA integrity_check``: ``"ok"`` or SQLite's list of problems."""

@@ -94,7 +94,45 @@ _V3 = (
     "ALTER TABLE sandboxes ADD COLUMN uid INTEGER",
 )
 
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)  # MIGRATIONS[n - 1] brings n - 1 to n
+# v4: mode: audit's deduplicated record for `egressctl learn` (store.audit_sql).
+_V4 = (
+    """CREATE TABLE audit_names (
+        sandbox_id TEXT NOT NULL REFERENCES sandboxes (id),
+        name TEXT NOT NULL,
+        qtype INTEGER NOT NULL,
+        verdict TEXT NOT NULL,
+        count INTEGER NOT NULL,
+        first_seen REAL NOT NULL,
+        last_seen REAL NOT NULL,
+        risks TEXT NOT NULL DEFAULT '[]',
+        chain TEXT NOT NULL DEFAULT '[]',
+        PRIMARY KEY (sandbox_id, name, qtype)
+    )""",
+    """CREATE TABLE audit_connects (
+        sandbox_id TEXT NOT NULL REFERENCES sandboxes (id),
+        address TEXT NOT NULL,
+        proto TEXT NOT NULL,
+        port INTEGER NOT NULL,
+        verdict TEXT NOT NULL,
+        count INTEGER NOT NULL,
+        first_seen REAL NOT NULL,
+        last_seen REAL NOT NULL,
+        names TEXT NOT NULL DEFAULT '[]',
+        PRIMARY KEY (sandbox_id, address, proto, port)
+    )""",
+    """CREATE TABLE audit_overflow (
+        sandbox_id TEXT PRIMARY KEY REFERENCES sandboxes (id),
+        names INTEGER NOT NULL DEFAULT 0,
+        connects INTEGER NOT NULL DEFAULT 0
+    )""",
+)
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    _V1,
+    _V2,
+    _V3,
+    _V4,
+)  # MIGRATIONS[n - 1] brings n - 1 to n
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
