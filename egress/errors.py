@@ -101,6 +101,13 @@ class UsageError(SandboxError):
     exit_code: ClassVar[int] = 2
 
 
+class InputError(EgressError):
+    """Input a command cannot use (no audit record to learn from, an unknown sandbox, a
+    time it cannot read): nothing was written. egressctl exits 2."""
+
+    exit_code: ClassVar[int] = 2
+
+
 class AlreadyAttached(SandboxError):
     """Raised by ``sandbox.attach`` when the netns already holds an ``inet egress`` table
     (another egress serves it); egressd's registry answers it as a ``Conflict``."""

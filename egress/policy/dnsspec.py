@@ -271,7 +271,13 @@ def _rule(
     pattern = _pattern(name_node, path, report) if name_node else None
     explicit = _rule_types(types_node, path, report) if types_node else frozenset()
     ports = (
-        build_ports(ports_node, f"{path}.ports", report, ranges=False)
+        build_ports(
+            ports_node,
+            f"{path}.ports",
+            report,
+            ranges=False,
+            empty="its addresses take spec.connect.ports",
+        )
         if ports_node
         else connect_ports
     )

@@ -19,7 +19,13 @@ ALL_PORTS = (PortRange(1, 65535),)
 
 
 def build_ports(
-    node: Node, path: str, report: Report, *, ranges: bool, proto: str = "tcp"
+    node: Node,
+    path: str,
+    report: Report,
+    *,
+    ranges: bool,
+    proto: str = "tcp",
+    empty: str = "nothing here can be reached",
 ) -> Ports:
     """Ports from a list (for ``proto``: tcp, udp or any) or a ``{tcp, udp}`` mapping.
 
@@ -32,7 +38,7 @@ def build_ports(
         else:
             ports = _transport_map(node, path, report, ranges=ranges)
         if ports.is_empty() and len(report.problems) == before:
-            report.warn(node.where, f"{path}: no ports, so nothing here can be reached")
+            report.warn(node.where, f"{path}: no ports, so {empty}")
         return ports
     report.error(
         node.where,

@@ -119,7 +119,13 @@ def _connect(node: Node | None, report: Report) -> ConnectSpec:
     connect = get_map(node, "spec.connect", report, CONNECT_KEYS)
     ports_node = entry(connect, "ports")
     ports = (
-        build_ports(ports_node, "spec.connect.ports", report, ranges=False)
+        build_ports(
+            ports_node,
+            "spec.connect.ports",
+            report,
+            ranges=False,
+            empty="addresses of rules without ports of their own cannot be reached",
+        )
         if ports_node
         else DEFAULT_CONNECT_PORTS
     )

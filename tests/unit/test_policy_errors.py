@@ -306,8 +306,10 @@ def test_empty_port_lists_warn() -> None:
     text = HEAD + "  dns: {allow: [{name: x.com, ports: []}]}\n  connect: {ports: {tcp: []}}\n"
     _, warnings = parse_policy(text, "t.yaml")
     assert [str(w) for w in warnings] == [
-        "t.yaml:5:38: warning: spec.dns.allow[0].ports: no ports, so nothing here can be reached",
-        "t.yaml:6:20: warning: spec.connect.ports: no ports, so nothing here can be reached",
+        "t.yaml:5:38: warning: spec.dns.allow[0].ports: no ports, so its addresses take"
+        " spec.connect.ports",
+        "t.yaml:6:20: warning: spec.connect.ports: no ports, so addresses of rules without"
+        " ports of their own cannot be reached",
     ]
 
 
