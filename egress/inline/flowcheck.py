@@ -32,6 +32,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from ipaddress import ip_address
 
 from egress.datapath import constants as c
 from egress.errors import EgressError
@@ -116,6 +117,8 @@ class FlowCheck:
                 self._probe(d.key, pkt)
             return
         policy = self.resolver.core.policy
+        if d.verdict is not None and policy.mode is Mode.AUDIT:
+            self.resolver.core.audit_asked(ip_address(d.key[2]), d.key[3], d.verdict.name)
         action = policy.action(ViolationClass.NAME_MISMATCH)
         release = d.accept or policy.mode is Mode.AUDIT or action is Action.LOG
         mark: int | None = c.CHECKED_MARK

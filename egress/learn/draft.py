@@ -171,6 +171,11 @@ def _statics(
     by_dest: dict[tuple[str, str], list[ConnectSeen]] = {}
     risks: list[tuple[str, str, str]] = []
     for c in sorted(connects, key=lambda c: (c.address, c.proto, c.port)):
+        stray = [n for n in c.asked if n not in c.names]
+        if stray:
+            why = (f"its flows asked for {', '.join(stray)}, which no answer for this address"
+                   " named: enforce refuses them (name_mismatch)")  # fmt: skip
+            risks.append((f"{c.address} {c.proto}/{c.port}", why, evidence(c.count, "connects", c)))
         if any(n in learned for n in c.names):
             continue
         if c.names:

@@ -34,6 +34,7 @@ class ConnectSeen:
     count: int = 0
     verdict: str = ALLOWED
     names: list[str] = field(default_factory=list)  # whose answers gave the address
+    asked: list[str] = field(default_factory=list)  # what its flows asked for (SNI, Host)
     sandboxes: set[str] = field(default_factory=set)
     first: float = float("inf")
     last: float = 0.0
@@ -63,8 +64,9 @@ def collect(
     connects: Iterable[Mapping[str, Any]],
     overflow: Mapping[str, int] | None = None,
 ) -> Observed:
-    """Fold ``audit_names`` and ``audit_connects`` rows; a connect's ports go to every
-    name whose answer gave its address (the question's rule is what enforce asks)."""
+    """Fold ``audit_names`` and ``audit_connects`` rows. A connect's port goes to the
+    names its flows asked for (TLS SNI, HTTP Host: the check read them), else to every
+    name whose answer gave its address (one address may serve many names)."""
     out = Observed()
     for row in names:
         seen = out.names.setdefault(row["name"], NameSeen(row["name"]))
@@ -82,9 +84,11 @@ def collect(
         if row["verdict"] != ALLOWED:
             c.verdict = row["verdict"]
         c.names.extend(n for n in row.get("names") or () if n not in c.names)
+        c.asked.extend(n for n in row.get("asked") or () if n not in c.asked)
         _span(c, row)
         out.sandboxes.add(row["sandbox_id"])
-        for name in row.get("names") or ():
+        asked = [n for n in row.get("asked") or () if n in (row.get("names") or ())]
+        for name in asked or row.get("names") or ():
             if name in out.names:
                 out.names[name].ports.add((row["proto"], int(row["port"])))
     if overflow:

@@ -28,6 +28,7 @@ class _Seen:
     count: int = 0  # since the last take
     extra: tuple[str, ...] = ()  # a name's risks, or a connect's names
     chain: tuple[str, ...] = ()  # a name's: the CNAME targets its answers led to
+    asked: tuple[str, ...] = ()  # a connect's: the names its flows asked for (SNI, Host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class ConnectRow:
     first: float
     last: float
     names: tuple[str, ...] = ()  # whose answers gave this address (empty: none did)
+    asked: tuple[str, ...] = ()  # what its flows asked for (TLS SNI, HTTP Host), if read
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,8 @@ class AuditLog:
                 self._over_connects += 1
                 return
             seen = self._connects[key] = _Seen(verdict, now, now)
+        if seen.first == 0.0:
+            seen.first = now  # made by ``asked`` before its first packet was logged
         seen.count += 1
         seen.last = max(seen.last, now)
         if verdict != ALLOWED:
@@ -127,21 +131,36 @@ class AuditLog:
             seen.extra = (*seen.extra, *fresh)[:MAX_NAMES]
         self._dirty_connects.add(key)
 
+    def asked(self, address: str, proto: str, port: int, name: str) -> None:
+        """A flow to this destination asked for ``name`` in its first bytes (the check of
+        connect.check_names read it): the learner gives the port to that name alone."""
+        key = (address, proto, port)
+        seen = self._connects.get(key)
+        if seen is None:  # the flow's first packet is still on its way from NFLOG
+            if len(self._connects) >= self.cap:
+                return
+            seen = self._connects[key] = _Seen(ALLOWED, 0.0, 0.0)
+        if name not in seen.asked:
+            seen.asked = (*seen.asked, name)[:MAX_NAMES]
+            self._dirty_connects.add(key)
+
     def take(self) -> AuditBatch:
         """What changed since the last take (counts are deltas); resets the deltas."""
         names = tuple(
             NameRow(n, t, s.verdict, s.count, s.first, s.last, s.extra, s.chain)
             for (n, t), s in ((k, self._names[k]) for k in sorted(self._dirty_names))
         )
+        # One ``asked`` made before its flow's first packet was logged waits for it.
+        ready = sorted(k for k in self._dirty_connects if self._connects[k].first)
         connects = tuple(
-            ConnectRow(a, p, port, s.verdict, s.count, s.first, s.last, s.extra)
-            for (a, p, port), s in ((k, self._connects[k]) for k in sorted(self._dirty_connects))
+            ConnectRow(a, p, port, s.verdict, s.count, s.first, s.last, s.extra, s.asked)
+            for (a, p, port), s in ((k, self._connects[k]) for k in ready)
         )
         for seen in (*(self._names[k] for k in self._dirty_names),
-                     *(self._connects[k] for k in self._dirty_connects)):  # fmt: skip
+                     *(self._connects[k] for k in ready)):  # fmt: skip
             seen.count = 0
         batch = AuditBatch(names, connects, self._over_names, self._over_connects)
         self._dirty_names.clear()
-        self._dirty_connects.clear()
+        self._dirty_connects.difference_update(ready)
         self._over_names = self._over_connects = 0
         return batch

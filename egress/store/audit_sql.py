@@ -70,7 +70,7 @@ def _connects(conn: sqlite3.Connection, sandbox_id: str, batch: AuditBatch, cap:
     for r in batch.connects:
         key = (sandbox_id, r.address, r.proto, r.port)
         old = conn.execute(
-            "SELECT verdict, names FROM audit_connects "
+            "SELECT verdict, names, asked FROM audit_connects "
             "WHERE sandbox_id = ? AND address = ? AND proto = ? AND port = ?",
             key,
         ).fetchone()
@@ -80,17 +80,26 @@ def _connects(conn: sqlite3.Connection, sandbox_id: str, batch: AuditBatch, cap:
                 continue
             stored += 1
             conn.execute(
-                "INSERT INTO audit_connects VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (*key, r.verdict, r.count, r.first, r.last, json.dumps(list(r.names))),
+                "INSERT INTO audit_connects VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    *key,
+                    r.verdict,
+                    r.count,
+                    r.first,
+                    r.last,
+                    json.dumps(list(r.names)),
+                    json.dumps(list(r.asked)),
+                ),
             )
             continue
         verdict = r.verdict if r.verdict != "allowed" else old[0]  # a block, once, stays
         names = list(dict.fromkeys([*json.loads(old[1]), *r.names]))
+        asked = list(dict.fromkeys([*json.loads(old[2]), *r.asked]))
         conn.execute(
             "UPDATE audit_connects SET verdict = ?, count = count + ?, "
-            "first_seen = MIN(first_seen, ?), last_seen = MAX(last_seen, ?), names = ? "
-            "WHERE sandbox_id = ? AND address = ? AND proto = ? AND port = ?",
-            (verdict, r.count, r.first, r.last, json.dumps(names), *key),
+            "first_seen = MIN(first_seen, ?), last_seen = MAX(last_seen, ?), names = ?, "
+            "asked = ? WHERE sandbox_id = ? AND address = ? AND proto = ? AND port = ?",
+            (verdict, r.count, r.first, r.last, json.dumps(names), json.dumps(asked), *key),
         )
     return over
 
@@ -110,7 +119,7 @@ def read(conn: sqlite3.Connection, table: str, sandbox_ids: list[str], since: fl
         )
     ]
     for row in rows:
-        for column in ("risks", "names", "chain"):
+        for column in ("risks", "names", "chain", "asked"):
             if column in row:
                 row[column] = json.loads(row[column])
     return rows

@@ -118,6 +118,7 @@ _V4 = (
         first_seen REAL NOT NULL,
         last_seen REAL NOT NULL,
         names TEXT NOT NULL DEFAULT '[]',
+        asked TEXT NOT NULL DEFAULT '[]',
         PRIMARY KEY (sandbox_id, address, proto, port)
     )""",
     """CREATE TABLE audit_overflow (

@@ -177,6 +177,27 @@ def test_a_tunnel_whose_names_look_plain_one_by_one_is_a_risk_zone_and_no_patter
     assert "git.tunnel-op.net: kept, though under tunnel-op.net" in text
 
 
+def test_a_shared_address_gives_its_port_only_to_the_name_its_flows_asked_for() -> None:
+    """Two names, one address (a CDN): the first bytes said which one was connected to."""
+    row = connect_row("203.0.113.12", 80, ["npm.example.com", "www.example.com"])
+    row["asked"] = ["www.example.com"]
+    tls = connect_row("203.0.113.12", 443, ["npm.example.com", "www.example.com"])
+    tls["asked"] = ["npm.example.com"]
+    policy, _ = learned([name_row("npm.example.com"), name_row("www.example.com")], [row, tls])
+    ports = {r.pattern.text: [str(p) for p in r.ports.tcp] for r in policy.dns.allow}
+    assert ports == {"npm.example.com": ["443"], "www.example.com": ["80"]}
+    row.pop("asked")  # not read (a port outside connect.check_names): both names get it
+    policy, _ = learned([name_row("npm.example.com"), name_row("www.example.com")], [row])
+    assert all([str(p) for p in r.ports.tcp] == ["80"] for r in policy.dns.allow)
+
+
+def test_a_flow_asking_for_a_name_its_address_never_answered_is_a_risk() -> None:
+    row = connect_row("203.0.113.12", 443, ["npm.example.com"])
+    row["asked"] = ["other.example.org"]
+    _, text = learned([name_row("npm.example.com")], [row])
+    assert "asked for other.example.org, which no answer for this address named" in text
+
+
 def test_a_destination_no_answer_named_is_a_flagged_static_entry() -> None:
     policy, text = learned(
         [], [connect_row("192.0.2.7", 8443, []), connect_row("192.0.2.7", 9, [], "udp")]

@@ -107,6 +107,21 @@ def test_the_log_is_bounded_and_counts_what_it_left_out() -> None:
     assert (row.count, row.first, row.last) == (1, 1.0, 10.0)
 
 
+def test_the_name_a_flow_asked_for_joins_its_destination_once_its_packet_is_logged() -> None:
+    log = AuditLog()
+    log.asked("192.0.2.1", "tcp", 443, "a.test")  # the first bytes, before the SYN's log
+    assert log.take().connects == ()  # waits for its flow's first packet
+    log.connect("192.0.2.1", "tcp", 443, "allowed", ("a.test", "b.test"), 5.0)
+    log.asked("192.0.2.1", "tcp", 443, "a.test")
+    [row] = log.take().connects
+    assert (row.first, row.count, row.names, row.asked) == (
+        5.0,
+        1,
+        ("a.test", "b.test"),
+        ("a.test",),
+    )
+
+
 def test_a_blocked_flow_makes_its_destination_blocked_for_good() -> None:
     log = AuditLog()
     log.connect("192.0.2.1", "tcp", 80, "blocked_connect", (), 1.0)
