@@ -264,6 +264,9 @@ class Policy:
     connect: ConnectSpec
     tunnel: TunnelSpec
     violations: dict[ViolationClass, Action] = field(hash=False)
+    # metadata.annotations: what other tools keep with a policy (egressctl import cilium
+    # keeps the endpoint selector there, so export can give it back); egress reads none.
+    annotations: tuple[tuple[str, str], ...] = ()
 
     def action(self, cls: ViolationClass) -> Action:
         return self.violations.get(cls, DEFAULT_ACTIONS[cls])

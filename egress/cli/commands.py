@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from egress.cli import (
+    convert_cmds,
     daemon_cmds,
     demo_cmds,
     lab_cmds,
@@ -21,6 +22,7 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     run_cmds.register,
     review_cmds.register,
     learn_cmds.register,
+    convert_cmds.register,
     lab_cmds.register,
     demo_cmds.register,
     observe_cmds.register,

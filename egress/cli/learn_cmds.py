@@ -185,6 +185,11 @@ def _base(path: str | None) -> tuple[Any, dict[str, Any] | None]:
 def _write(path: Path, text: str, force: bool) -> None:
     if path.exists() and not force:
         raise InputError(f"{path} exists; pass --force to replace it")
+    write_file(path, text)
+
+
+def write_file(path: Path, text: str) -> None:
+    """``text`` at ``path`` whole or not at all: a temporary file beside it, renamed."""
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     try:

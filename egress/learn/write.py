@@ -57,8 +57,13 @@ def policy_text(draft: Draft, name: str, base: dict[str, Any] | None = None) -> 
         lines.append("      # Risks: never allowed by the learner. Uncomment only after review.")
         for what, why, evidence in draft.risks:
             lines += [f"      # RISK: {why}; {evidence}", f"      # - {what}"]
-    lines += ["  connect:", "    # Each rule above lists the ports its names were connected on;",
-              "    # a name asked but never connected to gets none.", "    ports: []"]  # fmt: skip
+    lines.append("  connect:")
+    if any(not (r.tcp or r.udp) for r in draft.rules):
+        lines += [
+            "    # Each rule above lists the ports its names were connected on;",
+            "    # a name asked but never connected to gets none.",
+            "    ports: []",
+        ]
     lines += _block(connect, 2)
     lines += _statics(draft.statics, base_static)
     lines += _block(spec, 1)

@@ -367,7 +367,15 @@ def policy_json_schema() -> dict[str, Any]:
     )
     metadata = _obj(
         "Identity of the policy.",
-        {"name": {"type": "string", "pattern": r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"}},
+        {
+            "name": {"type": "string", "pattern": r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"},
+            "annotations": {
+                "type": "object",
+                "additionalProperties": {"type": "string", "maxLength": 4096},
+                "description": "Notes other tools keep with the policy (egressctl import"
+                " cilium keeps the endpoint selector here); egress enforces none of them.",
+            },
+        },
         ["name"],
     )
     top = _obj(

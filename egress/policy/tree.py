@@ -97,9 +97,30 @@ def compose(text: str, source: str) -> tuple[Node, list[Problem]]:
     return builder.root, builder.problems
 
 
+def compose_all(text: str, source: str) -> tuple[list[Node], list[Problem]]:
+    """Positioned trees of every YAML document in ``text`` (``---`` between them), with
+    the same limits as ``compose`` over the whole text (other tools' files, such as a
+    Cilium policy list, hold several)."""
+    builder = _Builder(source, many=True)
+    try:
+        for event in yaml.parse(text, Loader=_PARSER_LOADER):
+            builder.feed(event)
+    except _Stop:
+        raise PolicyError(builder.problems) from None
+    except yaml.MarkedYAMLError as exc:
+        raise PolicyError([*builder.problems, _yaml_problem(exc, source)]) from None
+    except yaml.YAMLError as exc:
+        raise PolicyError([*builder.problems, _reader_problem(exc, text, source)]) from None
+    if not builder.roots:
+        raise PolicyError([Problem(Location(source, 1, 1), "file is empty: no document")])
+    return builder.roots, builder.problems
+
+
 class _Builder:
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, many: bool = False) -> None:
         self.source = source
+        self.many = many
+        self.roots: list[Node] = []
         self.problems: list[Problem] = []
         self.root: Node | None = None
         self.documents = 0
@@ -112,7 +133,8 @@ class _Builder:
     def feed(self, event: yaml.Event) -> None:
         if isinstance(event, yaml.DocumentStartEvent):
             self.documents += 1
-            if self.documents > 1:
+            self.anchors.clear()  # an alias never reaches into another document
+            if self.documents > 1 and not self.many:
                 self._fatal(event, "expected one YAML document, found a second ('---')")
         elif isinstance(event, yaml.ScalarEvent):
             self._finish(self._scalar(event), event.anchor)
@@ -181,6 +203,7 @@ class _Builder:
     def _attach(self, node: Node) -> None:
         if not self.stack:
             self.root = node
+            self.roots.append(node)
             return
         parent = self.stack[-1][0]
         if isinstance(parent, Seq):

@@ -11,6 +11,7 @@ keys for editors, and a test keeps the two in step.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from egress.errors import Problem
@@ -46,7 +47,8 @@ from egress.policy.values import parse_cidr
 API_VERSION = "egress/v1"
 KIND = "Policy"
 TOP_KEYS = ("apiVersion", "kind", "metadata", "spec")
-METADATA_KEYS = ("name",)
+METADATA_KEYS = ("name", "annotations")
+MAX_ANNOTATION = 4096  # characters of one annotation's value
 SPEC_KEYS = ("mode", "dns", "connect", "tunnel", "violations")
 CONNECT_KEYS = ("ports", "allow", "check_names")
 CIDR_RULE_KEYS = ("cidr", "ports", "proto")
@@ -56,6 +58,9 @@ MODES = tuple(mode.value for mode in Mode)
 DEFAULT_CONNECT_PORTS = Ports(tcp=(PortRange(80, 80), PortRange(443, 443)))
 
 _NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+_ANNOTATION_KEY = re.compile(
+    r"(?:[A-Za-z0-9][-A-Za-z0-9_.]{0,252}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,62}"
+)
 
 
 def build_policy(root: Node, source: str) -> tuple[Policy | None, list[Problem]]:
@@ -66,7 +71,31 @@ def build_policy(root: Node, source: str) -> tuple[Policy | None, list[Problem]]
     _expect(top, "kind", KIND, report)
     name = _metadata_name(entry(top, "metadata"), report)
     policy = _spec(entry(top, "spec"), name, source, report)
+    policy = dataclasses.replace(policy, annotations=_annotations(entry(top, "metadata"), report))
     return (None if report.has_errors else policy), report.sorted()
+
+
+def _annotations(metadata: Node | None, report: Report) -> tuple[tuple[str, str], ...]:
+    node = entry(metadata, "annotations") if isinstance(metadata, Map) else None
+    if node is None:
+        return ()
+    if not isinstance(node, Map):
+        report.error(node.where, "metadata.annotations: expected a mapping of strings")
+        return ()
+    out = []
+    for key, (key_node, value) in node.entries.items():
+        text = get_str(value, f"metadata.annotations.{key}", report)
+        if text is None:
+            continue
+        if not _ANNOTATION_KEY.fullmatch(key):
+            report.error(key_node.where, f"metadata.annotations: key {key!r}: use letters,"
+                         " digits, '-', '_', '.' and one '/' (example.com/note)")  # fmt: skip
+        elif len(text) > MAX_ANNOTATION:
+            report.error(value.where, f"metadata.annotations.{key}: longer than"
+                         f" {MAX_ANNOTATION} characters")  # fmt: skip
+        else:
+            out.append((key, text))
+    return tuple(out)
 
 
 def _expect(top: Map | None, key: str, wanted: str, report: Report) -> None:
@@ -81,7 +110,7 @@ def _expect(top: Map | None, key: str, wanted: str, report: Report) -> None:
 def _metadata_name(node: Node | None, report: Report) -> str:
     if node is None:
         return ""
-    metadata = get_map(node, "metadata", report, METADATA_KEYS, required=METADATA_KEYS)
+    metadata = get_map(node, "metadata", report, METADATA_KEYS, required=("name",))
     name_node = entry(metadata, "name")
     text = get_str(name_node, "metadata.name", report) if name_node else None
     if name_node is None or text is None:

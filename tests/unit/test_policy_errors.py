@@ -373,3 +373,17 @@ def test_quic_on_a_checked_port_is_refused_and_check_names_must_be_ports() -> No
             ("10:18", "spec.connect.check_names: expected true or false, got a mapping"),
         ],
     )
+
+
+def test_annotations_are_strings_under_plain_keys() -> None:
+    ok = HEAD.replace("metadata: {name: t}", "metadata:\n  name: t\n  annotations: {a.io/b: x}")
+    policy, _ = parse_policy(ok + "  dns: {allow: []}\n", "t.yaml")
+    assert policy.annotations == (("a.io/b", "x"),)
+    bad = HEAD.replace(
+        "metadata: {name: t}", "metadata:\n  name: t\n  annotations: {'bad key': x, k: [1]}"
+    )
+    with pytest.raises(PolicyError) as info:
+        parse_policy(bad + "  dns: {allow: []}\n", "t.yaml")
+    text = str(info.value)
+    assert "metadata.annotations: key 'bad key': use letters" in text
+    assert "metadata.annotations.k: expected a string, got a list" in text
