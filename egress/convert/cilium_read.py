@@ -51,7 +51,7 @@ from egress.convert.cilium_write import (
 from egress.errors import Location, PolicyError, Problem
 from egress.policy.loader import parse_policy
 from egress.policy.tree import Map, Node, Scalar, Seq, compose_all
-from egress.policy.validate import _NAME as EGRESS_NAME
+from egress.policy.validate import POLICY_NAME as EGRESS_NAME
 
 DEFAULT_TYPES = ("A", "AAAA", "CNAME", "HTTPS")
 MAX_EXPANDED = 64

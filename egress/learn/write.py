@@ -55,8 +55,13 @@ def policy_text(draft: Draft, name: str, base: dict[str, Any] | None = None) -> 
         lines[-1] += " []"
     if draft.risks:
         lines.append("      # Risks: never allowed by the learner. Uncomment only after review.")
+        by_why: dict[str, list[tuple[str, str]]] = {}
         for what, why, evidence in draft.risks:
-            lines += [f"      # RISK: {why}; {evidence}", f"      # - {what}"]
+            by_why.setdefault(why, []).append((what, evidence))
+        for why, items in by_why.items():  # one reason, then the names it covers
+            count = f" ({len(items)} names)" if len(items) > 1 else ""
+            lines.append(f"      # RISK: {why}{count}")
+            lines += [f"      # - {what}  # {evidence}" for what, evidence in items]
     lines.append("  connect:")
     if any(not (r.tcp or r.udp) for r in draft.rules):
         lines += [

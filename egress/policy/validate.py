@@ -57,7 +57,7 @@ ACTIONS = tuple(action.value for action in Action)
 MODES = tuple(mode.value for mode in Mode)
 DEFAULT_CONNECT_PORTS = Ports(tcp=(PortRange(80, 80), PortRange(443, 443)))
 
-_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+POLICY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")  # metadata.name
 _ANNOTATION_KEY = re.compile(
     r"(?:[A-Za-z0-9][-A-Za-z0-9_.]{0,252}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,62}"
 )
@@ -115,7 +115,7 @@ def _metadata_name(node: Node | None, report: Report) -> str:
     text = get_str(name_node, "metadata.name", report) if name_node else None
     if name_node is None or text is None:
         return ""
-    if _NAME.fullmatch(text) is None:
+    if POLICY_NAME.fullmatch(text) is None:
         report.error(
             name_node.where,
             f"metadata.name {text!r}: use 1-63 lowercase letters, digits and '-', "

@@ -118,7 +118,13 @@ def test_a_policy_learned_from_two_audit_runs_enforces_the_workload_with_no_viol
     assert not any(
         m.decide(q["qname"], 1).name_allowed for q in lab.queries() if "evil.test" in q["qname"]
     )
-    assert text.count("# RISK: under evil.test, which the tunnel scorer flags") >= 55, text
+    assert "# RISK: under evil.test, which the tunnel scorer flags" in text, text
+    assert text.count(".evil.test  # 1 query in 1 sandbox") >= 55, text
+    ports = {r.pattern.text: [str(p) for p in r.ports.tcp] for r in policy.dns.allow}
+    # npm.lab.test shares 203.0.113.12 with *.wild.lab.test: each gets only the port its
+    # own flows asked for (TLS SNI on 443, HTTP Host on 80)
+    assert ports["npm.lab.test"] == ["443"] and ports["*.wild.lab.test"] == ["80"], text
+    assert ports["pypi.lab.test"] == ["80"] and all(not r.ports.udp for r in policy.dns.allow)
     assert f"from 2 audit runs ({', '.join(sorted(ids))})" in text
 
     enforce = FETCHES + ONLY_FIRST + ONLY_SECOND

@@ -149,13 +149,13 @@ def test_risks_are_commented_out_never_allowed() -> None:
         "null.example.com",
     ):
         assert not m.decide(name, 1).name_allowed, name
-        assert f"# - {name}\n" in text
+        assert f"# - {name}  # " in text
     assert (
         m.decide("mixed.example.com", 1).allowed and not m.decide("mixed.example.com", 16).allowed
     )
     assert "mixed.example.com TXT asked 1x: not allowed" in text
     assert "tunnel-shaped: score" in text and "rebinding" in text
-    assert "# - 169.254.169.254 tcp/80" in text and not policy.connect.allow
+    assert "# - 169.254.169.254 tcp/80  # 1 connect" in text and not policy.connect.allow
 
 
 def test_a_tunnel_whose_names_look_plain_one_by_one_is_a_risk_zone_and_no_pattern() -> None:
@@ -173,7 +173,8 @@ def test_a_tunnel_whose_names_look_plain_one_by_one_is_a_risk_zone_and_no_patter
     names.append(name_row("git.tunnel-op.net"))
     policy, text = learned(names, [])
     assert [r.pattern.text for r in policy.dns.allow] == ["git.tunnel-op.net"]
-    assert text.count("# RISK: under tunnel-op.net, which the tunnel scorer flags") == 200
+    assert "# RISK: under tunnel-op.net, which the tunnel scorer flags" in text
+    assert "(200 names)" in text and text.count(".t.tunnel-op.net  # 1 query") == 200
     assert "git.tunnel-op.net: kept, though under tunnel-op.net" in text
 
 
