@@ -29,6 +29,7 @@ The endpoint selector, namespace and DNS rule destination are kept in
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +57,8 @@ from egress.policy.validate import POLICY_NAME as EGRESS_NAME
 DEFAULT_TYPES = ("A", "AAAA", "CNAME", "HTTPS")
 MAX_EXPANDED = 64
 L3_KEYS = ("toEndpoints", "toEntities", "toServices", "toGroups", "toNodes", "toRequires")
-RULE_KEYS = ("toFQDNs", "toPorts", "toCIDR", "toCIDRSet", *L3_KEYS, "authentication", "icmps")
+RULE_KEYS = ("toFQDNs", "toPorts", "toCIDR", "toCIDRSet", *L3_KEYS)
+ENTRY_KEYS = ("ports", "rules", "serverNames")  # of a toPorts entry
 SELECTOR_KEYS = ("endpointSelector", "nodeSelector")
 
 
@@ -108,7 +110,11 @@ def read(
         doc = _Doc(source)
         converted = _document(root, doc, types, name)
         problems.extend(doc.problems)
-        if converted is not None and not doc.problems:
+        if converted is not None and any(c.name == converted.name for c in out):
+            first = next(c for c in out if c.name == converted.name).source
+            problems.append(Problem(converted.source, f"a second policy named"
+                                    f" {converted.name!r} (the first at {first})"))  # fmt: skip
+        elif converted is not None and not doc.problems:
             out.append(converted)
     if problems:
         raise PolicyError(sorted(problems, key=lambda p: (p.where.line, p.where.col)))
@@ -219,7 +225,7 @@ def _egress_rule(r: Map, doc: _Doc) -> None:
         if key not in RULE_KEYS:
             doc.refuse(key_node, f"egress rule key {key!r} is not one egress converts")
     to_ports = _get(r, "toPorts")
-    entries = [e for e in to_ports.items if isinstance(e, Map)] if isinstance(to_ports, Seq) else []
+    entries = _entries(to_ports, doc)
     if any(_dns_rules(e) is not None for e in entries):
         _dns_rule(r, entries, doc)
         return
@@ -241,6 +247,26 @@ def _egress_rule(r: Map, doc: _Doc) -> None:
             "toPorts with no destination allows every address on those"
             " ports; egress needs the destinations (toFQDNs or toCIDR)",
         )
+
+
+def _entries(to_ports: Node | None, doc: _Doc) -> list[Map]:
+    """toPorts' entries, each refused unless it is ``{ports, rules, serverNames}``: a key
+    egress does not read (listener, terminatingTLS, ...) would change what Cilium allows."""
+    if to_ports is None:
+        return []
+    if not isinstance(to_ports, Seq):
+        doc.refuse(to_ports, "toPorts: expected a list of {ports: [...]} entries")
+        return []
+    out = []
+    for entry in to_ports.items:
+        if not isinstance(entry, Map):
+            doc.refuse(entry, "toPorts entry: expected {ports: [...], ...}")
+            continue
+        for key, (key_node, _) in entry.entries.items():
+            if key not in ENTRY_KEYS:
+                doc.refuse(key_node, f"toPorts {key!r} has no egress equivalent")
+        out.append(entry)
+    return out
 
 
 # -- the DNS rule ------------------------------------------------------------------------
@@ -412,6 +438,14 @@ def _checks(entry: Map, names: list[str], doc: _Doc) -> bool:
                     listed.append((from_host_regex(str(getattr(host, "text", ""))), host))
                 except ValueError as exc:
                     doc.refuse(host, f"rules.http: {exc}")
+    missing = [n for n in names if listed and n not in {t for t, _ in listed}]
+    if missing:
+        doc.refuse(
+            server or rules,
+            f"serverNames/HTTP hosts leave out {', '.join(missing)}: Cilium refuses those"
+            " names there, egress would check them as allowed; list every toFQDNs name of"
+            " the rule, or give the others a rule of their own",
+        )
     for text, node in listed:
         if text not in names:
             doc.refuse(
@@ -446,7 +480,11 @@ def _ports(
             )
             continue
         first = int(text)
-        last = int(str(getattr(end_node, "text", first))) if end_node is not None else first
+        end = str(getattr(end_node, "text", first)) if end_node is not None else str(first)
+        if not end.isdigit() or int(end) > 65535:
+            doc.refuse(end_node, f"endPort {end!r}: expected a port number up to 65535")
+            continue
+        last = int(end)
         if first == 0:
             first, last = 1, 65535  # Cilium's 0: every port
         if last < first:
@@ -479,8 +517,10 @@ def _ports(
 def _cidr_rule(r: Map, entries: list[Map], doc: _Doc) -> None:
     cidrs: list[str] = []
     plain = _get(r, "toCIDR")
-    if isinstance(plain, Seq):
-        cidrs += [str(getattr(i, "text", "")) for i in plain.items]
+    if plain is not None and not isinstance(plain, Seq):
+        doc.refuse(plain, "toCIDR: expected a list of networks")
+    for item in plain.items if isinstance(plain, Seq) else ():
+        cidrs.append(_network(item, doc))
     sets = _get(r, "toCIDRSet")
     if isinstance(sets, Seq):
         for item in sets.items:
@@ -496,7 +536,7 @@ def _cidr_rule(r: Map, entries: list[Map], doc: _Doc) -> None:
                     "toCIDRSet except: egress has no exceptions; list the networks that remain",
                 )
                 continue
-            cidrs.append(str(getattr(_get(item, "cidr"), "text", "")))
+            cidrs.append(_network(_get(item, "cidr"), doc))
     for entry in entries:
         if _get(entry, "serverNames") is not None or _get(entry, "rules") is not None:
             doc.refuse(
@@ -510,8 +550,7 @@ def _cidr_rule(r: Map, entries: list[Map], doc: _Doc) -> None:
             f"toCIDR without toPorts at {r.where}: Cilium allows every protocol"
             " there (ICMP too); egress allows TCP and UDP, every port"
         )
-    for cidr in cidrs:
-        network = cidr if "/" in cidr else f"{cidr}/{128 if ':' in cidr else 32}"
+    for network in (c for c in cidrs if c):
         if not entries:
             doc.statics.append({"cidr": network, "proto": "any"})
             continue
@@ -520,6 +559,20 @@ def _cidr_rule(r: Map, entries: list[Map], doc: _Doc) -> None:
                 if spans:
                     ports = [f"{a}-{b}" if a != b else str(a) for a, b in spans]
                     doc.statics.append({"cidr": network, "proto": proto, "ports": ports})
+
+
+def _network(node: Node | None, doc: _Doc) -> str:
+    """The network a toCIDR item names, checked here (at its place in the Cilium file);
+    a bare address is its /32 or /128. "" when refused."""
+    text = node.text if isinstance(node, Scalar) else None
+    if text is None:
+        doc.refuse(node, "expected a network like 192.0.2.0/24")
+        return ""
+    try:
+        return str(ipaddress.ip_network(text.strip(), strict=True))
+    except ValueError as exc:
+        doc.refuse(node, f"{text!r} is not a network egress takes: {exc}")
+        return ""
 
 
 # -- output ------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ KUBE_DNS = {
                          "k8s:k8s-app": "kube-dns"}}
     ]
 }  # fmt: skip
+DNS_TO_KEYS = ("toEndpoints", "toServices", "toEntities", "toCIDR", "toCIDRSet")
 HTTP_PORTS = frozenset({80, 8080})  # checked ports exported as HTTP host rules, not SNI
 ALL = (PortRange(1, 65535),)
 
@@ -52,7 +53,7 @@ def write(policy: Policy, kind: str = CNP, selector: dict[str, Any] | None = Non
         )
     notes = dict(policy.annotations)
     if selector is None:
-        selector = json.loads(notes.get(SELECTOR_NOTE, "{}"))
+        selector = _note(policy, SELECTOR_NOTE, "{}")
     metadata: dict[str, Any] = {"name": policy.name}
     namespace = namespace or notes.get(NAMESPACE_NOTE)
     if namespace and kind == CNP:
@@ -74,7 +75,11 @@ def egress_rules(policy: Policy) -> list[dict[str, Any]]:
     if notes.get(DNS_ALL_NOTE) == "true":
         dns = [{"matchPattern": "*"}]
     if dns:
-        to = json.loads(notes[DNS_TO_NOTE]) if DNS_TO_NOTE in notes else KUBE_DNS
+        to = _note(policy, DNS_TO_NOTE, None) if DNS_TO_NOTE in notes else KUBE_DNS
+        wrong = sorted(set(to) - set(DNS_TO_KEYS))
+        if wrong:
+            raise ExportError(f"{policy.source}: metadata.annotations.{DNS_TO_NOTE}: not a"
+                              f" DNS server's destination: {', '.join(wrong)}")  # fmt: skip
         port53 = {"ports": [{"port": "53", "protocol": "ANY"}], "rules": {"dns": dns}}
         rules.append({**to, "toPorts": [port53]})
     groups: dict[tuple[Any, ...], list[DnsRule]] = {}
@@ -88,6 +93,20 @@ def egress_rules(policy: Policy) -> list[dict[str, Any]]:
         rules.append(_fqdn_rule(members, Ports(tcp, udp), checked))
     rules.extend(_cidr_rule(r) for r in policy.connect.allow)
     return rules
+
+
+def _note(policy: Policy, key: str, default: str | None) -> dict[str, Any]:
+    """An annotation import kept: a JSON object, or ExportError saying where it is."""
+    text = dict(policy.annotations).get(key, default)
+    try:
+        value = json.loads(text or "")
+    except json.JSONDecodeError as exc:
+        raise ExportError(
+            f"{policy.source}: metadata.annotations.{key}: not JSON ({exc})"
+        ) from None
+    if not isinstance(value, dict):
+        raise ExportError(f"{policy.source}: metadata.annotations.{key}: expected a JSON object")
+    return value
 
 
 def _selector(rule: DnsRule) -> dict[str, str]:
@@ -129,8 +148,7 @@ def _port_entries(ranges: tuple[PortRange, ...], protocol: str) -> list[dict[str
 
 
 def _cidr_rule(rule: CidrRule) -> dict[str, Any]:
-    if rule.ports.tcp == ALL and rule.ports.udp == ALL:
-        return {"toCIDR": [str(rule.network)]}  # every port (Cilium: every protocol, too)
+    # Every port is written as the ranges: a bare toCIDR would allow every protocol.
     entries = _port_entries(rule.ports.tcp, "TCP") + _port_entries(rule.ports.udp, "UDP")
     return {"toCIDR": [str(rule.network)], "toPorts": [{"ports": entries}]}
 

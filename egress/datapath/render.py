@@ -88,6 +88,11 @@ def render_sandbox(template: str, policy: Policy, sidecar: Sidecar | None = None
             "inline_group": str(c.INLINE_GROUP),
             "observer_group": str(c.OBSERVER_GROUP),
             "log_limit": f"limit rate {c.LOG_RATE} burst {c.LOG_BURST} packets",
+            # mode: audit learns from every blocked flow (an address no answer named, a
+            # port outside its rule): the inline layer's copy is not rate-limited there.
+            "inline_connect_limit": ""
+            if audit
+            else f"limit rate {c.LOG_RATE} burst {c.LOG_BURST} packets ",
         },
     )
 

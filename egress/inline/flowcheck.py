@@ -118,7 +118,7 @@ class FlowCheck:
             return
         policy = self.resolver.core.policy
         if d.verdict is not None and policy.mode is Mode.AUDIT:
-            self.resolver.core.audit_asked(ip_address(d.key[2]), d.key[3], d.verdict.name)
+            self.resolver.core.audit_asked(ip_address(d.key[2]), d.key[3], d.verdict.name, now)
         action = policy.action(ViolationClass.NAME_MISMATCH)
         release = d.accept or policy.mode is Mode.AUDIT or action is Action.LOG
         mark: int | None = c.CHECKED_MARK

@@ -111,6 +111,8 @@ class Session:
     def _audit_connect(self, flow: Flow | None, prefix: str, at: float) -> None:
         if self.core is None or flow is None or flow.dport is None:
             return
+        if flow.proto not in ("tcp", "udp"):
+            return  # ICMP's "ports" are its type and code: no destination to learn
         try:
             address = ipaddress.ip_address(flow.dst)
         except ValueError:

@@ -9,16 +9,18 @@ the writer prints them commented out.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from egress.learn.observed import ConnectSeen, NameSeen, Observed
-from egress.learn.risks import RISKY_TYPES_NOTE, classify, risky_type
-from egress.learn.siblings import DEFAULT_MIN_SIBLINGS, group
+from egress.learn.risks import RISKY_TYPES_NOTE, Classifier, Risk, classify, risky_type
+from egress.learn.siblings import DEFAULT_MIN_SIBLINGS, Group, group
 from egress.model import Policy
 from egress.policy.matcher import Matcher
 from egress.policy.rrtypes import type_name
+from egress.resolver.rebinding import rebinding_reason
 
 CNAME = 5
 
@@ -73,41 +75,92 @@ def make_draft(
     seen: Observed, base: Policy | None = None, min_siblings: int = DEFAULT_MIN_SIBLINGS
 ) -> Draft:
     spec = base.tunnel if base is not None else None
-    keep, risks = classify(sorted(seen.names.values(), key=lambda n: n.name), spec, min_siblings)
+    asked = sorted(seen.names.values(), key=lambda n: n.name)
+    keep, risks, judge = classify(asked, spec, min_siblings)
     kept = {n.name: n for n in keep}
-    _add_chain_targets(kept, {r.name for r in risks})
+    targets = _chain_targets(kept, risks, judge)
     in_base: list[str] = []
     if base is not None:
         matcher = Matcher(base)
-        for name in list(kept):
-            if _base_allows(matcher, base, kept[name]):
-                in_base.append(name)
-                del kept[name]
-    rules = tuple(
-        _rule(g.pattern, [kept[m] for m in g.members]) for g in group(list(kept), min_siblings)
-    )
+        for table in (kept, targets):
+            for name in list(table):
+                if _base_allows(matcher, base, table[name]):
+                    in_base.append(name)
+                    del table[name]
+    risky = [r.name for r in risks]
+    groups = _safe(group(list(kept), min_siblings), risky, judge.zones)
+    rules = [_rule(g.pattern, [kept[m] for m in g.members]) for g in groups]
+    rules += [_rule(t.name, [t]) for t in targets.values()]  # exact: never a pattern's sibling
     learned = {m for r in rules for m in r.members} | set(in_base)
-    statics, connect_risks = _statics(seen.connects.values(), learned, {r.name for r in risks})
+    statics, connect_risks = _statics(seen.connects.values(), learned)
     risk_rows = [(r.name, r.why, evidence(r.seen.count, "queries", r.seen)) for r in risks]
     return Draft(
-        rules=rules, statics=statics, risks=(*risk_rows, *connect_risks),
+        rules=tuple(rules), statics=statics, risks=(*risk_rows, *connect_risks),
         sandboxes=tuple(sorted(seen.sandboxes)), first=seen.first, last=seen.last,
         overflow_names=seen.overflow_names, overflow_connects=seen.overflow_connects,
         in_base=tuple(sorted(in_base)),
     )  # fmt: skip
 
 
-def _add_chain_targets(kept: dict[str, NameSeen], risky: set[str]) -> None:
-    """A CNAME target must be allowed too (enforce refuses a chain leaving the rules)."""
+def _chain_targets(
+    kept: dict[str, NameSeen], risks: list[Risk], judge: Classifier
+) -> dict[str, NameSeen]:
+    """The CNAME targets kept names' answers led to: enforce refuses a chain leaving the
+    rules, so each must be allowed too, and each is judged like an asked name (the
+    upstream chose it). A name whose chain goes through a risk is a risk itself."""
+    risky = {r.name for r in risks}
+    targets: dict[str, NameSeen] = {}
     for seen in list(kept.values()):
+        bad = []
         for target in seen.chain:
-            if target in kept or target in risky:
+            if target in kept or target in targets:
                 continue
-            kept[target] = NameSeen(
-                target, types={t: 0 for t in seen.types if not risky_type(t)},
-                sandboxes=set(seen.sandboxes), first=seen.first, last=seen.last,
-            )  # fmt: skip
-            kept[target].verdicts.add(f"CNAME target of {seen.name}")
+            if target not in risky:
+                types = {q: 0 for q in seen.types if not risky_type(q)}
+                t = NameSeen(target, types=types, sandboxes=set(seen.sandboxes),
+                             first=seen.first, last=seen.last)  # fmt: skip
+                t.verdicts.add(f"CNAME target of {seen.name}")
+                why = judge.why(t)
+                if why is None:
+                    targets[target] = t
+                    continue
+                risks.append(Risk(target, f"a CNAME target of {seen.name}: {why}", t))
+                risky.add(target)
+            bad.append(target)
+        if bad:
+            del kept[seen.name]
+            risks.append(Risk(seen.name, f"its answers lead through {', '.join(bad)},"
+                              " set aside", seen))  # fmt: skip
+    for name in [t for t in targets if t not in {c for s in kept.values() for c in s.chain}]:
+        del targets[name]  # its asker became a risk after it was taken
+    return targets
+
+
+def _safe(groups: list[Group], risky: list[str], zones: dict[str, str]) -> list[Group]:
+    """No pattern may match a name set aside as a risk, or reach into or over a zone the
+    tunnel scorer flags: such a group is written as its exact names."""
+    out: list[Group] = []
+    for g in groups:
+        if g.pattern.startswith("*") and (
+            any(_covers(g.pattern, name) for name in risky) or _overlaps(g.pattern, zones)
+        ):
+            out.extend(Group(m, (m,)) for m in g.members)
+        else:
+            out.append(g)
+    return out
+
+
+def _covers(pattern: str, name: str) -> bool:
+    star, _, suffix = pattern.partition(".")
+    if not name.endswith("." + suffix):
+        return False
+    extra = name[: -len(suffix) - 1].count(".") + 1
+    return extra >= 1 if star == "**" else extra == 1
+
+
+def _overlaps(pattern: str, zones: dict[str, str]) -> bool:
+    suffix = pattern.partition(".")[2]
+    return any(suffix == z or suffix.endswith("." + z) or z.endswith("." + suffix) for z in zones)
 
 
 def _base_allows(matcher: Matcher, base: Policy, seen: NameSeen) -> bool:
@@ -164,23 +217,25 @@ def _type_order(name: str) -> tuple[int, str]:
 
 
 def _statics(
-    connects: Iterable[ConnectSeen], learned: set[str], risky: set[str]
+    connects: Iterable[ConnectSeen], learned: set[str]
 ) -> tuple[tuple[Static, ...], list[tuple[str, str, str]]]:
     """Destinations no learned name explains: static entries (no answer named them), or
-    risks (only a risky name's answer did)."""
+    risks (only a risky name's answer did, the address is inside the machine or its
+    network, or the protocol is neither TCP nor UDP)."""
     by_dest: dict[tuple[str, str], list[ConnectSeen]] = {}
     risks: list[tuple[str, str, str]] = []
     for c in sorted(connects, key=lambda c: (c.address, c.proto, c.port)):
+        where = f"{c.address} {c.proto}/{c.port}"
         stray = [n for n in c.asked if n not in c.names]
         if stray:
             why = (f"its flows asked for {', '.join(stray)}, which no answer for this address"
                    " named: enforce refuses them (name_mismatch)")  # fmt: skip
-            risks.append((f"{c.address} {c.proto}/{c.port}", why, evidence(c.count, "connects", c)))
+            risks.append((where, why, evidence(c.count, "connects", c)))
         if any(n in learned for n in c.names):
             continue
-        if c.names:
-            why = f"its address came only from answers to {', '.join(c.names)}, set aside above"
-            risks.append((f"{c.address} {c.proto}/{c.port}", why, evidence(c.count, "connects", c)))
+        refused = _static_risk(c)
+        if refused is not None:
+            risks.append((where, refused, evidence(c.count, "connects", c)))
             continue
         by_dest.setdefault((c.address, c.proto), []).append(c)
     statics = []
@@ -193,6 +248,20 @@ def _statics(
         ports = tuple(sorted(c.port for c in group_))
         statics.append(Static(address, proto, ports, evidence(m.count, "connects", m)))
     return tuple(statics), risks
+
+
+def _static_risk(c: ConnectSeen) -> str | None:
+    if c.names:
+        return f"its address came only from answers to {', '.join(c.names)}, set aside above"
+    if c.proto not in ("tcp", "udp"):
+        return f"protocol {c.proto}: egress allows TCP and UDP destinations"
+    try:
+        inside = rebinding_reason(ipaddress.ip_address(c.address))
+    except ValueError:
+        return "not an IP address"
+    if inside is not None:
+        return f"no DNS answer named it, and it is {inside}: never a static destination"
+    return None
 
 
 def evidence(count: int, what: str, seen: NameSeen | ConnectSeen | _Merged) -> str:

@@ -17,7 +17,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from egress.learn.observed import NameSeen
 from egress.model import TunnelSpec, ViolationClass
@@ -26,6 +27,7 @@ from egress.policy.rrtypes import is_data_only, type_name
 from egress.tunnel.scorer import TunnelScorer
 
 TXT = 16
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?", re.IGNORECASE)
 RISKY_TYPES_NOTE = "data-only record type, a DNS tunnel's carrier"
 
 
@@ -58,8 +60,8 @@ def name_risk(seen: NameSeen, scorer: TunnelScorer, spec: TunnelSpec) -> str | N
         parse_pattern(seen.name)
     except ValueError as exc:
         return f"not a name a policy can allow: {exc}"
-    if "*" in seen.name or not seen.name:
-        return "not a host name"
+    if not seen.name or not all(_LABEL.fullmatch(label) for label in seen.name.split(".")):
+        return "not a host name (letters, digits, '-' and '_' in labels of 1-63)"
     qtype = min(seen.types, default=1)
     score = scorer.explain(seen.name, qtype).score
     if score >= spec.name_score:
@@ -74,30 +76,49 @@ PLAIN_LABELS = 2
 PLAIN_LABEL_CHARS = 15
 
 
+@dataclass
+class Classifier:
+    """What ``classify`` decided, and the means to judge one more name the same way (a
+    CNAME target the answers brought)."""
+
+    spec: TunnelSpec
+    min_siblings: int
+    zones: dict[str, str] = field(default_factory=dict)  # flagged zone -> why
+    crowded: set[str] = field(default_factory=set)
+    scorer: TunnelScorer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scorer = TunnelScorer(self.spec, _Clock())
+
+    def why(self, seen: NameSeen) -> str | None:
+        why = name_risk(seen, self.scorer, self.spec)
+        if why is not None:
+            return why
+        zone = self.scorer.applied(seen.name).zone
+        if zone in self.zones:
+            flagged = f"{zone}, which the tunnel scorer flags: {self.zones[zone]}"
+            if not _plain(seen.name, zone, self.crowded):
+                return f"under {flagged}"
+            seen.verdicts.add(f"kept, though under {flagged}: review")
+        return None
+
+
 def classify(
     names: list[NameSeen], spec: TunnelSpec | None = None, min_siblings: int = 4
-) -> tuple[list[NameSeen], list[Risk]]:
-    """(names the learner may allow, risks), each in the order given."""
+) -> tuple[list[NameSeen], list[Risk], Classifier]:
+    """(names the learner may allow, risks, the classifier), each in the order given."""
     spec = spec or TunnelSpec()
-    scorer = TunnelScorer(spec, _Clock())
-    zones = tunnel_zones(names, spec)
-    crowded = _crowded_parents([n.name for n in names], min_siblings)
+    judge = Classifier(spec, min_siblings, tunnel_zones(names, spec),
+                       _crowded_parents([n.name for n in names], min_siblings))  # fmt: skip
     keep: list[NameSeen] = []
     risks: list[Risk] = []
     for seen in names:
-        why = name_risk(seen, scorer, spec)
-        zone = scorer.applied(seen.name).zone if why is None else None
-        if zone is not None and zone in zones:
-            flagged = f"{zone}, which the tunnel scorer flags: {zones[zone]}"
-            if _plain(seen.name, zone, crowded):
-                seen.verdicts.add(f"kept, though under {flagged}: review")
-            else:
-                why = f"under {flagged}"
+        why = judge.why(seen)
         if why is None:
             keep.append(seen)
         else:
             risks.append(Risk(seen.name, why, seen))
-    return keep, risks
+    return keep, risks, judge
 
 
 def tunnel_zones(names: list[NameSeen], spec: TunnelSpec) -> dict[str, str]:

@@ -40,7 +40,13 @@ def policy_text(draft: Draft, name: str, base: dict[str, Any] | None = None) -> 
     base_rules = list(dns.pop("allow", None) or [])
     base_static = list(connect.pop("allow", None) or [])
     dns.setdefault("upstreams", ["system"])
-    connect.pop("ports", None)
+    # The base's connect.ports stay when its own rules rely on them (a rule with no
+    # ports of its own); learned rules without a port then take them too, and say so.
+    keep_ports = "ports" in connect and any(
+        not isinstance(r, dict) or "ports" not in r for r in base_rules
+    )
+    if not keep_ports:
+        connect.pop("ports", None)
     lines = _header(draft, base is not None)
     lines += ["apiVersion: egress/v1", "kind: Policy", "metadata:", f"  name: {name}", "spec:"]
     lines += ["  mode: enforce", "  dns:"]
@@ -50,7 +56,7 @@ def policy_text(draft: Draft, name: str, base: dict[str, Any] | None = None) -> 
         lines.append("      # from the base policy")
         lines += _block(base_rules, 3)
     for rule in draft.rules:
-        lines += _rule(rule)
+        lines += _rule(rule, keep_ports)
     if not base_rules and not draft.rules:
         lines[-1] += " []"
     if draft.risks:
@@ -63,7 +69,7 @@ def policy_text(draft: Draft, name: str, base: dict[str, Any] | None = None) -> 
             lines.append(f"      # RISK: {why}{count}")
             lines += [f"      # - {what}  # {evidence}" for what, evidence in items]
     lines.append("  connect:")
-    if any(not (r.tcp or r.udp) for r in draft.rules):
+    if not keep_ports and any(not (r.tcp or r.udp) for r in draft.rules):
         lines += [
             "    # Each rule above lists the ports its names were connected on;",
             "    # a name asked but never connected to gets none.",
@@ -100,7 +106,10 @@ def _header(draft: Draft, based: bool) -> list[str]:
 def _block(data: dict[str, Any] | list[Any], depth: int) -> list[str]:
     if not data:
         return []
-    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=90)
+    # A list of rules is written one per line (a list of scalars would come out in flow
+    # style, and learned rules follow it); nested values stay compact.
+    flow = False if isinstance(data, list) and not all(isinstance(i, dict) for i in data) else None
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=flow, width=90)
     return [INDENT * depth + line for line in text.splitlines()]
 
 
@@ -110,13 +119,15 @@ def _ports(tcp: tuple[int, ...], udp: tuple[int, ...]) -> str:
     return json.dumps({"tcp": list(tcp), "udp": list(udp)}).replace('"', "")
 
 
-def _rule(rule: Rule) -> list[str]:
+def _rule(rule: Rule, base_ports: bool = False) -> list[str]:
     out = [f"      # {rule.evidence}"]
     out += [f"      # {note}" for note in rule.notes]
     out.append(f"      - name: {_quote(rule.pattern)}")
     out.append(f"        types: [{', '.join(rule.types)}]")
     if rule.tcp or rule.udp:
         out.append(f"        ports: {_ports(rule.tcp, rule.udp)}")
+    elif base_ports:
+        out.append("        # never connected to: it takes the base's connect.ports")
     else:
         out.append("        # never connected to: no ports")
     return out

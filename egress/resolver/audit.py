@@ -120,8 +120,6 @@ class AuditLog:
                 self._over_connects += 1
                 return
             seen = self._connects[key] = _Seen(verdict, now, now)
-        if seen.first == 0.0:
-            seen.first = now  # made by ``asked`` before its first packet was logged
         seen.count += 1
         seen.last = max(seen.last, now)
         if verdict != ALLOWED:
@@ -131,15 +129,15 @@ class AuditLog:
             seen.extra = (*seen.extra, *fresh)[:MAX_NAMES]
         self._dirty_connects.add(key)
 
-    def asked(self, address: str, proto: str, port: int, name: str) -> None:
+    def asked(self, address: str, proto: str, port: int, name: str, now: float) -> None:
         """A flow to this destination asked for ``name`` in its first bytes (the check of
         connect.check_names read it): the learner gives the port to that name alone."""
         key = (address, proto, port)
         seen = self._connects.get(key)
-        if seen is None:  # the flow's first packet is still on its way from NFLOG
+        if seen is None:  # the flow's first packet is still on its way from NFLOG: it counts
             if len(self._connects) >= self.cap:
                 return
-            seen = self._connects[key] = _Seen(ALLOWED, 0.0, 0.0)
+            seen = self._connects[key] = _Seen(ALLOWED, now, now)
         if name not in seen.asked:
             seen.asked = (*seen.asked, name)[:MAX_NAMES]
             self._dirty_connects.add(key)
@@ -150,8 +148,7 @@ class AuditLog:
             NameRow(n, t, s.verdict, s.count, s.first, s.last, s.extra, s.chain)
             for (n, t), s in ((k, self._names[k]) for k in sorted(self._dirty_names))
         )
-        # One ``asked`` made before its flow's first packet was logged waits for it.
-        ready = sorted(k for k in self._dirty_connects if self._connects[k].first)
+        ready = sorted(self._dirty_connects)
         connects = tuple(
             ConnectRow(a, p, port, s.verdict, s.count, s.first, s.last, s.extra, s.asked)
             for (a, p, port), s in ((k, self._connects[k]) for k in ready)
@@ -161,6 +158,6 @@ class AuditLog:
             seen.count = 0
         batch = AuditBatch(names, connects, self._over_names, self._over_connects)
         self._dirty_names.clear()
-        self._dirty_connects.difference_update(ready)
+        self._dirty_connects.clear()
         self._over_names = self._over_connects = 0
         return batch

@@ -494,10 +494,10 @@ class ResolverCore:
         verdict = ALLOWED if allowed else ViolationClass.BLOCKED_CONNECT.value
         self.audit_log.connect(str(address), proto, port, verdict, names, now)
 
-    def audit_asked(self, address: IPAddress, port: int, name: str | None) -> None:
+    def audit_asked(self, address: IPAddress, port: int, name: str | None, now: float) -> None:
         """Audit mode: a TCP flow's first bytes named ``name`` (TLS SNI, HTTP Host)."""
         if self.audit and name:
-            self.audit_log.asked(str(address), "tcp", port, name)
+            self.audit_log.asked(str(address), "tcp", port, name, now)
 
     def _finding(self, f: Finding, p: Pending, now: float) -> Report:
         if self.audit:

@@ -234,6 +234,37 @@ def test_an_audit_answer_in_flight_across_a_swap_to_enforce_is_not_released(
         daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
+def test_an_audit_sandbox_of_egressd_is_learned_from(
+    daemon: Egressd, lab: Lab, state_dir: Path
+) -> None:
+    """egressd serves mode: audit with the same wiring as `egressctl run`: what its
+    sandbox asked and connected to reaches the journal (flushed as the sandbox goes), and
+    `egressctl learn` turns it into a policy that allows exactly that."""
+    audit = policy("audit-d", "mail.lab.test").replace("  dns:", "  mode: audit\n  dns:")
+    box = daemon.create(audit, lab.uplink_netns)
+    try:
+        assert dig(box["netns"], "a1.cdn.lab.test") == "203.0.113.13"  # denied: audit lets it
+        connect(box["netns"], "203.0.113.13")
+        assert dig(box["netns"], "mail.lab.test") == "203.0.113.11"  # allowed, never connected
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+    with Journal.open(state_dir) as journal:
+        record = journal.audit([box["id"]])
+    asked = {(r["name"], r["qtype"], r["verdict"]) for r in record["names"]}
+    assert {("a1.cdn.lab.test", 1, "denied_name"), ("mail.lab.test", 1, "allowed")} <= asked
+    [flow] = [c for c in record["connects"] if c["port"] == 80]
+    assert (flow["address"], flow["verdict"], flow["names"]) == (
+        "203.0.113.13", "blocked_connect", ["a1.cdn.lab.test"],
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "egress.cli.main", "learn", "--sandbox", box["id"],
+         "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "- name: a1.cdn.lab.test\n        types: [A]\n        ports: [80]" in done.stdout
+    assert "- name: mail.lab.test\n        types: [A]\n        # never connected to" in done.stdout
+
+
 def _snapshot(netns: str) -> list[str]:
     out = []
     ip = ["ip", "-n", netns]

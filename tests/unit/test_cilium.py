@@ -175,10 +175,27 @@ def ports(entry: str) -> str:
         ("  - toEndpoints: [{}]\n"
          + ports('ports: [{port: "53"}], rules: {dns: [{matchName: b.example.com}]}') + A + P443,
          "9:27", "toFQDNs 'a.example.com': no rules.dns pattern lets it be asked"),
+        ("  - toFQDNs: [{matchName: a.example.com}, {matchName: b.example.com}]\n"
+         + ports('ports: [{port: "443"}], serverNames: [a.example.com]'), "8:53",
+         "serverNames/HTTP hosts leave out b.example.com"),
+        ("  - toCIDR: [192.0.2.1]\n    icmps: [{fields: [{type: 8}]}]\n", "8:5",
+         "egress rule key 'icmps' is not one egress converts"),
+        ("  - toCIDR: [192.0.2.1]\n    authentication: {mode: required}\n", "8:5",
+         "egress rule key 'authentication'"),
+        ("  - toCIDR: [192.0.2.1]\n" + ports('ports: [{port: "443"}], listener: {name: x}'),
+         "8:40", "toPorts 'listener' has no egress equivalent"),
+        ("  - toCIDR: [192.0.2.1]\n    toPorts: {ports: []}\n", "8:14", "toPorts: expected a list"),
+        (A + ports('ports: [{port: "80", endPort: abc}]'), "8:46", "endPort 'abc'"),
+        ("  - toCIDR: [192.0.2.1]\n" + ports('ports: [{port: "80", endPort: 70000}]'), "8:46",
+         "endPort '70000': expected a port number up to 65535"),
+        ("  - toCIDR: [192.0.2.1/24]\n", "7:14", "'192.0.2.1/24' is not a network egress takes"),
+        ("  - toCIDR: 192.0.2.0/24\n", "7:13", "toCIDR: expected a list of networks"),
     ],
     ids=["star-in-label", "bare-star", "two-stars", "no-ports", "wide-range", "named-port", "sctp",
          "to-endpoints", "to-entities", "ports-only", "except", "server-name", "http-method",
-         "http-regex", "kafka", "not-askable"],
+         "http-regex", "kafka", "not-askable", "server-names-partial", "icmps", "authentication",
+         "listener", "to-ports-map", "end-port-text", "end-port-range", "host-bits",
+         "to-cidr-scalar"],
 )  # fmt: skip
 def test_refused_constructs_say_where_and_why(rules: str, where: str, message: str) -> None:
     with pytest.raises(PolicyError) as info:
@@ -232,3 +249,33 @@ def test_the_endpoint_selector_and_dns_star_come_back_from_annotations() -> None
     assert back["spec"]["egress"][0]["toPorts"][0]["rules"]["dns"] == [{"matchPattern": "*"}]
     # egress answers only the toFQDNs names, though Cilium let every name be asked
     assert [r.pattern.text for r in policy.dns.allow] == ["pypi.org", "files.pythonhosted.org"]
+
+
+def test_two_documents_with_one_name_are_refused() -> None:
+    doc = HEAD + "  - toCIDR: [192.0.2.1]\n"
+    with pytest.raises(PolicyError, match=r"dup.yaml:9:1: a second policy named 't' \(the first"):
+        read(doc + "---\n" + doc, "dup.yaml")
+
+
+def test_export_refuses_annotations_it_cannot_read_and_never_widens_a_static_rule() -> None:
+    text = """apiVersion: egress/v1
+kind: Policy
+metadata:
+  name: e
+  annotations: {ANNOTATION}
+spec:
+  dns: {allow: [a.example.com]}
+  connect: {allow: [{cidr: 192.0.2.0/24, proto: any}]}
+"""
+    fqdns = "{cilium.io/dnsRuleTo: '{\"toFQDNs\": []}'}"
+    bad = [("{cilium.io/endpointSelector: 'not json'}", "not JSON"),
+           ("{cilium.io/dnsRuleTo: '[1]'}", "expected a JSON object"),
+           (fqdns, "not a DNS server's destination")]  # fmt: skip
+    for note, message in bad:
+        policy, _ = parse_policy(text.replace("{ANNOTATION}", note), "e.yaml")
+        with pytest.raises(ExportError, match=message):
+            write(policy)
+    policy, _ = parse_policy(text.replace("{ANNOTATION}", "{}"), "e.yaml")
+    [static] = [r for r in yaml.safe_load(write(policy))["spec"]["egress"] if "toCIDR" in r]
+    every = [{"port": "1", "protocol": p, "endPort": 65535} for p in ("TCP", "UDP")]
+    assert static["toPorts"] == [{"ports": every}]

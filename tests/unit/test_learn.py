@@ -261,3 +261,73 @@ spec:
     assert f"! {TUNNEL}: the policy allows it, but tunnel-shaped" in text
     assert "- connect.allow[0] 198.51.100.0/24" in text
     assert all(line[0] in "+-!" for line in lines)
+
+
+# -- what an upstream or a workload in audit mode could push the learner into (review) --
+
+
+def test_a_cname_target_is_judged_like_an_asked_name_and_never_a_pattern_sibling() -> None:
+    """The upstream picks the chain: a target with a '*', four targets under one parent,
+    a tunnel-shaped target. None may become a pattern or be allowed unjudged."""
+    rows = [name_row("www.evil.com", chain=("*.evil.com",)),
+            name_row("api.evil.com", chain=tuple(f"t{i}.cdn.evil.com" for i in range(4))),
+            name_row("git.example.org", chain=(TUNNEL,)),
+            name_row("ok.example.net", chain=("edge.cdn.example.net",))]  # fmt: skip
+    policy, text = learned(rows, [])
+    patterns = {r.pattern.text for r in policy.dns.allow}
+    assert patterns == {"api.evil.com", *(f"t{i}.cdn.evil.com" for i in range(4)),
+                        "ok.example.net", "edge.cdn.example.net"}, text  # fmt: skip
+    assert "a CNAME target of www.evil.com: not a host name" in text
+    assert "its answers lead through *.evil.com, set aside" in text
+    assert f"its answers lead through {TUNNEL}, set aside" in text
+
+
+def test_no_pattern_covers_a_risk_or_a_zone_the_tunnel_scorer_flags() -> None:
+    import random
+
+    rng = random.Random(3)
+    risky = [name_row(f"{x}.evil.com") for x in ("www", "api", "cdn", "mail")]
+    risky.append(name_row(TUNNEL.replace(".t.lab.test", ".evil.com")))
+    policy, _ = learned(risky, [])
+    assert "*.evil.com" not in {r.pattern.text for r in policy.dns.allow}  # it covers the risk
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789"
+    tunnel = [name_row("".join(rng.choice(chars) for _ in range(50)) + ".t.tunnel-op.net")
+              for _ in range(80)]  # fmt: skip
+    for i, row in enumerate(tunnel):
+        row["first_seen"] = row["last_seen"] = T0 + i * 0.05
+    plain = [name_row(f"{a}.{b}.tunnel-op.net") for a, b in zip("abcd", "wxyz", strict=True)]
+    policy, text = learned(tunnel + plain, [])
+    assert {r.pattern.text for r in policy.dns.allow} == {r["name"] for r in plain}, text
+
+
+def test_icmp_and_inside_destinations_are_risks_not_static_entries() -> None:
+    rows = [connect_row("169.254.169.254", 80, []), connect_row("127.0.0.1", 22, []),
+            connect_row("10.0.0.5", 5432, []), connect_row("192.0.2.9", 443, [])]  # fmt: skip
+    icmp = connect_row("192.0.2.9", 0, [])
+    icmp["proto"] = "icmp"
+    policy, text = learned([], [*rows, icmp])
+    assert [str(r.network) for r in policy.connect.allow] == ["192.0.2.9/32"]
+    assert "# - 169.254.169.254 tcp/80" in text and "# - 127.0.0.1 tcp/22" in text
+    assert "# - 10.0.0.5 tcp/5432" in text and "protocol icmp: egress allows TCP and UDP" in text
+
+
+def test_a_base_whose_rules_use_connect_ports_keeps_them() -> None:
+    from egress.learn.write import base_settings
+    from egress.policy.tree import compose
+
+    base_text = """apiVersion: egress/v1
+kind: Policy
+metadata: {name: team}
+spec:
+  dns: {allow: [foo.example.com]}
+  connect: {ports: [8443]}
+"""
+    base, _ = parse_policy(base_text, "base.yaml")
+    seen = collect([name_row("foo.example.com"), name_row("bar.example.com")],
+                   [connect_row("203.0.113.5", 8443, ["foo.example.com"])])  # fmt: skip
+    draft = make_draft(seen, base)
+    assert draft.in_base == ("foo.example.com",)
+    text = policy_text(draft, "team", base_settings(compose(base_text, "base.yaml")[0]))
+    policy, _ = parse_policy(text, "out.yaml")
+    assert [str(p) for p in policy.connect.ports.tcp] == ["8443"]  # foo still reaches 8443
+    assert "it takes the base's connect.ports" in text

@@ -46,6 +46,18 @@ def test_audit_logs_new_learned_and_static_flows_to_the_inline_group_only() -> N
     assert str(c.OBSERVER_GROUP) not in " ".join(lines[i] for i in logs)
 
 
+def test_audit_learns_from_every_blocked_flow_the_observer_copy_stays_limited() -> None:
+    policy, _ = parse_policy(POLICY.format(mode="audit"), "t.yaml")
+    blocked = chain(render_sandbox(read_template("sandbox.nft"), policy), "blocked_connect")
+    inline = [line for line in blocked if f"log group {c.INLINE_GROUP} " in line]
+    observer = [line for line in blocked if f"log group {c.OBSERVER_GROUP} " in line]
+    assert inline == [f'log group {c.INLINE_GROUP} prefix "egress blocked_connect"']
+    assert len(observer) == 1 and observer[0].startswith("limit rate")
+    policy, _ = parse_policy(POLICY.format(mode="enforce"), "t.yaml")
+    blocked = chain(render_sandbox(read_template("sandbox.nft"), policy), "blocked_connect")
+    assert all(line.startswith("limit rate") for line in blocked if " log group " in line)
+
+
 def test_enforce_logs_no_allowed_flow() -> None:
     text = " ".join(output("enforce"))
     assert c.CONNECT_PREFIX not in text

@@ -107,15 +107,16 @@ def test_the_log_is_bounded_and_counts_what_it_left_out() -> None:
     assert (row.count, row.first, row.last) == (1, 1.0, 10.0)
 
 
-def test_the_name_a_flow_asked_for_joins_its_destination_once_its_packet_is_logged() -> None:
+def test_the_name_a_flow_asked_for_is_kept_even_before_its_first_packet_is_logged() -> None:
     log = AuditLog()
-    log.asked("192.0.2.1", "tcp", 443, "a.test")  # the first bytes, before the SYN's log
-    assert log.take().connects == ()  # waits for its flow's first packet
+    log.asked("192.0.2.1", "tcp", 443, "a.test", 4.0)  # the first bytes, before the SYN's log
+    [row] = log.take().connects  # a close now must not lose it
+    assert (row.first, row.count, row.asked) == (4.0, 0, ("a.test",))
     log.connect("192.0.2.1", "tcp", 443, "allowed", ("a.test", "b.test"), 5.0)
-    log.asked("192.0.2.1", "tcp", 443, "a.test")
+    log.asked("192.0.2.1", "tcp", 443, "a.test", 5.0)
     [row] = log.take().connects
     assert (row.first, row.count, row.names, row.asked) == (
-        5.0,
+        4.0,
         1,
         ("a.test", "b.test"),
         ("a.test",),
