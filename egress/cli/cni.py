@@ -9,7 +9,8 @@ state: egressd, over its unix socket, attaches to the netns (``POST
 /v1/sandboxes/attach``, owner ``cni:NETWORK:CONTAINERID:IFNAME``) and detaches.
 
     ADD     attach CNI_NETNS with the policy the config names, or the one the mapping
-            picks for K8S_POD_NAMESPACE/K8S_POD_NAME; prevResult out as it came in.
+            picks for K8S_POD_NAMESPACE/K8S_POD_NAME and the pod's annotations;
+            prevResult out as it came in.
             egressd unreachable, or the policy unreadable or invalid: the ADD fails, so
             the container does not start (fail closed).
     DEL     detach, if attached; nothing attached, or egressd gone: success (the rules
@@ -29,6 +30,9 @@ Configuration (the plugin's entry in the conflist)::
      "policy": "NAME",                      # policies/NAME.yaml under policyDir
      "policyDir": "/etc/egress/policies",   # default
      "mapping": [{"namespace": "agents", "pod": "*", "policy": "agent"}],  # first match
+     # an entry may also ask "annotations": {"KEY": "GLOB"}: the pod's, which containerd
+     # and CRI-O pass when the entry has "capabilities":
+     # {"io.kubernetes.cri.pod-annotations": true} (they pass no labels)
      "unmatched": "refuse",                 # or "pass": no policy, no egress
      "socket": "/run/egress/egressd.sock",  # default: egressd's
      "uplinkNetns": "NAME", "upstream": "IP[:PORT]"}   # optional, as for attach
@@ -161,17 +165,23 @@ def policy_name(call: Call) -> str | None:
         raise CniError(BAD_CONFIG, "mapping must be a list of {namespace, pod, policy}")
     namespace = call.args.get("K8S_POD_NAMESPACE", "")
     pod = call.args.get("K8S_POD_NAME", "")
+    notes = pod_annotations(call)
     for i, entry in enumerate(mapping):
         if not isinstance(entry, dict) or not isinstance(entry.get("policy"), str):
             raise CniError(BAD_CONFIG, f"mapping[{i}] needs a policy (a name)")
-        unknown = sorted(set(entry) - {"namespace", "pod", "policy"})
+        unknown = sorted(set(entry) - MAPPING_KEYS)
         if unknown:
             raise CniError(UNSUPPORTED_FIELD, f"mapping[{i}]: unknown key {unknown[0]!r}",
-                           "known: namespace, pod, policy")  # fmt: skip
+                           "known: " + ", ".join(sorted(MAPPING_KEYS)))  # fmt: skip
+        want = entry.get("annotations", {})
+        if not isinstance(want, dict):
+            raise CniError(BAD_CONFIG, f"mapping[{i}].annotations must map keys to globs")
         if not namespace and not pod:
             break  # not a pod: only the default applies
-        if fnmatch.fnmatchcase(namespace, str(entry.get("namespace", "*"))) and (
-            fnmatch.fnmatchcase(pod, str(entry.get("pod", "*")))
+        if (
+            fnmatch.fnmatchcase(namespace, str(entry.get("namespace", "*")))
+            and fnmatch.fnmatchcase(pod, str(entry.get("pod", "*")))
+            and all(k in notes and fnmatch.fnmatchcase(notes[k], str(v)) for k, v in want.items())
         ):
             return str(entry["policy"])
     name = call.config.get("policy")
@@ -185,6 +195,21 @@ def policy_name(call: Call) -> str | None:
         hint = "set policy (a name under policyDir), or a mapping entry that matches"
         raise CniError(BAD_CONFIG, f"no policy for {where}", hint)
     return name
+
+
+MAPPING_KEYS = frozenset({"namespace", "pod", "annotations", "policy"})
+# The CNI capability containerd and CRI-O fill with the pod's annotations (runtimeConfig),
+# for a plugin whose entry asks for it (egress-cni-install's does). They pass no labels.
+ANNOTATIONS_CAPABILITY = "io.kubernetes.cri.pod-annotations"
+
+
+def pod_annotations(call: Call) -> dict[str, str]:
+    """The pod's annotations, as the runtime passed them (none if it passed none)."""
+    runtime = call.config.get("runtimeConfig")
+    found = runtime.get(ANNOTATIONS_CAPABILITY) if isinstance(runtime, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): str(v) for k, v in found.items()}
 
 
 def policy_path(call: Call, name: str) -> Path:

@@ -106,7 +106,9 @@ def chain(conf_dir: Path, entry: dict[str, Any] | None) -> Path:
 
 def entry_for(args: argparse.Namespace) -> dict[str, Any]:
     entry: dict[str, Any] = {"type": ENTRY_TYPE, "policyDir": str(args.host_policy_dir),
-                             "socket": args.socket}  # fmt: skip
+                             "socket": args.socket,
+                             # the pod's annotations, for mapping entries that match them
+                             "capabilities": {cni.ANNOTATIONS_CAPABILITY: True}}  # fmt: skip
     if args.default_policy:
         entry["policy"] = args.default_policy
     if args.unmatched:

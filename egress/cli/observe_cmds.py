@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--watch-pid", type=int, metavar="PID", help="the inline layer's process")
     p.add_argument("--cgroup", metavar="PATH", help="the sandbox's cgroup v2 directory")
     p.add_argument("--freezer", metavar="PATH", help="its v1 freezer cgroup (with --cgroup)")
+    p.add_argument("--peers", metavar="DIR",
+                   help="a pod's observer beside `egressd sidecar --peers DIR` (no --cgroup):"
+                        " the workload's cgroup is found from the netns's processes, never"
+                        " the cgroups named in DIR")  # fmt: skip
     p.set_defaults(func=cmd_observe)
 
 
@@ -48,6 +52,13 @@ def cmd_observe(args: argparse.Namespace) -> int:
 
     if args.freezer is not None and args.cgroup is None:
         raise SandboxError("--freezer needs --cgroup (the v2 directory it mirrors)")
+    peers = None
+    if args.peers is not None:
+        if args.cgroup is not None:
+            raise SandboxError("--peers is for an observer without --cgroup (it finds it)")
+        from egress.kernel.netns_cgroup import Peers
+
+        peers = Peers(args.peers, "observer")
     cfg = ObserverConfig(
         args.sandbox,
         args.netns,
@@ -56,6 +67,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
         args.watch_pid,
         args.cgroup,
         args.freezer,
+        peers=peers,
     )
     observer = Observer(cfg)
     print("ready", flush=True)  # `run` waits for this before it starts the workload

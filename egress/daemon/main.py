@@ -188,9 +188,15 @@ def sidecar_parser() -> argparse.ArgumentParser:
         epilog=sidecar.EPILOG,
     )
     p.add_argument("--policy", required=True, metavar="FILE", help="the sandbox's policy")
-    p.add_argument("--cgroup", required=True, metavar="PATH",
-                   help="the workload's cgroup v2 directory (frozen on a violation)")  # fmt: skip
+    p.add_argument("--cgroup", metavar="PATH",
+                   help="the workload's cgroup v2 directory (frozen on a violation); without"
+                        " it, the cgroup the workload's processes in this netns run in, found"
+                        " when a violation needs it (a pod: see --peers)")  # fmt: skip
     p.add_argument("--freezer", metavar="PATH", help="its v1 freezer twin, if it has one")
+    p.add_argument("--peers", metavar="DIR",
+                   help="without --cgroup: a directory shared with egress's other containers"
+                        " of the pod (the observer's), where each names its cgroup; those are"
+                        " never the workload's")  # fmt: skip
     p.add_argument("--id", metavar="ID", help="the sandbox id in the journal (default: random)")
     p.add_argument("--upstream", metavar="IP[:PORT]",
                    help="ask this upstream instead of the policy's dns.upstreams")  # fmt: skip

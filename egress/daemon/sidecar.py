@@ -43,6 +43,7 @@ from egress.inline.upstream import parse_upstream, resolve_upstreams, set_mark
 from egress.kernel import netns
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup, find_mounts
+from egress.kernel.netns_cgroup import NoCgroup, Peers
 from egress.kernel.nft import NftHandle
 from egress.model import Policy, SandboxState
 from egress.policy import parse_policy
@@ -64,6 +65,15 @@ examples:
       --cgroup /sys/fs/cgroup/unified/agent1 --id agent1
   egressd sidecar --policy /etc/egress/policy.yaml --cgroup /sys/fs/cgroup/agent \\
       --upstream 10.96.0.10 --remove-on-exit     # a container sharing the pod's netns
+  egressd sidecar --policy /etc/egress/policy.yaml --upstream 10.96.0.10 --id agent \\
+      --peers /run/egress-pod/peers              # a pod: the agent's cgroup found
+                                                 # (containers/kubernetes/examples/sidecar)
+
+Without --cgroup it finds the workload's cgroup when a violation needs it: the cgroup
+every process in this netns runs in but PID 1 (a pod's pause process) and egress's own
+(its own cgroup, and those its observer names in --peers DIR, `egressctl observe
+--peers DIR`). That needs the pod's processes in sight (shareProcessNamespace) and the
+host's cgroup namespace (a privileged container has it under containerd and CRI-O).
 
 It runs in the sandbox's netns, beside the workload and NOT in its cgroup (it refuses to).
 Enter the netns with `nsenter --net=PATH` (as a container runtime would), not with
@@ -103,6 +113,7 @@ class Config:
     state: Path
     review_hint: str
     remove_on_exit: bool
+    peers: Peers | None = None  # without --cgroup: egress's own cgroups in the pod
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
                 return asyncio.run(_serve(sb, cfg, journal, resumed, how, started))
             finally:
                 nft.close()
+                if cfg.peers is not None:
+                    cfg.peers.close()
     finally:
         lock.close()
 
@@ -144,16 +157,46 @@ def _config(args: argparse.Namespace) -> Config:
         raise UpstreamError("the policy names no upstream and --upstream was not given")
     if any(ip == c.RESOLVER4 and port == 53 for ip, port in upstreams):
         raise UpstreamError(f"upstream {c.RESOLVER4}:53 is the sidecar itself; name the real one")
-    try:
-        cgroup = Cgroup.attach_existing(args.cgroup, args.freezer)
-    except SandboxError as exc:
-        if find_mounts().v2 is None:
-            raise SandboxError(f"{exc}: {NO_CGROUPFS}") from None
-        raise
-    _check_outside(cgroup)
+    peers = None
+    if args.cgroup is None:
+        cgroup, peers = _found_cgroup(args)
+    else:
+        if args.peers is not None:
+            raise SandboxError("--peers is for a sidecar without --cgroup (it finds the cgroup)")
+        try:
+            cgroup = Cgroup.attach_existing(args.cgroup, args.freezer)
+        except SandboxError as exc:
+            if find_mounts().v2 is None:
+                raise SandboxError(f"{exc}: {NO_CGROUPFS}") from None
+            raise
+        _check_outside(cgroup)
     hint = f" --state-dir {args.state_dir}" if args.state_dir else ""
     return Config(policy, data, upstreams, cgroup, state_dir(args.state_dir), hint,
-                  args.remove_on_exit)  # fmt: skip
+                  args.remove_on_exit, peers)  # fmt: skip
+
+
+def _found_cgroup(args: argparse.Namespace) -> tuple[Cgroup, Peers]:
+    """No --cgroup (a pod, where the workload's container id is known only to the
+    runtime): the cgroup its processes in this netns run in, found when a violation needs
+    it, never this sidecar's, its observer's (--peers) or the pod's pause process's."""
+    if args.freezer is not None:
+        raise SandboxError("--freezer needs --cgroup (the v2 directory it mirrors)")
+    if find_mounts().v2 is None:
+        raise SandboxError(NO_CGROUPFS)
+    try:
+        peers = Peers(args.peers, "sidecar")
+        peers.exclusions()
+    except (OSError, NoCgroup) as exc:
+        raise SandboxError(f"--peers {args.peers}: {exc}") from None
+    if any("/.." in path for path in peers.exclusions()):
+        raise SandboxError(
+            "the sidecar runs in a cgroup namespace of its own: give it the host's"
+            " (a privileged container gets it under containerd and CRI-O)"
+        )
+    cgroup = Cgroup.in_netns(f"/proc/{os.getpid()}/ns/net")
+    cgroup.exclude = peers.exclusions
+    cgroup.skip_init = True
+    return cgroup, peers
 
 
 # -- checks: each fails before anything is changed ---------------------------------------
@@ -210,7 +253,7 @@ def _sandbox_id(journal: Journal, wanted: str | None, cgroup: Cgroup) -> tuple[s
     row = journal.sandbox(wanted)
     if row is None:
         return wanted, False
-    if row.get("cgroup") != cgroup.v2_path:
+    if cgroup.bound and row.get("cgroup") != cgroup.v2_path:
         raise SandboxError(f"sandbox id {wanted!r} is already in use (cgroup {row['cgroup']})")
     return wanted, True
 
@@ -284,6 +327,8 @@ async def _serve(
         journal.record_sandbox(sb.id, sb.policy.name, netns=sb.netns, cgroup=sb.cgroup.v2_path,
                                state=state, inline_pid=pid, owner_pid=pid,
                                freezer=sb.cgroup.freezer_path)  # fmt: skip
+    if not sb.cgroup.bound:  # found later: the journal follows, for resume and kill
+        sb.cgroup.on_bind = lambda cg: _record_cgroup(journal, sb.id, cg)
     session = resolver = None
     try:
         session, resolver = wiring.make(
@@ -313,6 +358,13 @@ async def _serve(
         await wiring.stop(session, resolver)
         _leave(sb, journal, remove=cfg.remove_on_exit)
     return 0
+
+
+def _record_cgroup(journal: Journal, sandbox_id: str, cgroup: Cgroup) -> None:
+    try:
+        journal.update_sandbox(sandbox_id, cgroup=cgroup.v2_path, freezer=cgroup.freezer_path)
+    except EgressError as exc:  # the freeze goes on; egressctl resume would not find it
+        print(f"egressd sidecar: could not journal the cgroup found: {exc}", file=sys.stderr)
 
 
 def _leave(sb: sbx.Sandbox, journal: Journal, remove: bool) -> None:

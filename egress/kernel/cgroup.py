@@ -25,7 +25,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import cache
 
@@ -107,6 +107,10 @@ class Cgroup:
         self.netns: str | None = None  # unbound: the netns whose processes say which
         self.on_bind: Callable[[Cgroup], object] | None = None  # e.g. record it in the journal
         self.unbound_reason = ""  # why the last bind found none
+        # Unbound, in a pod: the cgroups of egress's own processes there (a sidecar's),
+        # left out of the search, and whether the PID namespace's init is the pod's pause.
+        self.exclude: Callable[[], Collection[str]] | None = None
+        self.skip_init = False
         self.nobody = False  # ... because no process runs in the netns (nothing to act on)
         self._lock = threading.Lock()  # one discovery at a time (freeze, kill, API threads)
 
@@ -193,7 +197,8 @@ class Cgroup:
 
         with self._lock:
             try:
-                v2, freezer = discover(self.netns)
+                exclude = self.exclude() if self.exclude is not None else ()
+                v2, freezer = discover(self.netns, exclude, self.skip_init)
             except NoCgroup as exc:
                 self.unbound_reason = str(exc)
                 self.nobody = exc.nobody

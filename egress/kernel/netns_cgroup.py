@@ -15,7 +15,9 @@ exited (a zombie leader) or moved to another netns is still found by its others.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Collection
 
 from egress.kernel.cgroup import find_mounts
 
@@ -94,9 +96,21 @@ def procs_below(directory: str) -> set[int]:
     return out
 
 
-def discover(netns_path: str) -> tuple[str, str | None]:
+def _under(path: str, roots: Collection[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def discover(
+    netns_path: str, exclude: Collection[str] = (), skip_init: bool = False
+) -> tuple[str, str | None]:
     """(v2 directory, v1 freezer directory or None) to freeze for the processes in the
-    netns; NoCgroup says why there is none."""
+    netns; NoCgroup says why there is none.
+
+    ``exclude``: v2 cgroup paths (from the root, as /proc/PID/cgroup says) that hold
+    egress's own processes in the netns (a sidecar and its observer in a pod): their
+    processes are not the workload's, and the cgroup found must hold none of them.
+    ``skip_init``: leave out PID 1 of this PID namespace (a pod's pause or infra process,
+    which holds the namespaces and runs nothing)."""
     mounts = find_mounts()
     if mounts.v2 is None:
         raise NoCgroup("no cgroup2 filesystem is mounted")
@@ -104,12 +118,20 @@ def discover(netns_path: str) -> tuple[str, str | None]:
         pids = processes_in(netns_path)
     except OSError as exc:
         raise NoCgroup(f"netns {netns_path}: {exc.strerror}") from None
+    if skip_init:
+        pids.discard(1)
     found: list[tuple[str, str | None]] = []
+    ours: set[int] = set()
     for pid in sorted(pids):
         try:
-            found.append(cgroup_paths(pid))
+            paths = cgroup_paths(pid)
         except OSError:
             continue  # exited meanwhile
+        if exclude and _under(paths[0], exclude):
+            ours.add(pid)
+            continue
+        found.append(paths)
+    pids -= ours
     if not found:
         raise NoCgroup(f"no process runs in netns {netns_path} yet", nobody=True)
     if any("/.." in v2 or v2.startswith("..") for v2, _ in found):
@@ -123,6 +145,10 @@ def discover(netns_path: str) -> tuple[str, str | None]:
         shown = ", ".join(str(p) for p in sorted(outside)[:5]) or "the host's"
         raise NoCgroup(f"the processes in netns {netns_path} share only cgroup {v2}, which "
                        f"also holds processes outside it ({shown}): not frozen")  # fmt: skip
+    if ours and procs_below(v2_dir) & ours:
+        raise NoCgroup(f"the workload's processes in netns {netns_path} share only cgroup "
+                       f"{v2}, which also holds egress's own: not frozen (one workload "
+                       "container per pod, beside the sidecar's)")  # fmt: skip
     freezer = None
     freezers = [f for _, f in found]
     if mounts.freezer and all(f is not None and "/.." not in f for f in freezers):
@@ -142,6 +168,55 @@ def _outsiders(directory: str, inside: set[int], netns_path: str) -> set[int]:
         inside |= processes_in(netns_path)
         outside -= inside
     return outside
+
+
+def own_cgroup() -> str:
+    """This process's v2 cgroup, from the root (as /proc/PID/cgroup says)."""
+    return cgroup_paths(os.getpid())[0]
+
+
+class Peers:
+    """egress's own processes in a pod, each in a container (a cgroup) of its own: the
+    sidecar and its observer. Each announces its cgroup in a directory they share (an
+    emptyDir no workload container mounts); discovery leaves every announced cgroup out.
+    Without a directory only this process's own cgroup is left out."""
+
+    def __init__(self, directory: str | None, role: str) -> None:
+        self.directory = directory
+        self.file: str | None = None
+        if directory is not None:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            self.file = os.path.join(directory, f"{role}-{os.getpid()}")
+            tmp = self.file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(own_cgroup() + "\n")
+            os.replace(tmp, self.file)
+
+    def exclusions(self) -> set[str]:
+        out = {own_cgroup()}
+        if self.directory is None:
+            return out
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return out
+        for name in names:
+            if name.endswith(".tmp"):
+                continue
+            try:
+                with open(os.path.join(self.directory, name)) as f:
+                    path = f.read().strip()
+            except OSError:
+                continue
+            if path.startswith("/") and "/.." not in path:
+                out.add(path)
+        return out
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.file)
+            self.file = None
 
 
 CLONE_NEWCGROUP = 0x02000000

@@ -35,6 +35,7 @@ from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import netns_exists, netns_path
+from egress.kernel.netns_cgroup import Peers
 from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
@@ -68,8 +69,16 @@ class ObserverConfig:
     # is dead and the cgroup empty. Only where that layer owned the sandbox's end.
     teardown: Callable[[], list[str]] | None = None
     cgroup_found: bool = False  # ``cgroup`` was found from the netns's processes: again
+    # A pod's observer beside a sidecar without --cgroup: egress's own cgroups there, left
+    # out when the workload's is found from the netns's processes (netns_cgroup.Peers).
+    peers: Peers | None = None
 
     def open_cgroup(self) -> Cgroup:
+        if self.cgroup is None and self.peers is not None:
+            cgroup = Cgroup.in_netns(netns_path(self.netns))
+            cgroup.exclude = self.peers.exclusions
+            cgroup.skip_init = True
+            return cgroup
         if self.cgroup is None:
             return Cgroup.open(self.sandbox_id)
         return Cgroup.attached(netns_path(self.netns), self.cgroup, self.freezer,

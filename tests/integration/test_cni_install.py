@@ -50,6 +50,7 @@ def test_it_installs_the_plugin_policies_and_the_chained_entry(node: Path) -> No
         {"namespace": "agents", "policy": "agents"}
     ]
     assert entry["policyDir"] == str(node / "policies")
+    assert entry["capabilities"] == {"io.kubernetes.cri.pod-annotations": True}
     assert (node / "policies" / "agents.yaml").read_text() == "kind: Policy\n"
     plugin = node / "bin" / "egress-cni"
     assert os.access(plugin, os.X_OK)

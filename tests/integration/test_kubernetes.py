@@ -118,3 +118,41 @@ def test_its_policies_are_the_projects_own() -> None:
     """kustomize reads files only below the base: copies, kept equal to policies/."""
     for path in (BASE / "policies").glob("*.yaml"):
         assert path.read_text() == (ROOT / "policies" / path.name).read_text(), path.name
+
+
+SIDECAR = BASE / "examples" / "sidecar"
+
+
+def test_the_sidecar_example_validates_and_holds_its_workload() -> None:
+    """containers/kubernetes/examples/sidecar: a pod with `egressd sidecar` and the
+    observer beside a workload with no capability (tests/privileged/test_sidecar_pod.py
+    runs the same arrangement: a shared PID namespace, a cgroup per container)."""
+    done = subprocess.run(["kubectl", "kustomize", str(SIDECAR)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    [pod] = by_kind(docs, "Pod")
+    [config] = by_kind(docs, "ConfigMap")
+    spec = pod["spec"]
+    assert spec["shareProcessNamespace"] and not spec.get("hostPID") and not spec.get("hostNetwork")
+    assert spec["dnsPolicy"] == "None" and spec["dnsConfig"]["nameservers"] == ["127.0.0.53"]
+    sidecar, observer, agent = spec["containers"]
+    assert sidecar["command"][:2] == ["egressd", "sidecar"]
+    assert observer["command"][:2] == ["egressctl", "observe"]
+    for egress in (sidecar, observer):
+        assert egress["securityContext"]["privileged"]
+        assert "--peers=/run/egress-pod/peers" in egress["command"]
+        assert "--state-dir=/var/lib/egress" in egress["command"]
+        assert not any(a.startswith("--cgroup") for a in egress["command"])
+    sc = agent["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"]
+    assert not sc["allowPrivilegeEscalation"] and not sc.get("privileged")
+    assert "volumeMounts" not in agent  # neither the peers nor the journal
+    [volume] = [v for v in spec["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == config["metadata"]["name"]  # kustomize's hash
+    [(name, text)] = config["data"].items()
+    policy, _ = parse_policy(text, f"configmap:{name}")
+    assert f"--policy=/etc/egress/policy/{name}" in sidecar["command"]
+    assert text == (ROOT / "policies" / name).read_text() and policy.name == "llm-api-only"

@@ -45,6 +45,28 @@ def test_the_first_matching_mapping_entry_wins(args: str, want: str) -> None:
     assert policy_name(c) == want
 
 
+def test_mapping_entries_may_match_the_pods_annotations_as_the_runtime_passes_them() -> None:
+    """containerd and CRI-O fill runtimeConfig's io.kubernetes.cri.pod-annotations for a
+    plugin whose entry declares that capability; no labels are passed."""
+    mapping = [{"namespace": "agents", "annotations": {"egress.io/role": "pip-*"},
+                "policy": "python-dev"},
+               {"namespace": "agents", "policy": "llm-api-only"}]  # fmt: skip
+    pod = "K8S_POD_NAMESPACE=agents;K8S_POD_NAME=coder-1"
+
+    def chosen(notes: dict[str, str] | None) -> str | None:
+        config: dict[str, object] = {"mapping": mapping}
+        if notes is not None:
+            config["runtimeConfig"] = {"io.kubernetes.cri.pod-annotations": notes}
+        return policy_name(call(config, CNI_ARGS=pod))
+
+    assert chosen({"egress.io/role": "pip-builder", "other": "x"}) == "python-dev"
+    assert chosen({"egress.io/role": "web"}) == "llm-api-only"
+    assert chosen({}) == "llm-api-only"
+    assert chosen(None) == "llm-api-only"  # the runtime passed none: no annotation matches
+    with pytest.raises(CniError, match="annotations must map keys to globs"):
+        policy_name(call({"mapping": [{"annotations": ["x"], "policy": "p"}]}, CNI_ARGS=pod))
+
+
 def test_no_policy_for_a_pod_is_a_config_error_naming_it() -> None:
     c = call({"mapping": [{"namespace": "x", "policy": "p"}]},
              CNI_ARGS="K8S_POD_NAMESPACE=a;K8S_POD_NAME=b")  # fmt: skip
