@@ -302,6 +302,9 @@ def _authority(authority: bytes) -> FirstBytes:
 # --- names ---------------------------------------------------------------------------------
 
 
+_ADDRESS_CHARS = frozenset(b"0123456789.")  # an IPv4 literal's; IPv6 ones have a ':'
+
+
 def _hostname(protocol: str, raw: bytes, what: str) -> FirstBytes:
     """A hostname as a DNS name in lowercase, or a refusal: IP literals, empty labels,
     characters outside letters, digits and hyphen (and a trailing root dot)."""
@@ -313,12 +316,13 @@ def _hostname(protocol: str, raw: bytes, what: str) -> FirstBytes:
     if len(name) > MAX_NAME:
         return _refuse(protocol, "malformed", f"a {what} of {len(name)} bytes")
     text = name.decode("latin-1")
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        pass
-    else:
-        return _refuse(protocol, "ip_literal", f"{what} is an IP address: {text}")
+    if b":" in name or _ADDRESS_CHARS.issuperset(name):  # could be one: ask (rarely taken)
+        try:
+            ipaddress.ip_address(text)
+        except ValueError:
+            pass
+        else:
+            return _refuse(protocol, "ip_literal", f"{what} is an IP address: {text}")
     for label in name.split(b"."):
         if not label or len(label) > 63 or not _HOSTNAME.issuperset(label):
             return _refuse(protocol, "malformed", f"{what} {text[:64]!r} is not a hostname")

@@ -93,8 +93,9 @@ def _parse_v4(data: bytes) -> _L3 | None:
     return _L3(
         family=4,
         proto=data[9],
-        src=str(ipaddress.IPv4Address(data[12:16])),
-        dst=str(ipaddress.IPv4Address(data[16:20])),
+        # the text str(IPv4Address(...)) gives, at a fifth of the cost (per held segment)
+        src=f"{data[12]}.{data[13]}.{data[14]}.{data[15]}",
+        dst=f"{data[16]}.{data[17]}.{data[18]}.{data[19]}",
         l4=data[ihl:total],
         first_fragment=offset == 0,
         fragment=more or offset != 0,
@@ -146,6 +147,8 @@ def _walk_v6_extensions(
 
 
 def _with_transport(l3: _L3) -> Packet | None:
+    if l3.first_fragment and l3.proto == 6:
+        return _tcp(l3)  # built whole: the first-bytes check parses every held segment
     base = Packet(
         family=l3.family,
         proto=PROTO_NAMES.get(l3.proto, l3.proto),
@@ -156,8 +159,6 @@ def _with_transport(l3: _L3) -> Packet | None:
     )
     if not l3.first_fragment:
         return base
-    if l3.proto == 6:
-        return _tcp(base, l3.l4)
     if l3.proto == 17:
         return _udp(base, l3.l4)
     if (l3.proto, l3.family) in ((1, 4), (58, 6)):
@@ -165,13 +166,15 @@ def _with_transport(l3: _L3) -> Packet | None:
     return base
 
 
-def _tcp(base: Packet, seg: bytes) -> Packet | None:
+def _tcp(l3: _L3) -> Packet | None:
+    seg = l3.l4
     if len(seg) < 20:
         return None
     sport, dport, seq = struct.unpack_from("!HHI", seg, 0)
     start = (seg[12] >> 4) * 4
     payload = seg[start:] if start >= 20 else b""  # a data offset under 5 words is bogus
-    return replace(base, sport=sport, dport=dport, tcp_flags=seg[13], seq=seq, payload=payload)
+    return Packet(l3.family, "tcp", l3.src, l3.dst, sport, dport, None, None, seg[13], payload,
+                  seq, l3.fragment, l3.truncated)  # fmt: skip
 
 
 def _udp(base: Packet, seg: bytes) -> Packet | None:

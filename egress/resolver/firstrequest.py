@@ -32,6 +32,7 @@ is. A refusal is kept as it is: its retransmissions (after a resume) are refused
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -86,8 +87,13 @@ def segment_of(packet_id: int, p: Packet | None) -> Segment | None:
         return None
     key = (p.src, p.sport, p.dst, p.dport)
     urgent = bool((p.tcp_flags or 0) & TCP_URG)
-    return Segment(packet_id, key, ipaddress.ip_address(p.dst), p.dport, p.seq, p.payload,
-                   urgent)  # fmt: skip
+    return Segment(packet_id, key, _address(p.dst), p.dport, p.seq, p.payload, urgent)
+
+
+@functools.lru_cache(maxsize=4096)
+def _address(text: str) -> IPAddress:
+    """A destination's address (a sandbox reaches few: parsed once each, not per segment)."""
+    return ipaddress.ip_address(text)
 
 
 @dataclass(frozen=True, slots=True)
