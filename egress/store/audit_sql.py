@@ -30,43 +30,55 @@ def record(
         )
 
 
-def _count(conn: sqlite3.Connection, table: str, sandbox_id: str) -> int:
-    row = conn.execute(f"SELECT COUNT(*) FROM {table} WHERE sandbox_id = ?", (sandbox_id,))
-    return int(row.fetchone()[0])
+class _Cap:
+    """How many distinct rows a sandbox's table may still take; what it refused."""
+
+    def __init__(self, conn: sqlite3.Connection, table: str, sandbox_id: str, cap: int) -> None:
+        row = conn.execute(f"SELECT COUNT(*) FROM {table} WHERE sandbox_id = ?", (sandbox_id,))
+        self.stored = int(row.fetchone()[0])
+        self.cap = cap
+        self.over = 0
+
+    def admit(self, count: int) -> bool:
+        if self.stored >= self.cap:
+            self.over += count
+            return False
+        self.stored += 1
+        return True
+
+
+def _merged(old: str | None, new: tuple[str, ...]) -> str:
+    """A JSON list column with ``new`` appended, once each, in order."""
+    return json.dumps(list(dict.fromkeys([*json.loads(old or "[]"), *new])))
 
 
 def _names(conn: sqlite3.Connection, sandbox_id: str, batch: AuditBatch, cap: int) -> int:
-    stored, over = _count(conn, "audit_names", sandbox_id), 0
+    room = _Cap(conn, "audit_names", sandbox_id, cap)
     for r in batch.names:
+        key = (sandbox_id, r.name, r.qtype)
         old = conn.execute(
             "SELECT risks, chain FROM audit_names WHERE sandbox_id = ? AND name = ? AND qtype = ?",
-            (sandbox_id, r.name, r.qtype),
+            key,
         ).fetchone()
         if old is None:
-            if stored >= cap:
-                over += r.count
-                continue
-            stored += 1
-            conn.execute(
-                "INSERT INTO audit_names VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (sandbox_id, r.name, r.qtype, r.verdict, r.count, r.first, r.last,
-                 json.dumps(list(r.risks)), json.dumps(list(r.chain))),
-            )  # fmt: skip
+            if room.admit(r.count):
+                conn.execute(
+                    "INSERT INTO audit_names VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (*key, r.verdict, r.count, r.first, r.last, _merged(None, r.risks),
+                     _merged(None, r.chain)),
+                )  # fmt: skip
             continue
-        key = (sandbox_id, r.name, r.qtype)
-        risks = list(dict.fromkeys([*json.loads(old[0]), *r.risks]))
-        chain = list(dict.fromkeys([*json.loads(old[1]), *r.chain]))
         conn.execute(
             "UPDATE audit_names SET count = count + ?, first_seen = MIN(first_seen, ?), "
             "last_seen = MAX(last_seen, ?), risks = ?, chain = ? "
             "WHERE sandbox_id = ? AND name = ? AND qtype = ?",
-            (r.count, r.first, r.last, json.dumps(risks), json.dumps(chain), *key),
+            (r.count, r.first, r.last, _merged(old[0], r.risks), _merged(old[1], r.chain), *key),
         )
-    return over
+    return room.over
 
 
 def _connects(conn: sqlite3.Connection, sandbox_id: str, batch: AuditBatch, cap: int) -> int:
-    stored, over = _count(conn, "audit_connects", sandbox_id), 0
+    room = _Cap(conn, "audit_connects", sandbox_id, cap)
     for r in batch.connects:
         key = (sandbox_id, r.address, r.proto, r.port)
         old = conn.execute(
@@ -75,33 +87,22 @@ def _connects(conn: sqlite3.Connection, sandbox_id: str, batch: AuditBatch, cap:
             key,
         ).fetchone()
         if old is None:
-            if stored >= cap:
-                over += r.count
-                continue
-            stored += 1
-            conn.execute(
-                "INSERT INTO audit_connects VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    *key,
-                    r.verdict,
-                    r.count,
-                    r.first,
-                    r.last,
-                    json.dumps(list(r.names)),
-                    json.dumps(list(r.asked)),
-                ),
-            )
+            if room.admit(r.count):
+                conn.execute(
+                    "INSERT INTO audit_connects VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (*key, r.verdict, r.count, r.first, r.last, _merged(None, r.names),
+                     _merged(None, r.asked)),
+                )  # fmt: skip
             continue
         verdict = r.verdict if r.verdict != "allowed" else old[0]  # a block, once, stays
-        names = list(dict.fromkeys([*json.loads(old[1]), *r.names]))
-        asked = list(dict.fromkeys([*json.loads(old[2]), *r.asked]))
         conn.execute(
             "UPDATE audit_connects SET verdict = ?, count = count + ?, "
             "first_seen = MIN(first_seen, ?), last_seen = MAX(last_seen, ?), names = ?, "
             "asked = ? WHERE sandbox_id = ? AND address = ? AND proto = ? AND port = ?",
-            (verdict, r.count, r.first, r.last, json.dumps(names), json.dumps(asked), *key),
-        )
-    return over
+            (verdict, r.count, r.first, r.last, _merged(old[1], r.names),
+             _merged(old[2], r.asked), *key),
+        )  # fmt: skip
+    return room.over
 
 
 def read(conn: sqlite3.Connection, table: str, sandbox_ids: list[str], since: float) -> list[Row]:

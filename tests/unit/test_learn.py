@@ -111,6 +111,17 @@ def learned(
     return policy, text
 
 
+def with_base(base_text: str, names: list[dict[str, Any]],
+              connects: list[dict[str, Any]]) -> tuple[Any, str]:  # fmt: skip
+    """The draft learned over a --base policy, and the text written from both."""
+    from egress.learn.write import base_settings
+    from egress.policy.tree import compose
+
+    base, _ = parse_policy(base_text, "base.yaml")
+    draft = make_draft(collect(names, connects), base)
+    return draft, policy_text(draft, "team", base_settings(compose(base_text, "base.yaml")[0]))
+
+
 def test_the_written_policy_allows_what_was_seen_and_nothing_else() -> None:
     cdn = "edge.cdn.example.net"
     names = [name_row("pypi.org"), name_row("pypi.org", 28),
@@ -226,15 +237,9 @@ spec:
     allow: [{name: pypi.org, ports: [443]}]
   violations: {denied_name: freeze}
 """
-    from egress.learn.write import base_settings
-    from egress.policy.tree import compose
-
-    base, _ = parse_policy(base_text, "base.yaml")
-    seen = collect([name_row("pypi.org"), name_row("new.example.com")],
-                   [connect_row("203.0.113.11", 443, ["pypi.org"])])  # fmt: skip
-    draft = make_draft(seen, base)
+    draft, text = with_base(base_text, [name_row("pypi.org"), name_row("new.example.com")],
+                            [connect_row("203.0.113.11", 443, ["pypi.org"])])  # fmt: skip
     assert draft.in_base == ("pypi.org",)
-    text = policy_text(draft, "team", base_settings(compose(base_text, "base.yaml")[0]))
     policy, _ = parse_policy(text, "out.yaml")
     assert policy.mode.value == "enforce" and policy.dns.ttl_min == 10
     assert [r.pattern.text for r in policy.dns.allow] == ["pypi.org", "new.example.com"]
@@ -312,9 +317,6 @@ def test_icmp_and_inside_destinations_are_risks_not_static_entries() -> None:
 
 
 def test_a_base_whose_rules_use_connect_ports_keeps_them() -> None:
-    from egress.learn.write import base_settings
-    from egress.policy.tree import compose
-
     base_text = """apiVersion: egress/v1
 kind: Policy
 metadata: {name: team}
@@ -322,12 +324,9 @@ spec:
   dns: {allow: [foo.example.com]}
   connect: {ports: [8443]}
 """
-    base, _ = parse_policy(base_text, "base.yaml")
-    seen = collect([name_row("foo.example.com"), name_row("bar.example.com")],
-                   [connect_row("203.0.113.5", 8443, ["foo.example.com"])])  # fmt: skip
-    draft = make_draft(seen, base)
+    draft, text = with_base(base_text, [name_row("foo.example.com"), name_row("bar.example.com")],
+                            [connect_row("203.0.113.5", 8443, ["foo.example.com"])])  # fmt: skip
     assert draft.in_base == ("foo.example.com",)
-    text = policy_text(draft, "team", base_settings(compose(base_text, "base.yaml")[0]))
     policy, _ = parse_policy(text, "out.yaml")
     assert [str(p) for p in policy.connect.ports.tcp] == ["8443"]  # foo still reaches 8443
     assert "it takes the base's connect.ports" in text
