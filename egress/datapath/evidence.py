@@ -6,15 +6,17 @@ from __future__ import annotations
 from egress.datapath.constants import DROP_LOG_PREFIX
 from egress.model import Flow, Mode, Policy, Violation, ViolationClass
 
+_DROPS = {DROP_LOG_PREFIX + cls.value: cls for cls in ViolationClass}
+
 
 def drop_class(prefix: str) -> ViolationClass | None:
-    """``egress blocked_connect`` -> BLOCKED_CONNECT; other prefixes are not drops."""
-    if not prefix.startswith(DROP_LOG_PREFIX):
-        return None
-    try:
-        return ViolationClass(prefix[len(DROP_LOG_PREFIX) :].strip())
-    except ValueError:
-        return None
+    """``egress blocked_connect`` -> BLOCKED_CONNECT; other prefixes are not drops. (A
+    lookup: both layers ask it of every logged packet, most of them DNS copies, and an
+    enum's ValueError cost more than the rest of judging a cached query.)"""
+    found = _DROPS.get(prefix)
+    if found is None and prefix.startswith(DROP_LOG_PREFIX):
+        found = _DROPS.get(prefix.strip())  # kernel prefixes may carry trailing blanks
+    return found
 
 
 def drop_violation(

@@ -149,6 +149,8 @@ def _walk_v6_extensions(
 def _with_transport(l3: _L3) -> Packet | None:
     if l3.first_fragment and l3.proto == 6:
         return _tcp(l3)  # built whole: the first-bytes check parses every held segment
+    if l3.first_fragment and l3.proto == 17:
+        return _udp(l3)  # and the observer every DNS query
     base = Packet(
         family=l3.family,
         proto=PROTO_NAMES.get(l3.proto, l3.proto),
@@ -159,8 +161,6 @@ def _with_transport(l3: _L3) -> Packet | None:
     )
     if not l3.first_fragment:
         return base
-    if l3.proto == 17:
-        return _udp(base, l3.l4)
     if (l3.proto, l3.family) in ((1, 4), (58, 6)):
         return _icmp(base, l3.l4)
     return base
@@ -177,14 +177,16 @@ def _tcp(l3: _L3) -> Packet | None:
                   seq, l3.fragment, l3.truncated)  # fmt: skip
 
 
-def _udp(base: Packet, seg: bytes) -> Packet | None:
+def _udp(l3: _L3) -> Packet | None:
+    seg = l3.l4
     if len(seg) < 8:
         return None
     sport, dport, length = struct.unpack_from("!HHH", seg, 0)
     if length and length < 8:
         return None
     payload = seg[8:length] if length else seg[8:]
-    return replace(base, sport=sport, dport=dport, payload=payload)
+    return Packet(l3.family, "udp", l3.src, l3.dst, sport, dport, None, None, None, payload,
+                  None, l3.fragment, l3.truncated)  # fmt: skip
 
 
 def _icmp(base: Packet, seg: bytes) -> Packet | None:
