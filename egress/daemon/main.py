@@ -200,6 +200,9 @@ def sidecar_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", metavar="ID", help="the sandbox id in the journal (default: random)")
     p.add_argument("--upstream", metavar="IP[:PORT]",
                    help="ask this upstream instead of the policy's dns.upstreams")  # fmt: skip
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="created once it serves, removed when it stops: what a pod's"
+                        " startupProbe tests before the workload starts")  # fmt: skip
     p.add_argument(
         "--remove-on-exit",
         action="store_true",

@@ -114,6 +114,7 @@ class Config:
     review_hint: str
     remove_on_exit: bool
     peers: Peers | None = None  # without --cgroup: egress's own cgroups in the pod
+    ready_file: Path | None = None  # exists while it serves (a pod's startupProbe)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,8 +172,12 @@ def _config(args: argparse.Namespace) -> Config:
             raise
         _check_outside(cgroup)
     hint = f" --state-dir {args.state_dir}" if args.state_dir else ""
+    ready = Path(args.ready_file) if getattr(args, "ready_file", None) else None
+    if ready is not None:
+        with contextlib.suppress(FileNotFoundError):
+            ready.unlink()  # an earlier run's: not ready until this one serves
     return Config(policy, data, upstreams, cgroup, state_dir(args.state_dir), hint,
-                  args.remove_on_exit, peers)  # fmt: skip
+                  args.remove_on_exit, peers, ready)  # fmt: skip
 
 
 def _found_cgroup(args: argparse.Namespace) -> tuple[Cgroup, Peers]:
@@ -350,11 +355,18 @@ async def _serve(
         raise
     ups = ", ".join(f"{h}:{p}" for h, p in cfg.upstreams)
     ms = (time.monotonic() - started) * 1e3
+    if cfg.ready_file is not None:  # whole, before the line: whoever saw either may go
+        tmp = cfg.ready_file.with_name(cfg.ready_file.name + ".tmp")
+        tmp.write_text(f"{sb.id}\n")
+        os.replace(tmp, cfg.ready_file)
     print(f"egressd sidecar: serving {sb.id} (policy {sb.policy.name}; rules {how}; "
           f"upstream {ups}) in {ms:.1f} ms", flush=True)  # fmt: skip
     try:
         await stop.wait()
     finally:
+        if cfg.ready_file is not None:
+            with contextlib.suppress(OSError):
+                cfg.ready_file.unlink()
         await wiring.stop(session, resolver)
         _leave(sb, journal, remove=cfg.remove_on_exit)
     return 0

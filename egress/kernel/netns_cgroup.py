@@ -160,14 +160,39 @@ def discover(
 
 
 def _outsiders(directory: str, inside: set[int], netns_path: str) -> set[int]:
-    """Processes under the cgroup that are not among ``inside``, the netns's. A process
-    there forked after ``inside`` was listed would look like one: on a find, the netns
-    is listed once more (into ``inside``, for the next call too) before it counts."""
-    outside = procs_below(directory) - inside
-    if outside:
-        inside |= processes_in(netns_path)
-        outside -= inside
+    """Processes under the cgroup that are alive and provably not in the netns: each
+    candidate is asked on its own. One forked after ``inside`` was listed is in the netns
+    (a child starts in its parent's), and one that exited meanwhile is no outsider: a
+    workload forking and exiting in a loop must not make its cgroup look shared."""
+    want = os.stat(netns_path)
+    outside = set()
+    for pid in procs_below(directory) - inside:
+        where = _netns_of(pid, want)
+        if where is None:
+            continue  # gone (or a zombie): nothing to freeze
+        if where:
+            inside.add(pid)
+        else:
+            outside.add(pid)
     return outside
+
+
+def _netns_of(pid: int, want: os.stat_result) -> bool | None:
+    """Is any thread of ``pid`` in the netns ``want``; None if it is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    seen = False
+    for task in tasks:
+        try:
+            st = os.stat(f"/proc/{pid}/task/{task}/ns/net")
+        except OSError:
+            continue
+        seen = True
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+    return False if seen else None
 
 
 def own_cgroup() -> str:

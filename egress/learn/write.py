@@ -121,6 +121,10 @@ def _ports(tcp: tuple[int, ...], udp: tuple[int, ...]) -> str:
 
 def _rule(rule: Rule, base_ports: bool = False) -> list[str]:
     out = [f"      # {rule.evidence}"]
+    if rule.pattern.startswith("*"):
+        under = rule.pattern.split(".", 1)[1]
+        out.append(f"      # REVIEW: a pattern: every such name under {under} is allowed, not"
+                   " only those seen")  # fmt: skip
     out += [f"      # {note}" for note in rule.notes]
     out.append(f"      - name: {_quote(rule.pattern)}")
     out.append(f"        types: [{', '.join(rule.types)}]")

@@ -138,7 +138,16 @@ def test_the_sidecar_example_validates_and_holds_its_workload() -> None:
     spec = pod["spec"]
     assert spec["shareProcessNamespace"] and not spec.get("hostPID") and not spec.get("hostNetwork")
     assert spec["dnsPolicy"] == "None" and spec["dnsConfig"]["nameservers"] == ["127.0.0.53"]
-    sidecar, observer, agent = spec["containers"]
+    sidecar, observer = spec["initContainers"]
+    [agent] = spec["containers"]
+    for native in (sidecar, observer):  # running before the agent starts, and all along
+        assert native["restartPolicy"] == "Always" and native["startupProbe"]["exec"]
+    assert "--ready-file=/run/egress-pod/sidecar.ready" in sidecar["command"]
+    assert sidecar["startupProbe"]["exec"]["command"] == [
+        "test",
+        "-e",
+        "/run/egress-pod/sidecar.ready",
+    ]
     assert sidecar["command"][:2] == ["egressd", "sidecar"]
     assert observer["command"][:2] == ["egressctl", "observe"]
     for egress in (sidecar, observer):
@@ -148,6 +157,7 @@ def test_the_sidecar_example_validates_and_holds_its_workload() -> None:
         assert not any(a.startswith("--cgroup") for a in egress["command"])
     sc = agent["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"]
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}  # no unshare(2)
     assert not sc["allowPrivilegeEscalation"] and not sc.get("privileged")
     assert "volumeMounts" not in agent  # neither the peers nor the journal
     [volume] = [v for v in spec["volumes"] if "configMap" in v]

@@ -117,20 +117,34 @@ def pod(box: Box) -> Iterator[Pod]:
              join + f"mount --bind /etc/netns/{box.ns}/resolv.conf /etc/resolv.conf; "
              "exec sleep 600"],
         )  # fmt: skip
-        assert wait_for(lambda: bool(cgroups["pause"].pids()), 10), "no pause process"
+
+        def paused() -> bool:  # its sh has run mount and exec'd sleep: one process
+            pids = cgroups["pause"].pids()
+            try:
+                return len(pids) == 1 and Path(f"/proc/{pids[0]}/comm").read_text() == "sleep\n"
+            except OSError:
+                return False
+
+        assert wait_for(paused, 10), "no pause process"
         [pause_pid] = cgroups["pause"].pids()
         p = Pod(box, cgroups, pause, pause_pid, peers)
         try:
             yield p
         finally:
-            for proc in p.procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
+            # SIGTERM to the egress processes themselves (as a runtime stops a container;
+            # nsenter, outside the pod's PID namespace, would not pass it on)
+            for name in ("sidecar", "observer"):
+                for pid in cgroups[name].pids():
+                    with suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+            for name in ("sidecar", "observer"):
+                assert wait_for(lambda name=name: not cgroups[name].pids(), 30), name
             for proc in p.procs:
                 with suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=20)
                 if proc.stdout is not None:
                     proc.stdout.close()
+            assert not (box.dir / "sidecar.ready").exists()  # not ready once it stopped
     finally:
         for cg in cgroups.values():
             with suppress(Exception):
@@ -147,12 +161,15 @@ def pod(box: Box) -> Iterator[Pod]:
 
 
 def sidecar_in(p: Pod, policy_path: Path, state: Path) -> subprocess.Popen[bytes]:
+    ready = p.box.dir / "sidecar.ready"  # what the example pod's startupProbe tests
     argv = [sys.executable, "-m", "egress.daemon.main", "sidecar", "--policy", str(policy_path),
-            "--id", p.box.id, "--state-dir", str(state), "--peers", str(p.peers)]  # fmt: skip
+            "--id", p.box.id, "--state-dir", str(state), "--peers", str(p.peers),
+            "--ready-file", str(ready)]  # fmt: skip
     proc = p.start("sidecar", argv, p.box.dir / "sidecar.err")
     line = _first_line(proc, 30)
     err = (p.box.dir / "sidecar.err").read_text(errors="replace")
     assert line.startswith(f"egressd sidecar: serving {p.box.id} "), (line, err)
+    assert ready.read_text() == f"{p.box.id}\n"
     return proc
 
 
@@ -264,3 +281,39 @@ def test_two_workload_containers_are_not_frozen_and_the_journal_says_why(
             p.cgroups["work2"].kill()
             other.kill()
             other.communicate(timeout=30)
+
+
+def test_a_workload_forking_in_a_loop_is_still_frozen(
+    uplink: str,  # noqa: F811  (the fixture)
+    lab: Lab,
+    state_dir: Path,
+) -> None:
+    """A process forked after the netns was listed, and gone before it was looked at
+    again, must not make the workload's cgroup look shared (then nothing is frozen):
+    shells forking /bin/true as fast as they can while the workload connects."""
+    with hand_made(uplink) as box, pod(box) as p:
+        shutil.copyfile(PROBE, box.dir / "probe.py")
+        (box.dir / "probe.py").chmod(0o644)
+        path = policy_file(box.dir, policy("pod3", "*.any.lab.test"))
+        sidecar_in(p, path, state_dir)
+        priv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+                "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
+        # 300 idle processes make each look through /proc slower, so a forked one can
+        # come and go between two looks; four shells fork as fast as they can.
+        idle = [*priv, "sh", "-c", "for i in $(seq 300); do sleep 600 & done; wait"]
+        loop = [*priv, "sh", "-c", "while :; do /bin/true; done"]
+        churn = [subprocess.Popen(p.enter("work", idle))]
+        assert wait_for(lambda: len(p.cgroups["work"].pids()) > 300, 20)
+        churn += [subprocess.Popen(p.enter("work", loop)) for _ in range(4)]
+        blocked = workload(p, "work", [{"op": "tcp", "host": BLOCKED_IP, "port": 80, "timeout": 1}])
+        try:
+            assert wait_for(p.cgroups["work"].is_frozen, 20), [
+                v["detail"] for v in record(state_dir, box.id)["violations"]
+            ]
+        finally:
+            with suppress(Exception):
+                p.cgroups["work"].thaw()
+            p.cgroups["work"].kill()
+            for proc in [*churn, blocked]:
+                proc.kill()
+                proc.communicate(timeout=30)

@@ -330,3 +330,10 @@ spec:
     policy, _ = parse_policy(text, "out.yaml")
     assert [str(p) for p in policy.connect.ports.tcp] == ["8443"]  # foo still reaches 8443
     assert "it takes the base's connect.ports" in text
+
+
+def test_a_pattern_is_marked_for_review_with_the_names_that_made_it() -> None:
+    policy, text = learned([name_row(f"{x}.cdn.example.com") for x in "abcd"], [])
+    assert [r.pattern.text for r in policy.dns.allow] == ["*.cdn.example.com"]
+    assert "# REVIEW: a pattern: every such name under cdn.example.com is allowed" in text
+    assert "4 names seen (a.cdn.example.com, b.cdn.example.com" in text
