@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
+import fcntl
 import gc
 import hashlib
 import os
@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from egress.datapath import constants as c
 from egress.datapath.render import FIRST_BYTES_DECLARATION, Sidecar, queue_rule, render_sandbox
@@ -54,7 +55,6 @@ from egress.store.paths import read_template, state_dir
 
 from .registry import _ID as SANDBOX_ID
 
-LOCK_NAME = b"\0egressd-sidecar"  # abstract: one name per netns, freed when we end
 NO_CGROUPFS = (
     "no cgroup2 filesystem is mounted in this mount namespace (`ip netns exec` mounts a "
     "fresh /sys without one): enter the netns with `nsenter --net=/run/netns/NAME` instead"
@@ -93,8 +93,9 @@ NET_RAW: drop it), else, as the sidecar's uid, it could query the upstream direc
 start:    a table inet {c.TABLE} left by an earlier sidecar (a restart) has its rules
           replaced in one transaction, so enforcement never lapses; the addresses it
           learned stay if the policy is the same, and go if it changed. One sidecar per
-          netns: it refuses to start beside another, or where something listens on
-          {c.RESOLVER4}:53 already (egressd serving it).
+          netns: it refuses to start beside another of the same state dir (a lock file
+          there, named by the netns), or where something listens on {c.RESOLVER4}:53
+          already (egressd serving it).
 SIGTERM:  stop serving; the rules stay (fail closed: no DNS, no new flows but to the
           addresses already learned, until their TTL ends). --remove-on-exit deletes
           the table instead. lo stays up either way.
@@ -123,7 +124,15 @@ def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressd sidecar needs root (nft, NFLOG, SO_MARK and the cgroup)")
     cfg = _config(args)
-    lock = _lock()
+    try:
+        lock = _lock(cfg.state)
+    except SandboxError:
+        if cfg.peers is not None:
+            cfg.peers.close()
+        raise
+    if cfg.ready_file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            cfg.ready_file.unlink()  # an earlier run's: not ready until this one serves
     try:
         with Journal.open(cfg.state) as journal:
             sandbox_id, resumed = _sandbox_id(journal, args.id, cfg.cgroup)
@@ -173,9 +182,6 @@ def _config(args: argparse.Namespace) -> Config:
         _check_outside(cgroup)
     hint = f" --state-dir {args.state_dir}" if args.state_dir else ""
     ready = Path(args.ready_file) if getattr(args, "ready_file", None) else None
-    if ready is not None:
-        with contextlib.suppress(FileNotFoundError):
-            ready.unlink()  # an earlier run's: not ready until this one serves
     return Config(policy, data, upstreams, cgroup, state_dir(args.state_dir), hint,
                   args.remove_on_exit, peers, ready)  # fmt: skip
 
@@ -234,18 +240,23 @@ def _check_outside(cgroup: Cgroup) -> None:
             )
 
 
-def _lock() -> socket.socket:
-    """One sidecar per netns: the abstract socket name is the netns's; the kernel frees it
-    when this process ends, however it ends."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+def _lock(state: Path) -> IO[bytes]:
+    """One sidecar per netns: an flock on a file named by the netns, in the state dir,
+    which the workload cannot reach (an abstract socket name, as before, any process in
+    the netns could take first and keep every sidecar out). The kernel drops the lock when
+    this process ends, however it ends."""
     try:
-        sock.bind(LOCK_NAME)
+        state.mkdir(mode=0o750, parents=True, exist_ok=True)
+        path = state / f"sidecar-netns-{os.stat('/proc/self/ns/net').st_ino}.lock"
+        handle = open(path, "ab")  # noqa: SIM115  (held open: the lock lives with it)
     except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise SandboxError("another egressd sidecar serves this netns") from None
-        raise SandboxError(f"cannot take the sidecar lock: {exc.strerror}") from None
-    return sock
+        raise SandboxError(f"cannot take the sidecar lock in {state}: {exc.strerror}") from None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise SandboxError(f"another egressd sidecar serves this netns ({path})") from None
+    return handle
 
 
 def _sandbox_id(journal: Journal, wanted: str | None, cgroup: Cgroup) -> tuple[str, bool]:

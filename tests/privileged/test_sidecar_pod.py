@@ -52,6 +52,8 @@ from tests.support.sandboxes import PROBE, policy_file
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
 CONTAINERS = ("pause", "sidecar", "observer", "work", "work2")
+NOBODY_PRIV = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+               "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
 
 
 @dataclass
@@ -216,6 +218,15 @@ def test_a_pod_sidecar_freezes_the_workloads_cgroup_never_its_own(
         shutil.copyfile(PROBE, box.dir / "probe.py")
         (box.dir / "probe.py").chmod(0o644)
         path = policy_file(box.dir, policy("pod", "*.any.lab.test"))
+        # The agent takes the name the sidecar's lock once had (any process in the netns
+        # may bind an abstract socket): the sidecar's lock is a file it cannot reach now.
+        squat = (
+            "import socket, time; s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)"
+            "; s.bind(b'\\0egressd-sidecar'); print('{}', flush=True); time.sleep(60)"
+        )
+        squatter = subprocess.Popen(p.enter("work", [*NOBODY_PRIV, SYSTEM_PYTHON, "-c", squat]),
+                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert squatter.stdout is not None and squatter.stdout.readline() == "{}\n"
         sidecar_in(p, path, state_dir)
         observer_in(p, path, state_dir)
         [allowed] = finish(workload(p, "work", [fetch()]))
@@ -244,8 +255,9 @@ def test_a_pod_sidecar_freezes_the_workloads_cgroup_never_its_own(
             with suppress(Exception):
                 p.cgroups["work"].thaw()
             p.cgroups["work"].kill()
-            blocked.kill()
-            blocked.communicate(timeout=30)
+            for proc in (blocked, squatter):
+                proc.kill()
+                proc.communicate(timeout=30)
 
 
 def test_two_workload_containers_are_not_frozen_and_the_journal_says_why(
