@@ -118,6 +118,11 @@ class Ports:
     def is_empty(self) -> bool:
         return not self.tcp and not self.udp
 
+    def allows(self, proto: str, port: int) -> bool:
+        """``port`` of ``proto`` (tcp, udp; anything else: none) is in these ranges."""
+        ranges = self.tcp if proto == "tcp" else self.udp if proto == "udp" else ()
+        return any(r.first <= port <= r.last for r in ranges)
+
 
 @dataclass(frozen=True)
 class DnsRule:

@@ -21,6 +21,7 @@ import yaml
 
 from egress.convert.cilium_names import host_regex, to_cilium
 from egress.model import CidrRule, DnsRule, Mode, Policy, PortRange, Ports
+from egress.resolver.answer import learned_ports
 
 CNP = "CiliumNetworkPolicy"
 CCNP = "CiliumClusterwideNetworkPolicy"
@@ -84,7 +85,7 @@ def egress_rules(policy: Policy) -> list[dict[str, Any]]:
         rules.append({**to, "toPorts": [port53]})
     groups: dict[tuple[Any, ...], list[DnsRule]] = {}
     for rule in policy.dns.allow:
-        ports = rule.ports if not rule.ports.is_empty() else policy.connect.ports
+        ports = learned_ports(rule, policy)
         if ports.is_empty():
             continue  # answered, never connected to: in the DNS rule only
         checked = _checked(rule, ports, policy)

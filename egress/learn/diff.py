@@ -18,11 +18,7 @@ from egress.learn.risks import risky_type
 from egress.model import Policy, Ports
 from egress.policy.matcher import Matcher
 from egress.policy.rrtypes import type_name
-
-
-def _port_in(ports: Ports, proto: str, port: int) -> bool:
-    ranges = ports.tcp if proto == "tcp" else ports.udp if proto == "udp" else ()
-    return any(r.first <= port <= r.last for r in ranges)
+from egress.resolver.answer import learned_ports
 
 
 def against(draft: Draft, seen: Observed, policy: Policy) -> list[str]:
@@ -38,9 +34,9 @@ def against(draft: Draft, seen: Observed, policy: Policy) -> list[str]:
             d = matcher.decide(name, qtype)
             if d.rule is not None and d.allowed:
                 used.add(d.rule.index)
-                ports = policy.connect.ports if d.rule.ports.is_empty() else d.rule.ports
+                ports = learned_ports(d.rule, policy)
                 for proto, port in sorted(n.ports if n else ()):
-                    if not _port_in(ports, proto, port):
+                    if not ports.allows(proto, port):
                         missing.append(f"port {proto}/{port} ({d.rule.describe()} allows"
                                        f" {_ports_text(ports)})")  # fmt: skip
             else:
@@ -69,7 +65,7 @@ def _statics(draft: Draft, policy: Policy) -> list[str]:
         for port in s.ports:
             hit = next(
                 (r for r in policy.connect.allow
-                 if address in r.network and _port_in(r.ports, s.proto, port)),
+                 if address in r.network and r.ports.allows(s.proto, port)),
                 None,
             )  # fmt: skip
             if hit is None:

@@ -20,6 +20,7 @@ from egress.learn.siblings import DEFAULT_MIN_SIBLINGS, Group, group
 from egress.model import Policy
 from egress.policy.matcher import Matcher
 from egress.policy.rrtypes import type_name
+from egress.resolver.answer import learned_ports
 from egress.resolver.rebinding import rebinding_reason
 
 CNAME = 5
@@ -169,12 +170,8 @@ def _base_allows(matcher: Matcher, base: Policy, seen: NameSeen) -> bool:
     decisions = [matcher.decide(seen.name, t) for t in types]
     if not all(d.allowed for d in decisions):
         return False
-    rule = decisions[0].rule
-    ports = base.connect.ports if rule is None or rule.ports.is_empty() else rule.ports
-    ranges = {"tcp": ports.tcp, "udp": ports.udp}
-    return all(
-        any(r.first <= port <= r.last for r in ranges.get(proto, ())) for proto, port in seen.ports
-    )
+    ports = learned_ports(decisions[0].rule, base)
+    return all(ports.allows(proto, port) for proto, port in seen.ports)
 
 
 def _rule(pattern: str, members: list[NameSeen]) -> Rule:

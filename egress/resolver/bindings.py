@@ -109,7 +109,7 @@ class Bindings:
         found = self._table.get(ip, {}).get(_key(name))
         if found is None or found[0] <= now:
             return False
-        return any(r.first <= port <= r.last for r in found[1].tcp)
+        return found[1].allows("tcp", port)
 
     def inherit(self, ip: IPAddress, port: int, until: float) -> None:
         """A predecessor's answer allowed ``ip`` on TCP ``port`` until ``until``, for names
@@ -137,7 +137,7 @@ class Bindings:
         """A rule with check_names off put ``ip`` in the sets for TCP ``port``: a flow
         there is reached unread."""
         return any(
-            until > now and not checked and any(r.first <= port <= r.last for r in ports.tcp)
+            until > now and not checked and ports.allows("tcp", port)
             for until, ports, checked in self._table.get(ip, {}).values()
         )
 

@@ -60,7 +60,7 @@ def judge_flow(
                            f"{where} asks for {name}: no rule allows it")  # fmt: skip
     if not bindings.bound(dst, name, dport, now) and not (
         bindings.inherited(dst, dport, now)
-        and any(r.first <= dport <= r.last for r in learned_ports(rule, matcher.policy).tcp)
+        and learned_ports(rule, matcher.policy).allows("tcp", dport)
     ):
         others = bindings.names(dst, now)
         resolved = f"resolved for {', '.join(others)}" if others else "resolved for no name now"

@@ -67,7 +67,7 @@ def _strip(rdata: bytes, ports: Ports) -> bytes | None:
             if length != 2:
                 raise Malformed("port of the wrong length")
             port = int.from_bytes(value, "big")
-            if not any(r.first <= port <= r.last for r in ports.tcp):
+            if not ports.allows("tcp", port):
                 return None
         if key not in REMOVED:
             kept.append(rdata[pos:end])
