@@ -14,10 +14,14 @@ last seen), which it adds to the journal's audit tables.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 AUDIT_CAP = 2048  # distinct (name, type) and (address, proto, port) per sandbox, each
 ALLOWED = "allowed"  # the verdict of an entry enforce would have let through
 MAX_NAMES = 8  # names kept per connect (those of the answers that gave the address)
+
+
+Key = TypeVar("Key", tuple[str, int], tuple[str, str, int])
 
 
 @dataclass(slots=True)
@@ -84,12 +88,10 @@ class AuditLog:
         """One query for ``name`` (as the resolver normalised it) and ``qtype``. The first
         verdict stands: a repeat from the cache is the same question."""
         key = (name, qtype)
-        seen = self._names.get(key)
+        seen = _slot(self._names, key, self.cap, verdict, now)
         if seen is None:
-            if len(self._names) >= self.cap:
-                self._over_names += 1
-                return
-            seen = self._names[key] = _Seen(verdict, now, now)
+            self._over_names += 1
+            return
         seen.count += 1
         seen.last = max(seen.last, now)
         self._dirty_names.add(key)
@@ -104,9 +106,8 @@ class AuditLog:
     def chain(self, name: str, qtype: int, targets: tuple[str, ...]) -> None:
         """An answer to ``name`` led through CNAMEs to ``targets``."""
         seen = self._names.get((name, qtype))
-        fresh = tuple(t for t in targets if seen is not None and t not in seen.chain)
-        if seen is not None and fresh:
-            seen.chain = (*seen.chain, *fresh)[:MAX_NAMES]
+        if seen is not None and _adds(seen.chain, targets):
+            seen.chain = _appended(seen.chain, targets)
             self._dirty_names.add((name, qtype))
 
     def connect(
@@ -114,32 +115,25 @@ class AuditLog:
     ) -> None:
         """One new flow; ``names``: those bound to ``address`` when it started."""
         key = (address, proto, port)
-        seen = self._connects.get(key)
+        seen = _slot(self._connects, key, self.cap, verdict, now)
         if seen is None:
-            if len(self._connects) >= self.cap:
-                self._over_connects += 1
-                return
-            seen = self._connects[key] = _Seen(verdict, now, now)
+            self._over_connects += 1
+            return
         seen.count += 1
         seen.last = max(seen.last, now)
         if verdict != ALLOWED:
             seen.verdict = verdict  # one blocked flow makes the destination a violation
-        fresh = tuple(n for n in names if n not in seen.extra)
-        if fresh:
-            seen.extra = (*seen.extra, *fresh)[:MAX_NAMES]
+        seen.extra = _appended(seen.extra, names)
         self._dirty_connects.add(key)
 
     def asked(self, address: str, proto: str, port: int, name: str, now: float) -> None:
         """A flow to this destination asked for ``name`` in its first bytes (the check of
         connect.check_names read it): the learner gives the port to that name alone."""
         key = (address, proto, port)
-        seen = self._connects.get(key)
-        if seen is None:  # the flow's first packet is still on its way from NFLOG: it counts
-            if len(self._connects) >= self.cap:
-                return
-            seen = self._connects[key] = _Seen(ALLOWED, now, now)
-        if name not in seen.asked:
-            seen.asked = (*seen.asked, name)[:MAX_NAMES]
+        # The flow's first packet may still be on its way from NFLOG: that one counts it.
+        seen = _slot(self._connects, key, self.cap, ALLOWED, now)
+        if seen is not None and _adds(seen.asked, (name,)):
+            seen.asked = _appended(seen.asked, (name,))
             self._dirty_connects.add(key)
 
     def take(self) -> AuditBatch:
@@ -148,16 +142,32 @@ class AuditLog:
             NameRow(n, t, s.verdict, s.count, s.first, s.last, s.extra, s.chain)
             for (n, t), s in ((k, self._names[k]) for k in sorted(self._dirty_names))
         )
-        ready = sorted(self._dirty_connects)
         connects = tuple(
             ConnectRow(a, p, port, s.verdict, s.count, s.first, s.last, s.extra, s.asked)
-            for (a, p, port), s in ((k, self._connects[k]) for k in ready)
+            for (a, p, port), s in ((k, self._connects[k]) for k in sorted(self._dirty_connects))
         )
         for seen in (*(self._names[k] for k in self._dirty_names),
-                     *(self._connects[k] for k in ready)):  # fmt: skip
+                     *(self._connects[k] for k in self._dirty_connects)):  # fmt: skip
             seen.count = 0
         batch = AuditBatch(names, connects, self._over_names, self._over_connects)
         self._dirty_names.clear()
         self._dirty_connects.clear()
         self._over_names = self._over_connects = 0
         return batch
+
+
+def _slot(table: dict[Key, _Seen], key: Key, cap: int, verdict: str, now: float) -> _Seen | None:
+    """``table``'s entry for ``key``, made if there is room (None: the cap is reached)."""
+    seen = table.get(key)
+    if seen is None and len(table) < cap:
+        seen = table[key] = _Seen(verdict, now, now)
+    return seen
+
+
+def _adds(old: tuple[str, ...], new: tuple[str, ...]) -> bool:
+    return any(item not in old for item in new)
+
+
+def _appended(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[str, ...]:
+    """``old`` and what of ``new`` it lacks, in order, at most MAX_NAMES."""
+    return (*old, *(item for item in dict.fromkeys(new) if item not in old))[:MAX_NAMES]
