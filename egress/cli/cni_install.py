@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import yaml
 
 from egress.cli import cni
+from egress.store.paths import write_whole
 
 ENTRY_TYPE = "egress-cni"
 
@@ -34,19 +34,9 @@ class InstallError(Exception):
     pass
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.egress-tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def install_plugin(bin_dir: Path) -> Path:
     target = bin_dir / "egress-cni"
-    write_atomic(target, Path(cni.__file__).read_bytes(), 0o755)
+    write_whole(target, Path(cni.__file__).read_bytes(), 0o755)
     return target
 
 
@@ -54,7 +44,7 @@ def install_policies(src: Path, dest: Path) -> list[str]:
     dest.mkdir(parents=True, exist_ok=True)
     names = []
     for path in sorted(src.glob("*.yaml")):
-        write_atomic(dest / path.name, path.read_bytes(), 0o644)
+        write_whole(dest / path.name, path.read_bytes(), 0o644)
         names.append(path.stem)
     return names
 
@@ -98,7 +88,7 @@ def chain(conf_dir: Path, entry: dict[str, Any] | None) -> Path:
         raise InstallError(f"{path}: not a JSON object")
     out = chained(conf, entry)
     target = path if path.suffix == ".conflist" else path.with_suffix(".conflist")
-    write_atomic(target, (json.dumps(out, indent=2) + "\n").encode())
+    write_whole(target, (json.dumps(out, indent=2) + "\n").encode())
     if target != path:
         path.unlink()  # the lone .conf is the conflist now
     return target

@@ -167,11 +167,11 @@ def _read(path: str) -> str:
 
 
 def _write_all(targets: list[tuple[Path, str]], force: bool) -> None:
-    from egress.cli.learn_cmds import write_file
+    from egress.store.paths import write_whole
 
     taken = [str(p) for p, _ in targets if p.exists()]
     if taken and not force:
         raise InputError(f"{', '.join(taken)} exist{'s' if len(taken) == 1 else ''};"
                          " pass --force to replace")  # fmt: skip
     for path, text in targets:
-        write_file(path, text)
+        write_whole(path, text.encode())

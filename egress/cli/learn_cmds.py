@@ -8,11 +8,8 @@ complete and valid: to a temporary file beside -o, then renamed over it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -185,21 +182,6 @@ def _base(path: str | None) -> tuple[Any, dict[str, Any] | None]:
 def _write(path: Path, text: str, force: bool) -> None:
     if path.exists() and not force:
         raise InputError(f"{path} exists; pass --force to replace it")
-    write_file(path, text)
+    from egress.store.paths import write_whole
 
-
-def write_file(path: Path, text: str) -> None:
-    """``text`` at ``path`` whole or not at all: a temporary file beside it, renamed."""
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_whole(path, text.encode())

@@ -11,11 +11,13 @@ opens it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import egress
@@ -120,6 +122,24 @@ def new_private_file(path: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def write_whole(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """``path`` holds ``data`` whole, or what it held before: a temporary file beside it,
+    fsync'd, then renamed over it (an operator's file: a learned or converted policy, a
+    node's CNI plugin and conflist)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_private(path: Path, data: bytes, *, durable: bool = False) -> None:
