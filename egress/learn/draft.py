@@ -132,7 +132,8 @@ def _chain_targets(
             del kept[seen.name]
             risks.append(Risk(seen.name, f"its answers lead through {', '.join(bad)},"
                               " set aside", seen))  # fmt: skip
-    for name in [t for t in targets if t not in {c for s in kept.values() for c in s.chain}]:
+    still = {target for seen in kept.values() for target in seen.chain}
+    for name in [t for t in targets if t not in still]:
         del targets[name]  # its asker became a risk after it was taken
     return targets
 

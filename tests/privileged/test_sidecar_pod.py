@@ -101,6 +101,8 @@ def pod(box: Box) -> Iterator[Pod]:
     cgroups: dict[str, Cgroup] = {}
     made: list[str] = []
     peers = Path(tempfile.mkdtemp(prefix="egress-pod-peers-"))
+    shutil.copyfile(PROBE, box.dir / "probe.py")  # what the workload containers run
+    (box.dir / "probe.py").chmod(0o644)
     pause = None
     try:
         for name in CONTAINERS:
@@ -188,9 +190,7 @@ def observer_in(p: Pod, policy_path: Path, state: Path) -> subprocess.Popen[byte
 
 def workload(p: Pod, container: str, steps: list[dict[str, Any]]) -> subprocess.Popen[str]:
     """The probe as nobody with no capabilities, in ``container``'s cgroup."""
-    priv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
-    argv = p.enter(container, [*priv, SYSTEM_PYTHON, str(p.box.dir / "probe.py"),
+    argv = p.enter(container, [*NOBODY_PRIV, SYSTEM_PYTHON, str(p.box.dir / "probe.py"),
                                json.dumps(steps)])  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -215,8 +215,6 @@ def test_a_pod_sidecar_freezes_the_workloads_cgroup_never_its_own(
     state_dir: Path,
 ) -> None:
     with hand_made(uplink) as box, pod(box) as p:
-        shutil.copyfile(PROBE, box.dir / "probe.py")
-        (box.dir / "probe.py").chmod(0o644)
         path = policy_file(box.dir, policy("pod", "*.any.lab.test"))
         # The agent takes the name the sidecar's lock once had (any process in the netns
         # may bind an abstract socket): the sidecar's lock is a file it cannot reach now.
@@ -268,8 +266,6 @@ def test_two_workload_containers_are_not_frozen_and_the_journal_says_why(
     """No cgroup holds both workload containers without egress's own: nothing is frozen
     (a pod's cgroup would freeze the sidecar mid-freeze), and the journal says so."""
     with hand_made(uplink) as box, pod(box) as p:
-        shutil.copyfile(PROBE, box.dir / "probe.py")
-        (box.dir / "probe.py").chmod(0o644)
         path = policy_file(box.dir, policy("pod2", "*.any.lab.test"))
         sidecar_in(p, path, state_dir)
         other = workload(p, "work2", [{"op": "wait_file", "path": "/nonexistent", "timeout": 60}])
@@ -304,16 +300,12 @@ def test_a_workload_forking_in_a_loop_is_still_frozen(
     again, must not make the workload's cgroup look shared (then nothing is frozen):
     shells forking /bin/true as fast as they can while the workload connects."""
     with hand_made(uplink) as box, pod(box) as p:
-        shutil.copyfile(PROBE, box.dir / "probe.py")
-        (box.dir / "probe.py").chmod(0o644)
         path = policy_file(box.dir, policy("pod3", "*.any.lab.test"))
         sidecar_in(p, path, state_dir)
-        priv = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
-                "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
         # 300 idle processes make each look through /proc slower, so a forked one can
         # come and go between two looks; four shells fork as fast as they can.
-        idle = [*priv, "sh", "-c", "for i in $(seq 300); do sleep 600 & done; wait"]
-        loop = [*priv, "sh", "-c", "while :; do /bin/true; done"]
+        idle = [*NOBODY_PRIV, "sh", "-c", "for i in $(seq 300); do sleep 600 & done; wait"]
+        loop = [*NOBODY_PRIV, "sh", "-c", "while :; do /bin/true; done"]
         churn = [subprocess.Popen(p.enter("work", idle))]
         assert wait_for(lambda: len(p.cgroups["work"].pids()) > 300, 20)
         churn += [subprocess.Popen(p.enter("work", loop)) for _ in range(4)]
