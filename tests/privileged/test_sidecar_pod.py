@@ -202,6 +202,12 @@ def finish(proc: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, A
     return rows
 
 
+def reached(lab: Lab, ip: str) -> list[dict[str, Any]]:
+    """The requests the lab's web server answered on ``ip`` (the probe's tcp op sends one
+    once its connect is through)."""
+    return [r for r in lab.requests() if r["local"].rsplit(":", 1)[0] == ip]
+
+
 def record(state: Path, sandbox_id: str) -> dict[str, Any]:
     with Journal.open(state) as journal:
         row = journal.sandbox(sandbox_id)
@@ -230,7 +236,9 @@ def test_a_pod_sidecar_freezes_the_workloads_cgroup_never_its_own(
         [allowed] = finish(workload(p, "work", [fetch()]))
         assert allowed["ok"] and allowed["address"] == ALLOWED_IP, allowed
         assert lab.saw(ALLOWED)
+        assert reached(lab, ALLOWED_IP)  # the access log sees what gets through
         # A blocked connect: both layers find the workload's cgroup, and freeze it alone.
+        lab.clear_requests()
         blocked = workload(p, "work", [{"op": "tcp", "host": BLOCKED_IP, "port": 80, "timeout": 1}])
         try:
             work = p.cgroups["work"]
@@ -249,13 +257,16 @@ def test_a_pod_sidecar_freezes_the_workloads_cgroup_never_its_own(
             )  # fmt: skip
             assert resumed.returncode == 0, resumed.stderr
             assert not work.is_frozen()
+            finish(blocked)  # resumed, its held connect fails at once
+            assert reached(lab, BLOCKED_IP) == []
         finally:
             with suppress(Exception):
                 p.cgroups["work"].thaw()
             p.cgroups["work"].kill()
             for proc in (blocked, squatter):
-                proc.kill()
-                proc.communicate(timeout=30)
+                if proc.returncode is None:  # not yet finished (and read) above
+                    proc.kill()
+                    proc.communicate(timeout=30)
 
 
 def test_two_workload_containers_are_not_frozen_and_the_journal_says_why(
@@ -269,6 +280,7 @@ def test_two_workload_containers_are_not_frozen_and_the_journal_says_why(
         path = policy_file(box.dir, policy("pod2", "*.any.lab.test"))
         sidecar_in(p, path, state_dir)
         other = workload(p, "work2", [{"op": "wait_file", "path": "/nonexistent", "timeout": 60}])
+        lab.clear_requests()
         blocked = workload(p, "work", [{"op": "tcp", "host": BLOCKED_IP, "port": 80, "timeout": 1}])
         try:
             finish(blocked)
@@ -283,6 +295,7 @@ def test_two_workload_containers_are_not_frozen_and_the_journal_says_why(
             seen = record(state_dir, box.id)
             [v] = [v for v in seen["violations"] if v["class"] == "blocked_connect"]
             assert "also holds egress's own" in json.dumps(v) + err, (v, err)
+            assert reached(lab, BLOCKED_IP) == []  # not frozen, but blocked all the same
             [still] = finish(workload(p, "work", [fetch()]))  # the sidecar still serves
             assert still["ok"], still
         finally:  # the probe runs in the pod's PID namespace: ended through its cgroup
@@ -309,11 +322,13 @@ def test_a_workload_forking_in_a_loop_is_still_frozen(
         churn = [subprocess.Popen(p.enter("work", idle))]
         assert wait_for(lambda: len(p.cgroups["work"].pids()) > 300, 20)
         churn += [subprocess.Popen(p.enter("work", loop)) for _ in range(4)]
+        lab.clear_requests()
         blocked = workload(p, "work", [{"op": "tcp", "host": BLOCKED_IP, "port": 80, "timeout": 1}])
         try:
             assert wait_for(p.cgroups["work"].is_frozen, 20), [
                 v["detail"] for v in record(state_dir, box.id)["violations"]
             ]
+            assert reached(lab, BLOCKED_IP) == []
         finally:
             with suppress(Exception):
                 p.cgroups["work"].thaw()
