@@ -40,6 +40,7 @@ from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
 from egress.observer.flows import FlowWatch
+from egress.observer.tally import DropTally
 from egress.policy.matcher import Matcher
 from egress.resolver import wire
 from egress.resolver.judge import QueryScorer, judge
@@ -102,8 +103,7 @@ class Observer:
         # Drops counted before this observer bound its group were judged by whoever was
         # watching then (an observer restarted on a policy swap, the inline layer): they
         # are not drops its log missed. Read after binding, so none falls in between.
-        self.drops_seen = self._dropped() or 0
-        self.unlogged_last = 0
+        self.drops = DropTally(self._dropped() or 0, TICK_S, time.monotonic())
         self.inline_fd = _pidfd(cfg.watch_pid)
         self.inline_dead = False
         self.stopping = False
@@ -169,7 +169,7 @@ class Observer:
     def judge(self, event: NflogEvent) -> Violation | None:
         """The observer's own verdict on one copied packet."""
         if drop_class(event.prefix) is not None:
-            self.drops_seen += 1
+            self.drops.on_logged()
         return verdict_on(event, self.policy, self.matcher, self.scorer)
 
     def _dropped(self) -> int | None:
@@ -180,11 +180,14 @@ class Observer:
 
     def _check_counter(self) -> None:
         """Drops the rate-limited log did not carry still show in the counter."""
+        now = time.monotonic()
+        if not self.drops.due(now):
+            return
         packets = self._dropped()
         if packets is None:
             return
-        unlogged = packets - self.drops_seen
-        if unlogged > 0 and unlogged == self.unlogged_last:  # stable over a tick: not lag
+        unlogged = self.drops.on_reading(packets, now)
+        if unlogged > 0:
             v = Violation(
                 cls=ViolationClass.BLOCKED_CONNECT,
                 layer=LAYER,
@@ -193,9 +196,7 @@ class Observer:
                 at=time.time(),
                 action=self.policy.action(ViolationClass.BLOCKED_CONNECT),
             )
-            self.drops_seen = packets
             self._act(v)
-        self.unlogged_last = unlogged
 
     def _inline_lost(self) -> None:
         if not netns_exists(self.cfg.netns):

@@ -18,6 +18,7 @@ from egress.datapath.addressing import Pools
 from egress.kernel.netns import in_netns
 from egress.kernel.nft import NftHandle
 from egress.lab import Lab
+from egress.observer.layer import TICK_S
 from egress.policy import parse_policy
 from egress.sandbox import lifecycle as sandbox
 from egress.sandbox.lifecycle import Sandbox
@@ -67,9 +68,9 @@ def test_a_new_observer_does_not_count_earlier_drops_as_missed(box: Sandbox, lab
             journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
         observer = Observer(ObserverConfig(box.id, box.netns, box.policy, str(state), None))
         try:
-            for _ in range(3):  # what its ticks do: the counter, stable, against its log
+            for _ in range(3):  # what its ticks do: the counter, a tick apart, against its log
                 observer._drain()
-                time.sleep(0.01)
+                time.sleep(TICK_S)
                 observer._check_counter()
             assert not box.cgroup.is_frozen()
             with Journal.open(state) as journal:
@@ -109,6 +110,83 @@ def test_an_observer_whose_policy_was_swapped_out_does_not_act(
                 observer._drain()
                 time.sleep(0.01)
             assert box.cgroup.is_frozen() is current and observer.stopping is not current
+        finally:
+            observer.close()
+            box.cgroup.thaw()
+    finally:
+        shutil.rmtree(state)
+
+
+def _observing(box: Sandbox, state: Path) -> object:
+    from egress.observer.layer import Observer, ObserverConfig
+    from egress.store.journal import Journal
+
+    with Journal.open(state) as journal:
+        journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
+    return Observer(ObserverConfig(box.id, box.netns, box.policy, str(state), None))
+
+
+def _counter_violations(box: Sandbox, state: Path) -> list[str]:
+    from egress.store.journal import Journal
+
+    with Journal.open(state) as journal:
+        rows = journal.violations(box.id, limit=10000)
+    return [r["detail"] for r in rows if "beyond the log's rate limit" in r["detail"]]
+
+
+def test_a_steady_stream_of_logged_drops_is_not_taken_for_a_flood(box: Sandbox) -> None:
+    """Drops under the log's limit, one between each of the observer's wake-ups, each
+    message still on its way when the counter is read: every one was logged, so none is
+    "beyond the log's rate limit" (that read froze a resumed sandbox again, for nothing)."""
+    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
+    try:
+        observer = _observing(box, state)
+        try:
+            with in_netns(box.netns):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            with s:
+                for port in range(1000, 1060):  # 60 drops in ~1.2 s: 50/s, under 200/s
+                    with contextlib.suppress(PermissionError):
+                        s.sendto(b"x", ("192.0.2.7", port))
+                    observer._check_counter()  # counted, its message not read yet
+                    observer._drain()
+                    box.cgroup.thaw()  # each freezes; the stream goes on, as resumed
+                    time.sleep(0.02)
+            for _ in range(3):
+                time.sleep(TICK_S)
+                observer._drain()
+                observer._check_counter()
+            assert _counter_violations(box, state) == []
+        finally:
+            observer.close()
+            box.cgroup.thaw()
+    finally:
+        shutil.rmtree(state)
+
+
+def test_drops_beyond_the_logs_rate_limit_are_found_in_the_counter(box: Sandbox) -> None:
+    """A burst past the log's limit (burst 100): the messages stop, the counter does not.
+    What the log never carried is a violation of its own, a tick later."""
+    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
+    try:
+        observer = _observing(box, state)
+        try:
+            with in_netns(box.netns):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            with s:
+                for port in range(1000, 1400):
+                    with contextlib.suppress(PermissionError):
+                        s.sendto(b"x", ("192.0.2.7", port))
+            deadline = time.monotonic() + 10
+            while not _counter_violations(box, state):
+                assert time.monotonic() < deadline, "the counter's evidence was never judged"
+                observer._drain()
+                observer._check_counter()
+                time.sleep(0.01)
+            (detail,) = _counter_violations(box, state)
+            missed = int(detail.split()[0])
+            assert 400 - 100 - 10 <= missed <= 400 - 100  # the burst passes, and ~200/s
+            assert box.cgroup.is_frozen()
         finally:
             observer.close()
             box.cgroup.thaw()

@@ -1,0 +1,44 @@
+"""Drops the kernel counted that the observer's rate-limited log never carried.
+
+The drop rule counts every packet (``counter name dropped``) and then logs it, rate
+limited. A packet counted but never logged is evidence the log lost: a flood past the
+limit. But a packet that was just counted has its log message still on the way, so a
+reading is judged only a whole tick later: whatever that old reading counted and the log
+has still not carried by now was not logged. Comparing two readings instead ("one
+unlogged, and again one unlogged") mistakes a steady stream of drops, each with its
+message in flight, for a lost one. Pure: fed readings and log arrivals, with ``now``.
+"""
+
+from __future__ import annotations
+
+
+class DropTally:
+    def __init__(self, counted_before: int, tick_s: float, now: float) -> None:
+        # Drops counted before this observer bound its group were judged by whoever was
+        # watching then: they are not drops its log missed.
+        self.logged = counted_before
+        self.tick_s = tick_s
+        self.pending: tuple[int, float] | None = None  # (a counter reading, when)
+        self.last_read = now - tick_s
+
+    def on_logged(self) -> None:
+        """The log carried one dropped packet."""
+        self.logged += 1
+
+    def due(self, now: float) -> bool:
+        """Is it time for the next counter reading (once a tick, however often woken)?"""
+        return now - self.last_read >= self.tick_s
+
+    def on_reading(self, packets: int, now: float) -> int:
+        """A counter reading; returns how many drops the log missed (0: none so far)."""
+        self.last_read = now
+        missed = 0
+        if self.pending is not None:
+            old, at = self.pending
+            if now - at >= self.tick_s and old > self.logged:
+                missed = old - self.logged
+                self.logged = old  # reported once; later messages add to it as usual
+            if now - at < self.tick_s:
+                return 0  # keep the older reading until it is a tick old
+        self.pending = (packets, now) if packets > self.logged else None
+        return missed
