@@ -183,7 +183,11 @@ def dnsperf(netns: str, query_file: Path, seconds: int) -> dict[str, float]:
     argv = ["ip", "netns", "exec", netns, *DNSPERF, "-l", str(seconds)]
     argv += ["-s", RESOLVER, "-d", str(query_file)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
-    text = done.stdout
+    return parse_dnsperf(done.stdout, done.stderr)
+
+
+def parse_dnsperf(text: str, stderr: str = "") -> dict[str, float]:
+    """dnsperf's summary: qps, mean latency (ms), lost and completed queries."""
     out = {}
     for key, pattern in (
         ("qps", r"Queries per second:\s+([\d.]+)"),
@@ -193,7 +197,7 @@ def dnsperf(netns: str, query_file: Path, seconds: int) -> dict[str, float]:
     ):
         m = re.search(pattern, text)
         if m is None:
-            raise RuntimeError(f"dnsperf output not understood:\n{text}\n{done.stderr}")
+            raise RuntimeError(f"dnsperf output not understood:\n{text}\n{stderr}")
         out[key] = float(m.group(1))
     out["latency_ms"] *= 1000
     rcodes = re.search(r"Response codes:\s+(.*)", text)
