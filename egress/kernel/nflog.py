@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from egress.datapath.packet import Packet, parse_ip_packet
@@ -27,7 +28,7 @@ _NFNL_SUBSYS_ULOG = 4
 _NFULNL_MSG_PACKET = 0
 _NFULNL_MSG_CONFIG = 1
 # config attributes and commands (linux/netfilter/nfnetlink_log.h)
-_CFG_CMD, _CFG_MODE, _CFG_TIMEOUT, _CFG_QTHRESH = 1, 2, 4, 5
+_CFG_CMD, _CFG_MODE, _CFG_NLBUFSIZ, _CFG_TIMEOUT, _CFG_QTHRESH = 1, 2, 3, 4, 5
 _CMD_BIND, _CMD_UNBIND = 1, 2
 _COPY_PACKET = 2
 # packet attributes
@@ -66,6 +67,9 @@ class NflogListener(NfnlListener[NflogEvent]):
     def __init__(self, sock: socket.socket, group: int, netns: str | None) -> None:
         super().__init__(sock, group, netns)
         self.group = group
+        # Given (prefix as sent, with its NUL; the IP packet), True: the reader has dealt
+        # with this copy itself, and no event is made of it (the observer's replays).
+        self.skip: Callable[[bytes, bytes], bool] | None = None
 
     @classmethod
     def open(
@@ -74,6 +78,7 @@ class NflogListener(NfnlListener[NflogEvent]):
         group: int,
         copy_range: int = 512,
         rcvbuf: int = 4 << 20,
+        batch: int = 1,
     ) -> NflogListener:
         """Bind group (0..65535) in netns, copying up to copy_range bytes per packet."""
         if not 0 <= group <= 0xFFFF:
@@ -82,13 +87,13 @@ class NflogListener(NfnlListener[NflogEvent]):
             raise DatapathError(f"NFLOG copy range out of range: {copy_range}")
         listener = cls(open_socket(netns), group, netns)
         try:
-            listener._setup(copy_range, rcvbuf)
+            listener._setup(copy_range, rcvbuf, batch)
         except BaseException:
             listener.release()
             raise
         return listener
 
-    def _setup(self, copy_range: int, rcvbuf: int) -> None:
+    def _setup(self, copy_range: int, rcvbuf: int, batch: int) -> None:
         self._bind_socket(rcvbuf)
         # No PF_BIND: `log group N` reaches nfnetlink_log without it, and PF_BIND would
         # make nfnetlink_log the netns-wide default logger for plain `log` statements.
@@ -97,8 +102,9 @@ class NflogListener(NfnlListener[NflogEvent]):
             attr(_CFG_CMD, bytes([_CMD_BIND]))
             + attr(_CFG_MODE, struct.pack("!IBB", copy_range, _COPY_PACKET, 0))
             # Queue threshold 1: the kernel otherwise batches up to 100 packets or 1 s.
-            + attr(_CFG_QTHRESH, struct.pack("!I", 1))
-            + attr(_CFG_TIMEOUT, struct.pack("!I", 0)),
+            + attr(_CFG_QTHRESH, struct.pack("!I", batch))
+            + attr(_CFG_TIMEOUT, struct.pack("!I", 0))
+            + attr(_CFG_NLBUFSIZ, struct.pack("!I", 1 << 16)),
         )
 
     def read_events(self, max_events: int = 4096) -> list[NflogEvent]:
@@ -109,7 +115,12 @@ class NflogListener(NfnlListener[NflogEvent]):
         if kind != _PACKET_TYPE or end - pos < NFGEN.size:
             return []
         family, _version, group = NFGEN.unpack_from(buf, pos)
-        return [_event(group, family, iter_attrs(buf, pos + NFGEN.size, end))]
+        attrs = iter_attrs(buf, pos + NFGEN.size, end)
+        if self.skip is not None and self.skip(
+            attrs.get(_A_PREFIX, b""), attrs.get(_A_PAYLOAD, b"")
+        ):
+            return []
+        return [_event(group, family, attrs)]
 
     def _unbind_attrs(self) -> bytes:
         return attr(_CFG_CMD, bytes([_CMD_UNBIND]))

@@ -3,7 +3,7 @@
 The sandbox's ruleset copies to the observer's NFLOG group every answer the resolver
 releases (``egress dns answer``) and every segment it hands to the inline layer's queue
 (``egress first_bytes``). From the answers the observer keeps bindings of its own
-(``resolver.bindings.learn_answer``: the names each address was resolved for, until
+(``resolver.bindings.answer_binding``: the names each address was resolved for, until
 when), and it judges the segments with the same ``resolver.firstrequest`` and
 ``resolver.flows`` the inline layer runs. A refused flow is its ``name_mismatch`` too:
 so if the inline layer let a mismatch through, or is gone, the observer still freezes.
@@ -32,13 +32,16 @@ from egress.kernel.nflog import NflogEvent
 from egress.kernel.nft import NftHandle
 from egress.model import Flow, IPAddress, Layer, Policy, Violation
 from egress.policy.matcher import Matcher
-from egress.resolver.bindings import Bindings, learn_answer
+from egress.resolver.bindings import AnswerBinding, Bindings, answer_binding
 from egress.resolver.firstrequest import Decision, FirstRequests, segment_of
 from egress.resolver.flows import flow_violation
 
 # The copy of an answer is read a little after the kernel's element was made, and its
 # TTLs are whole seconds: bind a little longer than the inline layer does, never shorter.
 GRACE_S = 2.0
+# Answers kept by their bytes after the ID (each parses to the same binding every time):
+# a cache hit's copy is applied again without being parsed. Bounded; cleared when full.
+ANSWERS_MAX = 4096
 
 
 class FlowWatch:
@@ -50,6 +53,7 @@ class FlowWatch:
         self._ids = itertools.count(1)  # NFLOG copies have no packet id: one per segment
         self._uids: dict[tuple[str, int, str, int], int | None] = {}
         self.unknown: dict[IPAddress, float] = _in_sets(nft) if nft is not None else {}
+        self._answers: dict[bytes, AnswerBinding | None] = {}
 
     def on_event(self, event: NflogEvent) -> list[Violation]:
         if event.prefix == c.ANSWER_LOG_PREFIX:
@@ -75,7 +79,20 @@ class FlowWatch:
             data = data[2:]
         elif p.proto != "udp":
             return
-        learn_answer(self.bindings, data, self.policy, self.matcher, event.timestamp, GRACE_S)
+        self.learn(data, event.timestamp)
+
+    def learn(self, data: bytes, now: float) -> None:
+        """Bind what the answer ``data`` (a DNS message) names, as of ``now``."""
+        key = data[2:]
+        try:
+            binding = self._answers[key]
+        except KeyError:
+            binding = answer_binding(data, self.policy, self.matcher)
+            if len(self._answers) >= ANSWERS_MAX:
+                self._answers.clear()
+            self._answers[bytes(key)] = binding
+        if binding is not None:
+            binding.apply(self.bindings, now, GRACE_S)
 
     def _on_segment(self, event: NflogEvent) -> list[Violation]:
         seg = segment_of(next(self._ids), event.packet)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
+from egress.datapath.packet import udp4_payload
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
@@ -40,6 +41,7 @@ from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
 from egress.observer.flows import FlowWatch
+from egress.observer.replays import QueryReplays
 from egress.observer.tally import DropTally
 from egress.policy.matcher import Matcher
 from egress.resolver import wire
@@ -48,6 +50,12 @@ from egress.store.journal import Journal
 from egress.tunnel import scorer_for
 
 TICK_S = 0.1
+# The kernel hands copies over in batches of up to this many (or at its next tick, 4 ms
+# at HZ=250, when fewer come): a syscall and a wake-up per batch, not per packet. What
+# waits is evidence for this layer only; the inline layer's group is never batched.
+BATCH = 64
+_DNS_PREFIX = c.DNS_LOG_PREFIX.encode() + b"\0"
+_ANSWER_PREFIX = c.ANSWER_LOG_PREFIX.encode() + b"\0"
 LAYER = Layer.OBSERVER
 
 
@@ -97,13 +105,17 @@ class Observer:
         self.enforcer = Enforcer(cfg.sandbox_id, cfg.policy, LAYER, self.journal, cgroup)
         self.cgroup = cgroup
         # Whole packets: a ClientHello's segments and the answers are read, not only headers.
-        self.listener = NflogListener.open(cfg.netns, c.OBSERVER_GROUP, copy_range=0xFFFF)
+        self.listener = NflogListener.open(
+            cfg.netns, c.OBSERVER_GROUP, copy_range=0xFFFF, batch=BATCH
+        )
+        self.listener.skip = self._replayed
         self.nft = NftHandle.open(cfg.netns)
         self.flows = FlowWatch(cfg.policy, self.matcher, self.nft)
         # Drops counted before this observer bound its group were judged by whoever was
         # watching then (an observer restarted on a policy swap, the inline layer): they
         # are not drops its log missed. Read after binding, so none falls in between.
         self.drops = DropTally(self._dropped() or 0, TICK_S, time.monotonic())
+        self.queries = QueryReplays()
         self.inline_fd = _pidfd(cfg.watch_pid)
         self.inline_dead = False
         self.stopping = False
@@ -152,9 +164,26 @@ class Observer:
         for event in self.listener.read_events():
             v = self.judge(event)
             if v is not None:
+                self.queries.clear()  # a verdict (a tunnel's zone) may now cover repeats
                 self._act(v)
+            elif event.prefix == c.DNS_LOG_PREFIX and event.packet is not None:
+                self.queries.remember(event.payload, event.packet.payload, time.monotonic())
             for v in self.flows.on_event(event):
                 self._act(v)
+
+    def _replayed(self, prefix: bytes, packet: bytes) -> bool:
+        """Deal with a copy here, without making an event of it, when its bytes say all
+        there is: a repeat of a query allowed within the last second (``QueryReplays``),
+        or an answer over UDP, whose binding ``FlowWatch.learn`` keeps by its bytes."""
+        if prefix == _DNS_PREFIX:
+            return self.queries.allowed(packet, time.monotonic())
+        if prefix == _ANSWER_PREFIX:
+            dns = udp4_payload(packet)
+            if dns is None:
+                return False
+            self.flows.learn(dns, time.time())
+            return True
+        return False
 
     def _act(self, v: Violation) -> None:
         """Act on one verdict; a failure is reported and the watch goes on."""

@@ -36,6 +36,7 @@ inherit nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import islice
 
 from egress.model import IPAddress, Policy, Ports
@@ -165,34 +166,45 @@ def answer_chain(qname: str, answers: list[message.Record]) -> tuple[str, ...]:
     return tuple(chain)
 
 
-def learn_answer(
-    bindings: Bindings, data: bytes, policy: Policy, matcher: Matcher, now: float, grace: float
-) -> int:
-    """Bind what an answer the resolver released names (the observer's copy of it): its
-    question and CNAME chain to its addresses, on the question's rule's ports, for the
-    shortest address TTL clamped as the kernel's timeout is, plus ``grace`` (the copy is
-    read a little after the kernel's element was made). Returns the addresses bound; an
-    answer that does not parse binds nothing."""
+@dataclass(frozen=True, slots=True)
+class AnswerBinding:
+    """What one released answer binds: its question and CNAME chain to its addresses, on
+    its rule's ports, for ``ttl`` seconds (the shortest address TTL, clamped as the
+    kernel's timeout is). The same answer bytes always parse to the same one, so the
+    observer keeps it by those bytes and applies it again at each copy's own time."""
+
+    addresses: tuple[IPAddress, ...]
+    names: tuple[str, ...]
+    ports: Ports
+    ttl: int
+    checked: bool
+
+    def apply(self, bindings: Bindings, now: float, grace: float) -> None:
+        bindings.learn(self.addresses, self.names, self.ports, now, now + self.ttl + grace,
+                       checked=self.checked)  # fmt: skip
+
+
+def answer_binding(data: bytes, policy: Policy, matcher: Matcher) -> AnswerBinding | None:
+    """What an answer the resolver released binds (None: nothing; it does not parse, or
+    names no address of a rule)."""
     try:
         try:
             response = message.parse(data)
         except message.Unsupported:
             response = message.from_dnslib(data)
     except WireError:
-        return 0
+        return None
     if len(response.questions) != 1:
-        return 0
+        return None
     qname = response.questions[0][0]
     ips = [(record_ip(rr), rr.ttl) for rr in response.answers if rr.rtype in ADDRESS_TYPES]
     rule = matcher.rule_for(qname)
     if not ips or rule is None:
-        return 0
+        return None
     ttl = max(policy.dns.ttl_min, min(min(t for _, t in ips), policy.dns.ttl_max))
-    addresses = list(dict.fromkeys(ip for ip, _ in ips))
+    addresses = tuple(dict.fromkeys(ip for ip, _ in ips))
     names = answer_chain(qname, response.answers)
-    bindings.learn(addresses, names, learned_ports(rule, policy), now, now + ttl + grace,
-                   checked=rule.check_names)  # fmt: skip
-    return len(addresses)
+    return AnswerBinding(addresses, names, learned_ports(rule, policy), ttl, rule.check_names)
 
 
 ADDRESS_TYPES = (message.A, message.AAAA)

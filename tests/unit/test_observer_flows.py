@@ -141,3 +141,23 @@ def test_a_reconnect_from_the_same_port_is_judged_and_late_bytes_are_not() -> No
     again = b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n"
     [v] = watch.on_event(segment_event(again, 1.1, seq=1000 + len(first) + 9000))
     assert "[name_not_allowed]" in v.detail
+
+
+def test_a_repeated_answer_binds_from_its_own_time_without_being_parsed_again() -> None:
+    """The same answer bytes (another ID) are kept parsed: applied again, they bind as a
+    fresh parse would, from the repeat's time; a differing answer is parsed anew."""
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    data = released(inline, "allowed.test", RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60))
+    watch.learn(data, 0.1)
+    again = b"\xbe\xef" + data[2:]
+    watch.learn(again, 30.0)
+    assert len(watch._answers) == 1  # one parse kept, by the bytes after the ID
+    ip = ipaddress.ip_address(DST)
+    assert watch.bindings.bound(ip, "allowed.test", 443, 30.0 + 60 + GRACE_S - 0.01)
+    assert not watch.bindings.bound(ip, "allowed.test", 443, 30.0 + 60 + GRACE_S + 0.01)
+    other = released(inline, "api.test", RR("api.test", QTYPE.A, rdata=A("203.0.113.11"), ttl=5))
+    watch.learn(other, 31.0)
+    assert watch.bindings.names(ipaddress.ip_address("203.0.113.11"), 32.0) == ("api.test",)
+    watch.learn(b"\x00\x01" + b"\xff" * 10, 31.0)  # garbage: kept as binding nothing
+    assert len(watch._answers) == 3

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egress.datapath.packet import Packet, parse_ip_packet
+from egress.datapath.packet import Packet, parse_ip_packet, udp4_payload
 from egress.model import Flow
 
 SRC4, DST4 = "10.1.2.3", "192.0.2.10"
@@ -257,3 +257,40 @@ def test_random_ipv6_payloads_never_raise(payload: bytes, next_header: int) -> N
 def test_random_ipv4_bodies_never_raise(body: bytes, proto: int, frag: int) -> None:
     result = parse_ip_packet(ipv4(proto, body, frag=frag))
     assert result is None or result.family == 4
+
+
+# ---- udp4_payload: the observer's cheap look ------------------------------------------
+
+
+def test_udp4_payload_is_the_udp_payload_of_a_whole_ipv4_datagram_only() -> None:
+    query = b"\x12\x34" + b"q" * 30
+    assert udp4_payload(ipv4(17, udp(33333, 53, query))) == query
+    assert udp4_payload(ipv4(17, udp(1, 2, b"ab")) + b"\0" * 10) == b"ab"  # padding
+    assert udp4_payload(ipv4(6, tcp(1, 53, data=b"\0\x20" + query))) is None
+    assert udp4_payload(ipv4(17, udp(1, 53, query), frag=0x2000)) is None  # first fragment
+    assert udp4_payload(ipv4(17, udp(1, 53, query), frag=3)) is None
+    assert udp4_payload(ipv6(17, udp(1, 53, query))) is None
+    assert udp4_payload(ipv4(17, udp(1, 53, query, length=7))) is None
+    assert udp4_payload(b"\x45" + b"\0" * 10) is None
+
+
+@given(
+    st.binary(max_size=120),
+    st.sampled_from([1, 6, 17, 47]),
+    st.sampled_from([0, 0x2000, 0x4000, 1, 185]),
+    st.one_of(st.none(), st.integers(0, 200)),
+    st.binary(max_size=8).filter(lambda o: len(o) % 4 == 0),
+)
+def test_udp4_payload_is_never_other_than_what_parse_ip_packet_reads(
+    body: bytes, proto: int, frag: int, udp_len: int | None, options: bytes
+) -> None:
+    """The observer keeps a query judged from ``parse_ip_packet``'s payload under the key
+    ``udp4_payload`` gives: whenever the latter has one, it is that same payload."""
+    l4 = udp(1000, 53, body, length=udp_len) if proto == 17 else body
+    raw = ipv4(proto, l4, options=options, frag=frag)
+    cheap = udp4_payload(raw)
+    if cheap is None:
+        return
+    p = parse_ip_packet(raw)
+    assert p is not None and p.proto == "udp" and not p.fragment
+    assert cheap == p.payload

@@ -78,3 +78,17 @@ def test_the_queue_rule_has_no_bypass() -> None:
     assert rule[rule.index("--mark") + 1] == hex(c.QUEUE_MARK)
     assert rule[rule.index("connmark") + 2] == hex(c.CT_NEEDS_CHECK)  # unchecked flows only
     assert rule[rule.index("--queue-num") + 1] == str(c.FIRST_BYTES_QUEUE)
+
+
+def test_the_observers_evidence_is_handed_over_at_once_and_its_dns_copies_batched() -> None:
+    """The observer's listener lets the kernel batch its copies (observer.layer.BATCH):
+    without a per-rule threshold of 1, a drop or a queued segment would wait for the
+    batch to fill or the kernel's next tick before the observer could act on it."""
+    text = ruleset("[443]")
+    logs = [ln.strip() for ln in text.splitlines() if f"log group {c.OBSERVER_GROUP} " in ln]
+    evidence = [ln for ln in logs if "dns" not in ln.split('prefix "', 1)[1].split('"')[0]
+                or "foreign_dns" in ln]  # fmt: skip
+    copies = [ln for ln in logs if ln not in evidence]
+    assert len(evidence) == 3 and len(copies) == 2  # drops x2, segments; queries, answers
+    assert all("queue-threshold 1" in ln for ln in evidence)
+    assert not any("queue-threshold" in ln for ln in copies)

@@ -1,0 +1,54 @@
+"""Queries the observer judged allowed, kept by their bytes so a repeat is not parsed.
+
+A DNS client asks the same few names again and again; the resolver answers the repeats
+from its cache (``ResolverCore.replay``) and the observer, which judges its own copy of
+every query, would parse each one and run the matcher and the tunnel scorer on it. The
+same bytes after the ID are the same question, flags and EDNS, so the same verdict: a
+repeat of one allowed within the last second is allowed without being parsed. That is
+exact for the matcher, whose policy does not change under an observer (a swap starts
+a new one), and for the tunnel scorer, whose limits count only names and pairs it has
+not seen: a repeat adds nothing to any window. The one thing a repeat can meet is a
+verdict the scorer reached since (a tunnel found in its zone covers every query there),
+so any violation the observer finds empties this (``clear``).
+
+Keys come from ``datapath.packet.udp4_payload`` of the copied IP packet, for lookup and
+for keeping alike, and only a query that is exactly what was judged is kept: nothing but
+an unfragmented IPv4 UDP query can match one. Bounded; emptied when full. Pure: ``now``
+is passed in.
+"""
+
+from __future__ import annotations
+
+from egress.datapath.packet import udp4_payload
+
+REPLAY_S = 1.0
+REPLAY_MAX = 4096
+REPLAY_MAX_QUERY = 512
+
+
+class QueryReplays:
+    def __init__(self) -> None:
+        self._until: dict[bytes, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def allowed(self, packet: bytes, now: float) -> bool:
+        """Is the IP packet ``packet`` a repeat of a query allowed within REPLAY_S?"""
+        dns = udp4_payload(packet)
+        if dns is None:
+            return False
+        until = self._until.get(dns[2:])
+        return until is not None and until > now
+
+    def remember(self, packet: bytes, judged: bytes, now: float) -> None:
+        """``judged`` (the DNS message parsed out of ``packet``) was allowed at ``now``."""
+        dns = udp4_payload(packet)
+        if dns is None or dns != judged or len(dns) > REPLAY_MAX_QUERY:
+            return
+        if len(self._until) >= REPLAY_MAX:
+            self._until.clear()  # a client varying its bytes only slows the observer
+        self._until[bytes(dns[2:])] = now + REPLAY_S
+
+    def clear(self) -> None:
+        self._until.clear()
