@@ -40,6 +40,7 @@ import signal
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +56,7 @@ from egress.cli.client import Client
 from egress.errors import DaemonError
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
+from egress.store.journal import Journal
 from tests.support.egressd import Egressd
 from tests.support.labs import lab_name
 
@@ -104,6 +106,28 @@ def vm_rss(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def pss(pids: list[int]) -> float:
+    """The processes' proportional set size, MB: pages shared by forked children counted
+    once over all of them (a sum of their VmRSS counts each shared page in each)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+    return total / 1024
+
+
+def cpu_ticks(pids: list[int]) -> dict[int, int]:
+    """utime + stime of each process, in clock ticks."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[pid] = int(fields[11]) + int(fields[12])
+    return out
 
 
 def children(pid: int) -> list[int]:
@@ -229,11 +253,14 @@ class Step:
     burst_delete_rate: float | str
     load: Load
     qps: float
+    observer_cpu: float | None = None  # percent of one CPU during the DNS load
+    observer_pss: float | None = None  # MB, supervisor and children
 
 
 class Bench:
     def __init__(self, daemon: Egressd, uplink: str, args: argparse.Namespace) -> None:
         self.daemon = daemon
+        self.observer: subprocess.Popen[bytes] | None = None
         self.uplink = uplink
         self.args = args
         self.boxes: list[dict[str, Any]] = []
@@ -286,12 +313,42 @@ class Bench:
         rss = memory(self.daemon)
         burst, burst_del = self.burst(a.burst) if a.burst and not self.failed else ("-", "-")
         direct = resolver_socket(self.uplink, LAB_DNS)
+        watched = self.observer_pids()
+        before, t0 = cpu_ticks(watched), time.monotonic()
         try:
             load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct)
         finally:
             direct.close()
+        obs_cpu = obs_pss = None
+        if self.observer is not None:
+            after, dt = cpu_ticks(watched), time.monotonic() - t0
+            used = sum(after[p] - before[p] for p in after if p in before)
+            obs_cpu = 100 * used / os.sysconf("SC_CLK_TCK") / dt
+            obs_pss = pss(self.observer_pids())
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
-                    load.answered / wall)  # fmt: skip
+                    load.answered / wall, obs_cpu, obs_pss)  # fmt: skip
+
+    def observer_pids(self) -> list[int]:
+        if self.observer is None:
+            return []
+        return [self.observer.pid, *children(self.observer.pid)]
+
+    def await_observers(self, timeout: float = 120.0) -> None:
+        """Until the observer layer watches every sandbox (a child each, or its own)."""
+        if self.observer is None:
+            return
+        deadline = time.monotonic() + timeout
+        ids = {box["id"] for box in self.boxes}
+        journal = Journal.open(self.daemon.state)
+        try:
+            while time.monotonic() < deadline:
+                rows = {r["id"]: r for r in journal.sandboxes()}
+                if all((rows.get(i) or {}).get("observer_pid") for i in ids):
+                    return
+                time.sleep(0.2)
+        finally:
+            journal.close()
+        raise RuntimeError(f"the observer layer did not watch all {len(ids)} sandboxes")
 
     def close(self) -> None:
         for s in self.socks:
@@ -326,7 +383,7 @@ def show_header(args: argparse.Namespace) -> None:
         f"{'N':>4} {'RSS MB':>7} {'+kids':>6} {'fds':>5} {'MB/sbx':>7} "
         f"{'create p50/p95 ms':>18} {'seq/s':>6} {'burst/s':>8} {'del/s':>6} "
         f"{'hit p50/p99 ms':>15} {'miss p50/p99 ms':>16} {'direct p50/p99':>15} "
-        f"{'qps':>6} {'lost':>5} {'bad':>4}"
+        f"{'qps':>6} {'lost':>5} {'bad':>4} {'obs CPU%':>8} {'obs PSS MB':>10}"
     )
 
 
@@ -348,12 +405,42 @@ def show(step: Step, first: Step | None) -> None:
     print(
         f"{step.n:>4} {own:>7.1f} {kids:>6.1f} {fds:>5} {per:>7} {create:>18} "
         f"{step.seq_rate:>6.1f} {rate(step.burst_rate):>8} {rate(step.burst_delete_rate):>6} "
-        f"{hit:>15} {miss:>16} {direct:>15} {step.qps:>6.0f} {ld.lost:>5} {ld.bad:>4}",
+        f"{hit:>15} {miss:>16} {direct:>15} {step.qps:>6.0f} {ld.lost:>5} {ld.bad:>4} "
+        f"{_num(step.observer_cpu, 0):>8} {_num(step.observer_pss, 1):>10}",
         flush=True,
     )
     for x in (step.burst_rate, step.burst_delete_rate):
         if isinstance(x, str) and x != "-":
             print(f"      burst: {x}")
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def show_targets(step: Step) -> None:
+    """Issue 17's targets for egressd, against the last step (they are set at 1,000
+    sandboxes and 5,000 qps in all)."""
+    own, kids, _ = step.rss
+    ld = step.load
+    rows = [
+        ("RSS, egressd and workers", "<= 400 MB", f"{own + kids:.0f} MB", own + kids <= 400),
+        ("create p50", "<= 25 ms", f"{statistics.median(step.create_ms):.1f} ms"
+         if step.create_ms else "-", bool(step.create_ms)
+         and statistics.median(step.create_ms) <= 25),
+        ("cache hits p99", "<= 1 ms", f"{pct(ld.hit_ms, 0.99):.2f} ms",
+         pct(ld.hit_ms, 0.99) <= 1),
+        ("cache misses p99", "<= 3 ms", f"{pct(ld.miss_ms, 0.99):.2f} ms",
+         pct(ld.miss_ms, 0.99) <= 3),
+        ("lost", "0", str(ld.lost), ld.lost == 0),
+    ]  # fmt: skip
+    if step.observer_cpu is not None:
+        rows.append(("observer layer CPU", "< 100% (one core)", f"{step.observer_cpu:.0f}%",
+                     step.observer_cpu < 100))  # fmt: skip
+    print(f"targets (issue 17: 1,000 sandboxes, 5,000 qps; measured at {step.n} sandboxes, "
+          f"{step.qps:.0f} qps):")  # fmt: skip
+    for what, target, got, met in rows:
+        print(f"  {what:<26} target {target:<18} measured {got:<10} {'MET' if met else 'not met'}")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -368,10 +455,14 @@ def run(args: argparse.Namespace) -> None:
         daemon = Egressd(workdir, own_session=True)
         daemon.start()
         bench = Bench(daemon, lab.uplink_netns, args)
+        if args.observer:
+            bench.observer = daemon.observer(to_file=True)
         show_header(args)
         first: Step | None = None
+        step = None
         for n in args.steps:
             seq = bench.grow(n)
+            bench.await_observers()
             if seq[0] or first is None:
                 step = bench.measure(seq)
                 first = first or step
@@ -380,6 +471,8 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  stopped growing at {len(bench.boxes)} sandboxes: {bench.failed}")
                 print(f"  egressd stderr (tail): {daemon.stderr()[-600:].strip()!r}")
                 break
+        if step is not None:
+            show_targets(step)
     except KeyboardInterrupt:
         print("\ninterrupted; cleaning up", file=sys.stderr)
     finally:
@@ -389,6 +482,13 @@ def run(args: argparse.Namespace) -> None:
             count, rate = bench.delete_all()
             if count:
                 print(f"deleted {count} sandboxes through the API, {rate:.1f}/s (4 threads)")
+            if bench.observer is not None:  # ours, by its PID
+                bench.observer.terminate()
+                try:
+                    bench.observer.wait(30)
+                except subprocess.TimeoutExpired:
+                    bench.observer.kill()
+                    bench.observer.wait()
         if daemon is not None:
             # Also what our egressd left in the kernel: e.g. a create still running when
             # Ctrl-C came, which the list above missed.
@@ -410,6 +510,9 @@ def main() -> int:
     ap.add_argument("--qps", type=float, default=10.0, help="queries/s per sandbox (10)")
     ap.add_argument("--miss-share", type=float, default=0.2, help="share of new names (0.2)")
     ap.add_argument("--burst", type=int, default=8, help="concurrent creates per step (8)")
+    ap.add_argument("--no-observer", dest="observer", action="store_false",
+                    help="egressd alone, without `egressd observer` (default: both layers, "
+                         "as deployed)")  # fmt: skip
     args = ap.parse_args()
     args.steps = sorted({int(x) for x in args.steps.split(",")})
     if os.geteuid() != 0:

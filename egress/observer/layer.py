@@ -50,6 +50,11 @@ from egress.store.journal import Journal
 from egress.tunnel import scorer_for
 
 TICK_S = 0.1
+# The drop counter is read once a second: the log's burst carries the first drops of a
+# flood at once (the violation and freeze come from those); the counter only adds how
+# many the log then missed. A read is a libnftables round trip: per tick it cost egressd's
+# observer layer more than its DNS copies did, over hundreds of sandboxes.
+COUNTER_S = 1.0
 # The kernel hands copies over in batches of up to this many (or at its next tick, 4 ms
 # at HZ=250, when fewer come): a syscall and a wake-up per batch, not per packet. What
 # waits is evidence for this layer only; the inline layer's group is never batched.
@@ -114,7 +119,7 @@ class Observer:
         # Drops counted before this observer bound its group were judged by whoever was
         # watching then (an observer restarted on a policy swap, the inline layer): they
         # are not drops its log missed. Read after binding, so none falls in between.
-        self.drops = DropTally(self._dropped() or 0, TICK_S, time.monotonic())
+        self.drops = DropTally(self._dropped() or 0, COUNTER_S, time.monotonic())
         self.queries = QueryReplays()
         self.inline_fd = _pidfd(cfg.watch_pid)
         self.inline_dead = False

@@ -15,6 +15,7 @@ it. A child logs "watching ID" once its NFLOG group is bound.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ from egress.policy import parse_policy
 from egress.store import rundir
 
 SCAN_S = 0.25
+RESCAN_S = 5.0
 RESTART_BACKOFF_S = 1.0
 
 
@@ -50,8 +52,24 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         print(f"egressd observer: following {self.run_dir}", file=sys.stderr, flush=True)
+        # Start-up's objects out of the collector's walks: a forked child's collections
+        # would otherwise touch (and so copy) every page of them.
+        gc.freeze()
+        mtime, scanned, again = None, 0.0, True
         while not self.stopping:
-            self.scan()
+            # The records are read again only when the run dir changed (a record made,
+            # replaced on a swap, or removed: each a rename or unlink in it), once more
+            # after that (a change within the same coarse timestamp tick as our look
+            # leaves the mtime as it was), when a child is to be restarted, or after a
+            # while: with hundreds of sandboxes, reading every record four times a
+            # second was most of this process's work.
+            restart = self._reap()
+            now, seen = time.monotonic(), _mtime_ns(self.run_dir)
+            changed = seen != mtime
+            if changed or again or restart or now - scanned >= RESCAN_S:
+                self.scan()
+                scanned = now
+            again, mtime = changed, seen
             time.sleep(SCAN_S)
         for sid in list(self.children):
             self._end(sid)
@@ -61,7 +79,6 @@ class Supervisor:
         self.stopping = True
 
     def scan(self) -> None:
-        self._reap()
         wanted = {r.id: r for r in rundir.load_all(self.run_dir)}
         for sid in [s for s in self.children if s not in wanted]:
             self._end(sid)
@@ -94,14 +111,24 @@ class Supervisor:
             os.kill(child.pid, signal.SIGKILL)
         os.waitpid(child.pid, 0)
 
-    def _reap(self) -> None:
-        """Note children that died; forget them after a backoff, so the scan restarts them."""
-        now = time.monotonic()
+    def _reap(self) -> bool:
+        """Note children that died; forget them after a backoff, so the scan restarts
+        them. True when one was forgotten (a scan is due)."""
+        now, forgot = time.monotonic(), False
         for sid, child in list(self.children.items()):
             if child.exited is None and os.waitpid(child.pid, os.WNOHANG)[0]:
                 child.exited = now
             if child.exited is not None and now - child.exited >= RESTART_BACKOFF_S:
                 del self.children[sid]
+                forgot = True
+        return forgot
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
 
 
 def _watch(record: rundir.Record, state_dir: Path, run_dir: Path) -> int:

@@ -158,12 +158,18 @@ class Egressd:
     def delete(self, sandbox_id: str) -> None:
         self.client.call("DELETE", f"/v1/sandboxes/{sandbox_id}")
 
-    def observer(self) -> subprocess.Popen[bytes]:
+    def observer(self, to_file: bool = False) -> subprocess.Popen[bytes]:
         """Its observer layer (`egressd observer` on the same run dir and journal), stderr
-        piped: read it with ``read_until``. The caller stops it."""
+        piped (read it with ``read_until``) or, ``to_file``, appended to ``observer.log``
+        here (a line per sandbox watched: hundreds fill a pipe nobody reads). The caller
+        stops it."""
         argv = [*EGRESSD, "observer", "--run-dir", str(self.run_dir),
                 "--state-dir", str(self.state)]  # fmt: skip
-        return subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
+        if not to_file:
+            return subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
+        with open(self.dir / "observer.log", "ab") as err:
+            return subprocess.Popen(argv, cwd=ROOT, stderr=err,
+                                    start_new_session=self.own_session)  # fmt: skip
 
     def delete_all(self) -> list[str]:
         """Delete every sandbox it serves; what could not be deleted (why)."""
