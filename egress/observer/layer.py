@@ -120,6 +120,7 @@ class Observer:
         # watching then (an observer restarted on a policy swap, the inline layer): they
         # are not drops its log missed. Read after binding, so none falls in between.
         self.drops = DropTally(self._dropped() or 0, COUNTER_S, time.monotonic())
+        self.overruns = 0
         self.queries = QueryReplays()
         self.inline_fd = _pidfd(cfg.watch_pid)
         self.inline_dead = False
@@ -215,6 +216,9 @@ class Observer:
     def _check_counter(self) -> None:
         """Drops the rate-limited log did not carry still show in the counter."""
         now = time.monotonic()
+        if self.listener.overruns != self.overruns:
+            self.overruns = self.listener.overruns
+            self.drops.on_lost()
         if not self.drops.due(now):
             return
         packets = self._dropped()

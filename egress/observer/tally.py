@@ -7,6 +7,11 @@ reading is judged only a whole tick later: whatever that old reading counted and
 has still not carried by now was not logged. Comparing two readings instead ("one
 unlogged, and again one unlogged") mistakes a steady stream of drops, each with its
 message in flight, for a lost one. Pure: fed readings and log arrivals, with ``now``.
+
+The counter is read only when there can be something to find: the log's limit lets its
+burst through first, so no drop goes unlogged unless the log carried (or the socket
+overflowed with) others just before it. A sandbox that drops nothing costs no reading;
+egressd's observer layer watches hundreds of them.
 """
 
 from __future__ import annotations
@@ -20,18 +25,26 @@ class DropTally:
         self.tick_s = tick_s
         self.pending: tuple[int, float] | None = None  # (a counter reading, when)
         self.last_read = now - tick_s
+        self.active = True  # read once at start: whatever came before is judged there
 
     def on_logged(self) -> None:
         """The log carried one dropped packet."""
         self.logged += 1
+        self.active = True
+
+    def on_lost(self) -> None:
+        """The socket overflowed: the kernel dropped copies, maybe of drops."""
+        self.active = True
 
     def due(self, now: float) -> bool:
-        """Is it time for the next counter reading (once a tick, however often woken)?"""
-        return now - self.last_read >= self.tick_s
+        """Is a counter reading due: something to find, and a tick since the last one
+        (however often the reader wakes)?"""
+        return (self.active or self.pending is not None) and now - self.last_read >= self.tick_s
 
     def on_reading(self, packets: int, now: float) -> int:
         """A counter reading; returns how many drops the log missed (0: none so far)."""
         self.last_read = now
+        self.active = False
         missed = 0
         if self.pending is not None:
             old, at = self.pending

@@ -52,5 +52,23 @@ def test_readings_are_due_once_a_tick_however_often_it_wakes() -> None:
     tally = DropTally(0, TICK, now=0.0)
     assert tally.due(0.0)
     tally.on_reading(0, 0.0)
+    tally.on_logged()
     assert not tally.due(0.05)
     assert tally.due(0.1)
+
+
+def test_the_counter_is_read_only_when_the_log_says_there_may_be_something_to_find() -> None:
+    """No drop goes unlogged before the log's burst went through: a quiet sandbox costs
+    no reading; logged drops or a socket overflow make one due."""
+    tally = DropTally(0, TICK, now=0.0)
+    assert tally.due(0.0)  # once at start
+    assert tally.on_reading(0, 0.0) == 0
+    assert not tally.due(5.0)
+    tally.on_logged()
+    assert not tally.due(0.05) and tally.due(5.0)
+    assert tally.on_reading(400, 5.0) == 0  # 399 beyond the log, in flight or not
+    assert not tally.due(5.05) and tally.due(5.2)  # the pending one is judged a tick later
+    assert tally.on_reading(400, 5.2) == 399
+    assert not tally.due(9.0)
+    tally.on_lost()
+    assert tally.due(9.0)
