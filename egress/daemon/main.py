@@ -59,8 +59,10 @@ examples:
   egressd observer
   egressd observer --run-dir /tmp/e-run --state-dir /tmp/e-state
 
-Watches every sandbox egressd serves, created or attached (one forked observer per
-sandbox, restarted on a policy swap), freezing the cgroup the run dir's record names.
+Watches every sandbox egressd serves, created or attached, freezing the cgroup the run
+dir's record names. One forked shard per CPU (--shards) watches its share of the
+sandboxes in one loop (an observer each, restarted on a policy swap); a shard that dies
+is started again.
 """
 
 
@@ -172,6 +174,10 @@ def observer_parser() -> argparse.ArgumentParser:
         epilog=OBSERVER_EPILOG,
     )
     _common(p)
+    p.add_argument(
+        "--shards", metavar="N", type=int, default=None,
+        help="processes the sandboxes are shared among (default: one per CPU)",
+    )  # fmt: skip
     return p
 
 
@@ -222,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args_in[:1] == ["observer"]:
             args = observer_parser().parse_args(args_in[1:])
             _host_cgroupns("egressd observer")
-            sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir))
+            sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir), args.shards)
             return sup.run()
         if args_in[:1] == ["sidecar"]:
             return sidecar.run(sidecar_parser().parse_args(args_in[1:]))

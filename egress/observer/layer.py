@@ -100,13 +100,18 @@ class ObserverConfig:
 
 
 class Observer:
-    def __init__(self, cfg: ObserverConfig) -> None:
+    """One sandbox's observer. ``run`` is its own loop (`egressctl run`, `egressctl
+    observe`); a shard of `egressd observer` drives many through ``fds``, ``on_ready``
+    and ``tick`` in one loop instead, with one ``journal`` for them all (not closed here)."""
+
+    def __init__(self, cfg: ObserverConfig, journal: Journal | None = None) -> None:
         self.cfg = cfg
         self.policy = cfg.policy
         self.matcher = Matcher(cfg.policy)
         self.scorer = scorer_for(cfg.policy.tunnel, time.time)
         cgroup = cfg.open_cgroup()  # before the journal: a missing cgroup leaves nothing open
-        self.journal = Journal.open(cfg.state_dir)
+        self.owns_journal = journal is None
+        self.journal = journal if journal is not None else Journal.open(cfg.state_dir)
         self.enforcer = Enforcer(cfg.sandbox_id, cfg.policy, LAYER, self.journal, cgroup)
         self.cgroup = cgroup
         # Whole packets: a ClientHello's segments and the answers are read, not only headers.
@@ -139,32 +144,56 @@ class Observer:
         signal.set_wakeup_fd(wake_w)
         poll = select.poll()
         poll.register(wake_r, select.POLLIN)
-        poll.register(self.listener.fileno(), select.POLLIN)
-        if self.inline_fd is not None:
-            poll.register(self.inline_fd, select.POLLIN)
-        while not self.stopping and netns_exists(self.cfg.netns):
+        for fd in self.fds():
+            poll.register(fd, select.POLLIN)
+        self.tick()
+        while not self.stopping:
             for fd, _ in poll.poll(TICK_S * 1000):
                 if fd == wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_r, 64)
-                elif fd == self.inline_fd:
-                    poll.unregister(fd)
-                    self._inline_lost()
                 else:
-                    self._drain()
-            self._check_counter()
-            for v in self.flows.expire(time.time()):
-                self._act(v)
-            self._end_if_abandoned()
+                    if fd == self.inline_fd:
+                        poll.unregister(fd)
+                    self.on_ready(fd)
+            self.tick()
+        self.finish()
+
+    def fds(self) -> list[int]:
+        """What to wait on: the NFLOG socket, and the inline layer's pidfd if watched."""
+        return [self.listener.fileno()] + ([self.inline_fd] if self.inline_fd is not None else [])
+
+    def on_ready(self, fd: int) -> None:
+        """``fd`` (one of ``fds``) is readable: copies to judge, or the inline layer died
+        (its pidfd reports once; the caller stops waiting on it)."""
+        if fd == self.inline_fd:
+            self._inline_lost()
+        else:
+            self._drain()
+
+    def tick(self) -> None:
+        """What each pass does besides reading (at least every TICK_S): the sandbox gone
+        ends the watch; the drop counter, the first-request timers, an abandoned sandbox."""
+        if not netns_exists(self.cfg.netns):
+            self.stopping = True
+            return
+        self._check_counter()
+        for v in self.flows.expire(time.time()):
+            self._act(v)
+        self._end_if_abandoned()
+
+    def finish(self) -> None:
+        """Judge what is still queued (when told to stop, it is still evidence); close."""
         with contextlib.suppress(EgressError, OSError):
-            self._drain()  # evidence still queued when told to stop is still evidence
+            self._drain()
         self.close()
 
     def close(self) -> None:
         with contextlib.suppress(EgressError, OSError):
             self.listener.close()
             self.nft.close()
-            self.journal.close()
+            if self.owns_journal:
+                self.journal.close()
 
     def _drain(self) -> None:
         for event in self.listener.read_events():

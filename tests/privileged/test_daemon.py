@@ -24,7 +24,7 @@ from egress.kernel.nft import NftHandle
 from egress.lab import Lab
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
-from tests.support.egressd import Egressd, egressd, read_until
+from tests.support.egressd import START_S, Egressd, egressd, read_until
 from tests.support.netns import unique
 from tests.support.probes import dig, set_ips, wait_until
 
@@ -383,6 +383,63 @@ def test_observer_layer_freezes_with_egressd_killed(lab: Lab, state_dir: Path) -
             v = journal.violations(box["id"])[0]
         assert v["class"] == "blocked_connect" and v["layer"] == "observer"
         d.start()  # adopts it, so cleanup deletes it through the API
+
+
+def test_observer_shards_share_the_sandboxes_and_a_killed_shard_comes_back(
+    lab: Lab, state_dir: Path
+) -> None:
+    """`egressd observer --shards 2`: each sandbox is watched by one of two shard
+    processes; a shard SIGKILLed is started again and watches its sandboxes again, which
+    it then freezes with egressd dead; the other shard's watch never stopped."""
+    from egress.observer.shard import shard_of
+
+    with egressd(state_dir) as d:
+        boxes: list[dict[str, Any]] = []
+        shards: dict[str, int] = {}
+        while min(list(shards.values()).count(k) for k in (0, 1)) < 2:  # ids are random
+            assert len(boxes) < 24, shards
+            boxes.append(d.create(policy(f"sh{len(boxes)}", "allowed.lab.test"),
+                                  lab.uplink_netns))  # fmt: skip
+            shards[boxes[-1]["id"]] = shard_of(boxes[-1]["id"], 2)
+        observer = d.observer(False, "--shards", "2")
+        try:
+            read_until(observer, "watching", timeout=START_S)
+
+            def watchers() -> dict[str, int | None]:
+                with Journal.open(state_dir) as journal:
+                    return {b["id"]: (journal.sandbox(b["id"]) or {}).get("observer_pid")
+                            for b in boxes}  # fmt: skip
+
+            deadline = time.monotonic() + START_S
+            while None in watchers().values():
+                assert time.monotonic() < deadline, watchers()
+                time.sleep(0.1)
+            first = watchers()
+            pids = {shards[sid]: pid for sid, pid in first.items()}
+            assert len(set(first.values())) == 2 and observer.pid not in pids.values()
+            assert all(first[sid] == pids[shards[sid]] for sid in first)
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + START_S
+            while any(watchers()[sid] == pids[0] for sid in first if shards[sid] == 0):
+                assert time.monotonic() < deadline, "the killed shard never came back"
+                time.sleep(0.1)
+            again = watchers()
+            assert all(again[sid] == pids[1] for sid in again if shards[sid] == 1)
+            d.stop(signal.SIGKILL)
+            for box in boxes:
+                cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
+                with sleeper(box["netns"], cgroup):
+                    connect(box["netns"], "198.51.100.12")
+                    assert wait_frozen(cgroup), (box["id"], shards[box["id"]])
+                    cgroup.thaw()
+        finally:
+            observer.send_signal(signal.SIGTERM)
+            observer.communicate(timeout=30)
+        with Journal.open(state_dir) as journal:
+            for box in boxes:
+                v = journal.violations(box["id"])[0]
+                assert v["class"] == "blocked_connect" and v["layer"] == "observer", box
+        d.start()  # adopts them, so cleanup deletes them through the API
 
 
 @contextmanager
