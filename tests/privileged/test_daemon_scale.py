@@ -13,6 +13,7 @@ import inspect
 import itertools
 import json
 import os
+import resource
 import select
 import socket
 import struct
@@ -30,6 +31,7 @@ from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
 from egress.sandbox import workload
+from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON, dnsperf
 from tests.support.egressd import Egressd, egressd
 from tests.support.probes import set_ips
@@ -281,6 +283,75 @@ def test_fifty_sandboxes_resolve_only_their_own_names_and_freeze_alone(
             assert other[i][0] in found["denied_name"]["detail"], found["denied_name"]
             assert "frozen" in {e["kind"] for e in events}
     print(f"deleted, {time.monotonic() - start:.2f} s")
+
+
+# -- a node's worth: 1,000 sandboxes -------------------------------------------------------
+
+NODE = 1000
+
+
+def resolver_socket(netns: str) -> socket.socket:
+    with in_netns(netns):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.settimeout(5)
+    sock.connect(("127.0.0.53", 53))
+    return sock
+
+
+@pytest.mark.slow
+def test_a_thousand_sandboxes_resolve_only_their_own_names_and_one_frozen_stops_no_other(
+    daemon: Egressd, lab: Lab, state_dir: Path
+) -> None:
+    """As many sandboxes as a node of agents runs, both layers on: each resolves its own
+    name to its own address and is refused its neighbour's; one frozen for a blocked
+    connect (its neighbour's address) leaves every other sandbox's DNS answering; all
+    are removed through the API."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per sandbox here
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    own = [anyip(100 + i // 250, i % 250 + 1) for i in range(NODE)]
+    start = time.monotonic()
+    observer = daemon.observer(True)
+    socks: list[socket.socket] = []
+    boxes: list[dict[str, Any]] = []
+    worker = None
+    try:
+        policies = [policy(f"node{i}", [own[i][0]]) for i in range(NODE)]
+        with served(daemon, policies, lab.uplink_netns) as fleet:
+            print(f"created {NODE} sandboxes in {time.monotonic() - start:.1f} s")
+            boxes = fleet.boxes
+            socks = [resolver_socket(b["netns"]) for b in boxes]
+            for i, sock in enumerate(socks):
+                assert dns_ask(sock, own[i][0]) == (NOERROR, [own[i][1]]), i
+                assert dns_ask(sock, own[(i + 1) % NODE][0]) == (REFUSED, []), i
+            print(f"{NODE} sandboxes asked, {time.monotonic() - start:.1f} s")
+            cgroup = Cgroup.attach_existing(boxes[0]["cgroup"], boxes[0]["freezer"])
+            worker = Worker(boxes[0]["netns"], cgroup)
+            worker.receive()
+            worker.send(op="connect", host=own[1][1], port=8081)  # its neighbour's address
+            assert wait_frozen(cgroup)
+            for i, sock in enumerate(socks[1:], 1):
+                assert dns_ask(sock, own[i][0]) == (NOERROR, [own[i][1]]), i
+            states = {r["id"]: r["state"] for r in daemon.client.call("GET", "/v1/sandboxes")}
+            assert states == {b["id"]: "frozen" if j == 0 else "running"
+                              for j, b in enumerate(boxes)}  # fmt: skip
+            with Journal.open(state_dir) as journal:
+                [v] = [r for r in journal.violations(boxes[0]["id"])
+                       if r["class"] == "blocked_connect"]  # fmt: skip
+                assert f"-> {own[1][1]}:8081" in v["detail"]
+                assert {d["layer"] for d in v["detected_by"]} <= {"inline", "observer"}
+                watched = [(journal.sandbox(b["id"]) or {}).get("observer_pid") for b in boxes]
+            assert None not in watched  # the observer layer watches every one of them
+            print(f"one frozen, the rest answering, {time.monotonic() - start:.1f} s")
+    finally:
+        for sock in socks:
+            sock.close()
+        if worker is not None:
+            worker.close()
+        observer.terminate()
+        observer.wait(timeout=60)
+    left = [b["netns"] for b in boxes if os.path.exists(f"/run/netns/{b['netns']}")]
+    assert left == []
+    print(f"deleted, {time.monotonic() - start:.1f} s")
 
 
 # -- a policy swap under load ----------------------------------------------------------------
