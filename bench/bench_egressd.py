@@ -17,8 +17,10 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
   lab's DNS straight from the uplink netns meanwhile (at the rate of one sandbox's
   misses), what a miss costs without egressd; queries that got no answer within 2 s
   ("lost") and answers other than NOERROR with an address ("bad");
-- the observer layer (`egressd observer`, started beside it; --no-observer leaves it
-  out): its CPU during the DNS load (all its processes) and its PSS.
+- egressd's CPU during the DNS load (its nft worker included; percent of one CPU), and
+  the observer layer's (`egressd observer`, started beside it; --no-observer leaves it
+  out: all its processes) and its PSS. "direct" rising with N says the machine itself
+  (this client, the lab's DNS, both layers on 2 vCPUs) is saturated, not egressd alone.
 
 After the last step, issue 17's targets for egressd beside what that step measured.
 If a create fails, the figures up to there are printed with the error, and the bench
@@ -258,6 +260,7 @@ class Step:
     qps: float
     observer_cpu: float | None = None  # percent of one CPU during the DNS load
     observer_pss: float | None = None  # MB, supervisor and children
+    egressd_cpu: float = 0.0  # percent of one CPU during the DNS load, its worker included
 
 
 class Bench:
@@ -317,19 +320,23 @@ class Bench:
         burst, burst_del = self.burst(a.burst) if a.burst and not self.failed else ("-", "-")
         direct = resolver_socket(self.uplink, LAB_DNS)
         watched = self.observer_pids()
-        before, t0 = cpu_ticks(watched), time.monotonic()
+        served = [self.daemon.pid, *children(self.daemon.pid)]
+        before, t0 = cpu_ticks(watched + served), time.monotonic()
         try:
             load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct)
         finally:
             direct.close()
+        after, dt = cpu_ticks(watched + served), time.monotonic() - t0
+
+        def cpu(pids: list[int]) -> float:
+            used = sum(after[p] - before[p] for p in pids if p in after and p in before)
+            return 100 * used / os.sysconf("SC_CLK_TCK") / dt
+
         obs_cpu = obs_pss = None
         if self.observer is not None:
-            after, dt = cpu_ticks(watched), time.monotonic() - t0
-            used = sum(after[p] - before[p] for p in after if p in before)
-            obs_cpu = 100 * used / os.sysconf("SC_CLK_TCK") / dt
-            obs_pss = pss(self.observer_pids())
+            obs_cpu, obs_pss = cpu(watched), pss(self.observer_pids())
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
-                    load.answered / wall, obs_cpu, obs_pss)  # fmt: skip
+                    load.answered / wall, obs_cpu, obs_pss, cpu(served))  # fmt: skip
 
     def observer_pids(self) -> list[int]:
         if self.observer is None:
@@ -386,7 +393,7 @@ def show_header(args: argparse.Namespace) -> None:
         f"{'N':>4} {'RSS MB':>7} {'+kids':>6} {'fds':>5} {'MB/sbx':>7} "
         f"{'create p50/p95 ms':>18} {'seq/s':>6} {'burst/s':>8} {'del/s':>6} "
         f"{'hit p50/p99 ms':>15} {'miss p50/p99 ms':>16} {'direct p50/p99':>15} "
-        f"{'qps':>6} {'lost':>5} {'bad':>4} {'obs CPU%':>8} {'obs PSS MB':>10}"
+        f"{'qps':>6} {'lost':>5} {'bad':>4} {'CPU%':>5} {'obs CPU%':>8} {'obs PSS MB':>10}"
     )
 
 
@@ -409,7 +416,8 @@ def show(step: Step, first: Step | None) -> None:
         f"{step.n:>4} {own:>7.1f} {kids:>6.1f} {fds:>5} {per:>7} {create:>18} "
         f"{step.seq_rate:>6.1f} {rate(step.burst_rate):>8} {rate(step.burst_delete_rate):>6} "
         f"{hit:>15} {miss:>16} {direct:>15} {step.qps:>6.0f} {ld.lost:>5} {ld.bad:>4} "
-        f"{_num(step.observer_cpu, 0):>8} {_num(step.observer_pss, 1):>10}",
+        f"{step.egressd_cpu:>5.0f} {_num(step.observer_cpu, 0):>8} "
+        f"{_num(step.observer_pss, 1):>10}",
         flush=True,
     )
     for x in (step.burst_rate, step.burst_delete_rate):

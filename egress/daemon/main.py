@@ -228,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args_in[:1] == ["observer"]:
             args = observer_parser().parse_args(args_in[1:])
             _host_cgroupns("egressd observer")
+            _raise_open_files()  # a few descriptors per sandbox watched
             sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir), args.shards)
             return sup.run()
         if args_in[:1] == ["sidecar"]:
