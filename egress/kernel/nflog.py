@@ -69,6 +69,8 @@ class NflogListener(NfnlListener[NflogEvent]):
         self.group = group
         # Given (prefix as sent, with its NUL; the IP packet), True: the reader has dealt
         # with this copy itself, and no event is made of it (the observer's replays).
+        # Asked only while no event of this read is ahead of the copy: a reader that
+        # acts on a copy at once must not act on it before the events that came first.
         self.skip: Callable[[bytes, bytes], bool] | None = None
 
     @classmethod
@@ -116,8 +118,10 @@ class NflogListener(NfnlListener[NflogEvent]):
             return []
         family, _version, group = NFGEN.unpack_from(buf, pos)
         attrs = iter_attrs(buf, pos + NFGEN.size, end)
-        if self.skip is not None and self.skip(
-            attrs.get(_A_PREFIX, b""), attrs.get(_A_PAYLOAD, b"")
+        if (
+            self.skip is not None
+            and not self._ahead
+            and self.skip(attrs.get(_A_PREFIX, b""), attrs.get(_A_PAYLOAD, b""))
         ):
             return []
         return [_event(group, family, attrs)]

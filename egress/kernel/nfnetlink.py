@@ -97,6 +97,8 @@ class NfnlListener(Generic[T]):
         self.shared = False
         self._seq = 0
         self._pending: list[T] = []
+        # The items decoded so far in this read, ahead of the message being decoded.
+        self._ahead: list[T] = self._pending
 
     def _where(self) -> str:
         return f"{self.KIND} {self._res_id} in {self.netns or 'the current netns'}"
@@ -148,13 +150,18 @@ class NfnlListener(Generic[T]):
                     if err:
                         raise DatapathError(f"{self._where()}: {what}: {os.strerror(err)}")
                     return
+                self._ahead = self._pending
                 self._pending.extend(self._decode(kind, buf, pos, end))
 
     def _drain(self, max_items: int) -> list[T]:
-        """What is ready now (up to ``max_items``), without blocking."""
+        """What is ready now, without blocking: up to about ``max_items`` messages, those a
+        subclass dealt with itself included (so one busy socket cannot hold its reader,
+        and whoever else it serves, for as long as the sender keeps it full)."""
         sock = self._require()
         items, self._pending = self._pending, []
-        while len(items) < max_items:
+        self._ahead = items
+        handled = 0
+        while handled < max_items:
             try:
                 buf = sock.recv(RECV_SIZE)
             except BlockingIOError:
@@ -165,6 +172,7 @@ class NfnlListener(Generic[T]):
                 self.overruns += 1
                 continue
             for kind, _seq, pos, end in messages(buf):
+                handled += 1
                 items.extend(self._decode(kind, buf, pos, end))
         return items
 

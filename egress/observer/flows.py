@@ -42,6 +42,7 @@ GRACE_S = 2.0
 # Answers kept by their bytes after the ID (each parses to the same binding every time):
 # a cache hit's copy is applied again without being parsed. Bounded; cleared when full.
 ANSWERS_MAX = 4096
+ANSWER_MAX_BYTES = 1232  # larger ones (up to 64 KiB over UDP) are parsed each time
 
 
 class FlowWatch:
@@ -88,9 +89,10 @@ class FlowWatch:
             binding = self._answers[key]
         except KeyError:
             binding = answer_binding(data, self.policy, self.matcher)
-            if len(self._answers) >= ANSWERS_MAX:
-                self._answers.clear()
-            self._answers[bytes(key)] = binding
+            if len(data) <= ANSWER_MAX_BYTES:  # bounded: 4,096 x 1,232 bytes at most
+                if len(self._answers) >= ANSWERS_MAX:
+                    self._answers.clear()
+                self._answers[bytes(key)] = binding
         if binding is not None:
             binding.apply(self.bindings, now, GRACE_S)
 

@@ -45,7 +45,7 @@ from egress.observer.replays import QueryReplays
 from egress.observer.tally import DropTally
 from egress.policy.matcher import Matcher
 from egress.resolver import wire
-from egress.resolver.judge import QueryScorer, judge
+from egress.resolver.judge import QueryScorer, judge, several_messages
 from egress.store.journal import Journal
 from egress.tunnel import scorer_for
 
@@ -59,6 +59,9 @@ COUNTER_S = 1.0
 # at HZ=250, when fewer come): a syscall and a wake-up per batch, not per packet. What
 # waits is evidence for this layer only; the inline layer's group is never batched.
 BATCH = 64
+# Copies judged per wake-up of one sandbox's socket, replays included: in a shard, one
+# sandbox's stream must leave the loop to the others' between its batches.
+DRAIN_MAX = 512
 _DNS_PREFIX = c.DNS_LOG_PREFIX.encode() + b"\0"
 _ANSWER_PREFIX = c.ANSWER_LOG_PREFIX.encode() + b"\0"
 LAYER = Layer.OBSERVER
@@ -118,13 +121,21 @@ class Observer:
         self.listener = NflogListener.open(
             cfg.netns, c.OBSERVER_GROUP, copy_range=0xFFFF, batch=BATCH
         )
-        self.listener.skip = self._replayed
-        self.nft = NftHandle.open(cfg.netns)
-        self.flows = FlowWatch(cfg.policy, self.matcher, self.nft)
-        # Drops counted before this observer bound its group were judged by whoever was
-        # watching then (an observer restarted on a policy swap, the inline layer): they
-        # are not drops its log missed. Read after binding, so none falls in between.
-        self.drops = DropTally(self._dropped() or 0, COUNTER_S, time.monotonic())
+        try:
+            self.listener.skip = self._replayed
+            self.nft = NftHandle.open(cfg.netns)
+            self.flows = FlowWatch(cfg.policy, self.matcher, self.nft)
+            # Drops counted before this observer bound its group were judged by whoever
+            # was watching then (an observer restarted on a policy swap, the inline
+            # layer): not drops its log missed. Read after binding: none falls between.
+            self.drops = DropTally(self._dropped() or 0, COUNTER_S, time.monotonic())
+        except BaseException:
+            # Unbound now, not when a collector gets to it: a group has one listener per
+            # netns, and the next observer's bind would fail until then.
+            self.listener.close()
+            if self.owns_journal:
+                self.journal.close()
+            raise
         self.overruns = 0
         self.queries = QueryReplays()
         self.inline_fd = _pidfd(cfg.watch_pid)
@@ -183,10 +194,13 @@ class Observer:
         self._end_if_abandoned()
 
     def finish(self) -> None:
-        """Judge what is still queued (when told to stop, it is still evidence); close."""
-        with contextlib.suppress(EgressError, OSError):
-            self._drain()
-        self.close()
+        """Judge what is still queued (when told to stop, it is still evidence); close,
+        whatever judging it raised."""
+        try:
+            with contextlib.suppress(EgressError, OSError):
+                self._drain()
+        finally:
+            self.close()
 
     def close(self) -> None:
         with contextlib.suppress(EgressError, OSError):
@@ -196,13 +210,17 @@ class Observer:
                 self.journal.close()
 
     def _drain(self) -> None:
-        for event in self.listener.read_events():
+        for event in self.listener.read_events(DRAIN_MAX):
             v = self.judge(event)
             if v is not None:
                 self.queries.clear()  # a verdict (a tunnel's zone) may now cover repeats
                 self._act(v)
             elif event.prefix == c.DNS_LOG_PREFIX and event.packet is not None:
                 self.queries.remember(event.payload, event.packet.payload, time.monotonic())
+            elif event.prefix == c.FIRST_BYTES_LOG_PREFIX:
+                # The ruleset drops a checked flow's segment it could not queue (no queue
+                # rule) counted but not logged: have the counter read after this one.
+                self.drops.wake()
             for v in self.flows.on_event(event):
                 self._act(v)
 
@@ -247,7 +265,7 @@ class Observer:
         now = time.monotonic()
         if self.listener.overruns != self.overruns:
             self.overruns = self.listener.overruns
-            self.drops.on_lost()
+            self.drops.wake()
         if not self.drops.due(now):
             return
         packets = self._dropped()
@@ -317,11 +335,14 @@ def verdict_on(
         return drop_violation(policy, cls, event.flow, event.uid, event.timestamp, LAYER)
     if event.prefix != c.DNS_LOG_PREFIX or event.packet is None or event.packet.proto != "udp":
         return None  # a query over TCP may span segments: the resolver's own check holds
+    payload = event.packet.payload
     try:
-        q = wire.parse_query(event.packet.payload)
+        q = wire.parse_query(payload)
     except wire.WireError:
         return None  # the resolver answers FORMERR; nothing leaves
-    verdict = judge(q, matcher, scorer)
+    # Several queries in one copy (UDP GSO): the resolver judges each, this copy can't.
+    plain = wire.one_plain_query(payload, q)
+    verdict = judge(q, matcher, scorer) if plain else several_messages(q)
     if verdict.allowed:
         return None
     # A tunnel is the name's doing, not one flow's: keyed by the question alone.

@@ -12,6 +12,11 @@ policy (a live swap) starts that sandbox's observer (again), a record gone stops
 one that fails (the netns went away under it, a policy that no longer parses) is tried
 again after a backoff. An exception in one observer's work ends that observer only: it
 is logged and the observer started again, the others go on.
+
+What the sandboxes of a shard do share is its time: each readable socket gets at most
+``layer.DRAIN_MAX`` copies per turn, but a sandbox producing violations fast (in audit
+mode, or with actions that do not freeze) costs a journal commit each, and the others in
+its shard wait meanwhile, as they do in egressd's inline layer.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ class Shard:
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)  # SIGTERM wakes poll() at once
         self.poll.register(wake_r, select.POLLIN)
-        mtime, scanned, again, ticked = None, 0.0, True, 0.0
+        mtime, scanned, looked, again, ticked = None, 0.0, 0.0, True, 0.0
         while not self.stopping:
             for fd, _ in self.poll.poll(TICK_S * 1000):
                 if fd == wake_r:
@@ -85,13 +90,14 @@ class Shard:
             # on a swap or removed: each a rename or unlink in it), once more after that
             # (a change in the same coarse timestamp tick as our look leaves the mtime as
             # it was), when a sandbox is due a retry, and every RESCAN_S.
-            if now - scanned >= SCAN_S:
+            if now - looked >= SCAN_S:
                 seen = _mtime_ns(self.run_dir)
                 changed = seen != mtime
                 due = any(at <= now for at in self.retry.values())
                 if changed or again or due or now - scanned >= RESCAN_S:
                     self.scan()
-                scanned, again, mtime = now, changed, seen
+                    scanned = now
+                looked, again, mtime = now, changed, seen
         for sid in list(self.watched):
             self._end(sid)
         self.journal.close()

@@ -32,8 +32,10 @@ class DropTally:
         self.logged += 1
         self.active = True
 
-    def on_lost(self) -> None:
-        """The socket overflowed: the kernel dropped copies, maybe of drops."""
+    def wake(self) -> None:
+        """A drop may have been counted that the log will never carry: the socket
+        overflowed (the kernel dropped copies, maybe of drops), or a checked flow's
+        segment was copied (the ruleset drops one it cannot queue, counted, unlogged)."""
         self.active = True
 
     def due(self, now: float) -> bool:

@@ -114,6 +114,14 @@ def judge(q: wire.Query, matcher: Matcher, scorer: QueryScorer | None) -> Verdic
     return _denied(q, cls, decision.reason, "")
 
 
+def several_messages(q: wire.Query) -> Verdict:
+    """A copied UDP packet that is more than one plain query (``wire.one_plain_query``):
+    what the resolver reads as several queries, a packet filter's copy holds as one."""
+    detail = (f"query {q.qname or '.'} {type_name(q.qtype)}: more than one DNS message "
+              "in one UDP packet (UDP GSO): the resolver reads each, a copy the first")  # fmt: skip
+    return Verdict(ViolationClass.TUNNEL, None, TUNNEL_RULE, detail)
+
+
 def tunnel(q: wire.Query, finding: TunnelFinding, rule: DnsRule | None) -> Verdict:
     detail = f"query {q.qname} {type_name(q.qtype)}: {finding.describe()}"
     return Verdict(ViolationClass.TUNNEL, rule, TUNNEL_RULE, detail)

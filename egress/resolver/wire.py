@@ -75,6 +75,24 @@ def parse_query(data: bytes) -> Query:
     return Query(qid, flags, qname, qtype, qclass, question, key, edns, labels)
 
 
+def one_plain_query(data: bytes, q: Query) -> bool:
+    """``data`` (which parsed as ``q``) is exactly one query as stubs send it: header,
+    question, and nothing after but one OPT record. Several queries sent at once with
+    UDP GSO (``UDP_SEGMENT``) reach a packet filter as one packet, which parses as its
+    first query; the resolver's socket receives each one. So does anything after the
+    question that is not one whole OPT record (a count of two records, a record that
+    ends early or late): only this shape can be judged by its first query alone."""
+    end = HEADER.size + len(q.question)
+    arcount = struct.unpack_from("!H", data, 10)[0]
+    if arcount == 0:
+        return end == len(data)
+    if arcount != 1 or end + 11 > len(data) or data[end] != 0:
+        return False
+    rtype: int = struct.unpack_from("!H", data, end + 1)[0]
+    rdlen: int = struct.unpack_from("!H", data, end + 9)[0]
+    return rtype == TYPE_OPT and end + 11 + rdlen == len(data)
+
+
 def label_text(label: bytes) -> str:
     """A label as lowercase text; a byte outside letters, digits, ``-``, ``_`` and ``*``
     becomes ``\\DDD`` (a dot inside a label too), so no label can pose as two."""

@@ -193,3 +193,51 @@ def test_drops_beyond_the_logs_rate_limit_are_found_in_the_counter(box: Sandbox)
             box.cgroup.thaw()
     finally:
         shutil.rmtree(state)
+
+
+def _query(name: str, qid: int) -> bytes:
+    qname = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+    return (
+        qid.to_bytes(2, "big") + b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + qname + b"\0\1\0\1"
+    )
+
+
+@pytest.mark.parametrize("gso", [True, False])
+def test_queries_sent_at_once_with_udp_gso_are_not_judged_by_the_first_alone(
+    box: Sandbox, gso: bool
+) -> None:
+    """An allowed and a denied query of one size, sent with UDP_SEGMENT as one write: the
+    output rule copies one packet, which parses as the allowed query, while the resolver's
+    socket would receive both. The observer calls that copy a tunnel. Sent as two writes
+    (the control), it judges each: one denied_name, no tunnel."""
+    first, second = _query("allowed.lab.test", 1), _query("blocked.lab.test", 2)
+    assert len(first) == len(second)
+    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
+    try:
+        observer = _observing(box, state)
+        try:
+            with in_netns(box.netns):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            with s:
+                if gso:
+                    s.setsockopt(socket.IPPROTO_UDP, 103, len(first))  # UDP_SEGMENT
+                    s.sendto(first + second, ("127.0.0.53", 53))
+                else:
+                    s.sendto(first, ("127.0.0.53", 53))
+                    s.sendto(second, ("127.0.0.53", 53))
+            from egress.store.journal import Journal
+
+            deadline = time.monotonic() + 5
+            while True:
+                observer._drain()
+                with Journal.open(state) as journal:
+                    classes = sorted(r["class"] for r in journal.violations(box.id))
+                if classes or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            assert classes == (["tunnel"] if gso else ["denied_name"])
+        finally:
+            observer.close()
+            box.cgroup.thaw()
+    finally:
+        shutil.rmtree(state)

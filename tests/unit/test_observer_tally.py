@@ -70,5 +70,5 @@ def test_the_counter_is_read_only_when_the_log_says_there_may_be_something_to_fi
     assert not tally.due(5.05) and tally.due(5.2)  # the pending one is judged a tick later
     assert tally.on_reading(400, 5.2) == 399
     assert not tally.due(9.0)
-    tally.on_lost()
+    tally.wake()
     assert tally.due(9.0)

@@ -150,3 +150,28 @@ def test_a_logged_drop_is_its_class_and_other_packets_say_nothing() -> None:
     v = verdict_on(drop, p, Matcher(p), None)
     assert v is not None and v.cls is ViolationClass.BLOCKED_CONNECT and v.uid == 1000
     assert verdict_on(event(b"\x00\x01garbage"), p, Matcher(p), None) is None
+
+
+def test_a_copy_holding_more_than_one_plain_query_is_a_tunnel_to_the_observer() -> None:
+    """UDP GSO: [allowed, denied] sent at once reach the rule as one packet that parses
+    as its first query, while the resolver reads both. The observer cannot judge the rest
+    of such a copy, so the copy itself is the violation."""
+    p = policy()
+    matcher = Matcher(p)
+    allowed, denied = raw("allowed.test"), raw("denied.test")
+    with_opt = wire.build_query(7, "allowed.test", 1)
+    for plain in (allowed, with_opt):
+        assert wire.one_plain_query(plain, wire.parse_query(plain))
+        assert verdict_on(event(plain), p, matcher, None) is None
+    smuggled = [
+        allowed + denied,  # two queries, no OPT
+        with_opt + denied,  # after a whole OPT record
+        with_opt[:10] + b"\x00\x02" + with_opt[12:] + denied,  # "two records": the rest
+        with_opt[:-2] + b"\x00\x04",  # an OPT whose data the packet does not hold
+        allowed + b"\x00",  # one stray byte
+    ]
+    for data in smuggled:
+        assert not wire.one_plain_query(data, wire.parse_query(data))
+        v = verdict_on(event(data), p, matcher, None)
+        assert v is not None and v.cls is ViolationClass.TUNNEL, data
+        assert "more than one DNS message in one UDP packet" in v.detail

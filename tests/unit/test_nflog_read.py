@@ -1,0 +1,70 @@
+"""NflogListener's reading of what the kernel sends (kernel.nflog), on a socketpair
+carrying hand-built nfnetlink_log messages: the observer's skip hook asked only in
+order, and a read bounded by the messages it handled, skipped ones included."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from egress.kernel.nflog import NflogListener
+from egress.kernel.nfnetlink import HDR, NFGEN, attr
+
+GROUP = 101
+
+
+def message(prefix: str, payload: bytes = b"\x45" + b"\0" * 27) -> bytes:
+    body = NFGEN.pack(socket.AF_INET, 0, GROUP)
+    body += attr(10, prefix.encode() + b"\0") + attr(9, payload)
+    return HDR.pack(HDR.size + len(body), (4 << 8) | 0, 0, 0, 0) + body
+
+
+def listener() -> tuple[NflogListener, socket.socket]:
+    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours.setblocking(False)
+    return NflogListener(ours, GROUP, None), kernel
+
+
+def test_a_read_stops_after_its_budget_of_messages_skipped_ones_included() -> None:
+    nl, kernel = listener()
+    asked: list[bytes] = []
+    nl.skip = lambda prefix, packet: asked.append(prefix) or True
+    try:
+        for _ in range(8):  # a unix datagram queue holds 10 (net.unix.max_dgram_qlen)
+            kernel.send(message("egress dns"))
+        assert nl.read_events(3) == []
+        assert len(asked) == 3  # the rest wait for the next read
+        assert nl.read_events(1000) == [] and len(asked) == 8
+    finally:
+        nl.release()
+        kernel.close()
+
+
+def test_the_skip_hook_is_not_asked_about_a_copy_behind_an_event() -> None:
+    """A reader acting on a copy at once (the observer binds an answer's names) must not
+    act on it before the events ahead of it (a segment judged against the bindings)."""
+    nl, kernel = listener()
+    asked: list[bytes] = []
+    nl.skip = lambda prefix, packet: asked.append(prefix) or prefix.startswith(b"egress dns")
+    try:
+        kernel.send(message("egress dns answer"))  # nothing ahead: dealt with by the hook
+        kernel.send(message("egress first_bytes"))
+        kernel.send(message("egress dns answer"))  # behind an event: an event too
+        events = nl.read_events()
+        assert [e.prefix for e in events] == ["egress first_bytes", "egress dns answer"]
+        assert asked == [b"egress dns answer\0", b"egress first_bytes\0"]
+    finally:
+        nl.release()
+        kernel.close()
+
+
+def test_without_a_hook_every_copy_is_an_event() -> None:
+    nl, kernel = listener()
+    try:
+        for p in ("egress dns", "egress blocked_connect"):
+            kernel.send(message(p))
+        assert [e.prefix for e in nl.read_events()] == ["egress dns", "egress blocked_connect"]
+        assert struct.calcsize("=IHHII") == HDR.size
+    finally:
+        nl.release()
+        kernel.close()
