@@ -40,27 +40,16 @@ from pathlib import Path
 
 import bench_dns as bd
 
-POLICY = """
-apiVersion: egress/v1
-kind: Policy
-metadata: {name: bench-deployed}
-spec:
-  dns:
-    upstreams: ["198.51.100.53"]
-    rate_limit: {qps: 1000000, burst: 1000000}  # the resolver's own speed, limiter on
-    allow:
-      - allowed.lab.test
-      - www.allowed.lab.test
-      - "*.cdn.lab.test"
-      - "*.wild.lab.test"
-      - "*.any.lab.test"
-  connect:
-    ports: [80, 443, 8081]
+# bench_dns's policy (the same names and rate limit), as `egressctl run` is given it, and:
+POLICY = (
+    bd.POLICY.replace("bench-dns", "bench-deployed")
+    + """\
   tunnel:
     # the miss run's unique names in seconds are tunnel-shaped by design
     zones: [{zone: lab.test, scale: 1000}]
   violations: {blocked_connect: freeze}
 """
+)
 
 # One stdlib client, the workload of the miss and freeze runs (no egress import: it runs
 # as the sandbox's own uid in its own view of the host).
@@ -207,7 +196,7 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
                     break
                 time.sleep(0.0002)
             # resume once both layers have seen it, as `egressctl resume` does
-            bd_wait_two(journal, sandbox_id)
+            wait_both_layers(journal, sandbox_id)
             journal.record_decision(sandbox_id, "resume", 0, time.time(), "bench")
             cgroup.thaw()
             if run.line() != "sent":
@@ -226,7 +215,7 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
     return lat
 
 
-def bd_wait_two(journal: object, sandbox_id: str) -> None:
+def wait_both_layers(journal: object, sandbox_id: str) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         newest = journal.violations(sandbox_id, limit=1)  # type: ignore[attr-defined]

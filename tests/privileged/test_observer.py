@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,13 +118,30 @@ def test_an_observer_whose_policy_was_swapped_out_does_not_act(
         shutil.rmtree(state)
 
 
-def _observing(box: Sandbox, state: Path) -> object:
+@contextlib.contextmanager
+def observing(box: Sandbox) -> Iterator[tuple[Any, Path]]:
+    """An observer of ``box`` driven by the test, its journal in a directory of its own;
+    closed, the sandbox thawed and the directory removed afterwards."""
     from egress.observer.layer import Observer, ObserverConfig
     from egress.store.journal import Journal
 
-    with Journal.open(state) as journal:
-        journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
-    return Observer(ObserverConfig(box.id, box.netns, box.policy, str(state), None))
+    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
+    try:
+        with Journal.open(state) as journal:
+            journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
+        observer = Observer(ObserverConfig(box.id, box.netns, box.policy, str(state), None))
+        try:
+            yield observer, state
+        finally:
+            observer.close()
+            box.cgroup.thaw()
+    finally:
+        shutil.rmtree(state)
+
+
+def sender(box: Sandbox) -> socket.socket:
+    with in_netns(box.netns):
+        return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 
 
 def _counter_violations(box: Sandbox, state: Path) -> list[str]:
@@ -138,61 +156,40 @@ def test_a_steady_stream_of_logged_drops_is_not_taken_for_a_flood(box: Sandbox) 
     """Drops under the log's limit, one between each of the observer's wake-ups, each
     message still on its way when the counter is read: every one was logged, so none is
     "beyond the log's rate limit" (that read froze a resumed sandbox again, for nothing)."""
-    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
-    try:
-        observer = _observing(box, state)
-        try:
-            with in_netns(box.netns):
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            with s:
-                # 50 drops over ~4 counter readings: 12/s, under the log's 200/s
-                for port in range(1000, 1050):
-                    with contextlib.suppress(PermissionError):
-                        s.sendto(b"x", ("192.0.2.7", port))
-                    observer._check_counter()  # counted, its message not read yet
-                    observer._drain()
-                    box.cgroup.thaw()  # each freezes; the stream goes on, as resumed
-                    time.sleep(COUNTER_S / 12)
-            for _ in range(3):
-                time.sleep(COUNTER_S)
-                observer._drain()
-                observer._check_counter()
-            assert _counter_violations(box, state) == []
-        finally:
-            observer.close()
-            box.cgroup.thaw()
-    finally:
-        shutil.rmtree(state)
+    with observing(box) as (observer, state), sender(box) as s:
+        # 50 drops over ~4 counter readings: 12/s, under the log's 200/s
+        for port in range(1000, 1050):
+            with contextlib.suppress(PermissionError):
+                s.sendto(b"x", ("192.0.2.7", port))
+            observer._check_counter()  # counted, its message not read yet
+            observer._drain()
+            box.cgroup.thaw()  # each freezes; the stream goes on, as resumed
+            time.sleep(COUNTER_S / 12)
+        for _ in range(3):
+            time.sleep(COUNTER_S)
+            observer._drain()
+            observer._check_counter()
+        assert _counter_violations(box, state) == []
 
 
 def test_drops_beyond_the_logs_rate_limit_are_found_in_the_counter(box: Sandbox) -> None:
     """A burst past the log's limit (burst 100): the messages stop, the counter does not.
     What the log never carried is a violation of its own, a tick later."""
-    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
-    try:
-        observer = _observing(box, state)
-        try:
-            with in_netns(box.netns):
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            with s:
-                for port in range(1000, 1400):
-                    with contextlib.suppress(PermissionError):
-                        s.sendto(b"x", ("192.0.2.7", port))
-            deadline = time.monotonic() + 10
-            while not _counter_violations(box, state):
-                assert time.monotonic() < deadline, "the counter's evidence was never judged"
-                observer._drain()
-                observer._check_counter()
-                time.sleep(0.01)
-            (detail,) = _counter_violations(box, state)
-            missed = int(detail.split()[0])
-            assert 400 - 100 - 10 <= missed <= 400 - 100  # the burst passes, and ~200/s
-            assert box.cgroup.is_frozen()
-        finally:
-            observer.close()
-            box.cgroup.thaw()
-    finally:
-        shutil.rmtree(state)
+    with observing(box) as (observer, state):
+        with sender(box) as s:
+            for port in range(1000, 1400):
+                with contextlib.suppress(PermissionError):
+                    s.sendto(b"x", ("192.0.2.7", port))
+        deadline = time.monotonic() + 10
+        while not _counter_violations(box, state):
+            assert time.monotonic() < deadline, "the counter's evidence was never judged"
+            observer._drain()
+            observer._check_counter()
+            time.sleep(0.01)
+        (detail,) = _counter_violations(box, state)
+        missed = int(detail.split()[0])
+        assert 400 - 100 - 10 <= missed <= 400 - 100  # the burst passes, and ~200/s
+        assert box.cgroup.is_frozen()
 
 
 def _query(name: str, qid: int) -> bytes:
@@ -212,32 +209,22 @@ def test_queries_sent_at_once_with_udp_gso_are_not_judged_by_the_first_alone(
     (the control), it judges each: one denied_name, no tunnel."""
     first, second = _query("allowed.lab.test", 1), _query("blocked.lab.test", 2)
     assert len(first) == len(second)
-    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
-    try:
-        observer = _observing(box, state)
-        try:
-            with in_netns(box.netns):
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            with s:
-                if gso:
-                    s.setsockopt(socket.IPPROTO_UDP, 103, len(first))  # UDP_SEGMENT
-                    s.sendto(first + second, ("127.0.0.53", 53))
-                else:
-                    s.sendto(first, ("127.0.0.53", 53))
-                    s.sendto(second, ("127.0.0.53", 53))
-            from egress.store.journal import Journal
+    with observing(box) as (observer, state):
+        with sender(box) as s:
+            if gso:
+                s.setsockopt(socket.IPPROTO_UDP, 103, len(first))  # UDP_SEGMENT
+                s.sendto(first + second, ("127.0.0.53", 53))
+            else:
+                s.sendto(first, ("127.0.0.53", 53))
+                s.sendto(second, ("127.0.0.53", 53))
+        from egress.store.journal import Journal
 
-            deadline = time.monotonic() + 5
-            while True:
-                observer._drain()
-                with Journal.open(state) as journal:
-                    classes = sorted(r["class"] for r in journal.violations(box.id))
-                if classes or time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
-            assert classes == (["tunnel"] if gso else ["denied_name"])
-        finally:
-            observer.close()
-            box.cgroup.thaw()
-    finally:
-        shutil.rmtree(state)
+        deadline = time.monotonic() + 5
+        while True:
+            observer._drain()
+            with Journal.open(state) as journal:
+                classes = sorted(r["class"] for r in journal.violations(box.id))
+            if classes or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert classes == (["tunnel"] if gso else ["denied_name"])
