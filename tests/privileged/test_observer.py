@@ -52,34 +52,22 @@ def test_a_new_observer_does_not_count_earlier_drops_as_missed(box: Sandbox, lab
     """An observer (re)started on a sandbox that has dropped packets before (a policy
     swap restarts egressd's) must not take the drop counter's past for drops its log
     missed: that froze sandboxes on every swap."""
-    from egress.observer.layer import Observer, ObserverConfig
     from egress.store.journal import Journal
 
-    with in_netns(box.netns):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    with s:  # dropped by the sandbox's rules (and counted), before any observer runs
+    with sender(box) as s:  # dropped by the sandbox's rules (and counted), before any observer
         for _ in range(3):
             with contextlib.suppress(PermissionError):  # the rules' drop, as EPERM
                 s.sendto(b"x", ("192.0.2.7", 9))
     with NftHandle.open(box.netns) as nft:
         assert nft.counter("inet", "egress", "dropped")[0] == 3
-    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
-    try:
+    with observing(box) as (observer, state):
+        for _ in range(3):  # what its ticks do: the counter, a tick apart, against its log
+            observer._drain()
+            time.sleep(COUNTER_S)
+            observer._check_counter()
+        assert not box.cgroup.is_frozen()
         with Journal.open(state) as journal:
-            journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
-        observer = Observer(ObserverConfig(box.id, box.netns, box.policy, str(state), None))
-        try:
-            for _ in range(3):  # what its ticks do: the counter, a tick apart, against its log
-                observer._drain()
-                time.sleep(COUNTER_S)
-                observer._check_counter()
-            assert not box.cgroup.is_frozen()
-            with Journal.open(state) as journal:
-                assert journal.violations(box.id) == []
-        finally:
-            observer.close()
-    finally:
-        shutil.rmtree(state)
+            assert journal.violations(box.id) == []
 
 
 @pytest.mark.parametrize("current", [True, False])
