@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import bench_dns as bd
+import bench_freeze as bf
 
 # bench_dns's policy (the same names and rate limit), as `egressctl run` is given it, and:
 POLICY = (
@@ -186,17 +187,8 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
             before = len(journal.freezes(sandbox_id, limit=100000))
             t0 = time.time()
             run.write(b"x")
-            deadline = time.monotonic() + 5
-            while True:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("no confirmed freeze within 5 s")
-                rows = journal.freezes(sandbox_id, limit=100000)
-                if len(rows) > before and rows[0].get("confirmed_at"):
-                    lat.append((rows[0]["confirmed_at"] - t0) * 1000)
-                    break
-                time.sleep(0.0002)
-            # resume once both layers have seen it, as `egressctl resume` does
-            wait_both_layers(journal, sandbox_id)
+            lat.append(bf.await_confirmed_freeze(journal, sandbox_id, before, t0))
+            bf.await_two_sightings(journal, sandbox_id)  # then resume, as a person would
             journal.record_decision(sandbox_id, "resume", 0, time.time(), "bench")
             cgroup.thaw()
             if run.line() != "sent":
@@ -213,16 +205,6 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
         journal.close()
         run.finish()
     return lat
-
-
-def wait_both_layers(journal: object, sandbox_id: str) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        newest = journal.violations(sandbox_id, limit=1)  # type: ignore[attr-defined]
-        if newest and len(newest[0]["detected_by"]) >= 2:
-            return
-        time.sleep(0.0005)
-    raise RuntimeError("the second layer did not see the violation within 5 s")
 
 
 @contextlib.contextmanager
@@ -312,11 +294,9 @@ def main() -> None:
     parser.add_argument("--misses", type=int, default=1500)
     parser.add_argument("-n", type=int, default=200, help="freezes (0: none)")
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("bench_deployed: needs root (it creates network namespaces); skipped")
-        return
-    if shutil.which("dnsperf") is None or shutil.which("dnsmasq") is None:
-        print("bench_deployed: needs dnsperf and dnsmasq (Debian packages); skipped")
+    missing = bd.missing()
+    if missing:
+        print(f"bench_deployed: {missing}; skipped")
         return
     run(args)
 

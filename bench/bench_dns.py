@@ -440,13 +440,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--misses", type=int, default=3000)
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("bench_dns: needs root (it creates network namespaces); skipped")
-        return
-    if shutil.which("dnsperf") is None or shutil.which("dnsmasq") is None:
-        print("bench_dns: needs dnsperf and dnsmasq (Debian packages); skipped")
+    lacking = missing()
+    if lacking:
+        print(f"bench_dns: {lacking}; skipped")
         return
     run(args)
+
+
+def missing() -> str | None:
+    """What this machine lacks for a run against dnsmasq (None: nothing)."""
+    if os.geteuid() != 0:
+        return "needs root (it creates network namespaces)"
+    if shutil.which("dnsperf") is None or shutil.which("dnsmasq") is None:
+        return "needs dnsperf and dnsmasq (Debian packages)"
+    return None
 
 
 if __name__ == "__main__":

@@ -155,19 +155,9 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
             t0 = time.time()
             work.stdin.write(b"x")
             work.stdin.flush()
-            deadline = time.monotonic() + 5
-            while True:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{mode}: no confirmed freeze within 5 s")
-                rows = journal.freezes(sb.id, limit=1)
-                if len(journal.freezes(sb.id, limit=100000)) > before and rows[0].get(
-                    "confirmed_at"
-                ):
-                    lat.append((rows[0]["confirmed_at"] - t0) * 1000)
-                    break
-                time.sleep(0.0005)
+            lat.append(await_confirmed_freeze(journal, sb.id, before, t0))
             if mode == "both":  # resume only once both layers have seen it
-                _await_two_sightings(journal, sb.id)
+                await_two_sightings(journal, sb.id)
             journal.record_decision(sb.id, "resume", 0, time.time(), "bench")
             sb.cgroup.thaw()
             work.stdout.readline()  # it finished that round and waits for the next byte
@@ -186,13 +176,29 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
         sb.destroy()
 
 
-def _await_two_sightings(journal: Journal, sandbox_id: str) -> None:
+def await_confirmed_freeze(journal: Journal, sandbox_id: str, before: int, t0: float) -> float:
+    """Until the journal holds a freeze beyond the ``before`` it had, confirmed by the
+    kernel: ms from ``t0`` (when the violation was asked for) to that confirmation."""
+    deadline = time.monotonic() + 5
+    while True:
+        if time.monotonic() > deadline:
+            raise RuntimeError("no confirmed freeze within 5 s")
+        rows = journal.freezes(sandbox_id, limit=100000)
+        if len(rows) > before and rows[0].get("confirmed_at"):
+            return float((rows[0]["confirmed_at"] - t0) * 1000)
+        time.sleep(0.0002)
+
+
+def await_two_sightings(journal: Journal, sandbox_id: str) -> None:
+    """Until both layers have seen the newest violation (the second one's freeze would
+    otherwise land in the next round)."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         newest = journal.violations(sandbox_id, limit=1)
         if newest and len(newest[0]["detected_by"]) >= 2:
             return
         time.sleep(0.0005)
+    raise RuntimeError("the second layer did not see the violation within 5 s")
 
 
 def journal_throughput(state: Path, n: int = 2000) -> float:

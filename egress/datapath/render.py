@@ -144,14 +144,14 @@ def _check_defines(ports: tuple[int, ...]) -> list[Define]:
     ]  # fmt: skip
 
 
-# Segments with no data stay in the kernel: the IP length is the headers' alone. nft has
-# no arithmetic, so each TCP header length (data offset 5-15 words) gets its own rule
-# (a set of `ip length . tcp doff` would be shorter, but nft 1.0.6 cannot list it).
 # The observer's copy of a queued segment: handed over at once (its listener lets the
 # kernel batch the rest of its copies; see sandbox.nft).
 _SEGMENT_COPY = (
     f'log group {c.OBSERVER_GROUP} prefix "{c.FIRST_BYTES_LOG_PREFIX}" queue-threshold 1'
 )
+# Segments with no data stay in the kernel: the IP length is the headers' alone. nft has
+# no arithmetic, so each TCP header length (data offset 5-15 words) gets its own rule
+# (a set of `ip length . tcp doff` would be shorter, but nft 1.0.6 cannot list it).
 _BARE = "\n".join(
     [f"\t\tip hdrlength 5 tcp doff {d} ip length {20 + 4 * d} accept" for d in range(5, 16)]
     + [f"\t\tip6 nexthdr tcp tcp doff {d} ip6 length {4 * d} accept" for d in range(5, 16)]

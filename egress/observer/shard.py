@@ -181,7 +181,7 @@ class Shard:
         watched = self.watched.pop(sid, None)
         if watched is None:
             return
-        for fd in [fd for fd, owner in self.owner.items() if owner == sid]:
+        for fd in watched.observer.fds():  # a pidfd already forgotten is no matter
             self._forget_fd(fd)
         try:
             watched.observer.finish()
