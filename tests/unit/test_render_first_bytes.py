@@ -80,15 +80,20 @@ def test_the_queue_rule_has_no_bypass() -> None:
     assert rule[rule.index("--queue-num") + 1] == str(c.FIRST_BYTES_QUEUE)
 
 
-def test_the_observers_evidence_is_handed_over_at_once_and_its_dns_copies_batched() -> None:
+def test_the_observers_drop_evidence_is_handed_over_at_once_and_its_copies_batched() -> None:
     """The observer's listener lets the kernel batch its copies (observer.layer.BATCH):
-    without a per-rule threshold of 1, a drop or a queued segment would wait for the
-    batch to fill or the kernel's next tick before the observer could act on it."""
+    without a per-rule threshold of 1, a drop would wait for the batch to fill or the
+    kernel's next tick before the observer could act on it. What the inline layer judges
+    first (DNS queries, answers, queued segments) is batched: a segment copy handed over
+    at once woke the observer to compete for the CPUs while its flow waited."""
     text = ruleset("[443]")
     logs = [ln.strip() for ln in text.splitlines() if f"log group {c.OBSERVER_GROUP} " in ln]
-    evidence = [ln for ln in logs if "dns" not in ln.split('prefix "', 1)[1].split('"')[0]
-                or "foreign_dns" in ln]  # fmt: skip
+    prefixes = [ln.split('prefix "', 1)[1].split('"')[0] for ln in logs]
+    evidence = [
+        ln for ln, p in zip(logs, prefixes, strict=True) if "blocked" in p or "foreign" in p
+    ]
     copies = [ln for ln in logs if ln not in evidence]
-    assert len(evidence) == 3 and len(copies) == 2  # drops x2, segments; queries, answers
+    assert len(evidence) == 2 and len(copies) == 3  # drops x2; queries, answers, segments
+    assert any(c.FIRST_BYTES_LOG_PREFIX in ln for ln in copies)
     assert all("queue-threshold 1" in ln for ln in evidence)
     assert not any("queue-threshold" in ln for ln in copies)
