@@ -109,10 +109,17 @@ def first_free(
     """
     taken4 = _ranges(u for u in used if u.version == 4)
     taken6 = _ranges(u for u in used if u.version == 6)
-    for i in range(pools.capacity):
-        net = pools.network(i)
-        if not (_overlaps(taken4, net.net4) or _overlaps(taken6, net.net6)):
-            return net
+    base4, size4 = int(pools.v4.network_address), 2 ** (32 - PREFIX4)
+    base6, size6 = int(pools.v6.network_address), 2 ** (128 - PREFIX6)
+    # From block 0, jump past each taken range a candidate meets, in either family, until
+    # one meets none: a step per range, where trying every block below the first free
+    # one (all of them, with sandboxes made in order) cost 3 ms at 300 sandboxes.
+    i = 0
+    while i < pools.capacity:
+        j = _past(taken6, base6, size6, _past(taken4, base4, size4, i))
+        if j == i:
+            return pools.network(i)
+        i = j
     raise SandboxError(
         f"subnet pool exhausted: all {pools.capacity} sandbox networks of {pools.v4} and "
         f"{pools.v6} are in use; end some or pass a larger --subnet-pool"
@@ -135,10 +142,13 @@ def _ranges(
     return starts, ends
 
 
-def _overlaps(
-    taken: tuple[list[int], list[int]], net: ipaddress.IPv4Network | ipaddress.IPv6Network
-) -> bool:
+def _past(taken: tuple[list[int], list[int]], base: int, size: int, index: int) -> int:
+    """The lowest block index >= ``index`` (blocks of ``size`` addresses from ``base``)
+    that overlaps none of the sorted, merged ``taken`` ranges."""
     starts, ends = taken
-    first, last = int(net.network_address), int(net.broadcast_address)
-    i = bisect.bisect_right(starts, last) - 1  # the last range starting at or before `last`
-    return i >= 0 and ends[i] >= first
+    while True:
+        first = base + index * size
+        k = bisect.bisect_right(starts, first + size - 1) - 1  # last range starting in reach
+        if k < 0 or ends[k] < first:
+            return index
+        index = (ends[k] - base) // size + 1  # the first block after that range

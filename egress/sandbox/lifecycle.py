@@ -119,9 +119,10 @@ def _build(
     name, host_if, uplink = claim.netns, claim.host_if, claim.uplink_netns
     netns.create_netns(name)
     undo.append((f"netns {name}", lambda: netns.remove_netns(name)))
-    netns.create_veth_pair(host_if, c.SANDBOX_IF, name, uplink)
-    undo.append((f"veth {host_if}", lambda: netns.delete_link(host_if, uplink)))
-    _addresses(net, name, host_if, uplink)
+    with netns.rtnl_shared(name, uplink):
+        netns.create_veth_pair(host_if, c.SANDBOX_IF, name, uplink)
+        undo.append((f"veth {host_if}", lambda: netns.delete_link(host_if, uplink)))
+        _addresses(net, name, host_if, uplink)
     nft = NftHandle.open(name)
     undo.append(("nft handle", nft.close))
     if policy.connect.check_names:  # before the ruleset: a flow it holds is then queued

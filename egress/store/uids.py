@@ -158,6 +158,12 @@ def locked() -> Iterator[None]:
         os.close(fd)
 
 
+# Ledger entries read before, by (directory name, inode, mtime): ``record`` replaces the
+# uid file, which changes its directory's mtime. Every create looks at every entry;
+# reading each uid file again cost a create at 300 sandboxes several ms.
+_entries: dict[tuple[str, int, int], tuple[int, str]] = {}
+
+
 def ledger_held() -> set[int]:
     """uids the ledger names whose claim (in whichever run dir) still exists."""
     held: set[int] = set()
@@ -165,14 +171,21 @@ def ledger_held() -> set[int]:
         entries = list(os.scandir(workloads_dir()))
     except OSError:
         return held
+    known = {}
     for entry in entries:
         try:
-            uid_text, _, claim_file = Path(entry.path, "uid").read_text().partition("\n")
-            uid = int(uid_text)
+            key = (entry.name, entry.inode(), entry.stat(follow_symlinks=False).st_mtime_ns)
+            found = _entries.get(key)
+            if found is None:
+                uid_text, _, claim_file = Path(entry.path, "uid").read_text().partition("\n")
+                found = (int(uid_text), claim_file.strip())
         except (OSError, ValueError):
             continue
-        if os.path.exists(claim_file.strip()):
-            held.add(uid)
+        known[key] = found
+        if os.path.exists(found[1]):
+            held.add(found[0])
+    _entries.clear()
+    _entries.update(known)
     return held
 
 

@@ -1,0 +1,69 @@
+"""Address claims (store.claims) read from what an earlier create read, with real netns:
+a known claim is trusted only while its netns exists, and is read again otherwise."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from egress.datapath.addressing import Pools
+from egress.kernel import netns
+from egress.store import claims
+from tests.support.netns import unique
+
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
+
+POOLS = Pools.parse("10.99.0.0/27,fd00:99::/60")  # 8 blocks
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EGRESS_RUN_DIR", str(tmp_path / "run"))
+    return tmp_path / "run"
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_known_claim_whose_netns_went_away_with_its_owner_is_released(run: Path) -> None:
+    name = unique("cl")
+    netns.create_netns(name)
+    try:
+        orphan = claims.claim("orphan", POOLS, None)
+        orphan.netns, orphan.owner_pid = name, dead_pid()  # its netns alone keeps it live
+        claims.save(orphan)
+        second = claims.claim("second", POOLS, None)  # reads the orphan: live, remembered
+        assert second.index == 1 and (run / "sandboxes" / "orphan.json").exists()
+    finally:
+        netns.remove_netns(name)
+    # The file is as it was; only the netns is gone. Trusting what was read before would
+    # keep block 0 taken for ever.
+    third = claims.claim("third", POOLS, None)
+    assert third.index == 0
+    assert not (run / "sandboxes" / "orphan.json").exists()
+
+
+def test_a_rewritten_claim_is_read_again(run: Path) -> None:
+    name = unique("cl")
+    netns.create_netns(name)
+    try:
+        first = claims.claim("first", POOLS, None)
+        first.netns = name
+        claims.save(first)
+        assert claims.claim("second", POOLS, None).index == 1  # first remembered, live
+        claims.release("second")
+        # Another process takes the same file name for another block (the file is
+        # replaced, as every save does): its block is the one held now.
+        moved = claims.Claim(**{**first.__dict__, "index": 5, "net4": str(POOLS.network(5).net4),
+                                "net6": str(POOLS.network(5).net6)})  # fmt: skip
+        claims.save(moved)
+        assert claims.claim("third", POOLS, None).index == 0
+        assert claims.claim("fourth", POOLS, None).index == 1
+    finally:
+        netns.remove_netns(name)
