@@ -150,7 +150,7 @@ def _check_defines(ports: tuple[int, ...]) -> list[Define]:
 # (whose log rule has queue-threshold 1, see sandbox.nft), in order. Handed over at once
 # instead, the copy woke the observer to race the inline layer, the server and the client
 # for the sandbox's CPUs just when the flow waited: on 2 vCPUs that added about 0.1 ms to
-# each checked flow's first byte (bench/bench_firstbytes.py, p50 0.21 ms -> 0.09-0.15 ms).
+# each checked flow's first byte (bench/bench_firstbytes.py, p50 0.21 -> 0.06-0.15 ms).
 _SEGMENT_COPY = f'log group {c.OBSERVER_GROUP} prefix "{c.FIRST_BYTES_LOG_PREFIX}"'
 # Segments with no data stay in the kernel: the IP length is the headers' alone. nft has
 # no arithmetic, so each TCP header length (data offset 5-15 words) gets its own rule

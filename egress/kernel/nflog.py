@@ -103,7 +103,8 @@ class NflogListener(NfnlListener[NflogEvent]):
             "bind",
             attr(_CFG_CMD, bytes([_CMD_BIND]))
             + attr(_CFG_MODE, struct.pack("!IBB", copy_range, _COPY_PACKET, 0))
-            # Queue threshold 1: the kernel otherwise batches up to 100 packets or 1 s.
+            # ``batch`` messages at most (1: each at once), else flushed at the kernel's
+            # next tick (timeout 0); the kernel's default is 100 packets or 1 s.
             + attr(_CFG_QTHRESH, struct.pack("!I", batch))
             + attr(_CFG_TIMEOUT, struct.pack("!I", 0))
             + attr(_CFG_NLBUFSIZ, struct.pack("!I", 1 << 16)),

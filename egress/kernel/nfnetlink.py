@@ -12,6 +12,7 @@ unless another process shares the socket (egressd handing over). Not thread-safe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -95,6 +96,7 @@ class NfnlListener(Generic[T]):
         # to): closing must not unbind under it. The kernel drops the binding when the
         # last descriptor of the socket closes anyway.
         self.shared = False
+        self._unbound = False  # unbind() was sent
         self._seq = 0
         self._pending: list[T] = []
         # The items decoded so far in this read, ahead of the message being decoded.
@@ -197,6 +199,16 @@ class NfnlListener(Generic[T]):
             self._sock.close()
             self._sock = None
 
+    def unbind(self) -> None:
+        """Give up the binding but keep the socket open to be read: what the kernel still
+        held for it (a batch it flushes as the binding goes, before its ack) is then read
+        by ``_drain`` instead of closed unread. Nothing to do for a shared listener."""
+        if self._sock is None or self.shared or self._unbound:
+            return
+        self._unbound = True
+        with contextlib.suppress(DatapathError):  # closing the socket releases it as well
+            self._config("unbind", self._unbind_attrs())
+
     def close(self) -> None:
         """Unbind (so another listener may bind) and close the socket."""
         if self._sock is None:
@@ -205,8 +217,6 @@ class NfnlListener(Generic[T]):
             self.release()
             return
         try:
-            self._config("unbind", self._unbind_attrs())
-        except DatapathError:
-            pass  # closing the socket releases the binding as well
+            self.unbind()
         finally:
             self.release()

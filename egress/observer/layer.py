@@ -56,7 +56,7 @@ TICK_S = 0.1
 # observer layer more than its DNS copies did, over hundreds of sandboxes.
 COUNTER_S = 1.0
 # The kernel hands copies over in batches of up to this many (or at its next tick, 4 ms
-# at HZ=250, when fewer come): a syscall and a wake-up per batch, not per packet. What
+# at HZ=250 and 10 ms at HZ=100, when fewer come): a syscall and a wake-up per batch, not per packet. What
 # waits is evidence for this layer only; the inline layer's group is never batched.
 BATCH = 64
 # Copies judged per wake-up of one sandbox's socket, replays included: in a shard, one
@@ -195,9 +195,12 @@ class Observer:
 
     def finish(self) -> None:
         """Judge what is still queued (when told to stop, it is still evidence); close,
-        whatever judging it raised."""
+        whatever judging it raised. Unbound first: the kernel flushes the copies it was
+        still batching (up to a tick's: DNS, answers, queued segments) into the socket
+        as the binding goes, and the drain reads them."""
         try:
             with contextlib.suppress(EgressError, OSError):
+                self.listener.unbind()
                 self._drain()
         finally:
             self.close()

@@ -90,10 +90,16 @@ def create(
             "`egressctl lab up` makes one for testing)"
         )
     start = time.monotonic()
-    sandbox_id = new_id()
     undo: list[tuple[str, Callable[[], None]]] = []
     try:
-        claim = claims.claim(sandbox_id, pools, uplink_netns, uid_range)
+        for attempt in range(3):  # ids are random: a taken one means another draw
+            sandbox_id = new_id()
+            try:
+                claim = claims.claim(sandbox_id, pools, uplink_netns, uid_range)
+                break
+            except claims.IdTaken:
+                if attempt == 2:
+                    raise
         # Last out: the claim goes with the uplink table check, under one lock, so of
         # sandboxes ending together exactly the last one removes the shared table.
         undo.append(("address claim", lambda: uplink_mod.detach(uplink_netns, sandbox_id)))

@@ -38,6 +38,10 @@ class Claim:
     uid: int | None = None  # the workload's uid and gid, from store/uids.py's range
 
 
+class IdTaken(SandboxError):
+    """Another claim has this sandbox id (random ids collide, rarely): pick another."""
+
+
 def sandboxes_dir() -> Path:
     return run_dir() / "sandboxes"
 
@@ -89,8 +93,16 @@ class _Held:
     address block and its uid (a save rewrites the owner, the cgroup, keep)."""
 
     netns: str
+    netns_inode: int | None  # of /run/netns/<netns> when read: a netns made again differs
     nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     uid: int | None
+
+
+def _netns_inode(name: str) -> int | None:
+    try:
+        return os.stat(f"/run/netns/{name}").st_ino
+    except OSError:
+        return None
 
 
 # Claim files read before, by (file name, inode): each save replaces the file, so a
@@ -101,16 +113,25 @@ _held: dict[tuple[str, int], _Held] = {}
 
 def _holdings() -> list[_Held]:
     """What every live claim holds (stale ones released on the way). A claim whose netns
-    exists is live whoever owns it, so a known one costs a stat; any other is read."""
+    exists is live whoever owns it, so a known one costs a stat; any other, or one whose
+    netns was made again since (another inode), is read."""
     try:
-        entries = [e for e in os.scandir(sandboxes_dir()) if e.name.endswith(".json")]
+        entries = [
+            e
+            for e in os.scandir(sandboxes_dir())
+            if e.name.endswith(".json") and not e.name.startswith(".")
+        ]
     except FileNotFoundError:
         entries = []
     known, out = {}, []
     for entry in entries:
         key = (entry.name, entry.inode())
         held = _held.get(key)
-        if held is None or not os.path.exists(f"/run/netns/{held.netns}"):
+        if (
+            held is None
+            or held.netns_inode is None
+            or (_netns_inode(held.netns) != held.netns_inode)
+        ):
             try:
                 existing = Claim(**json.loads(Path(entry.path).read_text()))
             except (OSError, ValueError, TypeError):
@@ -119,8 +140,8 @@ def _holdings() -> list[_Held]:
                 release(existing.id)
                 continue
             nets = (existing.net4, existing.net6) if existing.net4 and existing.net6 else ()
-            held = _Held(existing.netns, tuple(ipaddress.ip_network(n) for n in nets),
-                         existing.uid)  # fmt: skip
+            held = _Held(existing.netns, _netns_inode(existing.netns),
+                         tuple(ipaddress.ip_network(n) for n in nets), existing.uid)  # fmt: skip
         known[key] = held
         out.append(held)
     _held.clear()
@@ -135,6 +156,8 @@ def claim(
     sandbox's (sandboxes started with other --subnet-pool values included) and, with
     ``uid_range``, the lowest uid of it no live sandbox or process holds."""
     with locked():
+        if (sandboxes_dir() / f"{sandbox_id}.json").exists():
+            raise IdTaken(f"sandbox id {sandbox_id} is taken already")
         holdings = _holdings()
         used = [net for h in holdings for net in h.nets]
         held = {h.uid for h in holdings if h.uid is not None}

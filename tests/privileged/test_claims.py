@@ -67,3 +67,10 @@ def test_a_rewritten_claim_is_read_again(run: Path) -> None:
         assert claims.claim("fourth", POOLS, None).index == 1
     finally:
         netns.remove_netns(name)
+
+
+def test_a_taken_id_is_refused_and_the_claim_holding_it_kept(run: Path) -> None:
+    held = claims.claim("same", POOLS, None)
+    with pytest.raises(claims.IdTaken, match="same"):
+        claims.claim("same", POOLS, None)
+    assert [c.index for c in claims.load_all() if c.id == "same"] == [held.index]

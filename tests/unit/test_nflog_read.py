@@ -7,6 +7,8 @@ from __future__ import annotations
 import socket
 import struct
 
+import pytest
+
 from egress.kernel.nflog import NflogListener
 from egress.kernel.nfnetlink import HDR, NFGEN, attr
 
@@ -65,6 +67,27 @@ def test_without_a_hook_every_copy_is_an_event() -> None:
             kernel.send(message(p))
         assert [e.prefix for e in nl.read_events()] == ["egress dns", "egress blocked_connect"]
         assert struct.calcsize("=IHHII") == HDR.size
+    finally:
+        nl.release()
+        kernel.close()
+
+
+def test_what_the_kernel_flushes_as_the_binding_goes_is_read_not_closed_unread() -> None:
+    """Unbinding flushes the batch the kernel held for the group into the socket ahead
+    of its ack (the observer's copies are batched): ``unbind`` keeps them to be read."""
+    nl, kernel = listener()
+    try:
+        kernel.send(message("egress first_bytes"))  # the flushed batch, then the ack
+        seq = nl._seq + 1  # the unbind's
+        kernel.send(HDR.pack(HDR.size + 4 + HDR.size, 2, 0, seq, 0) + struct.pack("=i", 0)
+                    + HDR.pack(HDR.size, 0, 0, seq, 0))  # fmt: skip
+        nl.unbind()
+        assert kernel.recv(4096)  # the unbind request was sent
+        assert [e.prefix for e in nl.read_events()] == ["egress first_bytes"]
+        nl.close()  # unbound already: nothing is sent again
+        kernel.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            kernel.recv(4096)
     finally:
         nl.release()
         kernel.close()
