@@ -56,8 +56,9 @@ TICK_S = 0.1
 # observer layer more than its DNS copies did, over hundreds of sandboxes.
 COUNTER_S = 1.0
 # The kernel hands copies over in batches of up to this many (or at its next tick, 4 ms
-# at HZ=250 and 10 ms at HZ=100, when fewer come): a syscall and a wake-up per batch, not per packet. What
-# waits is evidence for this layer only; the inline layer's group is never batched.
+# at HZ=250 and 10 ms at HZ=100, when fewer come): a syscall and a wake-up per batch,
+# not per packet. What waits is evidence for this layer only; the inline layer's group
+# is never batched.
 BATCH = 64
 # Copies judged per wake-up of one sandbox's socket, replays included: in a shard, one
 # sandbox's stream must leave the loop to the others' between its batches.
