@@ -180,7 +180,9 @@ class Registry:
     ) -> Served:
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
-        sb = await _in_thread(sbx.create, policy, self.pools, uplink_netns, self.uid_range)
+        sb = await _in_thread(
+            sbx.create, policy, self.pools, uplink_netns, self.uid_range, self._id_taken
+        )
         record = rundir.Record(
             id=sb.id, kind=SandboxKind.CREATED, netns=sb.netns, cgroup=sb.cgroup.v2_path,
             policy=policy_text, freezer=sb.cgroup.freezer_path, uplink_netns=uplink_netns,
@@ -241,12 +243,25 @@ class Registry:
         finally:
             self._claimed.discard(sid)
 
+    def _id_taken(self, sandbox_id: str) -> bool:
+        """Served, being attached, or journaled once (the journal refuses an id twice)."""
+        return (
+            sandbox_id in self.served
+            or sandbox_id in self._claimed
+            or self.journal.sandbox(sandbox_id) is not None
+        )
+
     def _claim_id(self, wanted: str | None) -> str:
-        if wanted is None:
-            wanted = sbx.new_id()
+        if wanted is None:  # drawn: a taken one means another draw
+            wanted = next(
+                (i for i in (sbx.new_id() for _ in range(sbx.ID_DRAWS)) if not self._id_taken(i)),
+                None,
+            )
+            if wanted is None:
+                raise SandboxError(f"{sbx.ID_DRAWS} sandbox ids drawn were all taken")
         elif not _ID.match(wanted):
             raise SandboxError(f"sandbox id {wanted!r}: use 1-32 of a-z 0-9 _ - (first a-z0-9)")
-        if wanted in self.served or wanted in self._claimed or self.journal.sandbox(wanted):
+        if self._id_taken(wanted):
             raise Conflict(f"sandbox id {wanted!r} is already in use")
         self._claimed.add(wanted)
         return wanted

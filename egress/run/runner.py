@@ -155,7 +155,13 @@ def _run(
     journal: Journal,
     observer: ObserverProcess,
 ) -> int:
-    sb = sbx.create(policy, opts.pools, opts.uplink_netns, plan.uid_range)
+    sb = sbx.create(
+        policy,
+        opts.pools,
+        opts.uplink_netns,
+        plan.uid_range,
+        lambda sandbox_id: journal.sandbox(sandbox_id) is not None,
+    )
     if plan.named is not None:
         who = plan.named
     else:

@@ -78,12 +78,21 @@ def _unwind(undo: list[tuple[str, Callable[[], None]]]) -> list[str]:
     return failures
 
 
+ID_DRAWS = 8  # a taken id means another draw; 8 taken in a row is a full id space
+
+
 def create(
-    policy: Policy, pools: Pools, uplink_netns: str | None, uid_range: range | None = None
+    policy: Policy,
+    pools: Pools,
+    uplink_netns: str | None,
+    uid_range: range | None = None,
+    id_taken: Callable[[str], bool] | None = None,
 ) -> Sandbox:
     """Make a ready sandbox for ``policy``; on any failure nothing is left behind.
 
-    With ``uid_range``, the sandbox gets a workload uid of its own from that range."""
+    With ``uid_range``, the sandbox gets a workload uid of its own from that range.
+    ``id_taken`` says whether an id was used before (the journal keeps every id it
+    recorded, ended sandboxes' too); a live claim's id is refused by the claim itself."""
     if uplink_netns is not None and not netns.netns_exists(uplink_netns):
         raise SandboxError(
             f"uplink netns {uplink_netns!r} does not exist (see `ip netns list`; "
@@ -92,13 +101,18 @@ def create(
     start = time.monotonic()
     undo: list[tuple[str, Callable[[], None]]] = []
     try:
-        for attempt in range(3):  # ids are random: a taken one means another draw
+        for attempt in range(ID_DRAWS):  # ids are random: a taken one means another draw
             sandbox_id = new_id()
+            last = attempt == ID_DRAWS - 1
+            if id_taken is not None and id_taken(sandbox_id):
+                if last:
+                    raise SandboxError(f"{ID_DRAWS} sandbox ids drawn were all taken")
+                continue
             try:
                 claim = claims.claim(sandbox_id, pools, uplink_netns, uid_range)
                 break
             except claims.IdTaken:
-                if attempt == 2:
+                if last:
                     raise
         # Last out: the claim goes with the uplink table check, under one lock, so of
         # sandboxes ending together exactly the last one removes the shared table.

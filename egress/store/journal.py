@@ -91,7 +91,7 @@ class Journal:
         journal = cls(conn, path, busy_timeout_s)
         try:
             with journal._errors("open"):
-                schema.configure(conn, path)
+                schema.configure(conn, path, busy_timeout_s)
                 schema.migrate(conn)
             schema.fsync_dir(directory)
         except BaseException:

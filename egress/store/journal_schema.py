@@ -282,13 +282,31 @@ def _by_id(conn: sqlite3.Connection, table: str, ids: list[object]) -> dict[obje
     return {r["id"]: as_dict(r) for r in rows}
 
 
-def configure(conn: sqlite3.Connection, path: Path) -> None:
+def configure(conn: sqlite3.Connection, path: Path, timeout_s: float) -> None:
     conn.row_factory = sqlite3.Row
-    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    mode = _wal_mode(conn, timeout_s)
     if str(mode).lower() != "wal":
         raise JournalError(f"{path}: cannot use WAL (journal_mode is {mode}); local disk?")
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA foreign_keys = ON")
+
+
+def _wal_mode(conn: sqlite3.Connection, timeout_s: float) -> object:
+    """``PRAGMA journal_mode = WAL``, polled while busy until ``timeout_s`` has passed.
+
+    On a journal nobody has written yet the switch needs the exclusive lock while this
+    connection holds a shared one; if another process is in its first write transaction
+    (holding RESERVED) SQLite returns BUSY at once instead of calling the busy handler,
+    which could deadlock there. Processes opening a fresh journal together hit that.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if not _is_busy(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(random.uniform(0.0001, 0.001))
 
 
 def begin_immediate(conn: sqlite3.Connection, timeout_s: float) -> None:

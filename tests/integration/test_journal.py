@@ -18,6 +18,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -507,11 +508,16 @@ def test_crash_harness_catches_early_reports(tmp_path: Path) -> None:
 
 
 def _run_together(procs: list[subprocess.Popen[str]], go: Path) -> list[tuple[str, str]]:
-    for p in procs:
-        assert p.stdout is not None
-        assert p.stdout.readline() == "ready\n"
-    go.touch()
-    outs = [p.communicate(timeout=120) for p in procs]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline() != "ready\n":
+                go.touch()  # let the others finish; this one's stderr says why
+                _, err = p.communicate(timeout=120)
+                pytest.fail(f"a helper exited before it was ready (rc {p.returncode}): {err}")
+        go.touch()
+    finally:
+        outs = [p.communicate(timeout=120) for p in procs]  # reaps and closes every pipe
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert err == ""
@@ -547,6 +553,39 @@ def test_many_processes_open_a_fresh_journal_at_once(tmp_path: Path) -> None:
         assert len(j.sandboxes()) == 4
         assert len(j.violations(limit=1000)) == 80
         assert j.check() == "ok"
+
+
+def test_opening_a_fresh_journal_waits_for_another_writers_first_transaction(
+    tmp_path: Path,
+) -> None:
+    # Another process in its first write transaction on the not yet WAL database holds
+    # RESERVED: SQLite refuses the switch to WAL at once (no busy handler), so open must
+    # poll, or a process that opens a fresh journal beside another one fails.
+    tmp_path.chmod(0o750)
+    other = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    result: list[object] = []
+
+    def open_it() -> None:
+        try:
+            with Journal.open(tmp_path, busy_timeout_s=60) as j:
+                j.record_sandbox("sb1", "p")
+            result.append("ok")
+        except Exception as exc:  # reported below
+            result.append(exc)
+
+    opener = threading.Thread(target=open_it)
+    opener.start()
+    opener.join(timeout=0.3)
+    try:
+        assert opener.is_alive(), f"open did not wait for the lock: {result}"
+    finally:
+        other.execute("COMMIT")
+        other.close()
+        opener.join()
+    assert result == ["ok"]
+    with Journal.open(tmp_path) as j:
+        assert [s["id"] for s in j.sandboxes()] == ["sb1"]
 
 
 def test_layers_racing_to_freeze_share_one_freeze(tmp_path: Path) -> None:

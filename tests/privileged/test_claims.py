@@ -10,12 +10,20 @@ import pytest
 
 from egress.datapath.addressing import Pools
 from egress.kernel import netns
+from egress.policy import parse_policy
+from egress.sandbox import lifecycle
 from egress.store import claims
 from tests.support.netns import unique
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
 POOLS = Pools.parse("10.99.0.0/27,fd00:99::/60")  # 8 blocks
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: ids}
+spec: {dns: {allow: [allowed.lab.test]}}
+"""
 
 
 @pytest.fixture
@@ -74,3 +82,21 @@ def test_a_taken_id_is_refused_and_the_claim_holding_it_kept(run: Path) -> None:
     with pytest.raises(claims.IdTaken, match="same"):
         claims.claim("same", POOLS, None)
     assert [c.index for c in claims.load_all() if c.id == "same"] == [held.index]
+
+
+def test_create_draws_another_id_for_one_used_before(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The journal refuses an id it ever recorded, and ids are 24 random bits: over a
+    # thousand sandboxes in one state dir a repeat is likely enough to have failed CI.
+    drawn = iter(["used01", "live01", "fresh1"])
+    monkeypatch.setattr(lifecycle, "new_id", lambda: next(drawn))
+    live = claims.claim("live01", POOLS, None)
+    policy = parse_policy(POLICY, "p.yaml")[0]
+    sb = lifecycle.create(policy, POOLS, None, None, {"used01"}.__contains__)
+    try:
+        assert sb.id == "fresh1"
+        assert {c.id: c.index for c in claims.load_all()}["live01"] == live.index
+    finally:
+        sb.destroy()
+        claims.release("live01")
