@@ -261,6 +261,8 @@ class Step:
     observer_cpu: float | None = None  # percent of one CPU during the DNS load
     observer_pss: float | None = None  # MB, supervisor and children
     egressd_cpu: float = 0.0  # percent of one CPU during the DNS load, its worker included
+    # egressd's own timing of those creates (the sandbox JSON's create_ms): median by step
+    create_steps: dict[str, float] = field(default_factory=dict)
 
 
 class Bench:
@@ -274,12 +276,13 @@ class Bench:
         self.fresh = fresh_names()
         self.failed: str | None = None
         self.counter = itertools.count()
+        self.grown_from = 0  # the first of the boxes the last grow made
 
     def grow(self, n: int) -> tuple[list[float], float]:
         """Sequential creates up to n sandboxes: (latency of each in ms, creates/s); then
         a socket to each new one's resolver, and its hit names primed."""
         times: list[float] = []
-        old = len(self.boxes)
+        old = self.grown_from = len(self.boxes)
         start = time.perf_counter()
         while len(self.boxes) < n:
             t0 = time.perf_counter()
@@ -336,7 +339,14 @@ class Bench:
         if self.observer is not None:
             obs_cpu, obs_pss = cpu(watched), pss(self.observer_pids())
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
-                    load.answered / wall, obs_cpu, obs_pss, cpu(served))  # fmt: skip
+                    load.answered / wall, obs_cpu, obs_pss, cpu(served),
+                    self.create_steps())  # fmt: skip
+
+    def create_steps(self) -> dict[str, float]:
+        """Median ms of each create step egressd timed, over this step's sequential creates."""
+        timed = [box.get("create_ms") or {} for box in self.boxes[self.grown_from :]]
+        names = list(dict.fromkeys(k for t in timed for k in t))
+        return {k: statistics.median(t[k] for t in timed if k in t) for k in names}
 
     def observer_pids(self) -> list[int]:
         if self.observer is None:
@@ -423,6 +433,9 @@ def show(step: Step, first: Step | None) -> None:
     for x in (step.burst_rate, step.burst_delete_rate):
         if isinstance(x, str) and x != "-":
             print(f"      burst: {x}")
+    if step.create_steps:
+        parts = " ".join(f"{k} {v:.1f}" for k, v in step.create_steps.items() if k != "total")
+        print(f"      create inside egressd, median ms: {step.create_steps['total']:.1f} = {parts}")
 
 
 def _num(x: float | None, digits: int) -> str:

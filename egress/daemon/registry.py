@@ -82,6 +82,12 @@ class Served:
         except EgressError:
             return False
 
+    def _create_ms(self) -> dict[str, float]:
+        """The create's (or attach's) ms, in all and by step; {} if adopted, not made here."""
+        if not self.sb.created_s:
+            return {}
+        return {"total": round(self.sb.created_s * 1000, 2), **self.sb.create_steps_ms}
+
     def to_json(self) -> dict[str, Any]:
         r = self.record
         frozen = False
@@ -103,6 +109,7 @@ class Served:
             "owner": r.owner,
             "address4": None if r.kind == SandboxKind.ATTACHED else str(self.sb.net.address4),
             "created_at": r.created_at,
+            "create_ms": self._create_ms(),
             "violations": len(self.session.state.violations),
             "dns": self.resolver.core.stats,
         }
@@ -287,6 +294,16 @@ class Registry:
         """Serve a made (or adopted) sandbox; on failure a fresh one is torn down again."""
         session: Session | None = None
         resolver: TrackingResolver | None = None
+        mark = time.monotonic()
+
+        def done(step: str) -> None:  # a fresh sandbox's create_ms, after lifecycle's steps
+            nonlocal mark
+            now = time.monotonic()
+            if fresh:
+                sb.create_steps_ms[step] = round((now - mark) * 1000, 2)
+                sb.created_s += now - mark
+            mark = now
+
         try:
             if fresh:
                 self.journal.record_sandbox(
@@ -295,6 +312,7 @@ class Registry:
                     freezer=sb.cgroup.freezer_path, policy_sha256=record.policy_sha256,
                     uid=sb.uid,
                 )  # fmt: skip
+                done("journal")
             if sb.cgroup.netns is not None:  # found from its processes: record each find
                 loop = asyncio.get_running_loop()
                 # Called on whichever thread froze, after the freeze's discovery: the
@@ -303,7 +321,9 @@ class Registry:
                     self._bound, record, cg.v2_path, cg.freezer_path
                 )
             session, resolver = await self._start(sb, record, upstreams, fresh, handed)
+            done("serve")
             rundir.save(self.run_dir, record)
+            done("record")
         except BaseException:
             await self._stop(session, resolver)
             if handed is not None:

@@ -2,6 +2,7 @@
 cgroupfs.
 
     netns.py       network namespaces, veth pairs, addresses, routes, sysctls (pyroute2, setns)
+    rtnl.py        a sandbox's veth, addresses and routes as packed rtnetlink batches
     nft.py         one libnftables handle per namespace: atomic loads, sets, counters
     nft_worker.py  libnftables in a child process, for egressd's many descriptors
     nft_sets.py    the resolver's set-element adds/deletes as one raw nf_tables batch

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -210,29 +209,6 @@ def remove_netns(name: str) -> None:
 # ---- links (rtnetlink through pyroute2) -------------------------------------------
 
 
-# The sockets of this thread's open ``rtnl_shared`` blocks, by netns.
-_shared = threading.local()
-
-
-@contextmanager
-def rtnl_shared(*netns_names: str | None) -> Iterator[None]:
-    """The calls made inside share one rtnetlink socket per netns named, instead of
-    opening one each: a socket costs about 0.35 ms, and a sandbox's addresses, links and
-    routes take nine calls. A socket is bound to its netns when it is opened."""
-    sockets: dict[str | None, Any] = getattr(_shared, "sockets", {})
-    mine = [n for n in dict.fromkeys(netns_names) if n not in sockets]
-    _shared.sockets = sockets
-    try:
-        for name in mine:
-            sockets[name] = _open_rtnl(name, f"open rtnetlink in {name or 'host netns'}")
-        yield
-    finally:
-        for name in mine:
-            ipr = sockets.pop(name, None)
-            if ipr is not None:
-                ipr.close()
-
-
 def _open_rtnl(netns: str | None, what: str) -> Any:
     try:
         with in_netns(netns):
@@ -243,18 +219,16 @@ def _open_rtnl(netns: str | None, what: str) -> Any:
 
 @contextmanager
 def _rtnl(netns: str | None, what: str) -> Iterator[Any]:
-    """An IPRoute bound to netns (an ``rtnl_shared`` one if open); netlink errors become
-    SandboxError naming the step."""
-    shared = getattr(_shared, "sockets", {}).get(netns)
-    ipr = shared if shared is not None else _open_rtnl(netns, what)
+    """An IPRoute bound to netns; netlink errors become SandboxError naming the step.
+    (A sandbox's own wiring goes through egress.kernel.rtnl's batches instead.)"""
+    ipr = _open_rtnl(netns, what)
     try:
         yield ipr
     except NetlinkError as exc:
         where = netns or "host netns"
         raise SandboxError(f"{what} in {where}: {exc.args[-1]} (errno {exc.code})") from exc
     finally:
-        if shared is None:
-            ipr.close()
+        ipr.close()
 
 
 def _index(ipr: Any, ifname: str, netns: str | None) -> int:

@@ -169,6 +169,7 @@ def _run(
         who = workload.allocated_user(sb.id, sb.uid)
     result = RunResult(sb.id, kept=opts.keep, workdir=plan.workdir, env_names=sorted(plan.env))
     result.timings_ms["create"] = round(sb.created_s * 1000, 2)
+    result.timings_ms.update({f"create_{k}": v for k, v in sb.create_steps_ms.items()})
     try:
         journal.record_sandbox(
             sb.id,

@@ -21,7 +21,7 @@ from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
 from egress.datapath.render import queue_rule, render_sandbox
 from egress.errors import SandboxError
-from egress.kernel import netns
+from egress.kernel import netns, rtnl
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
@@ -51,6 +51,9 @@ class Sandbox:
     created_s: float = 0.0  # create-to-ready time
     uid: int | None = None  # the workload's own uid (and gid), when egress allocated one
     _undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
+    # Where the create's time went, ms by step in order (claim, netns, ...): egressd's
+    # sandbox JSON and `egressctl run --report` show it.
+    create_steps_ms: dict[str, float] = field(default_factory=dict)
 
     def add_undo(self, what: str, step: Callable[[], None]) -> None:
         """Something made for this sandbox after creation, removed with it."""
@@ -120,14 +123,30 @@ def create(
         # Undone after everything but the claim: the cgroup's processes are dead by then,
         # so the mounts of their view, their $HOME and the uid's ledger entry can go.
         undo.append((f"workload files of {sandbox_id}", lambda: view.remove(sandbox_id)))
-        sb = _build(policy, pools.network(claim.index), claim, undo)
+        steps = _Steps(start)
+        steps.done("claim")
+        sb = _build(policy, pools.network(claim.index), claim, undo, steps)
     except BaseException:
         _unwind(undo)
         raise
     sb.created_s = time.monotonic() - start
+    sb.create_steps_ms = steps.ms
     claim.cgroup = sb.cgroup.v2_path or ""
     claims.save(claim)
     return sb
+
+
+class _Steps:
+    """Milliseconds each step of a create took, in order."""
+
+    def __init__(self, start: float) -> None:
+        self.ms: dict[str, float] = {}
+        self._last = start
+
+    def done(self, step: str) -> None:
+        now = time.monotonic()
+        self.ms[step] = round((now - self._last) * 1000, 2)
+        self._last = now
 
 
 def _build(
@@ -135,39 +154,61 @@ def _build(
     net: SandboxNet,
     claim: claims.Claim,
     undo: list[tuple[str, Callable[[], None]]],
+    steps: _Steps,
 ) -> Sandbox:
     name, host_if, uplink = claim.netns, claim.host_if, claim.uplink_netns
     netns.create_netns(name)
     undo.append((f"netns {name}", lambda: netns.remove_netns(name)))
-    with netns.rtnl_shared(name, uplink):
-        netns.create_veth_pair(host_if, c.SANDBOX_IF, name, uplink)
+    steps.done("netns")
+    with rtnl.opened(uplink) as outside, rtnl.opened(name) as inside:
+        veth = rtnl.Batch()
+        fd = os.open(netns.netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            veth.veth(host_if, c.SANDBOX_IF, fd)
+            outside.run(veth)
+        finally:
+            os.close(fd)
         undo.append((f"veth {host_if}", lambda: netns.delete_link(host_if, uplink)))
-        _addresses(net, name, host_if, uplink)
+        steps.done("veth")
+        _addresses(net, name, host_if, outside, inside)
+    steps.done("addresses")
     nft = NftHandle.open(name)
     undo.append(("nft handle", nft.close))
     if policy.connect.check_names:  # before the ruleset: a flow it holds is then queued
         queue_rules.install(name, queue_rule())
+        steps.done("queue")
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
+    steps.done("rules")
     uplink_mod.attach(uplink, host_if)
+    steps.done("uplink")
     cgroup = Cgroup.create(claim.id)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
     _write_resolv_conf(name, undo)
+    steps.done("cgroup")
     return Sandbox(claim.id, policy, net, name, host_if, uplink, cgroup, nft, 0.0, claim.uid, undo)
 
 
-def _addresses(net: SandboxNet, name: str, host_if: str, uplink: str | None) -> None:
-    netns.loopback_up(name)
+def _addresses(
+    net: SandboxNet, name: str, host_if: str, outside: rtnl.Rtnl, inside: rtnl.Rtnl
+) -> None:
     # Let unprivileged ICMP echo sockets exist, so a ping is sent, blocked and reported
     # rather than failing before it reaches the rules.
     netns.set_sysctl(name, "net.ipv4.ping_group_range", "0 2147483647")
-    netns.add_address(host_if, f"{net.gateway4}/{net.net4.prefixlen}", uplink)
-    netns.add_address(host_if, f"{net.gateway6}/{net.net6.prefixlen}", uplink)
-    netns.set_up(host_if, uplink)
-    netns.add_address(c.SANDBOX_IF, f"{net.address4}/{net.net4.prefixlen}", name)
-    netns.add_address(c.SANDBOX_IF, f"{net.address6}/{net.net6.prefixlen}", name)
-    netns.set_up(c.SANDBOX_IF, name)
-    netns.add_default_route(str(net.gateway4), name, c.SANDBOX_IF)
-    netns.add_default_route(str(net.gateway6), name, c.SANDBOX_IF)
+    host_index = outside.index(host_if)
+    host = rtnl.Batch()
+    host.address(host_index, host_if, f"{net.gateway4}/{net.net4.prefixlen}")
+    host.address(host_index, host_if, f"{net.gateway6}/{net.net6.prefixlen}")
+    host.up(host_index, host_if)
+    outside.run(host)
+    index = inside.index(c.SANDBOX_IF)
+    sandbox = rtnl.Batch()
+    sandbox.up(rtnl.LOOPBACK_INDEX, "lo")
+    sandbox.address(index, c.SANDBOX_IF, f"{net.address4}/{net.net4.prefixlen}")
+    sandbox.address(index, c.SANDBOX_IF, f"{net.address6}/{net.net6.prefixlen}")
+    sandbox.up(index, c.SANDBOX_IF)
+    sandbox.default_route(str(net.gateway4), index)
+    sandbox.default_route(str(net.gateway6), index)
+    inside.run(sandbox)
 
 
 def _remove_cgroup(cgroup: Cgroup) -> None:

@@ -1,0 +1,173 @@
+"""A sandbox's links, addresses and routes as rtnetlink batches packed here.
+
+Each pyroute2 call costs 0.2-0.3 ms of Python around a kernel call of a few µs (its sync
+API runs an event loop per call, and it parses every reply), and a sandbox's wiring took
+a dozen of them: 10 ms of a create at 300 sandboxes. Here each step's messages are packed
+with ``struct`` (the uapi layouts of linux/netlink.h, rtnetlink.h, if_link.h, if_addr.h,
+veth.h, which the kernel keeps stable) and sent at once on a socket opened in the netns;
+the kernel runs them in order and acks each. pyroute2 stays for everything else.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from egress.errors import SandboxError
+from egress.kernel.netns import in_netns
+
+_HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+_IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, type, index, flags, change
+_IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
+_RTMSG = struct.Struct("=BBBBBBBBI")  # rtmsg: family, dst_len, src_len, tos, table, ...
+_ERR = struct.Struct("=i")
+
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+RTM_NEWLINK, RTM_GETLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 18, 20, 24
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+IFF_UP = 0x1
+IFLA_IFNAME, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 18, 28
+IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
+IFA_ADDRESS, IFA_LOCAL, IFA_F_NODAD = 1, 2, 0x02
+RTA_OIF, RTA_GATEWAY = 4, 5
+RT_TABLE_MAIN, RTPROT_STATIC, RTN_UNICAST = 254, 4, 1
+LOOPBACK_INDEX = 1  # the kernel gives lo ifindex 1 in every netns
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    head = struct.pack("=HH", 4 + len(payload), kind)
+    return head + payload + b"\0" * (-len(payload) % 4)
+
+
+def _name(ifname: str) -> bytes:
+    return _attr(IFLA_IFNAME, ifname.encode() + b"\0")
+
+
+@dataclass
+class Batch:
+    """Requests for one netns, sent together by ``run``; each is acked or refused."""
+
+    steps: list[tuple[int, int, bytes, str]] = field(default_factory=list)
+
+    def _add(self, kind: int, flags: int, body: bytes, what: str) -> None:
+        self.steps.append((kind, flags, body, what))
+
+    def veth(self, ifname: str, peer: str, peer_netns_fd: int) -> None:
+        """A veth pair: ``ifname`` here, ``peer`` in the netns of that fd."""
+        peer_msg = _IFINFO.pack(0, 0, 0, 0, 0) + _name(peer)
+        peer_msg += _attr(IFLA_NET_NS_FD, struct.pack("=I", peer_netns_fd))
+        data = _attr(IFLA_INFO_DATA, _attr(VETH_INFO_PEER, peer_msg))
+        info = _attr(IFLA_LINKINFO, _attr(IFLA_INFO_KIND, b"veth\0") + data)
+        body = _IFINFO.pack(0, 0, 0, 0, 0) + _name(ifname) + info
+        self._add(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body, f"create veth {ifname}/{peer}")
+
+    def up(self, index: int, what: str) -> None:
+        self._add(RTM_NEWLINK, 0, _IFINFO.pack(0, 0, index, IFF_UP, IFF_UP), f"set {what} up")
+
+    def address(self, index: int, ifname: str, with_prefix: str) -> None:
+        """An address; IPv6 without duplicate detection, so it is usable at once."""
+        iface = ipaddress.ip_interface(with_prefix)
+        v6 = iface.version == 6
+        packed = iface.ip.packed
+        head = _IFADDR.pack(
+            socket.AF_INET6 if v6 else socket.AF_INET,
+            iface.network.prefixlen,
+            IFA_F_NODAD if v6 else 0,
+            0,  # RT_SCOPE_UNIVERSE
+            index,
+        )
+        body = head + _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed)
+        what = f"add address {with_prefix} to {ifname}"
+        self._add(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body, what)
+
+    def default_route(self, gateway: str, oif: int) -> None:
+        gw = ipaddress.ip_address(gateway)
+        family = socket.AF_INET6 if gw.version == 6 else socket.AF_INET
+        head = _RTMSG.pack(family, 0, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC, 0, RTN_UNICAST, 0)
+        body = head + _attr(RTA_GATEWAY, gw.packed) + _attr(RTA_OIF, struct.pack("=I", oif))
+        what = f"add default route via {gateway}"
+        self._add(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body, what)
+
+
+class Rtnl:
+    """A NETLINK_ROUTE socket bound to the netns it was opened in."""
+
+    def __init__(self, netns: str | None) -> None:
+        self.where = netns or "host netns"
+        try:
+            with in_netns(netns):
+                self._sock = socket.socket(
+                    socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
+                )
+            self._sock.bind((0, 0))
+        except OSError as exc:
+            raise SandboxError(f"open rtnetlink in {self.where}: {exc.strerror}") from None
+        self._seq = 0
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def run(self, batch: Batch) -> None:
+        """Send every request of ``batch`` at once; raise for the first the kernel refused
+        (the kernel goes on with the rest: a failed create is undone by its caller)."""
+        first = self._seq + 1
+        out = bytearray()
+        for kind, flags, body, _ in batch.steps:
+            self._seq += 1
+            out += _HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_ACK | flags,
+                             self._seq, 0) + body  # fmt: skip
+        self._sock.sendall(out)
+        errors = {}
+        for seq, code, _ in self._replies(first, len(batch.steps)):
+            if code:
+                errors[seq] = code
+        if errors:
+            seq = min(errors)
+            what = batch.steps[seq - first][3]
+            code = -errors[seq]
+            raise SandboxError(f"{what} in {self.where}: {os.strerror(code)} (errno {code})")
+
+    def index(self, ifname: str) -> int:
+        """The ifindex of a link by name."""
+        self._seq += 1
+        body = _IFINFO.pack(0, 0, 0, 0, 0) + _name(ifname)
+        self._sock.sendall(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST,
+                                     self._seq, 0) + body)  # fmt: skip
+        for _, code, payload in self._replies(self._seq, 1):
+            if code == -errno.ENODEV:
+                raise SandboxError(f"no link {ifname} in {self.where}")
+            if code:
+                raise SandboxError(f"look up {ifname} in {self.where}: {os.strerror(-code)}")
+            return int(_IFINFO.unpack_from(payload)[2])
+        raise AssertionError("unreachable")
+
+    def _replies(self, first: int, count: int) -> Iterator[tuple[int, int, bytes]]:
+        """(seq, error code or 0, payload) of one reply per request ``first``..."""
+        seen = 0
+        while seen < count:
+            buf = self._sock.recv(65536)
+            at = 0
+            while at + _HDR.size <= len(buf):
+                length, kind, _, seq, _ = _HDR.unpack_from(buf, at)
+                payload = buf[at + _HDR.size : at + length]
+                at += (length + 3) & ~3
+                if not first <= seq < first + count or kind == NLMSG_DONE:
+                    continue  # not an answer to these requests
+                seen += 1
+                code = _ERR.unpack_from(payload)[0] if kind == NLMSG_ERROR else 0
+                yield seq, code, payload
+
+
+@contextmanager
+def opened(netns: str | None) -> Iterator[Rtnl]:
+    rtnl = Rtnl(netns)
+    try:
+        yield rtnl
+    finally:
+        rtnl.close()
