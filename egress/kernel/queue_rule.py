@@ -14,11 +14,14 @@ meets a drop in the sandbox's output chain.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 
 from egress.errors import SandboxError
+from egress.kernel import nft_copy
 from egress.kernel.netns import in_netns
 
 TOOLS = {4: "iptables-nft", 6: "ip6tables-nft"}
@@ -33,6 +36,32 @@ def install(netns: str | None, rule: Sequence[str], check: bool = False) -> None
             if not _present(netns, family, rule):
                 _run(netns, family, "-A", rule)
         return
+    key = tuple(rule)
+    copy = _copies.get(key)
+    if copy is not None:
+        try:
+            nft_copy.apply(copy, netns)
+            return
+        except OSError as exc:  # the kernel changed under us? iptables-nft knows best
+            print(f"egress: copying the NFQUEUE rule into {netns} failed ({exc}); "
+                  "running iptables-nft", file=sys.stderr, flush=True)  # fmt: skip
+            _copies.pop(key, None)
+    _exec_both(netns, rule)
+    with contextlib.suppress(OSError):
+        made = nft_copy.capture(netns, _FAMILIES, "mangle")
+        # Exactly what a fresh netns gets: a table, its chain, the one rule, per family.
+        if all(made.count(k) == len(_FAMILIES) for k in (nft_copy.NEWTABLE, nft_copy.NEWRULE)):
+            _copies[key] = made
+
+
+# What iptables-nft made for a rule in a netns that had nothing of its own, read back
+# (egress.kernel.nft_copy) and copied into the next fresh netns in one batch: each exec
+# of iptables-nft cost 3-7 ms of a create. Only for netns egress made (no ``check``).
+_copies: dict[tuple[str, ...], nft_copy.Copy] = {}
+_FAMILIES = (2, 10)  # NFPROTO_IPV4, NFPROTO_IPV6
+
+
+def _exec_both(netns: str | None, rule: Sequence[str]) -> None:
     # Both at once: each is an exec of its own (3-5 ms from egressd), and they write
     # different tables (ip mangle, ip6 mangle) in transactions the kernel serialises.
     started: list[tuple[int, subprocess.Popen[str]]] = []
