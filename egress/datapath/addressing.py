@@ -107,8 +107,21 @@ def first_free(
     candidate with every used network made a create with 200 sandboxes alive spend
     30 ms here.
     """
-    taken4 = _ranges(u for u in used if u.version == 4)
-    taken6 = _ranges(u for u in used if u.version == 6)
+    return first_free_spans(
+        pools,
+        [(int(u.network_address), int(u.broadcast_address)) for u in used if u.version == 4],
+        [(int(u.network_address), int(u.broadcast_address)) for u in used if u.version == 6],
+    )
+
+
+Span = tuple[int, int]  # a network's first and last address, as integers
+
+
+def first_free_spans(pools: Pools, used4: Iterable[Span], used6: Iterable[Span]) -> SandboxNet:
+    """``first_free`` of networks given as spans: a caller that keeps them as integers
+    saves the conversion (ipaddress's properties), 2 µs a network, each create."""
+    taken4 = _ranges(used4)
+    taken6 = _ranges(used6)
     base4, size4 = int(pools.v4.network_address), 2 ** (32 - PREFIX4)
     base6, size6 = int(pools.v6.network_address), 2 ** (128 - PREFIX6)
     # From block 0, jump past each taken range a candidate meets, in either family, until
@@ -126,11 +139,9 @@ def first_free(
     )
 
 
-def _ranges(
-    nets: Iterable[ipaddress.IPv4Network | ipaddress.IPv6Network],
-) -> tuple[list[int], list[int]]:
+def _ranges(used: Iterable[Span]) -> tuple[list[int], list[int]]:
     """Sorted, merged [first, last] address ranges, as two lists (starts, ends)."""
-    spans = sorted((int(n.network_address), int(n.broadcast_address)) for n in nets)
+    spans = sorted(used)
     starts: list[int] = []
     ends: list[int] = []
     for first, last in spans:

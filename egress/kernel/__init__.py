@@ -10,6 +10,7 @@ cgroupfs.
     nflog.py       NFLOG listeners: the kernel's drop and DNS evidence, per namespace
     nfqueue.py     NFQUEUE listeners: packets held until a verdict (a flow's first bytes)
     queue_rule.py  the iptables-nft NFQUEUE rule a sandbox netns needs for them
+    nft_copy.py    tables another tool made in one netns, copied into the next as one batch
     cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill
     idmap.py       idmapped bind mounts (open_tree, mount_setattr, move_mount)
     confine.py     the workload's seccomp filter (libseccomp) and Landlock domain

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from egress.datapath.addressing import Pools, SandboxNet, first_free
+from egress.datapath.addressing import Pools, SandboxNet, first_free_spans
 from egress.errors import SandboxError
 from egress.store import uids
 from egress.store.paths import private_dir, run_dir, tighten, write_private
@@ -89,12 +89,15 @@ def is_stale(claim: Claim) -> bool:
 
 @dataclass(frozen=True)
 class _Held:
-    """What a claim holds, which never changes while its file lives: its netns, its
-    address block and its uid (a save rewrites the owner, the cgroup, keep)."""
+    """What a claim file holds (a save replaces the file, so this never changes while
+    the file lives): its sandbox, owner, netns, address block and uid."""
 
+    id: str
+    owner_pid: int
     netns: str
     netns_inode: int | None  # of /run/netns/<netns> when read: a netns made again differs
-    nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    spans4: tuple[tuple[int, int], ...]  # the block's first and last address, as integers
+    spans6: tuple[tuple[int, int], ...]
     uid: int | None
 
 
@@ -112,9 +115,11 @@ _held: dict[tuple[str, int], _Held] = {}
 
 
 def _holdings() -> list[_Held]:
-    """What every live claim holds (stale ones released on the way). A claim whose netns
-    exists is live whoever owns it, so a known one costs a stat; any other, or one whose
-    netns was made again since (another inode), is read."""
+    """What every live claim holds (stale ones released on the way). A known claim of
+    this process's own is live (its owner runs) and costs nothing; another known one
+    whose netns exists is live whoever owns it, which costs a stat; any other, or one
+    whose netns was made again since (another inode), is read."""
+    me = os.getpid()
     try:
         entries = [
             e
@@ -127,10 +132,9 @@ def _holdings() -> list[_Held]:
     for entry in entries:
         key = (entry.name, entry.inode())
         held = _held.get(key)
-        if (
-            held is None
-            or held.netns_inode is None
-            or (_netns_inode(held.netns) != held.netns_inode)
+        if held is None or (
+            held.owner_pid != me
+            and (held.netns_inode is None or _netns_inode(held.netns) != held.netns_inode)
         ):
             try:
                 existing = Claim(**json.loads(Path(entry.path).read_text()))
@@ -139,14 +143,23 @@ def _holdings() -> list[_Held]:
             if is_stale(existing):
                 release(existing.id)
                 continue
-            nets = (existing.net4, existing.net6) if existing.net4 and existing.net6 else ()
-            held = _Held(existing.netns, _netns_inode(existing.netns),
-                         tuple(ipaddress.ip_network(n) for n in nets), existing.uid)  # fmt: skip
+            both = bool(existing.net4 and existing.net6)  # an older claim may lack them
+            held = _Held(existing.id, existing.owner_pid, existing.netns,
+                         _netns_inode(existing.netns), _spans(existing.net4) if both else (),
+                         _spans(existing.net6) if both else (), existing.uid)  # fmt: skip
         known[key] = held
         out.append(held)
     _held.clear()
     _held.update(known)
     return out
+
+
+def _spans(net: str) -> tuple[tuple[int, int], ...]:
+    """A claim's block as a (first, last) integer span; none for a claim without one."""
+    if not net:
+        return ()
+    n = ipaddress.ip_network(net)
+    return ((int(n.network_address), int(n.broadcast_address)),)
 
 
 def claim(
@@ -159,13 +172,14 @@ def claim(
         if (sandboxes_dir() / f"{sandbox_id}.json").exists():
             raise IdTaken(f"sandbox id {sandbox_id} is taken already")
         holdings = _holdings()
-        used = [net for h in holdings for net in h.nets]
+        net = first_free_spans(pools, (s for h in holdings for s in h.spans4),
+                               (s for h in holdings for s in h.spans6))  # fmt: skip
         held = {h.uid for h in holdings if h.uid is not None}
-        net = first_free(pools, used)
         if uid_range is None:
             return _save_new(sandbox_id, net, uplink_netns, None)
         with uids.locked():
-            uid = uids.pick(uid_range, held)
+            # The ledger's entries for these claims name what ``held`` has already.
+            uid = uids.pick(uid_range, held, known={h.id for h in holdings})
             uids.record(sandbox_id, uid, sandboxes_dir() / f"{sandbox_id}.json")
             return _save_new(sandbox_id, net, uplink_netns, uid)
 

@@ -39,6 +39,27 @@ def test_pick_skips_held_uids_and_reports_exhaustion(monkeypatch: pytest.MonkeyP
         uids.pick(ids, {2000000000, 2000000002})
 
 
+def test_pick_honours_another_run_dirs_ledger_entries_and_skips_only_the_known(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EGRESS_WORKLOADS_DIR", str(tmp_path / "workloads"))
+    (tmp_path / "workloads").mkdir()
+    monkeypatch.setattr(uids, "live_uids", lambda ids: set())
+    monkeypatch.setattr(uids, "check_range", lambda ids: None)
+    ours, theirs = tmp_path / "run" / "ours.json", tmp_path / "other-run" / "theirs.json"
+    for claim in (ours, theirs):
+        claim.parent.mkdir()
+        claim.write_text("{}")
+    ids = range(2000000000, 2000000010)
+    uids.record("ours", 2000000000, ours)
+    uids.record("theirs", 2000000001, theirs)
+    # Ours is known (its uid comes in ``taken``); theirs, of another run dir, is not.
+    assert uids.pick(ids, {2000000000}, known={"ours"}) == 2000000002
+    assert uids.pick(ids, set(), known={"ours"}) == 2000000000  # skipped: the caller's say
+    theirs.unlink()  # their sandbox ended: its entry holds nothing now
+    assert uids.pick(ids, {2000000000}, known={"ours"}) == 2000000001
+
+
 def test_env_is_the_allowlist_plus_what_env_names() -> None:
     caller = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "LC_ALL": "C", "TERM": "xterm",
               "AWS_SECRET_ACCESS_KEY": "x", "SSH_AUTH_SOCK": "/tmp/ssh", "HOME": "/root",
