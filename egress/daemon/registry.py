@@ -3,8 +3,9 @@
 Each served sandbox is the same inline layer `egressctl run` wires (``Session``: NFLOG
 reader, Enforcer, journal writer; ``ResolverServer`` on 127.0.0.53 in its netns), so the
 daemon and the embedded mode share every line of enforcement. Netns, veth and cgroup are
-made (``sandbox.create``) or attached (``attach.attach``) in a worker thread: pyroute2's
-synchronous API runs an event loop of its own, which a thread may do and this one may not.
+made (``sandbox.create``) or attached (``attach.attach``) in a worker thread: they block
+(netlink, sysctls, the nft worker, a process's first iptables-nft exec), and pyroute2's
+synchronous API (teardown's) runs an event loop of its own, which this thread may not.
 
     create ─▶ [thread] sandbox.create ─▶ journal ─▶ Session + resolver ─▶ run-dir record
     attach ─▶ [thread] attach.attach  ─▶ journal ─▶ Session + resolver ─▶ run-dir record
@@ -185,6 +186,7 @@ class Registry:
     async def _create(
         self, policy_text: str, uplink_netns: str | None, upstream: str | None
     ) -> Served:
+        started = time.monotonic()
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
         sb = await _in_thread(
@@ -195,7 +197,7 @@ class Registry:
             policy=policy_text, freezer=sb.cgroup.freezer_path, uplink_netns=uplink_netns,
             upstream=upstream, created_at=time.time(), daemon_pid=os.getpid(), uid=sb.uid,
         )  # fmt: skip
-        return await self._serve(sb, record, upstreams, fresh=True)
+        return await self._serve(sb, record, upstreams, fresh=True, started=started)
 
     async def attach(
         self,
@@ -229,6 +231,7 @@ class Registry:
         sandbox_id: str | None,
         owner: str | None,
     ) -> Served:
+        started = time.monotonic()
         policy = parse(policy_text)
         upstreams = _upstreams(policy, upstream)
         sid = self._claim_id(sandbox_id)
@@ -246,7 +249,7 @@ class Registry:
                 upstream=upstream, lo_raised=lo_raised, created_at=time.time(),
                 daemon_pid=os.getpid(), owner=owner, netns_inode=list(_inode(netns_ref)),
             )  # fmt: skip
-            return await self._serve(sb, record, upstreams, fresh=True)
+            return await self._serve(sb, record, upstreams, fresh=True, started=started)
         finally:
             self._claimed.discard(sid)
 
@@ -290,18 +293,23 @@ class Registry:
         upstreams: builtins.list[tuple[str, int]],
         fresh: bool,
         handed: handoff.Handed | None = None,
+        started: float | None = None,
     ) -> Served:
-        """Serve a made (or adopted) sandbox; on failure a fresh one is torn down again."""
+        """Serve a made (or adopted) sandbox; on failure a fresh one is torn down again.
+        ``started``: when its create or attach began (monotonic), for its create_ms."""
         session: Session | None = None
         resolver: TrackingResolver | None = None
+        # A fresh sandbox's create_ms: its steps after lifecycle's (from when the worker
+        # thread's result reached this loop), and in all from the request's start.
         mark = time.monotonic()
 
-        def done(step: str) -> None:  # a fresh sandbox's create_ms, after lifecycle's steps
+        def done(step: str) -> None:
             nonlocal mark
             now = time.monotonic()
             if fresh:
                 sb.create_steps_ms[step] = round((now - mark) * 1000, 2)
-                sb.created_s += now - mark
+                if started is not None:
+                    sb.created_s = now - started
             mark = now
 
         try:

@@ -1,7 +1,7 @@
 """Kernel adapters: the only code that talks to netlink, libnftables, NFLOG, NFQUEUE and
 cgroupfs.
 
-    netns.py       network namespaces, veth pairs, addresses, routes, sysctls (pyroute2, setns)
+    netns.py       network namespaces, sysctls, link lookups and teardown (pyroute2, setns)
     rtnl.py        a sandbox's veth, addresses and routes as packed rtnetlink batches
     nft.py         one libnftables handle per namespace: atomic loads, sets, counters
     nft_worker.py  libnftables in a child process, for egressd's many descriptors

@@ -3,8 +3,9 @@
 Every sandbox lives in a named netns (bind-mounted at /run/netns/NAME exactly like
 ``ip netns add``, so ``ip netns exec`` works on it) wired to an uplink by a veth pair.
 Creating one must stay well under 100 ms, so nothing here forks: namespaces are made
-with unshare+bind-mount on the calling thread, and links are set up over rtnetlink
-(pyroute2) from a socket opened while the thread is switched into the target netns.
+with unshare+bind-mount on the calling thread, and links are looked up, changed and
+deleted over rtnetlink (pyroute2) from a socket opened while the thread is switched into
+the target netns. A sandbox's own veth, addresses and routes go as batches (rtnl.py).
 
 Namespace switches apply to the calling thread only (setns(2) semantics), so these
 helpers are safe to call from any thread, but a thread must not run unrelated network

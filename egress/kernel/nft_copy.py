@@ -5,8 +5,10 @@ nft's own syntax cannot write), and each iptables-nft exec costs 3-7 ms of a cre
 the rule is made by iptables-nft once per process; ``capture`` reads back what it made
 (the tables, their chains and rules, as the kernel dumps them) and ``apply`` sends the
 same objects to each new netns in one transaction: what iptables-nft would have written,
-without the exec. Only what identifies an object in the netns it was read from (handles,
-use counts, ids, positions) is left out; everything else goes as the kernel dumped it.
+without the exec. Left out is what identifies an object in the netns it was read from
+(handles, use counts, ids, positions) and what is not the tool's to say (a table's owner,
+chain counters); the rest goes as the kernel dumped it, the rule's counter expression with
+the counts it had when read (none: it is read before the netns has any traffic).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ NEWTABLE, GETTABLE, NEWCHAIN, GETCHAIN, NEWRULE, GETRULE = 0, 1, 3, 4, 6, 7
 _BATCH_BEGIN, _BATCH_END, _ERROR, _DONE = 0x10, 0x11, 2, 3
 _REQUEST, _ACK, _DUMP, _CREATE, _APPEND = 0x1, 0x4, 0x300, 0x400, 0x800
 # Attributes kept per object (linux/netfilter/nf_tables.h): table NAME FLAGS USERDATA;
-# chain TABLE NAME HOOK POLICY TYPE FLAGS USERDATA; rule TABLE CHAIN EXPRESSIONS COMPAT
-# USERDATA. Left out: handles, USE, PAD, ids, positions, owner, chain counters.
-_KEEP = {NEWTABLE: {1, 2, 6}, NEWCHAIN: {1, 3, 4, 5, 7, 10, 12}, NEWRULE: {1, 2, 4, 5, 7}}
+# chain TABLE NAME HOOK POLICY TYPE FLAGS USERDATA; rule TABLE CHAIN EXPRESSIONS USERDATA.
+# Left out: handles, USE, PAD, ids, positions, the table's owner, chain counters.
+_KEEP = {NEWTABLE: {1, 2, 6}, NEWCHAIN: {1, 3, 4, 5, 7, 10, 12}, NEWRULE: {1, 2, 4, 7}}
+_TABLE_FLAGS, _RULE_EXPRESSIONS = 2, 4
 _TABLE_ATTR = {NEWTABLE: 1, NEWCHAIN: 1, NEWRULE: 1}  # where each names its table
 _FLAGS = {NEWTABLE: _CREATE, NEWCHAIN: _CREATE, NEWRULE: _CREATE | _APPEND}
 
@@ -41,6 +44,18 @@ class Copy:
 
     def count(self, kind: int) -> int:
         return sum(1 for k, _, _ in self.objects if k == kind)
+
+    def plain(self) -> bool:
+        """Tables without flags (a dormant or owned table would not be what the tool made
+        for itself: an owned one goes when ``apply``'s socket closes) and rules that all
+        carry expressions (a dump read short would lose them)."""
+        for kind, _, attrs in self.objects:
+            found = dict(_attrs(attrs, 0, len(attrs)))
+            if kind == NEWTABLE and found.get(_TABLE_FLAGS, b"\0" * 8)[4:8] != b"\0" * 4:
+                return False
+            if kind == NEWRULE and _RULE_EXPRESSIONS not in found:
+                return False
+        return True
 
 
 def _socket(netns: str | None) -> socket.socket:

@@ -38,19 +38,23 @@ def install(netns: str | None, rule: Sequence[str], check: bool = False) -> None
         return
     key = tuple(rule)
     copy = _copies.get(key)
-    if copy is not None:
+    if copy is not None and copy is not _EXEC_ONLY:
         try:
             nft_copy.apply(copy, netns)
             return
-        except OSError as exc:  # the kernel changed under us? iptables-nft knows best
+        except OSError as exc:  # iptables-nft knows best; and from now on it does it all
             print(f"egress: copying the NFQUEUE rule into {netns} failed ({exc}); "
-                  "running iptables-nft", file=sys.stderr, flush=True)  # fmt: skip
-            _copies.pop(key, None)
+                  "running iptables-nft for this and later sandboxes", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            _copies[key] = _EXEC_ONLY
     _exec_both(netns, rule)
+    if key in _copies:
+        return
     with contextlib.suppress(OSError):
         made = nft_copy.capture(netns, _FAMILIES, "mangle")
         # Exactly what a fresh netns gets: a table, its chain, the one rule, per family.
-        if all(made.count(k) == len(_FAMILIES) for k in (nft_copy.NEWTABLE, nft_copy.NEWRULE)):
+        counts = (made.count(k) == len(_FAMILIES) for k in (nft_copy.NEWTABLE, nft_copy.NEWRULE))
+        if all(counts) and made.plain():
             _copies[key] = made
 
 
@@ -58,6 +62,7 @@ def install(netns: str | None, rule: Sequence[str], check: bool = False) -> None
 # (egress.kernel.nft_copy) and copied into the next fresh netns in one batch: each exec
 # of iptables-nft cost 3-7 ms of a create. Only for netns egress made (no ``check``).
 _copies: dict[tuple[str, ...], nft_copy.Copy] = {}
+_EXEC_ONLY = nft_copy.Copy(())  # a copy was refused once: iptables-nft from then on
 _FAMILIES = (2, 10)  # NFPROTO_IPV4, NFPROTO_IPV6
 
 

@@ -38,6 +38,7 @@ IFA_ADDRESS, IFA_LOCAL, IFA_F_NODAD = 1, 2, 0x02
 RTA_OIF, RTA_GATEWAY = 4, 5
 RT_TABLE_MAIN, RTPROT_STATIC, RTN_UNICAST = 254, 4, 1
 LOOPBACK_INDEX = 1  # the kernel gives lo ifindex 1 in every netns
+TIMEOUT_S = 5.0
 
 
 def _attr(kind: int, payload: bytes) -> bytes:
@@ -102,12 +103,18 @@ class Rtnl:
         self.where = netns or "host netns"
         try:
             with in_netns(netns):
-                self._sock = socket.socket(
+                sock = socket.socket(
                     socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
                 )
-            self._sock.bind((0, 0))
         except OSError as exc:
             raise SandboxError(f"open rtnetlink in {self.where}: {exc.strerror}") from None
+        try:
+            sock.bind((0, 0))
+            sock.settimeout(TIMEOUT_S)
+        except OSError as exc:
+            sock.close()
+            raise SandboxError(f"open rtnetlink in {self.where}: {exc.strerror}") from None
+        self._sock = sock
         self._seq = 0
 
     def close(self) -> None:
@@ -122,7 +129,7 @@ class Rtnl:
             self._seq += 1
             out += _HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_ACK | flags,
                              self._seq, 0) + body  # fmt: skip
-        self._sock.sendall(out)
+        self._send(bytes(out), "send")
         errors = {}
         for seq, code, _ in self._replies(first, len(batch.steps)):
             if code:
@@ -137,8 +144,8 @@ class Rtnl:
         """The ifindex of a link by name."""
         self._seq += 1
         body = _IFINFO.pack(0, 0, 0, 0, 0) + _name(ifname)
-        self._sock.sendall(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST,
-                                     self._seq, 0) + body)  # fmt: skip
+        self._send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, self._seq, 0)
+                   + body, f"look up {ifname}")  # fmt: skip
         for _, code, payload in self._replies(self._seq, 1):
             if code == -errno.ENODEV:
                 raise SandboxError(f"no link {ifname} in {self.where}")
@@ -147,14 +154,25 @@ class Rtnl:
             return int(_IFINFO.unpack_from(payload)[2])
         raise AssertionError("unreachable")
 
+    def _send(self, data: bytes, what: str) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise SandboxError(f"rtnetlink {what} in {self.where}: {exc}") from None
+
     def _replies(self, first: int, count: int) -> Iterator[tuple[int, int, bytes]]:
         """(seq, error code or 0, payload) of one reply per request ``first``..."""
         seen = 0
         while seen < count:
-            buf = self._sock.recv(65536)
+            try:
+                buf = self._sock.recv(65536)
+            except OSError as exc:  # a timeout too: the kernel answers at once or never
+                raise SandboxError(f"rtnetlink answer in {self.where}: {exc}") from None
             at = 0
             while at + _HDR.size <= len(buf):
                 length, kind, _, seq, _ = _HDR.unpack_from(buf, at)
+                if length < _HDR.size:
+                    raise SandboxError(f"rtnetlink answer in {self.where}: malformed")
                 payload = buf[at + _HDR.size : at + length]
                 at += (length + 3) & ~3
                 if not first <= seq < first + count or kind == NLMSG_DONE:

@@ -4,7 +4,8 @@
     NFLOG ─▶ spawn CMD ─▶ wait ─▶ stop observer ─▶ teardown ─▶ report
 
 Teardown runs on every path out, Ctrl-C included, unless ``keep`` is set. The sandbox is
-created and destroyed outside the event loop: pyroute2's synchronous API runs its own.
+created and destroyed outside the event loop: both block, and pyroute2's synchronous API
+(teardown's) runs an event loop of its own.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 from egress.datapath.addressing import Pools, SandboxNet, first_free_spans
 from egress.errors import SandboxError
 from egress.store import uids
-from egress.store.paths import private_dir, run_dir, tighten, write_private
+from egress.store.paths import private_dir, run_dir, tighten, workloads_dir, write_private
 
 
 @dataclass
@@ -171,6 +171,12 @@ def claim(
     with locked():
         if (sandboxes_dir() / f"{sandbox_id}.json").exists():
             raise IdTaken(f"sandbox id {sandbox_id} is taken already")
+        # Names every run dir on the host shares: another run dir's live sandbox with this
+        # id has them, and a failed create's undo would remove its workload files.
+        if os.path.lexists(f"/run/netns/egress-{sandbox_id}") or os.path.lexists(
+            workloads_dir() / sandbox_id
+        ):
+            raise IdTaken(f"sandbox id {sandbox_id} is in use on this host")
         holdings = _holdings()
         net = first_free_spans(pools, (s for h in holdings for s in h.spans4),
                                (s for h in holdings for s in h.spans6))  # fmt: skip

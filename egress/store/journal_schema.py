@@ -332,8 +332,8 @@ def begin_immediate(conn: sqlite3.Connection, timeout_s: float) -> None:
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    return code == sqlite3.SQLITE_BUSY if code is not None else "locked" in str(exc)
+    code = getattr(exc, "sqlite_errorcode", None)  # the extended code: BUSY_RECOVERY too
+    return code & 0xFF == sqlite3.SQLITE_BUSY if code is not None else "locked" in str(exc)
 
 
 JOURNAL_FILES = ("", "-wal", "-shm")  # the database and SQLite's companions

@@ -100,3 +100,23 @@ def test_create_draws_another_id_for_one_used_before(
     finally:
         sb.destroy()
         claims.release("live01")
+
+
+def test_an_id_another_run_dir_uses_on_this_host_is_refused(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Netns names and workload directories are the host's, not a run dir's: another run
+    # dir's live sandbox with this id holds them, and a failed create's undo would remove
+    # that sandbox's files.
+    monkeypatch.setenv("EGRESS_WORKLOADS_DIR", str(tmp_path / "workloads"))
+    sid = unique("id").replace("-", "")[-12:]
+    netns.create_netns(f"egress-{sid}")
+    try:
+        with pytest.raises(claims.IdTaken, match="in use on this host"):
+            claims.claim(sid, POOLS, None)
+    finally:
+        netns.remove_netns(f"egress-{sid}")
+    (tmp_path / "workloads" / sid).mkdir(parents=True)
+    with pytest.raises(claims.IdTaken, match="in use on this host"):
+        claims.claim(sid, POOLS, None)
+    assert claims.load_all() == []  # nothing claimed by the refusals

@@ -94,6 +94,10 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
         for i, name in enumerate(NAMES):
             boxes.append(daemon.create(policy(f"own{i}", name), lab.uplink_netns))
         print(f"created {len(boxes)} in {time.monotonic() - start:.3f} s")
+        for box in boxes:  # where each create's time went: its steps, within its total
+            steps = {k: v for k, v in box["create_ms"].items() if k != "total"}
+            assert list(steps)[:3] == ["claim", "netns", "veth"] and "serve" in steps
+            assert 0 < sum(steps.values()) <= box["create_ms"]["total"]
         for box, own in zip(boxes, NAMES, strict=True):
             for name, ip in NAMES.items():
                 got = dig(box["netns"], name)

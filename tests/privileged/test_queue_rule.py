@@ -112,4 +112,20 @@ def test_a_copy_the_kernel_refuses_falls_back_to_iptables_nft(fresh: list[str]) 
     )
     queue_rules.install(second, RULE)
     assert listing(second) == listing(first)
-    assert queue_rules._copies[key].objects == good.objects  # read again from this one
+    # Refused once, refused again: later creates run iptables-nft without trying it.
+    assert queue_rules._copies[key] is queue_rules._EXEC_ONLY
+
+
+def test_a_copy_is_kept_only_of_what_a_fresh_netns_got(fresh: list[str]) -> None:
+    first, _ = fresh
+    queue_rules.install(first, RULE)
+    copy = queue_rules._copies[tuple(RULE)]
+    assert copy.plain()
+    # A rule read short (its expressions lost) or an owned table is not iptables-nft's.
+    short = nft_copy.Copy(tuple((k, f, b"") if k == nft_copy.NEWRULE else (k, f, a)
+                                for k, f, a in copy.objects))  # fmt: skip
+    assert not short.plain()
+    owned_flags = b"\x08\x00\x02\x00\x00\x00\x00\x02"  # NFTA_TABLE_FLAGS = OWNER
+    owned = nft_copy.Copy(tuple((k, f, a + owned_flags) if k == nft_copy.NEWTABLE else (k, f, a)
+                                for k, f, a in copy.objects))  # fmt: skip
+    assert not owned.plain()
