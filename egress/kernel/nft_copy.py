@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from egress.kernel.netns import in_netns
@@ -89,25 +90,36 @@ def _attrs(buf: bytes, pos: int, end: int) -> list[tuple[int, bytes]]:
     return out
 
 
-def _dump(sock: socket.socket, kind: int, family: int) -> list[list[tuple[int, bytes]]]:
-    """Every object of one kind and family: its attributes."""
-    sock.send(_msg((_SUBSYS << 8) | kind, _REQUEST | _DUMP, 1, family, 0, b""))
-    found: list[list[tuple[int, bytes]]] = []
+def _replies(sock: socket.socket) -> Iterator[tuple[int, bytes, int, int]]:
+    """Each message the kernel sends: (type, buffer, payload start, end); an ack or error
+    yields its error code's start. Ends only when the caller stops."""
     while True:
         buf = sock.recv(1 << 16)
         pos = 0
         while pos + _HDR.size <= len(buf):
             length, msg_type, _, _, _ = _HDR.unpack_from(buf, pos)
             if length < _HDR.size:
-                raise OSError(0, "malformed nf_tables dump")
-            if msg_type == _DONE:
-                return found
-            if msg_type == _ERROR:
-                err = struct.unpack_from("=i", buf, pos + _HDR.size)[0]
-                raise OSError(-err, os.strerror(-err))
-            start = pos + _HDR.size + _NFGEN.size
-            found.append(_attrs(buf, start, pos + length))
+                raise OSError(0, "malformed nf_tables reply")
+            yield msg_type, buf, pos + _HDR.size, pos + length
             pos += (length + 3) & ~3
+
+
+def _error(buf: bytes, start: int) -> int:
+    return -int(struct.unpack_from("=i", buf, start)[0])
+
+
+def _dump(sock: socket.socket, kind: int, family: int) -> list[list[tuple[int, bytes]]]:
+    """Every object of one kind and family: its attributes."""
+    sock.send(_msg((_SUBSYS << 8) | kind, _REQUEST | _DUMP, 1, family, 0, b""))
+    found: list[list[tuple[int, bytes]]] = []
+    for msg_type, buf, start, end in _replies(sock):
+        if msg_type == _DONE:
+            break
+        if msg_type == _ERROR:
+            code = _error(buf, start)
+            raise OSError(code, os.strerror(code))
+        found.append(_attrs(buf, start + _NFGEN.size, end))
+    return found
 
 
 def capture(netns: str | None, families: tuple[int, ...], table: str) -> Copy:
@@ -132,6 +144,8 @@ def capture(netns: str | None, families: tuple[int, ...], table: str) -> Copy:
 def apply(copy: Copy, netns: str | None) -> None:
     """Create ``copy``'s objects in ``netns`` in one transaction; OSError if the kernel
     refused any (then it made none of them)."""
+    if not copy.objects:
+        return
     batch = bytearray(_msg(_BATCH_BEGIN, _REQUEST, 1, 0, _SUBSYS, b""))
     for seq, (kind, family, attrs) in enumerate(copy.objects, start=2):
         batch += _msg((_SUBSYS << 8) | kind, _REQUEST | _ACK | _FLAGS[kind], seq, family, 0, attrs)
@@ -139,20 +153,15 @@ def apply(copy: Copy, netns: str | None) -> None:
     sock = _socket(netns)
     try:
         sock.send(batch)
-        acked, first_error = 0, 0
-        while acked < len(copy.objects):
-            buf = sock.recv(1 << 16)
-            pos = 0
-            while pos + _HDR.size <= len(buf):
-                length, msg_type, _, _, _ = _HDR.unpack_from(buf, pos)
-                if length < _HDR.size:
-                    raise OSError(0, "malformed nf_tables ack")
-                if msg_type == _ERROR:
-                    acked += 1
-                    err = struct.unpack_from("=i", buf, pos + _HDR.size)[0]
-                    first_error = first_error or -err
-                pos += (length + 3) & ~3
-            if first_error:
-                raise OSError(first_error, os.strerror(first_error))
+        acked = 0
+        for msg_type, buf, start, _ in _replies(sock):
+            if msg_type != _ERROR:
+                continue
+            code = _error(buf, start)
+            if code:  # the transaction is off: nothing of it was made
+                raise OSError(code, os.strerror(code))
+            acked += 1
+            if acked == len(copy.objects):
+                break
     finally:
         sock.close()
