@@ -20,7 +20,10 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
 - egressd's CPU during the DNS load (its nft worker included; percent of one CPU), and
   the observer layer's (`egressd observer`, started beside it; --no-observer leaves it
   out: all its processes) and its PSS. "direct" rising with N says the machine itself
-  (this client, the lab's DNS, both layers on 2 vCPUs) is saturated, not egressd alone.
+  (this client, the lab's DNS, both layers on 2 vCPUs) is saturated, not egressd alone;
+  "host busy%" says it outright: the share of all CPUs busy during the load (/proc/stat);
+- under the row, the median of each create step egressd timed (the sandbox JSON's
+  create_ms) over that step's sequential creates.
 
 After the last step, issue 17's targets for egressd beside what that step measured.
 If a create fails, the figures up to there are printed with the error, and the bench
@@ -133,6 +136,13 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             out[pid] = int(fields[11]) + int(fields[12])
     return out
+
+
+def host_ticks() -> tuple[int, int]:
+    """(busy, all) clock ticks of every CPU since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def children(pid: int) -> list[int]:
@@ -263,6 +273,7 @@ class Step:
     egressd_cpu: float = 0.0  # percent of one CPU during the DNS load, its worker included
     # egressd's own timing of those creates (the sandbox JSON's create_ms): median by step
     create_steps: dict[str, float] = field(default_factory=dict)
+    host_busy: float = 0.0  # percent of all CPUs busy during the DNS load, everyone's work
 
 
 class Bench:
@@ -325,11 +336,14 @@ class Bench:
         watched = self.observer_pids()
         served = [self.daemon.pid, *children(self.daemon.pid)]
         before, t0 = cpu_ticks(watched + served), time.monotonic()
+        host_before = host_ticks()
         try:
             load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct)
         finally:
             direct.close()
         after, dt = cpu_ticks(watched + served), time.monotonic() - t0
+        busy, total = (b - a for a, b in zip(host_before, host_ticks(), strict=True))
+        host_busy = 100 * busy / total if total else 0.0
 
         def cpu(pids: list[int]) -> float:
             used = sum(after[p] - before[p] for p in pids if p in after and p in before)
@@ -340,7 +354,7 @@ class Bench:
             obs_cpu, obs_pss = cpu(watched), pss(self.observer_pids())
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
                     load.answered / wall, obs_cpu, obs_pss, cpu(served),
-                    self.create_steps())  # fmt: skip
+                    self.create_steps(), host_busy)  # fmt: skip
 
     def create_steps(self) -> dict[str, float]:
         """Median ms of each create step egressd timed, over this step's sequential creates."""
@@ -403,7 +417,8 @@ def show_header(args: argparse.Namespace) -> None:
         f"{'N':>4} {'RSS MB':>7} {'+kids':>6} {'fds':>5} {'MB/sbx':>7} "
         f"{'create p50/p95 ms':>18} {'seq/s':>6} {'burst/s':>8} {'del/s':>6} "
         f"{'hit p50/p99 ms':>15} {'miss p50/p99 ms':>16} {'direct p50/p99':>15} "
-        f"{'qps':>6} {'lost':>5} {'bad':>4} {'CPU%':>5} {'obs CPU%':>8} {'obs PSS MB':>10}"
+        f"{'qps':>6} {'lost':>5} {'bad':>4} {'CPU%':>5} {'obs CPU%':>8} {'obs PSS MB':>10} "
+        f"{'host busy%':>10}"
     )
 
 
@@ -427,7 +442,7 @@ def show(step: Step, first: Step | None) -> None:
         f"{step.seq_rate:>6.1f} {rate(step.burst_rate):>8} {rate(step.burst_delete_rate):>6} "
         f"{hit:>15} {miss:>16} {direct:>15} {step.qps:>6.0f} {ld.lost:>5} {ld.bad:>4} "
         f"{step.egressd_cpu:>5.0f} {_num(step.observer_cpu, 0):>8} "
-        f"{_num(step.observer_pss, 1):>10}",
+        f"{_num(step.observer_pss, 1):>10} {step.host_busy:>10.0f}",
         flush=True,
     )
     for x in (step.burst_rate, step.burst_delete_rate):
