@@ -40,6 +40,12 @@ def attr(kind: int, data: bytes) -> bytes:
     return raw + b"\0" * (-len(raw) % 4)
 
 
+def message(kind: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
+    """A netfilter netlink message: header, ``nfgenmsg`` (family, res_id), body."""
+    payload = NFGEN.pack(family, 0, res_id) + body
+    return HDR.pack(HDR.size + len(payload), kind, flags, seq, 0) + payload
+
+
 def iter_attrs(buf: bytes, pos: int, end: int) -> dict[int, bytes]:
     attrs: dict[int, bytes] = {}
     while pos + 4 <= end:
@@ -121,8 +127,7 @@ class NfnlListener(Generic[T]):
 
     def _message(self, msg_type: int, flags: int, attrs: bytes) -> bytes:
         self._seq += 1
-        body = NFGEN.pack(socket.AF_UNSPEC, 0, self._res_id) + attrs
-        return HDR.pack(HDR.size + len(body), msg_type, flags, self._seq, 0) + body
+        return message(msg_type, flags, self._seq, socket.AF_UNSPEC, self._res_id, attrs)
 
     def _config(self, what: str, attrs: bytes) -> None:
         """Send a config message for our resource and wait for the kernel's ack."""

@@ -20,10 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from egress.kernel.netns import in_netns
+from egress.kernel.nfnetlink import HDR, NETLINK_NETFILTER, NFGEN, message
 
-NETLINK_NETFILTER = 12
-_HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
-_NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, res_id
 _SUBSYS = 10  # NFNL_SUBSYS_NFTABLES
 NEWTABLE, GETTABLE, NEWCHAIN, GETCHAIN, NEWRULE, GETRULE = 0, 1, 3, 4, 6, 7
 _BATCH_BEGIN, _BATCH_END, _ERROR, _DONE = 0x10, 0x11, 2, 3
@@ -72,11 +70,6 @@ def _socket(netns: str | None) -> socket.socket:
     return sock
 
 
-def _msg(kind: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
-    payload = _NFGEN.pack(family, 0, res_id) + body
-    return _HDR.pack(_HDR.size + len(payload), kind, flags, seq, 0) + payload
-
-
 def _attrs(buf: bytes, pos: int, end: int) -> list[tuple[int, bytes]]:
     """(type without flags, the attribute's raw bytes, padded) in order."""
     out = []
@@ -96,11 +89,11 @@ def _replies(sock: socket.socket) -> Iterator[tuple[int, bytes, int, int]]:
     while True:
         buf = sock.recv(1 << 16)
         pos = 0
-        while pos + _HDR.size <= len(buf):
-            length, msg_type, _, _, _ = _HDR.unpack_from(buf, pos)
-            if length < _HDR.size:
+        while pos + HDR.size <= len(buf):
+            length, msg_type, _, _, _ = HDR.unpack_from(buf, pos)
+            if length < HDR.size:
                 raise OSError(0, "malformed nf_tables reply")
-            yield msg_type, buf, pos + _HDR.size, pos + length
+            yield msg_type, buf, pos + HDR.size, pos + length
             pos += (length + 3) & ~3
 
 
@@ -110,7 +103,7 @@ def _error(buf: bytes, start: int) -> int:
 
 def _dump(sock: socket.socket, kind: int, family: int) -> list[list[tuple[int, bytes]]]:
     """Every object of one kind and family: its attributes."""
-    sock.send(_msg((_SUBSYS << 8) | kind, _REQUEST | _DUMP, 1, family, 0, b""))
+    sock.send(message((_SUBSYS << 8) | kind, _REQUEST | _DUMP, 1, family, 0, b""))
     found: list[list[tuple[int, bytes]]] = []
     for msg_type, buf, start, end in _replies(sock):
         if msg_type == _DONE:
@@ -118,7 +111,7 @@ def _dump(sock: socket.socket, kind: int, family: int) -> list[list[tuple[int, b
         if msg_type == _ERROR:
             code = _error(buf, start)
             raise OSError(code, os.strerror(code))
-        found.append(_attrs(buf, start + _NFGEN.size, end))
+        found.append(_attrs(buf, start + NFGEN.size, end))
     return found
 
 
@@ -146,10 +139,12 @@ def apply(copy: Copy, netns: str | None) -> None:
     refused any (then it made none of them)."""
     if not copy.objects:
         return
-    batch = bytearray(_msg(_BATCH_BEGIN, _REQUEST, 1, 0, _SUBSYS, b""))
+    batch = bytearray(message(_BATCH_BEGIN, _REQUEST, 1, 0, _SUBSYS, b""))
     for seq, (kind, family, attrs) in enumerate(copy.objects, start=2):
-        batch += _msg((_SUBSYS << 8) | kind, _REQUEST | _ACK | _FLAGS[kind], seq, family, 0, attrs)
-    batch += _msg(_BATCH_END, _REQUEST, len(copy.objects) + 2, 0, _SUBSYS, b"")
+        batch += message(
+            (_SUBSYS << 8) | kind, _REQUEST | _ACK | _FLAGS[kind], seq, family, 0, attrs
+        )
+    batch += message(_BATCH_END, _REQUEST, len(copy.objects) + 2, 0, _SUBSYS, b"")
     sock = _socket(netns)
     try:
         sock.send(batch)

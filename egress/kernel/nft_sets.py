@@ -17,6 +17,7 @@ import struct
 
 from egress.datapath import constants as c
 from egress.kernel.netns import in_netns
+from egress.kernel.nfnetlink import attr, message
 
 SET_UPDATE_DEADLINE_S = 0.100  # slower than this and the answer becomes SERVFAIL
 
@@ -41,7 +42,7 @@ class NetlinkSets:
         except OSError:
             self._sock.close()
             raise
-        self._table = _nla(_LIST_TABLE, table.encode() + b"\0")
+        self._table = attr(_LIST_TABLE, table.encode() + b"\0")
         self._seq = 0
 
     def close(self) -> None:
@@ -49,7 +50,7 @@ class NetlinkSets:
 
     def add(self, set_name: str, elements: tuple[str, ...], timeout_s: int) -> None:
         """Add (or refresh) the elements; returns once the kernel acked, else OSError."""
-        timeout = _nla(_ELEM_TIMEOUT, struct.pack("!Q", timeout_s * 1000))
+        timeout = attr(_ELEM_TIMEOUT, struct.pack("!Q", timeout_s * 1000))
         self._send(_NEWSETELEM, _NEWSETELEM_FLAGS, set_name, elements, timeout)
 
     def delete(self, set_name: str, elements: tuple[str, ...]) -> None:
@@ -60,15 +61,15 @@ class NetlinkSets:
         self, kind: int, flags: int, set_name: str, elements: tuple[str, ...], extra: bytes
     ) -> None:
         items = b"".join(
-            _nla(_LIST_ELEM | _NESTED, _nla(_ELEM_KEY | _NESTED, _nla(1, _key(e))) + extra)
+            attr(_LIST_ELEM | _NESTED, attr(_ELEM_KEY | _NESTED, attr(1, _key(e))) + extra)
             for e in elements
         )
-        body = self._table + _nla(_LIST_SET, set_name.encode() + b"\0")
-        body += _nla(_LIST_ELEMENTS | _NESTED, items)
+        body = self._table + attr(_LIST_SET, set_name.encode() + b"\0")
+        body += attr(_LIST_ELEMENTS | _NESTED, items)
         seq = self._seq = (self._seq + 3) & 0x7FFFFFFF
-        batch = _nlmsg(_BATCH_BEGIN, 1, seq, 0, _SUBSYS_NFTABLES, b"")
-        batch += _nlmsg(kind, flags, seq + 1, _NFPROTO_INET, 0, body)
-        batch += _nlmsg(_BATCH_END, 1, seq + 2, 0, _SUBSYS_NFTABLES, b"")
+        batch = message(_BATCH_BEGIN, 1, seq, 0, _SUBSYS_NFTABLES, b"")
+        batch += message(kind, flags, seq + 1, _NFPROTO_INET, 0, body)
+        batch += message(_BATCH_END, 1, seq + 2, 0, _SUBSYS_NFTABLES, b"")
         self._sock.send(batch)
         self._await_ack(seq + 1)
 
@@ -98,16 +99,6 @@ _NESTED = 0x8000
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS, _LIST_ELEM = 1, 2, 3, 1
 _ELEM_KEY, _ELEM_TIMEOUT = 1, 4
 _PROTOS = {"tcp": 6, "udp": 17}
-
-
-def _nla(kind: int, payload: bytes) -> bytes:
-    n = 4 + len(payload)
-    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n % 4)
-
-
-def _nlmsg(kind: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
-    body = struct.pack("=BBH", family, 0, socket.htons(res_id)) + body
-    return struct.pack("=IHHII", 16 + len(body), kind, flags, seq, 0) + body
 
 
 def _key(element: str) -> bytes:

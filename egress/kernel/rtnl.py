@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from egress.errors import SandboxError
 from egress.kernel.netns import in_netns
+from egress.kernel.nfnetlink import attr  # netlink attributes are the same in every family
 
 _HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 _IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, type, index, flags, change
@@ -41,13 +42,8 @@ LOOPBACK_INDEX = 1  # the kernel gives lo ifindex 1 in every netns
 TIMEOUT_S = 5.0
 
 
-def _attr(kind: int, payload: bytes) -> bytes:
-    head = struct.pack("=HH", 4 + len(payload), kind)
-    return head + payload + b"\0" * (-len(payload) % 4)
-
-
 def _name(ifname: str) -> bytes:
-    return _attr(IFLA_IFNAME, ifname.encode() + b"\0")
+    return attr(IFLA_IFNAME, ifname.encode() + b"\0")
 
 
 @dataclass
@@ -62,9 +58,9 @@ class Batch:
     def veth(self, ifname: str, peer: str, peer_netns_fd: int) -> None:
         """A veth pair: ``ifname`` here, ``peer`` in the netns of that fd."""
         peer_msg = _IFINFO.pack(0, 0, 0, 0, 0) + _name(peer)
-        peer_msg += _attr(IFLA_NET_NS_FD, struct.pack("=I", peer_netns_fd))
-        data = _attr(IFLA_INFO_DATA, _attr(VETH_INFO_PEER, peer_msg))
-        info = _attr(IFLA_LINKINFO, _attr(IFLA_INFO_KIND, b"veth\0") + data)
+        peer_msg += attr(IFLA_NET_NS_FD, struct.pack("=I", peer_netns_fd))
+        data = attr(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer_msg))
+        info = attr(IFLA_LINKINFO, attr(IFLA_INFO_KIND, b"veth\0") + data)
         body = _IFINFO.pack(0, 0, 0, 0, 0) + _name(ifname) + info
         self._add(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body, f"create veth {ifname}/{peer}")
 
@@ -83,7 +79,7 @@ class Batch:
             0,  # RT_SCOPE_UNIVERSE
             index,
         )
-        body = head + _attr(IFA_LOCAL, packed) + _attr(IFA_ADDRESS, packed)
+        body = head + attr(IFA_LOCAL, packed) + attr(IFA_ADDRESS, packed)
         what = f"add address {with_prefix} to {ifname}"
         self._add(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body, what)
 
@@ -91,7 +87,7 @@ class Batch:
         gw = ipaddress.ip_address(gateway)
         family = socket.AF_INET6 if gw.version == 6 else socket.AF_INET
         head = _RTMSG.pack(family, 0, 0, 0, RT_TABLE_MAIN, RTPROT_STATIC, 0, RTN_UNICAST, 0)
-        body = head + _attr(RTA_GATEWAY, gw.packed) + _attr(RTA_OIF, struct.pack("=I", oif))
+        body = head + attr(RTA_GATEWAY, gw.packed) + attr(RTA_OIF, struct.pack("=I", oif))
         what = f"add default route via {gateway}"
         self._add(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body, what)
 
