@@ -262,13 +262,8 @@ class Registry:
         )
 
     def _claim_id(self, wanted: str | None) -> str:
-        if wanted is None:  # drawn: a taken one means another draw
-            wanted = next(
-                (i for i in (sbx.new_id() for _ in range(sbx.ID_DRAWS)) if not self._id_taken(i)),
-                None,
-            )
-            if wanted is None:
-                raise SandboxError(f"{sbx.ID_DRAWS} sandbox ids drawn were all taken")
+        if wanted is None:
+            wanted = sbx.draw_id(self._id_taken)
         elif not _ID.match(wanted):
             raise SandboxError(f"sandbox id {wanted!r}: use 1-32 of a-z 0-9 _ - (first a-z0-9)")
         if self._id_taken(wanted):

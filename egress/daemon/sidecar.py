@@ -262,12 +262,8 @@ def _lock(state: Path) -> IO[bytes]:
 def _sandbox_id(journal: Journal, wanted: str | None, cgroup: Cgroup) -> tuple[str, bool]:
     """(id, whether the journal already holds it): a restart with the same --id and
     --cgroup continues the sandbox's record; another cgroup's id is refused."""
-    if wanted is None:  # drawn: one the journal holds (an ended sandbox's) means another
-        for _ in range(sbx.ID_DRAWS):
-            drawn = sbx.new_id()
-            if journal.sandbox(drawn) is None:
-                return drawn, False
-        raise SandboxError(f"{sbx.ID_DRAWS} sandbox ids drawn were all taken")
+    if wanted is None:  # not one the journal holds (an ended sandbox's)
+        return sbx.draw_id(lambda drawn: journal.sandbox(drawn) is not None), False
     if not SANDBOX_ID.match(wanted):
         raise SandboxError(f"sandbox id {wanted!r}: use 1-32 of a-z 0-9 _ - (first a-z0-9)")
     row = journal.sandbox(wanted)

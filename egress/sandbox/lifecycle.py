@@ -84,6 +84,15 @@ def _unwind(undo: list[tuple[str, Callable[[], None]]]) -> list[str]:
 ID_DRAWS = 8  # a taken id means another draw; 8 taken in a row is a full id space
 
 
+def draw_id(taken: Callable[[str], bool] | None = None) -> str:
+    """A new sandbox id that ``taken`` does not refuse (ids are random: another draw)."""
+    for _ in range(ID_DRAWS):
+        drawn = new_id()
+        if taken is None or not taken(drawn):
+            return drawn
+    raise SandboxError(f"{ID_DRAWS} sandbox ids drawn were all taken")
+
+
 def create(
     policy: Policy,
     pools: Pools,
@@ -104,18 +113,13 @@ def create(
     start = time.monotonic()
     undo: list[tuple[str, Callable[[], None]]] = []
     try:
-        for attempt in range(ID_DRAWS):  # ids are random: a taken one means another draw
-            sandbox_id = new_id()
-            last = attempt == ID_DRAWS - 1
-            if id_taken is not None and id_taken(sandbox_id):
-                if last:
-                    raise SandboxError(f"{ID_DRAWS} sandbox ids drawn were all taken")
-                continue
+        for attempt in range(ID_DRAWS):  # an id a claim refuses means another draw too
+            sandbox_id = draw_id(id_taken)
             try:
                 claim = claims.claim(sandbox_id, pools, uplink_netns, uid_range)
                 break
             except claims.IdTaken:
-                if last:
+                if attempt == ID_DRAWS - 1:
                     raise
         # Last out: the claim goes with the uplink table check, under one lock, so of
         # sandboxes ending together exactly the last one removes the shared table.

@@ -42,6 +42,11 @@ class IdTaken(SandboxError):
     """Another claim has this sandbox id (random ids collide, rarely): pick another."""
 
 
+def netns_name(sandbox_id: str) -> str:
+    """The sandbox's netns name: the host's, shared by every run dir."""
+    return f"egress-{sandbox_id}"
+
+
 def sandboxes_dir() -> Path:
     return run_dir() / "sandboxes"
 
@@ -173,7 +178,7 @@ def claim(
             raise IdTaken(f"sandbox id {sandbox_id} is taken already")
         # Names every run dir on the host shares: another run dir's live sandbox with this
         # id has them, and a failed create's undo would remove its workload files.
-        if os.path.lexists(f"/run/netns/egress-{sandbox_id}") or os.path.lexists(
+        if os.path.lexists(f"/run/netns/{netns_name(sandbox_id)}") or os.path.lexists(
             workloads_dir() / sandbox_id
         ):
             raise IdTaken(f"sandbox id {sandbox_id} is in use on this host")
@@ -196,7 +201,7 @@ def _save_new(sandbox_id: str, net: SandboxNet, uplink_netns: str | None, uid: i
         index=net.index,
         net4=str(net.net4),
         net6=str(net.net6),
-        netns=f"egress-{sandbox_id}",
+        netns=netns_name(sandbox_id),
         host_if=f"eg-{sandbox_id}",
         uplink_netns=uplink_netns,
         owner_pid=os.getpid(),
