@@ -557,6 +557,62 @@ def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(
         daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
+def test_a_later_sandbox_of_one_egressd_binds_connections_to_their_names_too(
+    daemon: Egressd, lab: Lab
+) -> None:
+    """egressd's first sandbox gets its NFQUEUE rule from iptables-nft, the later ones a
+    copy of it (kernel.nft_copy). From inside the second of two, as nobody: a request for
+    the allowed name reaches the lab; one for another name on the same address is held,
+    judged, frozen, and never reaches the lab's web server."""
+    boxes = [daemon.create(policy(f"bind{i}", "allowed.lab.test"), lab.uplink_netns)
+             for i in range(2)]  # fmt: skip
+    box = boxes[1]
+    token = unique("bind")
+    exec_ = [sys.executable, "-m", "egress.cli.main", "sandbox", "exec", "--daemon",
+             daemon.socket, "--user", str(NOBODY), box["id"], "--"]  # fmt: skip
+    script = f"""
+import socket
+ip = socket.gethostbyname("allowed.lab.test")
+for host in ("allowed.lab.test", "https.lab.test"):
+    s = socket.create_connection((ip, 80), timeout=20)
+    head = "GET /{token} HTTP/1.1\\r\\nHost: " + host + "\\r\\nConnection: close\\r\\n\\r\\n"
+    s.sendall(head.encode())
+    try:
+        print(host, "answered" if s.recv(100) else "closed", flush=True)
+    except OSError as exc:
+        print(host, "refused", type(exc).__name__, flush=True)
+    s.close()
+"""
+    proc = subprocess.Popen([*exec_, SYSTEM_PYTHON, "-c", script], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split()[:2] == ["allowed.lab.test", "answered"]
+
+        def mismatch() -> list[dict[str, Any]]:
+            with Journal.open(daemon.state) as journal:
+                found = journal.violations(box["id"])
+            return [v for v in found if v["class"] == "name_mismatch"]
+
+        wait_until(lambda: bool(mismatch()))
+        [v] = mismatch()
+        assert v["action"] == "freeze" and "https.lab.test" in str(v["detail"]), v
+        assert wait_frozen(Cgroup.attach_existing(box["cgroup"], box.get("freezer")))
+        daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/kill", {})
+        proc.wait(timeout=20)
+        # What reached the lab: the allowed request, and nothing for the other name.
+        seen = [r["host"] for r in lab.requests() if token in str(r.get("path"))]
+        assert seen == ["allowed.lab.test"], seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+        for b in boxes:
+            daemon.client.call("DELETE", f"/v1/sandboxes/{b['id']}")
+
+
 def test_log_journal_prints_each_event_once_as_a_json_line(lab: Lab, state_dir: Path) -> None:
     """`egressd --log-journal`: what a DaemonSet's log collector reads on stdout, the
     same JSON as `egressctl journal --follow --json`, each event once."""
