@@ -184,7 +184,7 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
         sandbox_id = str(running[-1]["id"])
         cgroup = Cgroup.open(sandbox_id)
         for _ in range(n):
-            before = len(journal.freezes(sandbox_id, limit=100000))
+            before = bf.newest_freeze(journal, sandbox_id)
             t0 = time.time()
             run.write(b"x")
             lat.append(bf.await_confirmed_freeze(journal, sandbox_id, before, t0))

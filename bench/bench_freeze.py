@@ -151,7 +151,7 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
         lat = []
         assert work.stdin is not None
         for _ in range(n):
-            before = len(journal.freezes(sb.id, limit=100000))
+            before = newest_freeze(journal, sb.id)
             t0 = time.time()
             work.stdin.write(b"x")
             work.stdin.flush()
@@ -176,17 +176,27 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
         sb.destroy()
 
 
+def newest_freeze(journal: Journal, sandbox_id: str) -> int:
+    """The id of the sandbox's newest freeze (0: none yet): what a round waits to pass."""
+    rows = journal.freezes(sandbox_id, limit=1)
+    return int(rows[0]["id"]) if rows else 0
+
+
 def await_confirmed_freeze(journal: Journal, sandbox_id: str, before: int, t0: float) -> float:
-    """Until the journal holds a freeze beyond the ``before`` it had, confirmed by the
-    kernel: ms from ``t0`` (when the violation was asked for) to that confirmation."""
+    """Until the journal holds a freeze newer than ``before`` (newest_freeze's id),
+    confirmed by the kernel: ms from ``t0`` (when the violation was asked for) to that
+    confirmation. The figure is the confirmation's own time as the enforcer journaled it,
+    so this loop's pace changes only when it notices; it looks once a millisecond, with a
+    one-row read, so the bench does not take the CPUs the path it measures needs (on 2
+    vCPUs a 0.2 ms loop reading every freeze row added ~0.3 ms to the p50 it printed)."""
     deadline = time.monotonic() + 5
     while True:
         if time.monotonic() > deadline:
             raise RuntimeError("no confirmed freeze within 5 s")
-        rows = journal.freezes(sandbox_id, limit=100000)
-        if len(rows) > before and rows[0].get("confirmed_at"):
+        rows = journal.freezes(sandbox_id, limit=1)
+        if rows and int(rows[0]["id"]) > before and rows[0].get("confirmed_at"):
             return float((rows[0]["confirmed_at"] - t0) * 1000)
-        time.sleep(0.0002)
+        time.sleep(0.001)
 
 
 def await_two_sightings(journal: Journal, sandbox_id: str) -> None:
