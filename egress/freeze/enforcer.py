@@ -4,7 +4,9 @@ Both layers (the inline resolver/NFLOG reader and the separate observer process)
 Enforcer for the same sandbox. For each violation it commits the record first (journal
 before act), freezes the cgroup if the policy's action says so, waits for the kernel to
 report it frozen, journals the confirmation, and then, with the sandbox still, reads which
-process did it. Two layers acting on one violation make one freeze and two detections.
+process did it. Two layers acting on one violation make one freeze and two detections;
+a layer whose freeze reaches the cgroup after a person resumed that freeze thaws it
+again (``Journal.thaw_if_resumed``), so no freeze stands with nothing left to decide.
 """
 
 from __future__ import annotations
@@ -95,11 +97,15 @@ class Enforcer:
         self.frozen_keys.add(key)  # only once it froze: a failed freeze is tried again
         return event
 
-    def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent:
-        self.cgroup.freeze()
-        latency_ms = (time.time() - v.at) * 1000
+    def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:
+        asked = time.time()
+        # When the kernel first said frozen (v1 may still be asked after that moment).
+        confirmed = asked + self.cgroup.freeze()
+        latency_ms = (confirmed - v.at) * 1000
         if fid is not None:
-            self._try(lambda: self.journal.confirm_freeze(fid, time.time(), latency_ms))
+            self._try(lambda: self.journal.confirm_freeze(fid, confirmed, latency_ms))
+            if self._try(lambda: self.journal.thaw_if_resumed(fid, self.cgroup.thaw)):
+                return None  # a person had resumed it already: the other layer's freeze
         process = attribute(v, self.cgroup.pids())
         if vid is not None:
             self._try(lambda: self.journal.attach_process(vid, process))

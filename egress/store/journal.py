@@ -34,7 +34,7 @@ import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
@@ -313,19 +313,48 @@ class Journal:
         return int(row["id"])
 
     def confirm_freeze(self, freeze_id: int, confirmed_at: float, latency_ms: float) -> None:
-        """Journal that the cgroup reports frozen; the first confirmation wins."""
+        """Journal that the cgroup reports frozen; the earliest confirmation wins. Both
+        layers confirm one freeze, and the one that froze first may journal it second
+        (the other layer's record commit can take the lock in between)."""
         with self._write(f"confirm freeze {freeze_id}") as conn:
             self._require(conn, "freezes", freeze_id, "freeze")
             conn.execute(
                 "UPDATE freezes SET confirmed_at = ?, latency_ms = ? "
-                "WHERE id = ? AND confirmed_at IS NULL",
-                (confirmed_at, latency_ms, freeze_id),
+                "WHERE id = ? AND (confirmed_at IS NULL OR confirmed_at > ?)",
+                (confirmed_at, latency_ms, freeze_id, confirmed_at),
             )
-            conn.execute(
+            conn.execute(  # a freeze a person already decided does not mark it again
                 "UPDATE sandboxes SET state = 'frozen' WHERE state = 'running' "
-                "AND id = (SELECT sandbox_id FROM freezes WHERE id = ?)",
+                "AND id = (SELECT sandbox_id FROM freezes WHERE id = ? AND decision_id IS NULL)",
                 (freeze_id,),
             )
+
+    def thaw_if_resumed(self, freeze_id: int, thaw: Callable[[], object]) -> bool:
+        """Call ``thaw`` when a person resumed ``freeze_id`` before this layer's freeze of
+        it landed, and no other freeze of the sandbox is open; True when it did.
+
+        Both layers freeze for one violation, each after its own commit. If the first
+        layer froze, a person resumed (journal, then thaw), and only then the second
+        layer's write reached the cgroup, the sandbox would stand frozen with nothing
+        left to decide. The check and the thaw run under the write lock, so a new
+        violation's freeze request (committed before its freeze) cannot slip between
+        them and have its freeze undone.
+        """
+        decided = "SELECT 1 FROM freezes WHERE id = ? AND decision_id IS NOT NULL"
+        if not self._select(decided, (freeze_id,)):
+            return False  # the usual case: a read, no lock
+        with self._write(f"settle freeze {freeze_id}") as conn:
+            row = conn.execute(
+                "SELECT f.sandbox_id, d.action FROM freezes f "
+                "JOIN decisions d ON d.id = f.decision_id WHERE f.id = ?",
+                (freeze_id,),
+            ).fetchone()
+            if row is None or row["action"] != "resume":
+                return False  # a kill reaps it frozen or not
+            if conn.execute(schema.OPEN_FREEZE_SQL, (row["sandbox_id"],)).fetchone():
+                return False
+            thaw()
+            return True
 
     def record_decision(
         self, sandbox_id: str, action: str, uid: int, at: float, note: str = ""

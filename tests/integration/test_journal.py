@@ -401,8 +401,9 @@ def test_freeze_is_idempotent_across_layers(journal: Journal) -> None:
     fid = journal.record_freeze_request("sb1", "observer", vid, T0 + 0.002)
     assert journal.record_freeze_request("sb1", "inline", vid, T0 + 0.003) == fid
     assert journal.record_freeze_request("sb1", "observer", vid, T0 + 0.009) == fid
+    journal.confirm_freeze(fid, T0 + 0.020, 18.0)  # the later one, journaled first
     journal.confirm_freeze(fid, T0 + 0.010, 8.0)
-    journal.confirm_freeze(fid, T0 + 0.020, 18.0)  # the second layer's confirmation
+    journal.confirm_freeze(fid, T0 + 0.030, 28.0)
     [f] = journal.freezes("sb1")
     assert (f["layer"], f["first_violation"], f["requested_at"]) == ("observer", vid, T0 + 0.002)
     assert (f["confirmed_at"], f["latency_ms"], f["decision_id"]) == (T0 + 0.010, 8.0, None)
@@ -412,6 +413,29 @@ def test_freeze_is_idempotent_across_layers(journal: Journal) -> None:
     ]
     sb = journal.sandbox("sb1")
     assert sb is not None and sb["state"] == "frozen"
+
+
+def test_a_freeze_that_lands_after_its_resume_is_thawed_unless_another_is_open(
+    journal: Journal,
+) -> None:
+    """The other layer froze first, a person resumed, then this layer's freeze landed."""
+    vid = journal.record_violation("sb1", _violation())
+    fid = journal.record_freeze_request("sb1", "inline", vid, T0 + 0.001)
+    thawed: list[int] = []
+    assert not journal.thaw_if_resumed(fid, lambda: thawed.append(fid))  # nothing decided
+    journal.record_decision("sb1", "resume", 0, T0 + 1)
+    journal.confirm_freeze(fid, T0 + 1.5, 1500.0)  # the late layer's confirmation
+    sb = journal.sandbox("sb1")
+    assert sb is not None and sb["state"] == "running"  # not marked frozen again
+    assert journal.thaw_if_resumed(fid, lambda: thawed.append(fid))
+    assert thawed == [fid]
+    # A new violation's freeze request is open: its freeze must stand.
+    fid2 = journal.record_freeze_request("sb1", "observer", None, T0 + 2)
+    assert not journal.thaw_if_resumed(fid, lambda: thawed.append(-1))
+    # A kill is not undone.
+    journal.record_decision("sb1", "kill", 0, T0 + 3)
+    assert not journal.thaw_if_resumed(fid2, lambda: thawed.append(-2))
+    assert thawed == [fid]
 
 
 def test_decision_closes_the_open_freeze(journal: Journal) -> None:

@@ -15,12 +15,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from egress.errors import SandboxError
+from egress.freeze.enforcer import Enforcer
 from egress.kernel import cgroup as cg_mod
 from egress.kernel.cgroup import Cgroup, find_mounts, parse_mountinfo
+from egress.model import Action, Flow, Violation, ViolationClass
+from egress.policy import parse_policy
+from egress.store.journal import Journal
 from tests.support import SYSTEM_PYTHON
 
 pytestmark = [
@@ -31,6 +37,14 @@ pytestmark = [
 PARENT = f"egress-test-{os.getpid()}"
 TICKER = "import os, time\nwhile True:\n    os.write(1, b'.')\n    time.sleep(0.001)\n"
 HAS_V1 = find_mounts().freezer is not None
+RACE_POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: race}
+spec:
+  dns: {upstreams: ["198.51.100.53"], allow: []}
+  violations: {blocked_connect: freeze}
+"""
 needs_v1 = pytest.mark.skipif(not HAS_V1, reason="no v1 freezer hierarchy on this machine")
 
 
@@ -219,6 +233,57 @@ def test_kill_reaps_a_v1_frozen_workload(
     cg.kill()
     assert ticker.wait(timeout=5) == -9
     assert cg.pids() == []
+
+
+def test_freeze_asks_every_selected_hierarchy_before_it_returns(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """v2 confirms first and v1 is asked after that moment: both are asked all the same."""
+    cg = make_cgroup()
+    cg.add_pid(ticker.pid)
+    assert ticks_within(ticker, 2)
+    assert 0 <= cg.freeze() < 2
+    with open(os.path.join(cg.v2_path, "cgroup.freeze")) as f:
+        assert f.read().strip() == "1"
+    if HAS_V1:
+        assert cg.v1_state() in ("FREEZING", "FROZEN")
+    assert_stopped(ticker)
+    cg.thaw()
+    assert ticks_within(ticker, 2)
+
+
+def test_a_layers_freeze_landing_after_a_resume_of_it_is_undone(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    """The race bench_deployed hung on: the other layer froze for the violation, a person
+    resumed, and only then this layer's freeze (its record committed before the resume)
+    reached the cgroup. It must not leave the sandbox frozen with nothing to decide."""
+    cg = make_cgroup()
+    cg.add_pid(ticker.pid)
+    policy, _ = parse_policy(RACE_POLICY, "<test>")
+    journal = Journal.open(tmp_path / "state")
+    try:
+        journal.record_sandbox("sb1", policy.name)
+        real_freeze = cg.freeze
+
+        def resumed_first(*args: Any, **kwargs: Any) -> float:
+            journal.record_decision("sb1", "resume", 0, time.time(), "a person")
+            return real_freeze(*args, **kwargs)
+
+        cg.freeze = resumed_first  # type: ignore[method-assign]
+        enforcer = Enforcer("sb1", policy, "observer", journal, cg)
+        flow = Flow("udp", "10.0.0.2", "203.0.113.99", 40000, 1001)
+        v = Violation(cls=ViolationClass.BLOCKED_CONNECT, layer="observer", rule="default deny",
+                      detail="udp to 203.0.113.99:1001", at=time.time(), action=Action.FREEZE,
+                      flow=flow)  # fmt: skip
+        assert enforcer.handle(v) is None
+        assert not cg.is_frozen()
+        assert ticks_within(ticker, 2)
+        [freeze] = journal.freezes("sb1")
+        assert freeze["decision_id"] is not None and freeze["confirmed_at"] is not None
+        assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
+    finally:
+        journal.close()
 
 
 def test_concurrent_freezers_both_return(
