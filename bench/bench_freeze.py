@@ -208,15 +208,22 @@ def confirmed_ms(state: Path, rounds: list[tuple[int, float]]) -> list[float]:
 
 
 def await_two_sightings(journal: Journal, sandbox_id: str) -> None:
-    """Until both layers have seen the newest violation (the second one's freeze would
-    otherwise land in the next round)."""
+    """Until both layers have seen the newest violation and each one that asked for the
+    freeze has confirmed it (a resume before the second one's freeze lands would have
+    that layer thaw it again, as it must, overlapping the next round)."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         newest = journal.violations(sandbox_id, limit=1)
-        if newest and len(newest[0]["detected_by"]) >= 2:
+        freeze = journal.freezes(sandbox_id, limit=1)
+        if (
+            newest
+            and len(newest[0]["detected_by"]) >= 2
+            and freeze
+            and all("confirmed_at" in ask for ask in freeze[0]["requested_by"])
+        ):
             return
         time.sleep(0.0005)
-    raise RuntimeError("the second layer did not see the violation within 5 s")
+    raise RuntimeError("the second layer did not see and freeze within 5 s")
 
 
 def journal_throughput(state: Path, n: int = 2000) -> float:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from egress.errors import EgressError
+from egress.errors import EgressError, JournalError, SandboxError
 from egress.freeze.attribution import attribute
 from egress.kernel.cgroup import Cgroup
 from egress.model import Action, Mode, Policy, Violation
@@ -99,12 +99,12 @@ class Enforcer:
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:
         asked = time.time()
-        # When the kernel first said frozen (v1 may still be asked after that moment).
+        # When this call first read it frozen (v1 may still be asked after that moment).
         confirmed = asked + self.cgroup.freeze()
         latency_ms = (confirmed - v.at) * 1000
         if fid is not None:
-            self._try(lambda: self.journal.confirm_freeze(fid, confirmed, latency_ms))
-            if self._try(lambda: self.journal.thaw_if_resumed(fid, self.cgroup.thaw)):
+            self._try(lambda: self.journal.confirm_freeze(fid, confirmed, latency_ms, self.layer))
+            if self._resumed_before_it_landed(fid):
                 return None  # a person had resumed it already: the other layer's freeze
         process = attribute(v, self.cgroup.pids())
         if vid is not None:
@@ -114,6 +114,22 @@ class Enforcer:
         if self.on_freeze is not None:
             self.on_freeze(event)
         return event
+
+    def _resumed_before_it_landed(self, fid: int) -> bool:
+        """Thawed again: a person resumed this freeze before this layer's write reached
+        the cgroup (Journal.thaw_if_resumed). A thaw that fails leaves it frozen, and
+        reviewed as any freeze is."""
+        try:
+            return self.journal.thaw_if_resumed(
+                fid, self.layer, lambda: self.cgroup.thaw(wait=False)
+            )
+        except JournalError as exc:
+            self.journal_errors += 1
+            print(f"egress {self.layer}: journal: {exc}", file=sys.stderr)
+        except SandboxError as exc:
+            print(f"egress {self.layer}: could not thaw a freeze already resumed: {exc}",
+                  file=sys.stderr)  # fmt: skip
+        return False
 
     def _try(self, call: Callable[[], _T]) -> _T | None:
         try:

@@ -251,7 +251,7 @@ class Cgroup:
 
     def freeze(self, timeout: float = 2.0, v2: bool = True, v1: bool = True) -> float:
         """Freeze and wait until the kernel confirms; returns the latency in seconds, up
-        to the moment the kernel first reported the cgroup frozen.
+        to the moment this call first read the cgroup frozen.
 
         Safe to call concurrently from several processes: every caller returns once the
         cgroup is frozen. v2/v1 select hierarchies (v1 is skipped where absent); every
@@ -299,14 +299,15 @@ class Cgroup:
                     return None
                 os.sched_yield()  # the task to be frozen may need this CPU to get there
 
-    def thaw(self, timeout: float = 2.0) -> None:
-        """Thaw both hierarchies and wait until neither reports frozen."""
+    def thaw(self, timeout: float = 2.0, wait: bool = True) -> None:
+        """Thaw both hierarchies and (``wait``) wait until neither reports frozen."""
         if not self.v2_path:
             return  # never bound: nothing was ever frozen
         _write(os.path.join(self.v2_path, "cgroup.freeze"), "0")
         if self.freezer_path:
             _write(self._state_path(), "THAWED")
-        self._wait(time.monotonic() + timeout, True, bool(self.freezer_path), False, True)
+        if wait:
+            self._wait(time.monotonic() + timeout, True, bool(self.freezer_path), False, True)
 
     def is_frozen(self) -> bool:
         """True when the workload cannot run: either hierarchy reports it frozen."""
@@ -423,7 +424,10 @@ class _EventsWatch:
 
     def get(self, key: str) -> str | None:
         # Reading re-arms kernfs notification, so poll() wakes only for later changes.
-        return _events(os.pread(self._fd, 4096, 0).decode()).get(key)
+        try:
+            return _events(os.pread(self._fd, 4096, 0).decode()).get(key)
+        except OSError as exc:  # the cgroup removed under us
+            raise SandboxError(f"cannot read cgroup.events: {exc.strerror}") from exc
 
     def wait(self, seconds: float) -> None:
         # kernfs signals a change as POLLPRI, which select() reports as an exceptional

@@ -312,33 +312,55 @@ class Journal:
             )
         return int(row["id"])
 
-    def confirm_freeze(self, freeze_id: int, confirmed_at: float, latency_ms: float) -> None:
+    def confirm_freeze(
+        self, freeze_id: int, confirmed_at: float, latency_ms: float, layer: str | None = None
+    ) -> None:
         """Journal that the cgroup reports frozen; the earliest confirmation wins. Both
         layers confirm one freeze, and the one that froze first may journal it second
-        (the other layer's record commit can take the lock in between)."""
+        (the other layer's record commit can take the lock in between). The latency is
+        counted from the freeze's first violation (``latency_ms`` where it has none);
+        ``layer``'s request is marked confirmed too."""
         with self._write(f"confirm freeze {freeze_id}") as conn:
             self._require(conn, "freezes", freeze_id, "freeze")
             conn.execute(
-                "UPDATE freezes SET confirmed_at = ?, latency_ms = ? "
+                "UPDATE freezes SET confirmed_at = ?, latency_ms = COALESCE("
+                "(? - (SELECT at FROM violations WHERE id = first_violation)) * 1000, ?) "
                 "WHERE id = ? AND (confirmed_at IS NULL OR confirmed_at > ?)",
-                (confirmed_at, latency_ms, freeze_id, confirmed_at),
+                (confirmed_at, confirmed_at, latency_ms, freeze_id, confirmed_at),
             )
+            if layer is not None:
+                self._mark_request(conn, freeze_id, layer, "confirmed_at", confirmed_at)
             conn.execute(  # a freeze a person already decided does not mark it again
                 "UPDATE sandboxes SET state = 'frozen' WHERE state = 'running' "
                 "AND id = (SELECT sandbox_id FROM freezes WHERE id = ? AND decision_id IS NULL)",
                 (freeze_id,),
             )
 
-    def thaw_if_resumed(self, freeze_id: int, thaw: Callable[[], object]) -> bool:
-        """Call ``thaw`` when a person resumed ``freeze_id`` before this layer's freeze of
+    def _mark_request(
+        self, conn: sqlite3.Connection, freeze_id: int, layer: str, key: str, at: float
+    ) -> None:
+        """Note ``key: at`` on ``layer``'s request of the freeze (its first such note)."""
+        row = conn.execute("SELECT requested_by FROM freezes WHERE id = ?", (freeze_id,))
+        asks = schema.as_dict(row.fetchone())["requested_by"] or []
+        marked = [{**a, key: at} if a["layer"] == layer and key not in a else a for a in asks]
+        if marked != asks:
+            conn.execute(
+                "UPDATE freezes SET requested_by = ? WHERE id = ?",
+                (schema.dumps(marked), freeze_id),
+            )
+
+    def thaw_if_resumed(self, freeze_id: int, layer: str, thaw: Callable[[], object]) -> bool:
+        """Call ``thaw`` when a person resumed ``freeze_id`` before ``layer``'s freeze of
         it landed, and no other freeze of the sandbox is open; True when it did.
 
         Both layers freeze for one violation, each after its own commit. If the first
         layer froze, a person resumed (journal, then thaw), and only then the second
         layer's write reached the cgroup, the sandbox would stand frozen with nothing
-        left to decide. The check and the thaw run under the write lock, so a new
-        violation's freeze request (committed before its freeze) cannot slip between
-        them and have its freeze undone.
+        left to decide. The check, the note (``thawed_at`` on the layer's request:
+        journal before act) and ``thaw`` run under the write lock, so a new violation's
+        freeze request (committed before its freeze) cannot slip between them and have
+        its freeze undone; ``thaw`` should only write, not wait, as it holds the lock.
+        What ``thaw`` raises rolls the note back and propagates.
         """
         decided = "SELECT 1 FROM freezes WHERE id = ? AND decision_id IS NOT NULL"
         if not self._select(decided, (freeze_id,)):
@@ -353,6 +375,7 @@ class Journal:
                 return False  # a kill reaps it frozen or not
             if conn.execute(schema.OPEN_FREEZE_SQL, (row["sandbox_id"],)).fetchone():
                 return False
+            self._mark_request(conn, freeze_id, layer, "thawed_at", time.time())
             thaw()
             return True
 

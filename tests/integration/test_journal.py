@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from egress.errors import JournalError
+from egress.errors import JournalError, SandboxError
 from egress.model import Action, Flow, Violation, ViolationClass
 from egress.store import journal_schema
 from egress.store.journal import Journal
@@ -401,16 +401,22 @@ def test_freeze_is_idempotent_across_layers(journal: Journal) -> None:
     fid = journal.record_freeze_request("sb1", "observer", vid, T0 + 0.002)
     assert journal.record_freeze_request("sb1", "inline", vid, T0 + 0.003) == fid
     assert journal.record_freeze_request("sb1", "observer", vid, T0 + 0.009) == fid
-    journal.confirm_freeze(fid, T0 + 0.020, 18.0)  # the later one, journaled first
-    journal.confirm_freeze(fid, T0 + 0.010, 8.0)
-    journal.confirm_freeze(fid, T0 + 0.030, 28.0)
+    journal.confirm_freeze(fid, T0 + 0.020, 17.0, "inline")  # the later one, journaled first
+    journal.confirm_freeze(fid, T0 + 0.010, 8.0, "observer")
+    journal.confirm_freeze(fid, T0 + 0.030, 27.0, "inline")
     [f] = journal.freezes("sb1")
     assert (f["layer"], f["first_violation"], f["requested_at"]) == ("observer", vid, T0 + 0.002)
-    assert (f["confirmed_at"], f["latency_ms"], f["decision_id"]) == (T0 + 0.010, 8.0, None)
+    # The latency runs from the first violation (at T0), whichever layer confirmed.
+    assert (f["confirmed_at"], f["decision_id"]) == (T0 + 0.010, None)
+    assert f["latency_ms"] == pytest.approx(10.0, abs=1e-3)
     assert f["requested_by"] == [
-        {"layer": "observer", "at": T0 + 0.002, "violation_id": vid},
-        {"layer": "inline", "at": T0 + 0.003, "violation_id": vid},
+        {"layer": "observer", "at": T0 + 0.002, "violation_id": vid, "confirmed_at": T0 + 0.010},
+        {"layer": "inline", "at": T0 + 0.003, "violation_id": vid, "confirmed_at": T0 + 0.020},
     ]
+    journal.record_sandbox("sb2", "default")
+    no_violation = journal.record_freeze_request("sb2", "inline", None, T0 + 5)
+    journal.confirm_freeze(no_violation, T0 + 5.004, 4.0)  # none to count from: as given
+    assert journal.freezes("sb2")[0]["latency_ms"] == 4.0
     sb = journal.sandbox("sb1")
     assert sb is not None and sb["state"] == "frozen"
 
@@ -422,19 +428,28 @@ def test_a_freeze_that_lands_after_its_resume_is_thawed_unless_another_is_open(
     vid = journal.record_violation("sb1", _violation())
     fid = journal.record_freeze_request("sb1", "inline", vid, T0 + 0.001)
     thawed: list[int] = []
-    assert not journal.thaw_if_resumed(fid, lambda: thawed.append(fid))  # nothing decided
+    assert not journal.thaw_if_resumed(fid, "inline", lambda: thawed.append(fid))  # undecided
     journal.record_decision("sb1", "resume", 0, T0 + 1)
-    journal.confirm_freeze(fid, T0 + 1.5, 1500.0)  # the late layer's confirmation
+    journal.confirm_freeze(fid, T0 + 1.5, 1500.0, "inline")  # the late layer's confirmation
     sb = journal.sandbox("sb1")
     assert sb is not None and sb["state"] == "running"  # not marked frozen again
-    assert journal.thaw_if_resumed(fid, lambda: thawed.append(fid))
+    assert journal.thaw_if_resumed(fid, "inline", lambda: thawed.append(fid))
     assert thawed == [fid]
+    [ask] = journal.freezes("sb1")[0]["requested_by"]
+    assert ask["confirmed_at"] == T0 + 1.5 and ask["thawed_at"] > T0  # journaled, then thawed
+
+    def refused() -> None:
+        raise SandboxError("cannot write '0'")
+
+    with pytest.raises(SandboxError):  # a thaw that fails: the note goes with it
+        journal.thaw_if_resumed(fid, "observer", refused)
+    assert [a["layer"] for a in journal.freezes("sb1")[0]["requested_by"]] == ["inline"]
     # A new violation's freeze request is open: its freeze must stand.
     fid2 = journal.record_freeze_request("sb1", "observer", None, T0 + 2)
-    assert not journal.thaw_if_resumed(fid, lambda: thawed.append(-1))
+    assert not journal.thaw_if_resumed(fid, "inline", lambda: thawed.append(-1))
     # A kill is not undone.
     journal.record_decision("sb1", "kill", 0, T0 + 3)
-    assert not journal.thaw_if_resumed(fid2, lambda: thawed.append(-2))
+    assert not journal.thaw_if_resumed(fid2, "observer", lambda: thawed.append(-2))
     assert thawed == [fid]
 
 
@@ -468,7 +483,7 @@ def test_events_timeline(journal: Journal) -> None:
         ("sandbox_started", T0 - 10),
     ]
     assert {e["sandbox_id"] for e in events} == {"sb1"}
-    assert events[2]["record"]["latency_ms"] == 3.0
+    assert events[2]["record"]["latency_ms"] == pytest.approx(4.0, abs=1e-3)  # from the violation
     assert events[4]["record"]["evidence"]["flow"]["dport"] == 443
     assert len(journal.events()) == 7 and journal.events(limit=2) == events[:2]
     json.dumps(journal.events())  # plain data all the way down

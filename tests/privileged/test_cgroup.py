@@ -281,6 +281,8 @@ def test_a_layers_freeze_landing_after_a_resume_of_it_is_undone(
         assert ticks_within(ticker, 2)
         [freeze] = journal.freezes("sb1")
         assert freeze["decision_id"] is not None and freeze["confirmed_at"] is not None
+        [ask] = freeze["requested_by"]
+        assert ask["layer"] == "observer" and ask["thawed_at"] >= ask["confirmed_at"]
         assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
     finally:
         journal.close()
