@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import grp
 import os
 import resource
@@ -19,6 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 from egress import __version__
+from egress.daemon.collect import Collector
 from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
 from egress.kernel.netns_cgroup import enter_host_cgroupns
@@ -290,6 +290,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     uid_range = uids.parse_range(args.uid_range)
     uids.check_range(uid_range)
     registry = Registry(journal, run_dir, review_hint=hint, uid_range=uid_range)
+    collector = registry.collector = Collector(asyncio.get_running_loop())
     runner: web.AppRunner | None = None
     api: socket.socket | None = None
     giver: handoff.Giver | None = None
@@ -328,7 +329,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         with contextlib.suppress(OSError):  # the API socket file is ours to remove at exit
             api_file = os.stat(args.socket).st_ino
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
-        gc.freeze()  # start-up's objects out of the collector's walks (run/runner.py)
+        collector.start()  # start-up's objects frozen, and from now on (daemon/collect.py)
         ended = await _until_signalled(giver)
     finally:
         if logger is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from egress.daemon.collect import Collector
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import (
@@ -137,6 +138,7 @@ class Registry:
         self._in_flight = 0  # creates, attaches and deletes under way
         self._settled = asyncio.Event()
         self._settled.set()
+        self.collector: Collector | None = None  # egressd's own; none in tests
 
     # -- reading -------------------------------------------------------------------------
 
@@ -337,6 +339,8 @@ class Registry:
                     self.journal.set_sandbox_state(sb.id, SandboxState.EXITED)
             raise
         served = self.served[sb.id] = Served(record, sb, session, resolver)
+        if self.collector is not None:
+            self.collector.made()
         self.created_total += fresh
         return served
 
@@ -468,6 +472,8 @@ class Registry:
     async def _delete(self, sandbox_id: str) -> None:
         served = self.get(sandbox_id)
         del self.served[sandbox_id]
+        if self.collector is not None:
+            self.collector.changed()
         await self._stop(served.session, served.resolver)
         try:
             await _in_thread(served.sb.destroy)
@@ -529,6 +535,8 @@ class Registry:
         was already sent upstream (at most ``drain_s``), keep the NFLOG groups bound.
         """
         loop = asyncio.get_running_loop()
+        if self.collector is not None:
+            self.collector.close()
         if handed_over:
             for served in self.served.values():
                 with contextlib.suppress(ValueError, OSError):
