@@ -17,6 +17,10 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
   lab's DNS straight from the uplink netns meanwhile (at the rate of one sandbox's
   misses), what a miss costs without egressd; queries that got no answer within 2 s
   ("lost") and answers other than NOERROR with an address ("bad");
+- freezes under that load: --freezes sandboxes (spread over them and over the load) each
+  send one datagram their policy blocks, from their netns; the time from the send to the
+  kernel's confirmation of the freeze, as the journal holds it (both layers, the earlier
+  one's); each is resumed through the API afterwards;
 - egressd's CPU during the DNS load (its nft worker included; percent of one CPU), and
   the observer layer's (`egressd observer`, started beside it; --no-observer leaves it
   out: all its processes) and its PSS. "direct" rising with N says the machine itself
@@ -84,6 +88,7 @@ spec:
 HITS = ["allowed.lab.test", "www.allowed.lab.test", "a1.cdn.lab.test", "a2.cdn.lab.test"]
 RESOLVER = ("127.0.0.53", 53)
 LAB_DNS = ("198.51.100.53", 53)
+BLOCKED = ("203.0.113.99", 9)  # no policy here allows it: a blocked_connect, frozen
 TIMEOUT_S = 2.0
 
 
@@ -174,6 +179,12 @@ def fresh_names() -> Iterator[str]:
         yield f"ip-198-19-{a}-{b}.any.lab.test"
 
 
+def udp_in(netns: str) -> socket.socket:
+    """An unconnected UDP socket in ``netns``: what the sandbox's ruleset judges."""
+    with in_netns(netns):
+        return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+
 def resolver_socket(netns: str, server: tuple[str, int] = RESOLVER) -> socket.socket:
     with in_netns(netns):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -188,7 +199,9 @@ class Load:
     miss_ms: list[float] = field(default_factory=list)
     direct_ms: list[float] = field(default_factory=list)  # new names, to the lab's DNS
     lost: int = 0
+    lost_kinds: dict[str, int] = field(default_factory=dict)  # hit, miss, direct: how many
     bad: int = 0  # answered, but not NOERROR with an answer
+    probes_sent: list[float] = field(default_factory=list)  # wall time of each probe's send
 
     @property
     def answered(self) -> int:
@@ -236,12 +249,14 @@ class Asker:
 
 def dns_load(
     socks: list[socket.socket], rate: float, seconds: float, miss_share: float,
-    fresh: Iterator[str], direct: socket.socket,
+    fresh: Iterator[str], direct: socket.socket, probes: list[socket.socket] | None = None,
 ) -> tuple[Load, float]:  # fmt: skip
     """Every sandbox's client at ``rate`` (spread over the first second), and the direct
     one at ``rate * miss_share``, for ``seconds``: one epoll loop over all the sockets and
     two timer heaps, so the client costs a send and a recv per query (an asyncio task,
-    timer and reader per query made this process what saturated the machine at 1,000)."""
+    timer and reader per query made this process what saturated the machine at 1,000).
+    Each of ``probes`` (a socket in a sandbox's netns) sends one datagram its policy
+    blocks, spread over the load: a freeze under load (``Load.probes_sent``)."""
     out = Load()
     start = time.perf_counter()
     end = start + seconds
@@ -254,6 +269,8 @@ def dns_load(
     sends = [(c.due, i) for i, c in enumerate(clients) if c.due < end]
     heapq.heapify(sends)
     deadlines: list[tuple[float, int, int]] = []  # (deadline, client, qid)
+    probes = probes or []
+    probe_at = [start + (j + 0.5) * seconds / len(probes) for j in range(len(probes))]
     ep = select.epoll()
     try:
         for fd in by_fd:
@@ -261,6 +278,10 @@ def dns_load(
         in_flight = 0
         while sends or in_flight:
             now = time.perf_counter()
+            if len(out.probes_sent) < len(probes) and probe_at[len(out.probes_sent)] <= now:
+                out.probes_sent.append(time.time())
+                with contextlib.suppress(OSError):  # EPERM: the ruleset dropped it, as meant
+                    probes[len(out.probes_sent) - 1].sendto(b"x", BLOCKED)
             while sends and sends[0][0] <= now:
                 _, i = heapq.heappop(sends)
                 c = clients[i]
@@ -276,10 +297,13 @@ def dns_load(
                 c = clients[i]
                 if c.qid == qid:  # unanswered: lost, and the next one is due
                     out.lost += 1
+                    kind = "direct" if c.direct else "miss" if c.miss else "hit"
+                    out.lost_kinds[kind] = out.lost_kinds.get(kind, 0) + 1
                     in_flight -= 1
                     c.qid = -1
                     _next(c, now, end, sends)
-            wake = min(sends[0][0] if sends else end, deadlines[0][0] if deadlines else end)
+            wake = min(sends[0][0] if sends else end, deadlines[0][0] if deadlines else end,
+                       *probe_at[len(out.probes_sent) : len(out.probes_sent) + 1])  # fmt: skip
             for fd, _ in ep.poll(max(wake - time.perf_counter(), 0.0)):
                 c = by_fd[fd]
                 got = time.perf_counter()
@@ -330,6 +354,7 @@ class Step:
     # egressd's own timing of those creates (the sandbox JSON's create_ms): median by step
     create_steps: dict[str, float] = field(default_factory=dict)
     host_busy: float = 0.0  # percent of all CPUs busy during the DNS load, everyone's work
+    freeze_ms: list[float] = field(default_factory=list)  # probe sent -> frozen, confirmed
 
 
 class Bench:
@@ -393,10 +418,16 @@ class Bench:
         served = [self.daemon.pid, *children(self.daemon.pid)]
         before, t0 = cpu_ticks(watched + served), time.monotonic()
         host_before = host_ticks()
+        k = min(a.freezes, len(self.boxes))
+        probed = self.boxes[:: len(self.boxes) // k][:k] if k > 0 else []
+        probes = [udp_in(box["netns"]) for box in probed]
         try:
-            load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct)
+            load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct,
+                                  probes)  # fmt: skip
         finally:
             direct.close()
+            for p in probes:
+                p.close()
         after, dt = cpu_ticks(watched + served), time.monotonic() - t0
         busy, total = (b - a for a, b in zip(host_before, host_ticks(), strict=True))
         host_busy = 100 * busy / total if total else 0.0
@@ -408,9 +439,37 @@ class Bench:
         obs_cpu = obs_pss = None
         if self.observer is not None:
             obs_cpu, obs_pss = cpu(watched), pss(self.observer_pids())
+        freeze_ms = self.frozen_after([b["id"] for b in probed], load.probes_sent)
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
                     load.answered / wall, obs_cpu, obs_pss, cpu(served),
-                    self.create_steps(), host_busy)  # fmt: skip
+                    self.create_steps(), host_busy, freeze_ms)  # fmt: skip
+
+    def frozen_after(self, ids: list[str], sent: list[float]) -> list[float]:
+        """ms from each probe's send to its sandbox's freeze, as the kernel confirmed it
+        and the journal holds it (the earlier layer's); then each is resumed through the
+        API, once both layers have confirmed (a later round may probe it again)."""
+        journal = Journal.open(self.daemon.state)
+        out = []
+        try:
+            for sid, t0 in zip(ids, sent, strict=False):
+                deadline = time.monotonic() + 5
+                while True:
+                    rows = [f for f in journal.freezes(sid, limit=1) if f["requested_at"] >= t0]
+                    asks = rows[0]["requested_by"] if rows else []
+                    if (
+                        rows
+                        and len(asks) >= (2 if self.observer else 1)
+                        and all("confirmed_at" in a for a in asks)
+                    ):
+                        out.append((rows[0]["confirmed_at"] - t0) * 1000)
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"sandbox {sid}: no confirmed freeze within 5 s")
+                    time.sleep(0.01)
+                self.daemon.client.call("POST", f"/v1/sandboxes/{sid}/resume", {"note": "bench"})
+        finally:
+            journal.close()
+        return out
 
     def create_steps(self) -> dict[str, float]:
         """Median ms of each create step egressd timed, over this step's sequential creates."""
@@ -504,6 +563,14 @@ def show(step: Step, first: Step | None) -> None:
     for x in (step.burst_rate, step.burst_delete_rate):
         if isinstance(x, str) and x != "-":
             print(f"      burst: {x}")
+    if ld.lost:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(ld.lost_kinds.items()))
+        print(f"      lost (no answer within {TIMEOUT_S:g} s): {kinds}")
+    if step.freeze_ms:
+        fm = step.freeze_ms
+        print(f"      a blocked datagram -> frozen (journal: kernel-confirmed), during the load, "
+              f"n={len(fm)}: p50 {pct(fm, 0.5):.2f} ms, p99 {pct(fm, 0.99):.2f} ms, "
+              f"max {max(fm):.2f} ms")  # fmt: skip
     if step.create_steps:
         parts = " ".join(f"{k} {v:.1f}" for k, v in step.create_steps.items() if k != "total")
         print(f"      create inside egressd, median ms: {step.create_steps['total']:.1f} = {parts}")
@@ -532,6 +599,10 @@ def show_targets(step: Step) -> None:
     if step.observer_cpu is not None:
         rows.append(("observer layer CPU", "< 100% (one core)", f"{step.observer_cpu:.0f}%",
                      step.observer_cpu < 100))  # fmt: skip
+    if step.freeze_ms:
+        p99 = pct(step.freeze_ms, 0.99)
+        rows.append((f"freeze p99 under load (n={len(step.freeze_ms)})", "<= 5 ms",
+                     f"{p99:.2f} ms", p99 <= 5))  # fmt: skip
     print(f"targets (issue 17: 1,000 sandboxes, 5,000 qps; measured at {step.n} sandboxes, "
           f"{step.qps:.0f} qps):")  # fmt: skip
     for what, target, got, met in rows:
@@ -606,6 +677,12 @@ def main() -> int:
                     help="queries/s per sandbox (5: 5,000 in all at 1,000)")  # fmt: skip
     ap.add_argument("--miss-share", type=float, default=0.2, help="share of new names (0.2)")
     ap.add_argument("--burst", type=int, default=8, help="concurrent creates per step (8)")
+    ap.add_argument(
+        "--freezes",
+        type=int,
+        default=50,
+        help="sandboxes frozen for a blocked datagram during each load (50)",
+    )
     ap.add_argument("--no-observer", dest="observer", action="store_false",
                     help="egressd alone, without `egressd observer` (default: both layers, "
                          "as deployed)")  # fmt: skip
