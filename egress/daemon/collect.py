@@ -42,15 +42,17 @@ class Collector:
         self.settle_s = settle_s
         self.max_delay_s = max_delay_s
         self._timer: asyncio.TimerHandle | None = None
+        self._due = float("inf")  # when the next full collection is due
         self._freezer: asyncio.TimerHandle | None = None
         self.collections = 0
         self.last_ms = 0.0  # how long the last full collection held the loop
         self._last = loop.time()  # the last full collection (or the start)
 
     def start(self) -> None:
-        """Freeze every FREEZE_S from now on; a full collection is due MAX_DELAY_S on."""
+        """Freeze every FREEZE_S from now on; a full collection is due MAX_DELAY_S on, or
+        sooner where sandboxes made before (adopted ones) had it due sooner."""
         self._freeze_tick()
-        self._schedule(self.loop.time() + self.max_delay_s)
+        self._schedule(min(self._due, self.loop.time() + self.max_delay_s))
 
     def _freeze_tick(self) -> None:
         gc.freeze()
@@ -68,6 +70,7 @@ class Collector:
     def _schedule(self, due: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        self._due = due
         self._timer = self.loop.call_at(due, self.collect)
 
     def collect(self) -> None:
@@ -86,3 +89,4 @@ class Collector:
             if timer is not None:
                 timer.cancel()
         self._timer = self._freezer = None
+        self._due = float("inf")

@@ -332,6 +332,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         collector.start()  # start-up's objects frozen, and from now on (daemon/collect.py)
         ended = await _until_signalled(giver)
     finally:
+        collector.close()  # no full collection in the middle of a shutdown or handover
         if logger is not None:
             logger.stop()  # what was journaled until now is printed first
         if taken is not None:

@@ -21,6 +21,7 @@ from egress.errors import EgressError
 from egress.inline.upstream import Latencies
 from egress.model import SandboxKind
 
+from .collect import Collector
 from .registry import Registry, Served
 
 FREEZE_BUCKETS_MS = (0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000)
@@ -79,7 +80,19 @@ def render(registry: Registry, kernel: dict[str, Kernel]) -> str:
     _violations(out, served)
     _freezes(out, served)
     _sets(out, served, kernel)
+    if registry.collector is not None:
+        _collector(out, registry.collector)
     return "\n".join(out.lines) + "\n"
+
+
+def _collector(out: _Out, collector: Collector) -> None:
+    """The one pause egressd takes on purpose (daemon/collect.py), so it can be seen."""
+    out.family("egress_gc_full_collections_total", "counter",
+               "Full garbage collections egressd ran (each holds all DNS).")  # fmt: skip
+    out.sample("egress_gc_full_collections_total", collector.collections)
+    out.family("egress_gc_full_collection_last_seconds", "gauge",
+               "How long the last full garbage collection held egressd's loop.")  # fmt: skip
+    out.sample("egress_gc_full_collection_last_seconds", collector.last_ms / 1000)
 
 
 def _dns(out: _Out, served: Iterable[Served]) -> None:

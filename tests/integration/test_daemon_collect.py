@@ -1,18 +1,18 @@
-"""egressd's garbage collection policy (daemon/collect.py) on a real event loop and the
-interpreter's real collector: what it freezes the automatic collections leave alone, and
-the full collection it schedules (once the sandboxes settle, at the latest MAX_DELAY_S
-after the last) takes every cycle, frozen or not."""
+"""egressd's garbage collection policy (daemon/collect.py) against the interpreter's real
+collector, on a loop whose clock the test moves: what it freezes the automatic
+collections leave alone; the full collection comes once the sandboxes settle, at the
+latest MAX_DELAY_S after the last one, and takes every cycle, frozen or not."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from egress.daemon import collect
 from egress.daemon.collect import Collector
 
 
@@ -21,79 +21,124 @@ class Node:
         self.me = self  # a cycle: only the collector frees it
 
 
+class Timer:
+    def __init__(self, when: float, callback: Callable[[], object]) -> None:
+        self.when, self.callback, self.cancelled = when, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Clock:
+    """The part of an event loop Collector uses, with time moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.timers: list[Timer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer:
+        self.timers.append(Timer(when, callback))
+        return self.timers[-1]
+
+    def call_later(self, delay: float, callback: Callable[[], object]) -> Timer:
+        return self.call_at(self.now + delay, callback)
+
+    def advance(self, seconds: float) -> None:
+        """Move time on, running what falls due on the way, in order."""
+        end = self.now + seconds
+        while due := sorted((t for t in self.timers if not t.cancelled and t.when <= end),
+                            key=lambda t: t.when):  # fmt: skip
+            timer = due[0]
+            self.timers.remove(timer)
+            self.now = max(self.now, timer.when)
+            timer.callback()
+        self.now = end
+
+    def collection_due(self) -> float:
+        [timer] = [t for t in self.timers if not t.cancelled and t.callback.__name__ == "collect"]
+        return timer.when
+
+
 @pytest.fixture(autouse=True)
 def unfrozen() -> Iterator[None]:
+    gc.disable()  # no automatic collection between a cycle's making and its freezing
     yield
+    gc.enable()
     gc.unfreeze()  # the rest of the suite's garbage is collected as usual
     gc.collect()
 
 
-def cycle() -> weakref.ref[Node]:
-    return weakref.ref(Node())
+def collector(clock: Clock, settle_s: float = 60, max_delay_s: float = 600) -> Collector:
+    return Collector(clock, settle_s, max_delay_s)  # type: ignore[arg-type]
 
 
-async def until(cond: object, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "not within 5 s"
-        await asyncio.sleep(0.005)
+def frozen_cycle(c: Collector) -> weakref.ref[Any]:
+    ref = weakref.ref(Node())
+    c.made()  # a sandbox made: what lives, this cycle too, frozen
+    gc.collect()  # what the automatic collections do, at most
+    assert ref() is not None
+    return ref
 
 
-def test_a_frozen_cycle_outlives_collections_until_the_full_one() -> None:
-    async def main() -> None:
-        collector = Collector(asyncio.get_running_loop(), settle_s=30, max_delay_s=60)
-        try:
-            ref = cycle()
-            collector.made()  # a sandbox made: what lives, this cycle too, frozen
-            assert gc.get_freeze_count() > 0
-            gc.collect()  # what automatic collections do, at most
-            assert ref() is not None
-            collector.collect()
-            assert ref() is None and collector.collections == 1
-            assert gc.get_freeze_count() > 0  # what lives after it is frozen again
-        finally:
-            collector.close()
-
-    asyncio.run(main())
-
-
-def test_the_full_collection_waits_for_the_sandboxes_to_settle() -> None:
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        collector = Collector(loop, settle_s=0.2, max_delay_s=60)
-        try:
-            ref = cycle()
-            collector.made()
-            started = loop.time()
-            for _ in range(3):  # changes keep coming: the collection keeps waiting
-                await asyncio.sleep(0.1)
-                assert collector.collections == 0 and ref() is not None
-                collector.changed()
-            await until(lambda: collector.collections == 1)
-            assert loop.time() - started >= 0.49  # 0.3 of changes, then settled for 0.2
-            assert ref() is None
-        finally:
-            collector.close()
-
-    asyncio.run(main())
+def test_a_frozen_cycle_outlives_collections_until_the_full_one_once_settled() -> None:
+    clock = Clock()
+    c = collector(clock)
+    ref = frozen_cycle(c)
+    assert gc.get_freeze_count() > 0 and clock.collection_due() == 1060
+    for _ in range(3):  # changes keep coming: the full collection keeps waiting
+        clock.advance(59)
+        assert c.collections == 0 and ref() is not None
+        c.changed()
+    clock.advance(59.9)
+    assert c.collections == 0 and ref() is not None
+    clock.advance(0.1)  # settled for 60 s
+    assert c.collections == 1 and ref() is None
+    assert gc.get_freeze_count() > 0  # what lives after it is frozen again
+    assert clock.collection_due() == clock.now + 600  # and the next one is due at the latest
 
 
-def test_churn_that_never_settles_is_collected_after_max_delay() -> None:
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        collector = Collector(loop, settle_s=0.2, max_delay_s=0.5)
-        try:
-            collector.start()  # frozen now and every second; full collection due at 0.5
-            started = loop.time()
-            ref = cycle()
-            collector.made()  # frozen: only the full collection frees it
-            while collector.collections == 0:
-                assert loop.time() - started < 5, "no full collection within 5 s"
-                collector.changed()  # a change every 0.05 s: never settled for 0.2
-                await asyncio.sleep(0.05)
-            assert 0.49 <= loop.time() - started < 3.0  # due at 0.5; late on a busy machine
-            assert ref() is None
-        finally:
-            collector.close()
+def test_churn_that_never_settles_is_collected_max_delay_after_the_last() -> None:
+    clock = Clock()
+    c = collector(clock)
+    c.start()
+    ref = frozen_cycle(c)
+    while c.collections == 0:
+        assert clock.now < 1000 + 600, "no full collection within max_delay"
+        clock.advance(30)
+        c.changed()  # a change every 30 s: never settled for 60
+    assert 1600 <= clock.now < 1630 and ref() is None  # due at 1600, seen on the next step
+    ref = frozen_cycle(c)
+    while c.collections == 1:
+        assert clock.now < 1600 + 600, "no second full collection within max_delay"
+        clock.advance(30)
+        c.changed()
+    assert 2200 <= clock.now < 2230 and ref() is None
 
-    asyncio.run(main())
+
+def test_start_keeps_what_adopted_sandboxes_made_due() -> None:
+    clock = Clock()
+    c = collector(clock)
+    c.made()  # an adopted sandbox, before egressd serves
+    clock.advance(1)
+    c.start()
+    assert clock.collection_due() == 1060
+    quiet_clock = Clock()
+    collector(quiet_clock).start()  # nothing made before: due max_delay on
+    assert quiet_clock.collection_due() == 1600
+
+
+def test_what_lives_is_frozen_every_second_once_started() -> None:
+    clock = Clock()
+    c = collector(clock)
+    c.start()
+    for _ in range(3):
+        ref = weakref.ref(Node())
+        assert ref() is not None
+        clock.advance(collect.FREEZE_S)  # a tick: the cycle made since is frozen
+        gc.collect()
+        assert ref() is not None
+    c.close()
+    assert not [t for t in clock.timers if not t.cancelled]  # nothing left to fire

@@ -8,6 +8,7 @@ hand-made netns and cgroup of the attach test are removed by the test itself.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,6 +122,9 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
             in metrics
         )
         assert "egress_freeze_latency_ms_count 1" in metrics
+        # The one pause egressd takes on purpose is counted and timed (daemon/collect.py).
+        assert re.search(r"^egress_gc_full_collections_total \d+$", metrics, re.M)
+        assert re.search(r"^egress_gc_full_collection_last_seconds [\d.e-]+$", metrics, re.M)
     finally:
         for box in boxes:
             daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
