@@ -212,6 +212,10 @@ class Observer:
             self.nft.close()
             if self.owns_journal:
                 self.journal.close()
+        if self.inline_fd is not None:  # a shard restarts observers: one pidfd each
+            with contextlib.suppress(OSError):
+                os.close(self.inline_fd)
+            self.inline_fd = None
 
     def _drain(self) -> None:
         for event in self.listener.read_events(DRAIN_MAX):

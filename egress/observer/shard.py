@@ -162,7 +162,10 @@ class Shard:
         self.watched[record.id] = Watched(observer, sha)
         for fd in observer.fds():
             self.owner[fd] = record.id
-            self.poll.register(fd, select.EPOLLIN)
+            try:
+                self.poll.register(fd, select.EPOLLIN)
+            except FileExistsError:  # a number an ended observer's file left registered
+                self.poll.modify(fd, select.EPOLLIN)
         watching = f"{record.id} ({record.kind}, cgroup {record.cgroup})"
         print(f"egressd observer: watching {watching}", file=sys.stderr, flush=True)
 
