@@ -81,8 +81,13 @@ image: setup
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null; }
 	PY=$(PY) containers/image/build.sh
 
+# Each bench prints its figures; issue 17's targets are also recorded (bench/figures.py)
+# and, once every bench has run, written into the README's table of them.
 bench: setup
-	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@rm -f $(STAMPS)/figures.jsonl
+	@for b in bench/bench_*.py; do echo "== $$b"; \
+		EGRESS_BENCH_FIGURES=$(CURDIR)/$(STAMPS)/figures.jsonl $(PY) $$b || exit 1; done
+	@$(PY) bench/figures.py $(STAMPS)/figures.jsonl README.md
 
 clean:
 	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info egress/tunnel/_native* \

@@ -20,7 +20,8 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
 - freezes under that load: --freezes sandboxes (spread over them and over the load) each
   send one datagram their policy blocks, from their netns; the time from the send to the
   kernel's confirmation of the freeze, as the journal holds it (both layers, the earlier
-  one's); each is resumed through the API afterwards;
+  one's); each is resumed through the API afterwards (--freezes 0 for DNS figures
+  comparable with runs before 2026-12-04, which froze nothing meanwhile);
 - egressd's CPU during the DNS load (its nft worker included; percent of one CPU), and
   the observer layer's (`egressd observer`, started beside it; --no-observer leaves it
   out: all its processes) and its PSS. "direct" rising with N says the machine itself
@@ -64,6 +65,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.support
+
+import figures  # bench/, beside this file
 
 from egress.cli.client import Client
 from egress.errors import DaemonError
@@ -243,6 +246,7 @@ class Asker:
     direct: bool
     due: float  # when its current (or next) query is due
     qid: int = -1  # the query in flight, -1: none
+    seq: int = 0  # how many it sent: what its deadlines are keyed by (a qid may repeat)
     sent: float = 0.0
     miss: bool = False
 
@@ -262,13 +266,14 @@ def dns_load(
     end = start + seconds
     clients = [Asker(i, s, 1 / rate, miss_share, False, start + random.random() / rate)
                for i, s in enumerate(socks)]  # fmt: skip
-    d_rate = rate * miss_share
-    clients.append(Asker(len(clients), direct, 1 / d_rate, 1.0, True,
-                          start + random.random() / d_rate))  # fmt: skip
+    d_rate = rate * miss_share  # none without misses: nothing to compare them with
+    if d_rate > 0:
+        clients.append(Asker(len(clients), direct, 1 / d_rate, 1.0, True,
+                              start + random.random() / d_rate))  # fmt: skip
     by_fd = {c.sock.fileno(): c for c in clients}
     sends = [(c.due, i) for i, c in enumerate(clients) if c.due < end]
     heapq.heapify(sends)
-    deadlines: list[tuple[float, int, int]] = []  # (deadline, client, qid)
+    deadlines: list[tuple[float, int, int]] = []  # (deadline, client, its seq)
     probes = probes or []
     probe_at = [start + (j + 0.5) * seconds / len(probes) for j in range(len(probes))]
     ep = select.epoll()
@@ -287,15 +292,16 @@ def dns_load(
                 c = clients[i]
                 c.miss = c.direct or random.random() < c.miss_share
                 c.qid = secrets.randbits(16)
+                c.seq += 1
                 c.sent = time.perf_counter()
                 with contextlib.suppress(OSError):  # unsent: lost at its deadline
                     c.sock.send(dns_query(c.qid, next(fresh) if c.miss else random.choice(HITS)))
-                heapq.heappush(deadlines, (c.sent + TIMEOUT_S, i, c.qid))
+                heapq.heappush(deadlines, (c.sent + TIMEOUT_S, i, c.seq))
                 in_flight += 1
             while deadlines and deadlines[0][0] <= now:
-                _, i, qid = heapq.heappop(deadlines)
+                _, i, seq = heapq.heappop(deadlines)
                 c = clients[i]
-                if c.qid == qid:  # unanswered: lost, and the next one is due
+                if c.qid >= 0 and c.seq == seq:  # unanswered: lost, and the next one is due
                     out.lost += 1
                     kind = "direct" if c.direct else "miss" if c.miss else "hit"
                     out.lost_kinds[kind] = out.lost_kinds.get(kind, 0) + 1
@@ -420,8 +426,9 @@ class Bench:
         host_before = host_ticks()
         k = min(a.freezes, len(self.boxes))
         probed = self.boxes[:: len(self.boxes) // k][:k] if k > 0 else []
-        probes = [udp_in(box["netns"]) for box in probed]
+        probes: list[socket.socket] = []
         try:
+            probes.extend(udp_in(box["netns"]) for box in probed)
             load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct,
                                   probes)  # fmt: skip
         finally:
@@ -607,6 +614,8 @@ def show_targets(step: Step) -> None:
           f"{step.qps:.0f} qps):")  # fmt: skip
     for what, target, got, met in rows:
         print(f"  {what:<26} target {target:<18} measured {got:<10} {'MET' if met else 'not met'}")
+        figures.record("bench_egressd", f"egressd at {step.n} sandboxes, {step.qps:,.0f} qps: "
+                       f"{what}", got, target, met)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
