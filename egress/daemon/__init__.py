@@ -8,6 +8,8 @@
     run dir (/run/egress/daemon/ID.json) ─▶ adoption by the next egressd, `egressd observer`
     handoff.py: --replace and SIGHUP pass every socket to the successor (SCM_RIGHTS)
     /metrics ◀─ resolver cores, sessions, nft counters and sets (metrics.py)
+    collect.py: what lives frozen out of the garbage collector's walks (a sandbox made,
+             every second); one full collection once the sandboxes settle
     sidecar: one sandbox from inside its netns ─▶ the same inline wiring, upstream
              sockets marked (SO_MARK) for the one rule that lets them out
 
