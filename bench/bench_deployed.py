@@ -185,7 +185,9 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
         running = [r for r in journal.sandboxes() if r["state"] == "running"]
         sandbox_id = str(running[-1]["id"])
         cgroup = Cgroup.open(sandbox_id)
+        paced = bf.Paced()
         for _ in range(n):
+            paced.wait()
             before = bf.newest_freeze(journal, sandbox_id)
             t0 = time.time()
             run.write(b"x")
