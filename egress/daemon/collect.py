@@ -41,8 +41,7 @@ class Collector:
         self.loop = loop
         self.settle_s = settle_s
         self.max_delay_s = max_delay_s
-        self._timer: asyncio.TimerHandle | None = None
-        self._due = float("inf")  # when the next full collection is due
+        self._timer: asyncio.TimerHandle | None = None  # the next full collection
         self._freezer: asyncio.TimerHandle | None = None
         self.collections = 0
         self.last_ms = 0.0  # how long the last full collection held the loop
@@ -52,7 +51,8 @@ class Collector:
         """Freeze every FREEZE_S from now on; a full collection is due MAX_DELAY_S on, or
         sooner where sandboxes made before (adopted ones) had it due sooner."""
         self._freeze_tick()
-        self._schedule(min(self._due, self.loop.time() + self.max_delay_s))
+        due = self.loop.time() + self.max_delay_s
+        self._schedule(due if self._timer is None else min(self._timer.when(), due))
 
     def _freeze_tick(self) -> None:
         gc.freeze()
@@ -70,7 +70,6 @@ class Collector:
     def _schedule(self, due: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._due = due
         self._timer = self.loop.call_at(due, self.collect)
 
     def collect(self) -> None:
@@ -89,4 +88,3 @@ class Collector:
             if timer is not None:
                 timer.cancel()
         self._timer = self._freezer = None
-        self._due = float("inf")

@@ -535,8 +535,6 @@ class Registry:
         was already sent upstream (at most ``drain_s``), keep the NFLOG groups bound.
         """
         loop = asyncio.get_running_loop()
-        if self.collector is not None:
-            self.collector.close()
         if handed_over:
             for served in self.served.values():
                 with contextlib.suppress(ValueError, OSError):

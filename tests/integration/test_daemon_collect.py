@@ -23,7 +23,10 @@ class Node:
 
 class Timer:
     def __init__(self, when: float, callback: Callable[[], object]) -> None:
-        self.when, self.callback, self.cancelled = when, callback, False
+        self.at, self.callback, self.cancelled = when, callback, False
+
+    def when(self) -> float:
+        return self.at
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -49,17 +52,17 @@ class Clock:
     def advance(self, seconds: float) -> None:
         """Move time on, running what falls due on the way, in order."""
         end = self.now + seconds
-        while due := sorted((t for t in self.timers if not t.cancelled and t.when <= end),
-                            key=lambda t: t.when):  # fmt: skip
+        while due := sorted((t for t in self.timers if not t.cancelled and t.when() <= end),
+                            key=lambda t: t.when()):  # fmt: skip
             timer = due[0]
             self.timers.remove(timer)
-            self.now = max(self.now, timer.when)
+            self.now = max(self.now, timer.when())
             timer.callback()
         self.now = end
 
     def collection_due(self) -> float:
         [timer] = [t for t in self.timers if not t.cancelled and t.callback.__name__ == "collect"]
-        return timer.when
+        return timer.when()
 
 
 @pytest.fixture(autouse=True)
