@@ -73,6 +73,17 @@ if what == "connect":
     s = socket.socket(); s.settimeout(30)
     try: s.connect(("203.0.113.11", 80))
     except OSError as e: print("connect failed:", e, flush=True)
+elif what == "connect-again":
+    s = socket.socket(); s.settimeout(30)
+    try: s.connect(("203.0.113.11", 80))
+    except OSError as e: print("connect failed:", e, flush=True)
+    # At once after a resume: another blocked destination, and a request if it gets there.
+    s = socket.socket(); s.settimeout(30)
+    try:
+        s.connect(("203.0.113.12", 80))
+        s.sendall(b"GET /after-resume HTTP/1.0\r\nHost: allowed.lab.test\r\n\r\n")
+        print("reached:", s.recv(100), flush=True)
+    except OSError as e: print("second connect failed:", e, flush=True)
 elif what == "udp-burst":
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     for i in range(int(count)):
@@ -229,6 +240,38 @@ def test_blocked_connect_freezes_and_resume_goes_on(lab: Lab) -> None:
         with run.journal() as j:
             actions = [d["action"] for d in j.decisions(run.id)]
         assert actions == ["kill", "resume"]  # newest first, both journaled with a uid
+    assert leftovers(run.id, lab.uplink_netns) == []
+
+
+def test_a_violation_right_after_a_resume_freezes_again_and_reaches_nothing(lab: Lab) -> None:
+    """The agent's answer to a resume: another blocked connect at once, while the layer
+    that saw the first violation second may still be settling its freeze of it (a late
+    freeze of a resumed freeze is thawed again, Journal.thaw_if_resumed). The new
+    violation's freeze must stand, and the lab's web server must never see the request."""
+    lab.clear_requests()
+    with agent_run(lab, policy(), "connect-again") as run:
+        run.go()
+        first = run.wait_frozen()
+        assert run.ctl("resume", run.id).returncode == 0
+        end = time.monotonic() + 10
+        while True:
+            with run.journal() as j:
+                freezes = j.freezes(run.id)
+            if len(freezes) == 2 and freezes[0].get("confirmed_at") and run.cgroup.is_frozen():
+                break
+            assert time.monotonic() < end, f"not frozen again: {freezes}"
+            time.sleep(0.01)
+        second = freezes[0]
+        assert second["id"] != first["id"] and second["decision_id"] is None
+        still(run)  # and it stays so: no layer's thaw of the first freeze undid it
+        with run.journal() as j:
+            dsts = [v["evidence"]["flow"]["dst"] for v in j.violations(run.id)
+                    if v["class"] == "blocked_connect"]  # fmt: skip
+        assert sorted(set(dsts)) == ["203.0.113.11", "203.0.113.12"]
+        run.ctl("kill", run.id)
+        _, report, _ = run.finish()
+        assert report["outcome"] == "killed"
+    assert not [r for r in lab.requests() if "after-resume" in str(r.get("path"))]
     assert leftovers(run.id, lab.uplink_netns) == []
 
 
