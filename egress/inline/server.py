@@ -383,8 +383,6 @@ class ResolverServer:
         if len(self._sent_at) > 2 * len(self._waiting) + 64:
             # Exchanges that failed (timeout, ICMP error) left theirs: keep the live ones.
             self._sent_at = {t: at for t, at in self._sent_at.items() if t in self._waiting}
-        if self._refill is None:
-            self._refill = loop.call_soon(self._refill_pool)
 
     def _refill_pool(self) -> None:
         self._refill = None
@@ -430,6 +428,10 @@ class ResolverServer:
         timer.cancel()
         if self._loop is not None:
             self._loop.remove_reader(sock.fileno())
+            if self._refill is None:
+                # The pool is topped up after this answer went out (a batch, now and then),
+                # not between a question's send and its answer.
+                self._refill = self._loop.call_soon(self._refill_pool)
         sock.close()
 
     async def _forward_tcp(self, fwd: Forward) -> None:

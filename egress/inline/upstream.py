@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import os
 import socket
 import struct
+import threading
 
 from egress.errors import EgressError, UpstreamError
-from egress.kernel.netns import in_netns
+from egress.kernel.netns import in_netns, netns_path
 from egress.model import Upstream
-
-POOL_SIZE = 4  # fresh upstream sockets kept ready per upstream
 
 
 def system_upstreams(resolv_conf: str = "/etc/resolv.conf") -> list[tuple[str, int]]:
@@ -63,13 +63,108 @@ def resolve_upstreams(upstreams: tuple[Upstream, ...]) -> list[tuple[str, int]]:
     return out
 
 
+# (netns name, that netns's inode: a netns made again under the same name is another
+# supply; upstream host, port; SO_MARK)
+SupplyKey = tuple[str | None, int, str, int, int | None]
+
+# Fresh upstream sockets are made in batches, one netns switch each (a switch there and
+# back costs about twice a socket and its connect), and shared by every server in this
+# process that asks the same upstream from the same netns with the same mark: egressd's
+# 1,000 sandboxes keep one supply between them, not four sockets each.
+SUPPLY_LOW = 8  # fewer ready than this: topped up to SUPPLY_SIZE, between queries
+SUPPLY_SIZE = 32
+TAKE_BATCH = 4  # none ready when a query needs one: made on its path, this many at once
+
+
+class Supply:
+    """Ready sockets for one (netns, upstream, mark), shared by the pools that use it.
+
+    Every socket is handed out once and closed by whoever took it, so sharing the ones not
+    yet used changes nothing a query sees: its own socket, its own random source port.
+    """
+
+    def __init__(self, key: SupplyKey) -> None:
+        self.key = key
+        self.users = 0
+        self.ready: list[socket.socket] = []
+
+    def take(self) -> socket.socket:
+        while True:
+            try:
+                return self.ready.pop()
+            except IndexError:  # none ready (or another thread took the last one)
+                self.make(TAKE_BATCH)
+
+    def refill(self) -> None:
+        if len(self.ready) < SUPPLY_LOW:
+            with contextlib.suppress(OSError, EgressError):
+                self.make(SUPPLY_SIZE - len(self.ready))
+
+    def make(self, count: int) -> None:
+        netns, _, host, port, mark = self.key
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        made = []
+        try:
+            with in_netns(netns):
+                for _ in range(count):
+                    sock = socket.socket(family, socket.SOCK_DGRAM)
+                    made.append(sock)
+                    sock.setblocking(False)
+                    set_mark(sock, mark)  # before connect: it picks the route
+                    sock.connect((host, port))  # binds a random port; ICMP errors reach us
+        except BaseException:
+            for sock in made:
+                sock.close()
+            raise
+        self.ready.extend(made)
+
+    def close(self) -> None:
+        for sock in self.ready:
+            sock.close()
+        self.ready.clear()
+
+
+_supplies: dict[SupplyKey, Supply] = {}
+_supplies_lock = threading.Lock()  # pools are made and closed from any thread
+
+
+def _acquire(key: SupplyKey) -> Supply:
+    with _supplies_lock:
+        supply = _supplies.get(key)
+        if supply is None:
+            supply = _supplies[key] = Supply(key)
+        supply.users += 1
+        return supply
+
+
+def _release(supply: Supply) -> None:
+    with _supplies_lock:
+        supply.users -= 1
+        if supply.users > 0:
+            return
+        if _supplies.get(supply.key) is supply:
+            del _supplies[supply.key]
+    supply.close()
+
+
+def _netns_inode(netns: str | None) -> int:
+    if netns is None:
+        return 0
+    try:
+        return os.stat(netns_path(netns)).st_ino
+    except OSError:
+        return 0  # making a socket there says what is wrong
+
+
 class UpstreamPool:
     """Fresh, connected, non-blocking UDP sockets in the uplink netns, one per query.
 
     Each is used once and closed, so every upstream query still gets its own random source
-    port; making them (setns, socket, connect) happens between queries, not during one.
-    ``mark`` (SO_MARK) is set on each when egress's own upstream traffic leaves from the
-    sandbox netns itself (`egressd sidecar`): its ruleset accepts only marked packets there.
+    port; making them (setns, socket, connect) happens between queries, in batches, not
+    during one. ``mark`` (SO_MARK) is set on each when egress's own upstream traffic leaves
+    from the sandbox netns itself (`egressd sidecar`): its ruleset accepts only marked
+    packets there. The ready sockets come from a ``Supply`` shared with every other pool of
+    this process with the same netns, upstream and mark.
     """
 
     def __init__(
@@ -78,43 +173,32 @@ class UpstreamPool:
         self.upstreams = upstreams
         self.netns = netns
         self.mark = mark
-        self._ready: list[list[socket.socket]] = [[] for _ in upstreams]
+        self._supplies: list[Supply] | None = None
+        self._closed = False
+
+    def _open(self) -> list[Supply]:
+        if self._closed:
+            raise UpstreamError("the upstream pool is closed")
+        if self._supplies is None:
+            ino = _netns_inode(self.netns)
+            self._supplies = [
+                _acquire((self.netns, ino, host, port, self.mark)) for host, port in self.upstreams
+            ]
+        return self._supplies
 
     def take(self, index: int) -> socket.socket:
-        ready = self._ready[index]
-        if not ready:
-            self._make(index, 1)
-        return ready.pop()
+        return self._open()[index].take()
 
     def refill(self) -> None:
-        for index, ready in enumerate(self._ready):
-            if len(ready) < POOL_SIZE:
-                with contextlib.suppress(OSError, EgressError):
-                    self._make(index, POOL_SIZE - len(ready))
-
-    def _make(self, index: int, count: int) -> None:
-        host, port = self.upstreams[index]
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        made = []
-        try:
-            with in_netns(self.netns):
-                for _ in range(count):
-                    sock = socket.socket(family, socket.SOCK_DGRAM)
-                    made.append(sock)
-                    sock.setblocking(False)
-                    set_mark(sock, self.mark)  # before connect: it picks the route
-                    sock.connect((host, port))  # binds a random port; ICMP errors reach us
-        except BaseException:
-            for sock in made:
-                sock.close()
-            raise
-        self._ready[index].extend(made)
+        if not self._closed:
+            for supply in self._open():
+                supply.refill()
 
     def close(self) -> None:
-        for ready in self._ready:
-            for sock in ready:
-                sock.close()
-            ready.clear()
+        self._closed = True
+        supplies, self._supplies = self._supplies, None
+        for supply in supplies or ():
+            _release(supply)
 
 
 def set_mark(sock: socket.socket, mark: int | None) -> None:

@@ -1,0 +1,107 @@
+"""UpstreamPool: fresh upstream sockets, one per query, from a supply shared per process.
+
+On loopback (no netns, no root): what every query gets (its own connected socket, its own
+port, never one handed out before), what pools share (the ready sockets of one netns,
+upstream and mark, made in batches), and that nothing outlives the last pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from egress.errors import EgressError, UpstreamError
+from egress.inline import upstream
+from egress.inline.upstream import SUPPLY_LOW, SUPPLY_SIZE, UpstreamPool
+
+UP_A = ("127.0.0.1", 5301)
+UP_B = ("127.0.0.1", 5302)
+
+
+@pytest.fixture(autouse=True)
+def no_supplies_left() -> Iterator[None]:
+    assert not upstream._supplies
+    yield
+    leftover = dict(upstream._supplies)
+    for supply in leftover.values():
+        supply.close()
+    upstream._supplies.clear()
+    assert not leftover, f"supplies left open: {list(leftover)}"
+
+
+def test_every_query_gets_its_own_connected_socket_never_one_handed_out_before() -> None:
+    pool = UpstreamPool([UP_A], None)
+    try:
+        pool.refill()
+        taken = [pool.take(0) for _ in range(3 * SUPPLY_SIZE)]  # past the supply, made anew
+        try:
+            assert len({id(s) for s in taken}) == len(taken)
+            assert len({s.getsockname()[1] for s in taken}) == len(taken)  # one port each
+            assert {s.getpeername() for s in taken} == {UP_A}
+            assert all(not s.getblocking() for s in taken)
+        finally:
+            for s in taken:
+                s.close()
+    finally:
+        pool.close()
+
+
+def test_pools_of_one_upstream_share_a_supply_made_in_batches() -> None:
+    a, b = UpstreamPool([UP_A], None), UpstreamPool([UP_A, UP_B], None)
+    try:
+        a.refill()
+        b.refill()
+        shared = upstream._supplies[(None, 0, *UP_A, None)]
+        other = upstream._supplies[(None, 0, *UP_B, None)]
+        assert shared.users == 2 and other.users == 1
+        assert len(shared.ready) == SUPPLY_SIZE  # b's refill found a's batch: no more made
+        # Taken down to just above the low mark, a refill makes nothing; below it, one
+        # batch tops the supply up again.
+        taken = [b.take(0) for _ in range(SUPPLY_SIZE - SUPPLY_LOW)]
+        a.refill()
+        assert len(shared.ready) == SUPPLY_LOW
+        taken.append(a.take(0))
+        a.refill()
+        assert len(shared.ready) == SUPPLY_SIZE
+        for s in taken:
+            s.close()
+        with b.take(1) as s:
+            assert s.getpeername() == UP_B  # each upstream its own supply
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_last_pool_out_closes_the_ready_sockets() -> None:
+    a, b = UpstreamPool([UP_A], None), UpstreamPool([UP_A], None)
+    a.refill()
+    b.refill()
+    supply = upstream._supplies[(None, 0, *UP_A, None)]
+    ready = list(supply.ready)
+    a.close()
+    assert all(s.fileno() != -1 for s in ready)  # b still uses them
+    b.close()
+    assert all(s.fileno() == -1 for s in ready)
+    assert not upstream._supplies
+
+
+def test_a_closed_pool_makes_and_holds_nothing() -> None:
+    pool = UpstreamPool([UP_A], None)
+    pool.refill()
+    pool.close()
+    pool.refill()  # a refill scheduled before the close ran after it
+    assert not upstream._supplies
+    with pytest.raises(UpstreamError):
+        pool.take(0)
+    pool.close()  # twice is harmless
+
+
+def test_a_netns_that_is_gone_fails_the_query_not_the_refill() -> None:
+    pool = UpstreamPool([UP_A], "egress-test-no-such-netns")
+    try:
+        pool.refill()  # best effort, between queries
+        with pytest.raises(EgressError, match="egress-test-no-such-netns"):
+            pool.take(0)  # the query's: the server answers it SERVFAIL
+    finally:
+        pool.close()
