@@ -62,6 +62,10 @@ class Cache:
         self.hits += 1
         return entry
 
+    def peek(self, key: bytes) -> Entry | None:
+        """The entry stored under ``key``, expired or not; no LRU move, no hit counted."""
+        return self._entries.get(key)
+
     def put(self, key: bytes, entry: Entry) -> None:
         self._entries[key] = entry
         self._entries.move_to_end(key)
@@ -106,6 +110,20 @@ def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:
         struct.pack_into("!H", out, 10, struct.unpack_from("!H", out, 10)[0] + 1)
     if len(out) > max_size:
         return truncated(query)
+    return bytes(out)
+
+
+def aged(entry: Entry, tail: bytes, now: float) -> bytes:
+    """``render(entry, q, t, size)[2:]`` (a reply after its ID) as ``render`` gives it for
+    the same query at ``now``: only the TTLs differ, and every one of them lies before the
+    OPT record ``render`` appends, at the entry's offsets. A truncated reply (TC) carries
+    the question alone: nothing in it ages."""
+    if struct.unpack_from("!H", tail)[0] & wire.TC:
+        return tail
+    out = bytearray(tail)
+    age = int(now - entry.stored_at)
+    for off, ttl in zip(entry.ttl_offsets, entry.ttls, strict=True):
+        _TTL.pack_into(out, off - 2, max(0, ttl - age))
     return bytes(out)
 
 

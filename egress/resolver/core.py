@@ -131,8 +131,9 @@ class ResolverCore:
             ("queries", "allowed", "denied", "cache_hits", "forwarded", "servfail", "malformed"),
             0,
         )
-        # Replies to UDP queries seen before, keyed by the query's bytes after its ID.
-        self._replay: dict[bytes, tuple[float, bytes]] = {}
+        # Replies to UDP queries seen before, keyed by the query's bytes after its ID: until
+        # when the reply's TTLs hold, the reply after its ID, its cache entry and key.
+        self._replay: dict[bytes, tuple[float, bytes, Entry, bytes]] = {}
         self._replays = 0
         self._next_token = 0
         self.expiry = ExpiryBook()  # when each element we added expires in the kernel
@@ -162,25 +163,37 @@ class ResolverCore:
 
     def replay(self, data: bytes, now: float) -> bytes | None:
         """The reply to a UDP query whose bytes after the ID were answered from the cache
-        within the last second (or None: call ``on_query``). The same bytes mean the same
-        question, flags and EDNS, so the same reply but for the ID: no parsing, no
-        policy, no objects. Entries live until their TTLs would tick down, their cache
-        entry expires or the policy changes, so a replay is what ``on_query`` would send."""
-        hit = self._replay.get(data[2:])
-        if hit is None or hit[0] <= now:
+        before (or None: call ``on_query``). The same bytes mean the same question, flags
+        and EDNS, so the same reply but for the ID and the TTLs: no parsing, no policy,
+        no objects. Once a second the TTLs are aged from the cache entry, while the cache
+        still holds that entry unexpired; the policy changing ends them all. So a replay
+        is what ``on_query`` would send, and a client that asks once a second (egressd's
+        many sandboxes) is still replayed."""
+        key = data[2:]
+        hit = self._replay.get(key)
+        if hit is None:
             return None
+        if hit[0] <= now:
+            _, tail, entry, cache_key = hit
+            if entry.expires_at <= now or self.cache.peek(cache_key) is not entry:
+                return None  # expired, evicted or answered anew: on_query decides again
+            hit = (_replay_until(entry, now), cache_mod.aged(entry, tail, now), entry, cache_key)
+            self._replay[key] = hit
         self._replays += 1
         return data[:2] + hit[1]
 
-    def _remember(self, data: bytes, reply: bytes, entry: Entry, now: float) -> None:
+    def _remember(
+        self, data: bytes, reply: bytes, entry: Entry, cache_key: bytes, now: float
+    ) -> None:
         if entry.update is not None and entry.allowed_until < entry.expires_at:
             return  # a later hit may have to refresh the sets first: keep it on on_query
         if len(data) > REPLAY_MAX_QUERY or len(reply) > REPLAY_MAX_REPLY:
             return  # bounded memory: 4,096 x (512 + 1,500) bytes at most
-        until = min(entry.stored_at + int(now - entry.stored_at) + 1, entry.expires_at)
         if len(self._replay) >= REPLAY_MAX:
             self._replay.clear()  # bounded; a client varying its bytes only slows itself
-        self._replay[bytes(data[2:])] = (until, bytes(reply[2:]))
+        self._replay[bytes(data[2:])] = (
+            _replay_until(entry, now), bytes(reply[2:]), entry, cache_key
+        )  # fmt: skip
 
     # -- queries -------------------------------------------------------------------------
 
@@ -199,7 +212,7 @@ class ResolverCore:
             self._stats["allowed"] += 1
             actions = self._from_cache(entry, q, client, now, max_size)
             if not tcp and not self.audit and type(actions[0]) is Reply:  # audit counts each
-                self._remember(data, actions[0].data, entry, now)
+                self._remember(data, actions[0].data, entry, q.key, now)
             return actions
         return self._decide(q, Waiter(client, q, max_size), now)
 
@@ -506,6 +519,12 @@ class ResolverCore:
             dns_violation(f.cls, f.rule, f.detail, p.qname, p.qtype,
                           layer=LAYER, policy=self.policy, at=now)
         )  # fmt: skip
+
+
+def _replay_until(entry: Entry, now: float) -> float:
+    """Until when a reply rendered at ``now`` holds: its TTLs tick down at the next whole
+    second of the entry's age, and it ends with the entry."""
+    return min(entry.stored_at + int(now - entry.stored_at) + 1, entry.expires_at)
 
 
 def _verdict_text(verdict: Verdict) -> str:

@@ -385,8 +385,44 @@ def test_a_repeated_udp_query_is_replayed_byte_for_byte_but_its_id() -> None:
     assert replayed is not None and replayed[:2] == again[:2]
     assert replayed[2:] == hit.data[2:]
     assert DNSRecord.parse(replayed).rr[0].ttl == 50
-    assert c.replay(again, 11.0) is None  # the TTL ticks down: render it again
     assert c.stats["cache_hits"] == 2 and c.stats["queries"] == 3
+
+
+def test_a_replay_ages_its_ttls_as_the_cache_would_until_the_entry_expires() -> None:
+    c = core()
+    _cached(c, ttl=5)  # stored at 0.0, expires at 5.0
+    first = bytes(query("allowed.test", qid=1, edns=True))
+    c.on_query(first, "c", False, 0.3)
+    for now in (0.9, 1.0, 1.7, 2.0, 3.5, 4.99):
+        again = bytes(query("allowed.test", qid=7, edns=True))
+        replayed = c.replay(again, now)
+        [fresh] = c.on_query(again, "c", False, now)  # what the full path renders now
+        assert replayed == fresh.data, now
+        assert DNSRecord.parse(replayed).rr[0].ttl == 5 - int(now)
+    assert c.replay(first, 5.0) is None  # expired: on_query asks upstream again
+
+
+def test_a_replay_ends_with_its_cache_entry() -> None:
+    c = core()
+    _cached(c, ttl=60)
+    q = bytes(query("allowed.test"))
+    c.on_query(q, "c", False, 1.0)
+    c.cache.clear()  # evicted (or answered anew): not replayed past this second
+    assert c.replay(q, 1.5) is not None
+    assert c.replay(q, 2.0) is None
+    _cached(c, ttl=60)  # a new answer, a new entry: the old replay does not come back
+    assert c.replay(q, 3.0) is None
+
+
+def test_a_truncated_replay_is_replayed_as_it_was() -> None:
+    c = core()
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    rrs = [RR("allowed.test", QTYPE.A, rdata=A(f"203.0.113.{i}"), ttl=60) for i in range(1, 41)]
+    acked(c, fwd.token, upstream_answer(fwd, *rrs), 0.0)
+    q = bytes(query("allowed.test"))  # no EDNS: 512 bytes at most, 40 addresses do not fit
+    [tc] = c.on_query(q, "c", False, 0.5)
+    assert DNSRecord.parse(tc.data).header.tc
+    assert c.replay(q, 3.2) == tc.data
 
 
 def test_replays_end_with_the_policy_and_never_cover_tcp_or_other_bytes() -> None:
