@@ -59,7 +59,8 @@ def plan_update(ips: Iterable[IPAddress], ports: Ports, timeout_s: int) -> SetUp
     v6: list[str] = []
     for ip in ips:
         target = v4 if ip.version == 4 else v6
-        target.extend(f"{ip} . {pair}" for pair in pairs)
+        text = str(ip)  # once per address, not per port: ipaddress formats in Python
+        target.extend(f"{text} . {pair}" for pair in pairs)
     return SetUpdate(tuple(v4), tuple(v6), timeout_s)
 
 
