@@ -139,7 +139,7 @@ def detach(uplink: str | None, sandbox_id: str) -> None:
     with claims.locked():
         if uplink is not None and not netns.netns_exists(uplink):
             _forget(uplink)  # its interfaces went with it
-        elif not _others(uplink, sandbox_id):
+        elif not _another(uplink, sandbox_id):
             saved = _load(uplink)
             if saved is not None:  # first, while the guard still stands
                 _put_back(uplink, saved)
@@ -178,12 +178,13 @@ def _handle(uplink: str | None) -> NftHandle:
     return entry[0]
 
 
-def _others(uplink: str | None, sandbox_id: str) -> list[claims.Claim]:
-    return [
-        other
-        for other in claims.load_all()
-        if other.id != sandbox_id and other.uplink_netns == uplink and not claims.is_stale(other)
-    ]
+def _another(uplink: str | None, sandbox_id: str) -> bool:
+    """Does a live sandbox other than this one still use this uplink? (The first found
+    ends the look.)"""
+    return any(
+        other.id != sandbox_id and other.uplink_netns == uplink and not claims.is_stale(other)
+        for other in claims.each()
+    )
 
 
 def _ensure_uplink(uplink: str | None, uplink_if: str, handle: NftHandle) -> None:

@@ -79,13 +79,18 @@ def alive(pid: int) -> bool:
 
 
 def load_all() -> list[Claim]:
-    claims = []
+    return list(each())
+
+
+def each() -> Iterator[Claim]:
+    """Every claim, read one file at a time in id order: a caller that stops at the first
+    it looks for reads no more (a sandbox's teardown among 1,000 read them all)."""
     for path in sorted(sandboxes_dir().glob("*.json")):
         try:
-            claims.append(Claim(**json.loads(path.read_text())))
+            claim = Claim(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue  # a half-written or foreign file holds no claim
-    return claims
+        yield claim
 
 
 def is_stale(claim: Claim) -> bool:
