@@ -62,9 +62,16 @@ class Cache:
         self.hits += 1
         return entry
 
-    def peek(self, key: bytes) -> Entry | None:
-        """The entry stored under ``key``, expired or not; no LRU move, no hit counted."""
-        return self._entries.get(key)
+    def holds(self, key: bytes, entry: Entry) -> bool:
+        """Is ``entry`` the one stored under ``key`` (expired or not)? No LRU move."""
+        return self._entries.get(key) is entry
+
+    def touch(self, key: bytes, entry: Entry) -> bool:
+        """``holds``, and if so ``entry`` moves to the fresh end, as a hit would."""
+        if self._entries.get(key) is not entry:
+            return False
+        self._entries.move_to_end(key)
+        return True
 
     def put(self, key: bytes, entry: Entry) -> None:
         self._entries[key] = entry

@@ -165,30 +165,38 @@ class ResolverCore:
         """The reply to a UDP query whose bytes after the ID were answered from the cache
         before (or None: call ``on_query``). The same bytes mean the same question, flags
         and EDNS, so the same reply but for the ID and the TTLs: no parsing, no policy,
-        no objects. Once a second the TTLs are aged from the cache entry, while the cache
-        still holds that entry unexpired; the policy changing ends them all. So a replay
-        is what ``on_query`` would send, and a client that asks once a second (egressd's
-        many sandboxes) is still replayed."""
+        no objects. A replay lasts while the cache holds its entry: evicted, answered anew
+        or expired, it is dropped; the policy changing drops them all. Once a second its
+        TTLs are aged from the entry (which goes to the cache's fresh end, as a hit
+        would). So a replay is what ``on_query`` would send, and a client that asks once
+        a second (egressd's many sandboxes) is still replayed."""
         key = data[2:]
         hit = self._replay.get(key)
         if hit is None:
             return None
-        if hit[0] <= now:
-            _, tail, entry, cache_key = hit
-            if entry.expires_at <= now or self.cache.peek(cache_key) is not entry:
-                return None  # expired, evicted or answered anew: on_query decides again
-            hit = (_replay_until(entry, now), cache_mod.aged(entry, tail, now), entry, cache_key)
-            self._replay[key] = hit
+        until, tail, entry, cache_key = hit
+        if until <= now or not self.cache.holds(cache_key, entry):
+            if (
+                entry.expires_at <= now
+                or not _replayable(entry)
+                or not self.cache.touch(cache_key, entry)
+            ):
+                del self._replay[key]  # on_query decides again (and may remember anew)
+                return None
+            tail = cache_mod.aged(entry, tail, now)
+            self._replay[key] = (_replay_until(entry, now), tail, entry, cache_key)
         self._replays += 1
-        return data[:2] + hit[1]
+        return data[:2] + tail
 
     def _remember(
         self, data: bytes, reply: bytes, entry: Entry, cache_key: bytes, now: float
     ) -> None:
-        if entry.update is not None and entry.allowed_until < entry.expires_at:
+        if not _replayable(entry):
             return  # a later hit may have to refresh the sets first: keep it on on_query
-        if len(data) > REPLAY_MAX_QUERY or len(reply) > REPLAY_MAX_REPLY:
-            return  # bounded memory: 4,096 x (512 + 1,500) bytes at most
+        if len(data) > REPLAY_MAX_QUERY or len(entry.message) > REPLAY_MAX_REPLY:
+            # Bounded memory: 4,096 x (512 + 1,500) bytes, and entries of at most 1,500
+            # (a reply truncated for its client is short; the entry it stands for is not).
+            return
         if len(self._replay) >= REPLAY_MAX:
             self._replay.clear()  # bounded; a client varying its bytes only slows itself
         self._replay[bytes(data[2:])] = (
@@ -519,6 +527,12 @@ class ResolverCore:
             dns_violation(f.cls, f.rule, f.detail, p.qname, p.qtype,
                           layer=LAYER, policy=self.policy, at=now)
         )  # fmt: skip
+
+
+def _replayable(entry: Entry) -> bool:
+    """The kernel allows the entry's addresses as long as its TTLs say: no hit of it will
+    have to refresh the sets first (``_from_cache``), so it may be replayed to its end."""
+    return entry.update is None or entry.allowed_until >= entry.expires_at
 
 
 def _replay_until(entry: Entry, now: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from dnslib import AAAA, CNAME, EDNS0, QTYPE, RR, SOA, TXT, A, DNSRecord
@@ -407,11 +408,51 @@ def test_a_replay_ends_with_its_cache_entry() -> None:
     _cached(c, ttl=60)
     q = bytes(query("allowed.test"))
     c.on_query(q, "c", False, 1.0)
-    c.cache.clear()  # evicted (or answered anew): not replayed past this second
     assert c.replay(q, 1.5) is not None
-    assert c.replay(q, 2.0) is None
-    _cached(c, ttl=60)  # a new answer, a new entry: the old replay does not come back
-    assert c.replay(q, 3.0) is None
+    [(key, entry)] = c.cache._entries.items()
+    c.cache.put(key, replace(entry))  # answered anew: its own replay, once answered
+    assert c.replay(q, 1.6) is None
+    c.on_query(q, "c", False, 1.7)
+    assert c.replay(q, 1.8) is not None
+    c.cache.clear()  # evicted: on_query asks upstream again, and so must a replay
+    assert c.replay(q, 1.9) is None
+
+
+def test_replays_keep_a_hot_name_at_the_caches_fresh_end() -> None:
+    policy, _ = parse_policy(POLICY.format(mode="enforce", denied="nxdomain"), "t.yaml")
+    c = ResolverCore(policy, 2, random.Random(7).getrandbits, cache_size=3)
+    _cached(c, "allowed.test", ttl=3600)
+    hot = bytes(query("allowed.test"))
+    c.on_query(hot, "c", False, 0.5)
+    for second in range(1, 12):  # a new name a second, the hot one replayed each second
+        _cached(c, f"n{second}.cdn.test", ttl=3600)
+        assert c.replay(hot, second + 0.5) is not None, second
+
+
+def test_an_answer_the_sets_may_need_refreshing_for_is_never_replayed() -> None:
+    c = core()
+    _cached(c, ttl=600)
+    [entry] = c.cache._entries.values()
+    entry.allowed_until = entry.expires_at - 0.5  # the kernel forgets half a second early
+    q = bytes(query("allowed.test"))
+    # Early in a second, the client's TTL still ends before the kernel's element does
+    # (whole seconds), and on_query answers; later in one, it refreshes the sets first.
+    [plain] = c.on_query(q, "c", False, 10.3)
+    assert isinstance(plain, Reply)
+    assert c.replay(q, 10.9) is None  # not remembered: on_query would refresh by now
+    [refresh] = c.on_query(q, "c", False, 10.9)
+    assert isinstance(refresh, AllowThenReply)
+
+
+def test_a_replay_is_not_aged_past_what_the_sets_allow() -> None:
+    c = core()
+    _cached(c, ttl=600)
+    q = bytes(query("allowed.test"))
+    c.on_query(q, "c", False, 10.3)
+    assert c.replay(q, 10.9) is not None
+    [entry] = c.cache._entries.values()
+    entry.allowed_until = entry.expires_at - 0.5  # whatever lowered it, the next second
+    assert c.replay(q, 11.1) is None  # goes through on_query's refresh
 
 
 def test_a_truncated_replay_is_replayed_as_it_was() -> None:
