@@ -209,13 +209,15 @@ class ResolverServer:
             self._tcp.close()
         for token in list(self._waiting):
             self._forget(token)
+        # Before the wait below, in which a refill _forget scheduled would make a batch
+        # only to close it (TCP exchanges use no pooled socket).
+        if self._refill is not None:
+            self._refill.cancel()
+        self.pool.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._refill is not None:
-            self._refill.cancel()
-        self.pool.close()
         self.writer.close()
 
     # -- the listening UDP socket --------------------------------------------------------

@@ -63,7 +63,7 @@ def resolve_upstreams(upstreams: tuple[Upstream, ...]) -> list[tuple[str, int]]:
     return out
 
 
-# (netns name, that netns's inode: a netns made again under the same name is another
+# (netns name, the inode of that netns: one made again under the same name is another
 # supply; upstream host, port; SO_MARK)
 SupplyKey = tuple[str | None, int, str, int, int | None]
 
@@ -77,16 +77,21 @@ TAKE_BATCH = 4  # none ready when a query needs one: made on its path, this many
 
 
 class Supply:
-    """Ready sockets for one (netns, upstream, mark), shared by the pools that use it.
+    """Ready sockets for one (netns, upstream, mark), shared by the pools that use it,
+    from any thread.
 
     Every socket is handed out once and closed by whoever took it, so sharing the ones not
     yet used changes nothing a query sees: its own socket, its own random source port.
+    The netns is entered through a descriptor held from the start, so every batch is made
+    in that namespace, and its inode (the key) can't go to another while the supply lives.
     """
 
-    def __init__(self, key: SupplyKey) -> None:
+    def __init__(self, key: SupplyKey, netns_fd: int | None) -> None:
         self.key = key
         self.users = 0
         self.ready: list[socket.socket] = []
+        self.closed = False
+        self._netns_fd = netns_fd
 
     def take(self) -> socket.socket:
         while True:
@@ -102,6 +107,8 @@ class Supply:
 
     def make(self, count: int) -> None:
         netns, _, host, port, mark = self.key
+        if self._netns_fd is not None:
+            netns = f"/proc/self/fd/{self._netns_fd}"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         made = []
         try:
@@ -112,29 +119,43 @@ class Supply:
                     sock.setblocking(False)
                     set_mark(sock, mark)  # before connect: it picks the route
                     sock.connect((host, port))  # binds a random port; ICMP errors reach us
+            with _supplies_lock:
+                if self.closed:  # closed meanwhile, by the last pool out on another thread
+                    raise UpstreamError("the upstream supply is closed")
+                self.ready.extend(made)
         except BaseException:
             for sock in made:
                 sock.close()
             raise
-        self.ready.extend(made)
 
     def close(self) -> None:
-        for sock in self.ready:
+        with _supplies_lock:
+            self.closed = True
+            ready, self.ready = self.ready, []
+            fd, self._netns_fd = self._netns_fd, None
+        for sock in ready:
             sock.close()
-        self.ready.clear()
+        if fd is not None:
+            os.close(fd)
 
 
 _supplies: dict[SupplyKey, Supply] = {}
-_supplies_lock = threading.Lock()  # pools are made and closed from any thread
+_supplies_lock = threading.Lock()
 
 
-def _acquire(key: SupplyKey) -> Supply:
+def _acquire(netns: str | None, host: str, port: int, mark: int | None) -> Supply:
+    fd = _open_netns(netns)
+    ino = 0 if fd is None else os.fstat(fd).st_ino
+    key = (netns, ino, host, port, mark)
     with _supplies_lock:
         supply = _supplies.get(key)
         if supply is None:
-            supply = _supplies[key] = Supply(key)
+            supply = _supplies[key] = Supply(key, fd)
+            fd = None  # the new supply's now
         supply.users += 1
-        return supply
+    if fd is not None:  # the supply holds one already
+        os.close(fd)
+    return supply
 
 
 def _release(supply: Supply) -> None:
@@ -147,13 +168,16 @@ def _release(supply: Supply) -> None:
     supply.close()
 
 
-def _netns_inode(netns: str | None) -> int:
+def _open_netns(netns: str | None) -> int | None:
+    """A descriptor of the netns named (None: this thread's own one is used as it is, and
+    a netns that can't be opened is named again at each batch: making a socket there then
+    says what is wrong)."""
     if netns is None:
-        return 0
+        return None
     try:
-        return os.stat(netns_path(netns)).st_ino
-    except OSError:
-        return 0  # making a socket there says what is wrong
+        return os.open(netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, EgressError):
+        return None
 
 
 class UpstreamPool:
@@ -164,7 +188,8 @@ class UpstreamPool:
     during one. ``mark`` (SO_MARK) is set on each when egress's own upstream traffic leaves
     from the sandbox netns itself (`egressd sidecar`): its ruleset accepts only marked
     packets there. The ready sockets come from a ``Supply`` shared with every other pool of
-    this process with the same netns, upstream and mark.
+    this process with the same netns, upstream and mark. A pool is used from one thread
+    (its server's loop); closed, it takes and makes nothing.
     """
 
     def __init__(
@@ -180,9 +205,8 @@ class UpstreamPool:
         if self._closed:
             raise UpstreamError("the upstream pool is closed")
         if self._supplies is None:
-            ino = _netns_inode(self.netns)
             self._supplies = [
-                _acquire((self.netns, ino, host, port, self.mark)) for host, port in self.upstreams
+                _acquire(self.netns, host, port, self.mark) for host, port in self.upstreams
             ]
         return self._supplies
 

@@ -7,6 +7,7 @@ upstream and mark, made in batches), and that nothing outlives the last pool.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -105,3 +106,30 @@ def test_a_netns_that_is_gone_fails_the_query_not_the_refill() -> None:
             pool.take(0)  # the query's: the server answers it SERVFAIL
     finally:
         pool.close()
+
+
+def test_a_batch_made_as_the_last_pool_leaves_is_closed_not_kept() -> None:
+    pool = UpstreamPool([UP_A], None)
+    pool.refill()
+    [supply] = upstream._supplies.values()
+    pool.close()  # the last out, on another thread, while this one makes a batch
+    with pytest.raises(UpstreamError):
+        supply.make(2)
+    assert supply.ready == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="entering a netns (even this one) needs root")
+def test_a_supply_holds_its_netns_for_as_long_as_it_lives() -> None:
+    here = "/proc/self/ns/net"  # a netns named by path, as a run dir's are
+    pool = UpstreamPool([UP_A], here)
+    try:
+        with pool.take(0) as sock:
+            assert sock.getpeername() == UP_A
+        [(key, supply)] = upstream._supplies.items()
+        assert key == (here, os.stat(here).st_ino, *UP_A, None)
+        held = supply._netns_fd
+        assert held is not None and os.fstat(held).st_ino == key[1]
+    finally:
+        pool.close()
+    with pytest.raises(OSError):
+        os.fstat(held)
