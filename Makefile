@@ -85,7 +85,7 @@ image: setup
 # and, once every bench has run, written into the README's table of them.
 bench: setup
 	@rm -f $(STAMPS)/figures.jsonl
-	@for b in bench/bench_*.py; do echo "== $$b"; \
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) bench/settle.py; \
 		EGRESS_BENCH_FIGURES=$(CURDIR)/$(STAMPS)/figures.jsonl $(PY) $$b || exit 1; done
 	@$(PY) bench/figures.py $(STAMPS)/figures.jsonl README.md
 
