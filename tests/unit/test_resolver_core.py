@@ -403,12 +403,19 @@ def test_a_replay_ages_its_ttls_as_the_cache_would_until_the_entry_expires() -> 
     assert c.replay(first, 5.0) is None  # expired: on_query asks upstream again
 
 
-def test_a_replay_ends_with_its_cache_entry() -> None:
+def _replaying(ttl: int, at: float) -> tuple[ResolverCore, bytes]:
+    """A core with allowed.test cached (at 0.0) and a query for it answered from the cache
+    at ``at``: remembered, so replayed."""
     c = core()
-    _cached(c, ttl=60)
+    _cached(c, ttl=ttl)
     q = bytes(query("allowed.test"))
-    c.on_query(q, "c", False, 1.0)
-    assert c.replay(q, 1.5) is not None
+    c.on_query(q, "c", False, at)
+    assert c.replay(q, at + 0.5) is not None
+    return c, q
+
+
+def test_a_replay_ends_with_its_cache_entry() -> None:
+    c, q = _replaying(ttl=60, at=1.0)
     [(key, entry)] = c.cache._entries.items()
     c.cache.put(key, replace(entry))  # answered anew: its own replay, once answered
     assert c.replay(q, 1.6) is None
@@ -445,11 +452,7 @@ def test_an_answer_the_sets_may_need_refreshing_for_is_never_replayed() -> None:
 
 
 def test_a_replay_is_not_aged_past_what_the_sets_allow() -> None:
-    c = core()
-    _cached(c, ttl=600)
-    q = bytes(query("allowed.test"))
-    c.on_query(q, "c", False, 10.3)
-    assert c.replay(q, 10.9) is not None
+    c, q = _replaying(ttl=600, at=10.3)
     [entry] = c.cache._entries.values()
     entry.allowed_until = entry.expires_at - 0.5  # whatever lowered it, the next second
     assert c.replay(q, 11.1) is None  # goes through on_query's refresh
