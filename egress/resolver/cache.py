@@ -68,7 +68,7 @@ class Cache:
 
     def touch(self, key: bytes, entry: Entry) -> bool:
         """``holds``, and if so ``entry`` moves to the fresh end, as a hit would."""
-        if self._entries.get(key) is not entry:
+        if not self.holds(key, entry):
             return False
         self._entries.move_to_end(key)
         return True
@@ -109,9 +109,7 @@ def render(entry: Entry, query: wire.Query, now: float, max_size: int) -> bytes:
     flags = wire.reply_flags(query.flags, qid_flags & 0xF)
     struct.pack_into("!HH", out, 0, query.id, flags)
     out[12 : 12 + len(query.question)] = query.question
-    age = int(now - entry.stored_at)
-    for off, ttl in zip(entry.ttl_offsets, entry.ttls, strict=True):
-        _TTL.pack_into(out, off, max(0, ttl - age))
+    _age_ttls(out, entry, now, 0)
     if query.edns_size is not None:
         out += wire.opt_record(options=entry.ede)
         struct.pack_into("!H", out, 10, struct.unpack_from("!H", out, 10)[0] + 1)
@@ -128,10 +126,15 @@ def aged(entry: Entry, tail: bytes, now: float) -> bytes:
     if struct.unpack_from("!H", tail)[0] & wire.TC:
         return tail
     out = bytearray(tail)
+    _age_ttls(out, entry, now, -2)
+    return bytes(out)
+
+
+def _age_ttls(out: bytearray, entry: Entry, now: float, shift: int) -> None:
+    """The entry's TTLs in ``out`` (its message from byte ``-shift`` on), aged to ``now``."""
     age = int(now - entry.stored_at)
     for off, ttl in zip(entry.ttl_offsets, entry.ttls, strict=True):
-        _TTL.pack_into(out, off - 2, max(0, ttl - age))
-    return bytes(out)
+        _TTL.pack_into(out, off + shift, max(0, ttl - age))
 
 
 def truncated(query: wire.Query) -> bytes:
