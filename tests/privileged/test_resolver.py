@@ -222,6 +222,27 @@ def test_an_ip_is_forgotten_after_its_clamped_ttl(lab: Lab) -> None:
     assert not rest[-1]["ok"], rest
 
 
+def test_a_name_asked_across_its_ttl_is_reachable_whenever_it_is_answered(lab: Lab) -> None:
+    """The workload (its own uid, in its sandbox) asks short-ttl.lab.test (TTL 2 s) and
+    connects to the answer at once, every 0.2 s for about 6 s. Its resolver replays the
+    answer while the cache holds it, ages its TTLs each second, and once the entry and
+    the kernel's element are gone asks the lab again. Every connect reaches the lab's web
+    server: no answer, replayed or not, named an address the kernel had forgotten."""
+    start = time.time()
+    step = {"op": "repeat_fetch", "name": "short-ttl.lab.test", "port": 80, "count": 30,
+            "interval": 0.2, "timeout": 2}  # fmt: skip
+    out = run_probe(POLICY, [step], lab.uplink_netns)
+    [result] = out.steps
+    assert result["ok"] and result["failed"] == 0, result
+    seen = [r for r in lab.requests() if r["ts"] >= start and r["host"] == "short-ttl.lab.test"]
+    assert len(seen) == 30, seen
+    asked = [q for q in lab.queries() if q["ts"] >= start and q.get("qname") is not None
+             and q["qname"].lower().rstrip(".") == "short-ttl.lab.test"]  # fmt: skip
+    # Asked again after each expiry (about 3 times in 6 s), not at each of the 30 answers.
+    assert 2 <= len(asked) < 30, asked
+    assert out.violations() == []
+
+
 def _sandbox_netns(pid: int) -> str:
     from egress.store import claims
 

@@ -110,9 +110,12 @@ def whoami(step):
 
 
 def repeat_fetch(step):
-    """The same allowed name, resolved and connected to, many times in a row."""
+    """The same allowed name, resolved and connected to, many times in a row (``interval``
+    seconds apart, 0 by default)."""
     failures = []
     for i in range(step["count"]):
+        if i and step.get("interval"):
+            time.sleep(step["interval"])
         try:
             fetch(step)
         except OSError as exc:
