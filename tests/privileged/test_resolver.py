@@ -287,6 +287,23 @@ def test_allowed_answer_then_immediate_connect_1000_times(lab: Lab) -> None:
     assert out.violations() == []
 
 
+def test_each_upstream_question_leaves_from_a_port_of_its_own(lab: Lab) -> None:
+    """What reached the lab's DNS from 40 new names asked in a row: each question from a
+    socket used once (the sockets come ready from a supply shared in the process), so
+    the ports are the kernel's random picks, not one socket reused. Random picks from
+    ~28,000 ports may repeat by chance (40 picks: ~3%); a reused socket gives 1-4 ports."""
+    start = time.time()
+    step = {"op": "fetch_series", "count": 40, "port": 8081,
+            "template": "ip-198-19-{a}-{b}.any.lab.test"}  # fmt: skip
+    out = run_probe(SERIES_POLICY, [step], lab.uplink_netns)
+    [result] = out.steps
+    assert result["ok"] and result["failed"] == 0, result
+    asked = [q for q in lab.queries() if q["ts"] >= start
+             and (q.get("qname") or "").lower().endswith(".any.lab.test")]  # fmt: skip
+    assert len(asked) == 40, asked
+    assert len({q["sport"] for q in asked}) >= 38, sorted(q["sport"] for q in asked)
+
+
 AUDIT_POLICY = POLICY.replace(
     "metadata: {name: resolver}\nspec:\n", "metadata: {name: audit}\nspec:\n  mode: audit\n"
 )
