@@ -90,10 +90,11 @@ class Egressd:
         self.proc: subprocess.Popen[bytes] | None = None
         self.lines: Lines | None = None
         self.retired: list[subprocess.Popen[bytes]] = []  # replaced, exiting by themselves
+        self.wrapper: list[str] = []  # runs egressd (e.g. chrt); it must exec, keeping the PID
 
     def argv(self, *options: str) -> list[str]:
-        return [*EGRESSD, *options, "--socket", self.socket, "--run-dir", str(self.run_dir),
-                "--state-dir", str(self.state)]  # fmt: skip
+        return [*self.wrapper, *EGRESSD, *options, "--socket", self.socket,
+                "--run-dir", str(self.run_dir), "--state-dir", str(self.state)]  # fmt: skip
 
     def launch(self, *options: str) -> subprocess.Popen[bytes]:
         """Another egressd on this socket and run dir (e.g. ``--replace``), not yet waited
@@ -213,10 +214,15 @@ def _end(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 @contextmanager
 def egressd(
-    state: Path | None = None, *options: str, own_session: bool = False
+    state: Path | None = None,
+    *options: str,
+    own_session: bool = False,
+    wrapper: tuple[str, ...] = (),
 ) -> Iterator[Egressd]:
-    """A started egressd (``options`` on its command line), cleaned up on the way out."""
+    """A started egressd (``options`` on its command line, ``wrapper`` before it, e.g.
+    ``chrt``), cleaned up on the way out."""
     daemon = Egressd(Path(tempfile.mkdtemp(prefix="egressd-test-")), state, own_session)
+    daemon.wrapper = list(wrapper)
     try:
         daemon.start(*options)
         yield daemon
