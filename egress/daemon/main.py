@@ -230,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = observer_parser().parse_args(args_in[1:])
             _host_cgroupns("egressd observer")
             _raise_open_files()  # a few descriptors per sandbox watched
+            _leave_realtime("egressd observer")  # it freezes too
             sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir), args.shards)
             return sup.run()
         if args_in[:1] == ["sidecar"]:
@@ -376,13 +377,13 @@ def _raise_priority() -> None:
     waiting for its turn.
 
     Higher than that is not safe: see _leave_realtime."""
-    _leave_realtime()
+    _leave_realtime("egressd")
     with contextlib.suppress(OSError):
         if os.getpriority(os.PRIO_PROCESS, 0) > NICE:
             os.setpriority(os.PRIO_PROCESS, 0, NICE)
 
 
-def _leave_realtime() -> None:
+def _leave_realtime(who: str) -> None:
     """Back to the normal scheduler if started real-time (``chrt -f``, systemd's
     ``CPUSchedulingPolicy=fifo`` or ``rr``), and say so.
 
@@ -399,13 +400,12 @@ def _leave_realtime() -> None:
         for tid in realtime:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
     except OSError as exc:
-        print(f"egressd: cannot leave real-time scheduling: {exc}", file=sys.stderr, flush=True)
+        print(f"{who}: cannot leave real-time scheduling: {exc}", file=sys.stderr, flush=True)
         return
     if realtime:
-        print(f"egressd: started with real-time scheduling, which starves the kernel work "
-              f"its set updates and freezes wait on; running under SCHED_OTHER at nice "
-              f"{NICE} instead (drop CPUSchedulingPolicy or chrt)", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(f"{who}: started with real-time scheduling, which starves the kernel work "
+              "its set updates and freezes wait on; running under SCHED_OTHER instead "
+              "(drop CPUSchedulingPolicy or chrt)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _raise_open_files() -> None:

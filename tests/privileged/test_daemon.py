@@ -350,19 +350,30 @@ def test_clients_without_access_to_the_socket_are_refused(daemon: Egressd) -> No
     assert subprocess.run(argv, timeout=20).returncode == 13
 
 
-def test_egressd_started_real_time_runs_every_thread_and_child_under_sched_other(
-    state_dir: Path,
+def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
+    lab: Lab, state_dir: Path
 ) -> None:
     """Started under SCHED_FIFO (``chrt``, or a unit's CPUSchedulingPolicy), egressd starved
     the kernel work its freezes wait on (freezes unconfirmed after 5 s at 1,000
-    sandboxes): it goes back to SCHED_OTHER at nice -10 before it starts anything, and
-    says so."""
+    sandboxes): it and its observer layer go back to SCHED_OTHER before they start
+    anything, every thread and child, and say so."""
     with egressd(state_dir, wrapper=("chrt", "--fifo", "10")) as d:
         tasks = _tasks_under(d.pid)
         assert len(tasks) >= 2  # its own thread(s) and its nft worker process, at least
         assert {os.sched_getscheduler(t) for t in tasks} == {os.SCHED_OTHER}
         assert os.getpriority(os.PRIO_PROCESS, d.pid) == -10
-        assert "started with real-time scheduling" in d.stderr()
+        assert "egressd: started with real-time scheduling" in d.stderr()
+        box = d.create(policy("rt", "allowed.lab.test"), lab.uplink_netns)
+        observer = d.observer()
+        try:
+            said = read_until(observer, f"watching {box['id']}")
+            tasks = _tasks_under(observer.pid)
+            assert len(tasks) >= 3  # the supervisor, a shard, its nft worker, at least
+            assert {os.sched_getscheduler(t) for t in tasks} == {os.SCHED_OTHER}
+            assert "egressd observer: started with real-time scheduling" in said
+        finally:
+            observer.send_signal(signal.SIGTERM)
+            observer.communicate(timeout=20)
 
 
 def _tasks_under(pid: int) -> list[int]:

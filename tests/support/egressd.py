@@ -164,7 +164,7 @@ class Egressd:
         piped (read it with ``read_until``) or, ``to_file``, appended to ``observer.log``
         here (a line per sandbox watched: hundreds fill a pipe nobody reads). The caller
         stops it."""
-        argv = [*EGRESSD, "observer", "--run-dir", str(self.run_dir),
+        argv = [*self.wrapper, *EGRESSD, "observer", "--run-dir", str(self.run_dir),
                 "--state-dir", str(self.state), *options]  # fmt: skip
         if not to_file:
             return subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE)
