@@ -8,6 +8,7 @@ force_forwarding case is tested on any kernel. The real thing: privileged/test_f
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -226,3 +227,26 @@ def test_values_saved_before_a_crash_are_the_ones_put_back(fake: Any) -> None:
         uplink.detach("up", "no-claim")
         assert ns.sysctls[f"net/ipv4/conf/{UP}/forwarding"] == "0"
         assert ns.sysctls[f"net/ipv6/conf/{UP}/force_forwarding"] == "0"
+
+
+def test_the_table_stays_while_another_live_sandbox_uses_the_uplink(fake: Any) -> None:
+    """``detach`` keeps the uplink set up while any other live sandbox uses it, and the
+    last one out takes it down: its own claim, claims of another uplink and stale ones
+    (owner gone, netns gone) keep nothing."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid nobody has (for the moment this test takes)
+    with fake(namespace(force_forwarding=True)) as ns:
+        claims.sandboxes_dir().mkdir(parents=True, exist_ok=True)
+        for sandbox_id, up, owner in (("a", "up", os.getpid()), ("b", "other", os.getpid()),
+                                      ("c", "up", gone.pid), ("d", "up", os.getpid())):  # fmt: skip
+            claims.save(claims.Claim(id=sandbox_id, index=0, netns=f"egress-test-{sandbox_id}",
+                                     host_if=f"eg-{sandbox_id}", uplink_netns=up,
+                                     owner_pid=owner))  # fmt: skip
+        uplink.attach("up", "eg-a")
+        uplink.detach("up", "a")  # d is still there
+        assert ns.table is not None and uplink.saved_path("up").exists()
+        assert ns.sysctls[f"net/ipv4/conf/{UP}/forwarding"] == ON
+        uplink.detach("up", "d")  # b: another uplink; c: stale
+        assert ns.table is None and not uplink.saved_path("up").exists()
+        assert ns.sysctls[f"net/ipv4/conf/{UP}/forwarding"] == "0"
+        assert sorted(c.id for c in claims.each()) == ["b", "c"]  # gc's to remove
