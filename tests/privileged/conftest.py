@@ -18,6 +18,7 @@ Use::
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -63,6 +64,25 @@ def make_lab(require_root: None) -> Iterator[Callable[..., Lab]]:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+@pytest.fixture(autouse=True)
+def host_namespace_left_alone() -> Iterator[None]:
+    """No test makes the host's own namespace an uplink (forwarding and NAT on its real
+    interface): every sandbox a test makes leaves through a lab's uplink netns, which has
+    no route out. egress's uplink table appearing there during a test fails the test. If
+    the host has one already (egress in real use here), a test's cannot be told apart."""
+    before = _host_has_uplink_table()
+    yield
+    if not before and _host_has_uplink_table():
+        pytest.fail("this test made the host's own namespace an uplink (nft table "
+                    "inet egress_uplink appeared there): give its sandboxes a lab's "
+                    "uplink netns")  # fmt: skip
+
+
+def _host_has_uplink_table() -> bool:
+    listed = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True)
+    return "table inet egress_uplink\n" in listed.stdout + "\n"
 
 
 @pytest.fixture(scope="session", autouse=True)

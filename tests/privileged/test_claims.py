@@ -10,6 +10,7 @@ import pytest
 
 from egress.datapath.addressing import Pools
 from egress.kernel import netns
+from egress.lab import Lab
 from egress.policy import parse_policy
 from egress.sandbox import lifecycle
 from egress.store import claims
@@ -85,21 +86,21 @@ def test_a_taken_id_is_refused_and_the_claim_holding_it_kept(run: Path) -> None:
 
 
 def test_create_draws_another_id_for_one_used_before(
-    run: Path, monkeypatch: pytest.MonkeyPatch
+    run: Path, lab: Lab, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The journal refuses an id it ever recorded, and ids are 24 random bits: over a
     # thousand sandboxes in one state dir a repeat is likely enough to have failed CI.
     drawn = iter(["used01", "live01", "fresh1"])
     monkeypatch.setattr(lifecycle, "new_id", lambda: next(drawn))
-    live = claims.claim("live01", POOLS, None)
+    live = claims.claim("live01", POOLS, lab.uplink_netns)
     policy = parse_policy(POLICY, "p.yaml")[0]
-    sb = lifecycle.create(policy, POOLS, None, None, {"used01"}.__contains__)
+    sb = lifecycle.create(policy, POOLS, lab.uplink_netns, None, {"used01"}.__contains__)
     try:
         assert sb.id == "fresh1"
         assert {c.id: c.index for c in claims.load_all()}["live01"] == live.index
     finally:
+        claims.release("live01")  # first: the last sandbox out takes the uplink's table
         sb.destroy()
-        claims.release("live01")
 
 
 def test_an_id_another_run_dir_uses_on_this_host_is_refused(
