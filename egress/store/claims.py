@@ -22,6 +22,8 @@ from egress.errors import SandboxError
 from egress.store import uids
 from egress.store.paths import private_dir, run_dir, tighten, workloads_dir, write_private
 
+NETNS_DIR = "/run/netns"  # where `ip netns` pins a sandbox's netns: it lives while this does
+
 
 @dataclass
 class Claim:
@@ -94,7 +96,7 @@ def each() -> Iterator[Claim]:
 
 
 def is_stale(claim: Claim) -> bool:
-    return not alive(claim.owner_pid) and not Path("/run/netns", claim.netns).exists()
+    return not alive(claim.owner_pid) and not Path(NETNS_DIR, claim.netns).exists()
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class _Held:
 
 def _netns_inode(name: str) -> int | None:
     try:
-        return os.stat(f"/run/netns/{name}").st_ino
+        return os.stat(f"{NETNS_DIR}/{name}").st_ino
     except OSError:
         return None
 
@@ -183,7 +185,7 @@ def claim(
             raise IdTaken(f"sandbox id {sandbox_id} is taken already")
         # Names every run dir on the host shares: another run dir's live sandbox with this
         # id has them, and a failed create's undo would remove its workload files.
-        if os.path.lexists(f"/run/netns/{netns_name(sandbox_id)}") or os.path.lexists(
+        if os.path.lexists(f"{NETNS_DIR}/{netns_name(sandbox_id)}") or os.path.lexists(
             workloads_dir() / sandbox_id
         ):
             raise IdTaken(f"sandbox id {sandbox_id} is in use on this host")

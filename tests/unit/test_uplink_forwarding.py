@@ -229,24 +229,36 @@ def test_values_saved_before_a_crash_are_the_ones_put_back(fake: Any) -> None:
         assert ns.sysctls[f"net/ipv6/conf/{UP}/force_forwarding"] == "0"
 
 
-def test_the_table_stays_while_another_live_sandbox_uses_the_uplink(fake: Any) -> None:
-    """``detach`` keeps the uplink set up while any other live sandbox uses it, and the
-    last one out takes it down: its own claim, claims of another uplink and stale ones
-    (owner gone, netns gone) keep nothing."""
+def test_the_table_stays_while_another_live_sandbox_uses_the_uplink(
+    fake: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``detach`` keeps the uplink set up while any other live sandbox uses it (its owner
+    runs, or its netns is still there: one kept across an egressd restart), and the last
+    one out takes it down: its own claim, another uplink's and a stale one (owner gone,
+    netns gone) keep nothing."""
     gone = subprocess.Popen(["true"])
-    gone.wait()  # a pid nobody has (for the moment this test takes)
+    gone.wait()  # a pid nobody has: pids come back only after pid_max more
+    monkeypatch.setattr(claims, "NETNS_DIR", str(tmp_path / "netns"))
+    (tmp_path / "netns").mkdir()
+    (tmp_path / "netns" / "egress-test-e").touch()
     with fake(namespace(force_forwarding=True)) as ns:
         claims.sandboxes_dir().mkdir(parents=True, exist_ok=True)
         for sandbox_id, up, owner in (("a", "up", os.getpid()), ("b", "other", os.getpid()),
-                                      ("c", "up", gone.pid), ("d", "up", os.getpid())):  # fmt: skip
+                                      ("c", "up", gone.pid), ("d", "up", os.getpid()),
+                                      ("e", "up", gone.pid)):  # fmt: skip
             claims.save(claims.Claim(id=sandbox_id, index=0, netns=f"egress-test-{sandbox_id}",
                                      host_if=f"eg-{sandbox_id}", uplink_netns=up,
                                      owner_pid=owner))  # fmt: skip
         uplink.attach("up", "eg-a")
-        uplink.detach("up", "a")  # d is still there
+        uplink.detach("up", "a")  # d and e are still there
+        uplink.detach("up", "d")  # e: its owner is gone, its netns is not
+        assert ns.table is not None and uplink.saved_path("up").exists()
+        claims.save(claims.Claim(id="f", index=0, netns="egress-test-f", host_if="eg-f",
+                                 uplink_netns="up", owner_pid=os.getpid()))  # fmt: skip
+        uplink.detach("up", "e")  # f: no netns yet, its owner runs
         assert ns.table is not None and uplink.saved_path("up").exists()
         assert ns.sysctls[f"net/ipv4/conf/{UP}/forwarding"] == ON
-        uplink.detach("up", "d")  # b: another uplink; c: stale
+        uplink.detach("up", "f")  # b: another uplink; c: stale
         assert ns.table is None and not uplink.saved_path("up").exists()
         assert ns.sysctls[f"net/ipv4/conf/{UP}/forwarding"] == "0"
-        assert sorted(c.id for c in claims.each()) == ["b", "c"]  # gc's to remove
+        assert sorted(c.id for c in claims.each()) == ["b", "c"]  # b: the other uplink's; c: gc's
