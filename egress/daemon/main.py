@@ -22,6 +22,7 @@ from egress.daemon.collect import Collector
 from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
 from egress.kernel.netns_cgroup import enter_host_cgroupns
+from egress.kernel.sched import leave_realtime
 from egress.observer.supervisor import Supervisor
 from egress.store import rundir, uids
 from egress.store.follow import Follower, event_json
@@ -34,7 +35,6 @@ from .registry import Registry
 
 FMT = argparse.RawDescriptionHelpFormatter
 NICE = -10  # see _raise_priority
-REALTIME = (os.SCHED_FIFO, os.SCHED_RR)  # see _leave_realtime
 OPEN_FILES = 1 << 20  # sandboxes x (8 + up to MAX_IN_FLIGHT upstream sockets)
 DEFAULT_SOCKET = str(run_dir() / "egressd.sock")
 SERVE_EPILOG = """\
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = observer_parser().parse_args(args_in[1:])
             _host_cgroupns("egressd observer")
             _raise_open_files()  # a few descriptors per sandbox watched
-            _leave_realtime("egressd observer")  # it freezes too
+            leave_realtime("egressd observer")  # it freezes too
             sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir), args.shards)
             return sup.run()
         if args_in[:1] == ["sidecar"]:
@@ -376,46 +376,11 @@ def _raise_priority() -> None:
     -10 (bench/bench_fairness.py); egressd used 6% of a CPU either way: the rest was
     waiting for its turn.
 
-    Real-time is not safe: see _leave_realtime."""
-    _leave_realtime("egressd")
+    Real-time is not safe: see kernel/sched.py."""
+    leave_realtime("egressd")
     with contextlib.suppress(OSError):
         if os.getpriority(os.PRIO_PROCESS, 0) > NICE:
             os.setpriority(os.PRIO_PROCESS, 0, NICE)
-
-
-def _leave_realtime(who: str) -> None:
-    """Back to the normal scheduler if started real-time (``chrt -f``, systemd's
-    ``CPUSchedulingPolicy=fifo`` or ``rr``), and say so. Called before any thread or
-    child starts, which then inherit it (a policy is per thread).
-
-    What a freeze and a set update wait on runs at normal priority: each task of the
-    cgroup being frozen must get a CPU to stop, and the kernel's own work (workqueues,
-    softirq processing) runs in threads of normal priority. A busy real-time egressd
-    keeps them off its CPU: at 1,000 sandboxes and 5,000 queries/s on 2 vCPUs, under
-    SCHED_FIFO 10, freezes during the load were not confirmed within 5 s (2 runs of 2; at
-    nice -10 every freeze of 3 runs was, p99 9-15 ms), and an egressd whose load had
-    stopped was found 15 minutes later still busy in a set update, the host at 100%
-    system time. A reset-on-fork flag is kept: only a privileged process may clear it."""
-    found = None
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            policy = os.sched_getscheduler(int(tid))
-            base = policy & ~os.SCHED_RESET_ON_FORK
-            if base in REALTIME:
-                keep = policy & os.SCHED_RESET_ON_FORK
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER | keep, os.sched_param(0))
-                found = base
-        except ProcessLookupError:
-            continue  # a thread that ended meanwhile
-        except OSError as exc:
-            print(f"{who}: stays real-time ({exc.strerror}): its freezes may go unconfirmed "
-                  "(drop chrt or CPUSchedulingPolicy)", file=sys.stderr, flush=True)  # fmt: skip
-            return
-    if found is not None:
-        name = "SCHED_FIFO" if found == os.SCHED_FIFO else "SCHED_RR"
-        print(f"{who}: started {name}, now SCHED_OTHER: real-time kept from a CPU what its "
-              "freezes wait on (drop chrt or CPUSchedulingPolicy)", file=sys.stderr,
-              flush=True)  # fmt: skip
 
 
 def _raise_open_files() -> None:

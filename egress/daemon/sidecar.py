@@ -46,6 +46,7 @@ from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.netns_cgroup import NoCgroup, Peers
 from egress.kernel.nft import NftHandle
+from egress.kernel.sched import leave_realtime
 from egress.model import Policy, SandboxState
 from egress.policy import parse_policy
 from egress.sandbox import lifecycle as sbx
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     if os.geteuid() != 0:
         raise SandboxError("egressd sidecar needs root (nft, NFLOG, SO_MARK and the cgroup)")
+    leave_realtime("egressd sidecar")
     cfg = _config(args)
     try:
         lock = _lock(cfg.state)

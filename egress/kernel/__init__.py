@@ -14,6 +14,7 @@ cgroupfs.
     cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill
     idmap.py       idmapped bind mounts (open_tree, mount_setattr, move_mount)
     confine.py     the workload's seccomp filter (libseccomp) and Landlock domain
+    sched.py       leaving real-time scheduling, which starves what a freeze waits on
 
 They carry out what the layers above decide and know nothing of policies, resolvers or the
 journal (an import-linter contract checks it). libnftables' and pyroute2's errors are

@@ -423,3 +423,19 @@ def test_host_services_behind_unix_sockets_are_out_of_reach(lab: Lab) -> None:
     assert listing["stdout"].strip() == "0", listing
     assert hosts["stdout"].strip() == "hosts: files dns"
     assert write["rc"] != 0
+
+
+def test_egressctl_run_started_real_time_runs_itself_and_the_workload_under_sched_other(
+    lab: Lab,
+) -> None:
+    """A workload of a real-time egressctl run would inherit real-time, and, busy, keep
+    the layers that must freeze it off the CPU: egressctl run leaves it before anything
+    starts, and says so. The workload reports its own policy."""
+    code = "import os; print(os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK)"
+    with workdir() as d:
+        argv = ["chrt", "--fifo", "10", *run_in(d), "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(os.SCHED_OTHER)]
+    assert "egressctl run: started SCHED_FIFO, now SCHED_OTHER" in done.stderr

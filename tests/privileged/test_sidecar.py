@@ -173,12 +173,18 @@ def _remove(name: str, v2: str, freezer: str | None, etc: Path, made: list[str])
 
 
 def sidecar_argv(
-    box: Box, policy_path: Path, state: Path, *extra: str, enter: str = "nsenter"
+    box: Box,
+    policy_path: Path,
+    state: Path,
+    *extra: str,
+    enter: str = "nsenter",
+    wrapper: tuple[str, ...] = (),
 ) -> list[str]:
     """The sidecar in the box's netns, entered as a container runtime would (nsenter: the
-    netns only; `ip netns exec` would also hide the cgroup filesystems, see below)."""
+    netns only; `ip netns exec` would also hide the cgroup filesystems, see below), run
+    by ``wrapper`` (e.g. chrt) there."""
     into = [f"--net=/run/netns/{box.ns}"] if enter == "nsenter" else ["netns", "exec", box.ns]
-    argv = [enter, *into, *SIDECAR, "--policy", str(policy_path), "--cgroup",
+    argv = [enter, *into, *wrapper, *SIDECAR, "--policy", str(policy_path), "--cgroup",
             box.cgroup.v2_path, "--id", box.id, "--state-dir", str(state)]  # fmt: skip
     if box.cgroup.freezer_path:
         argv += ["--freezer", box.cgroup.freezer_path]
@@ -212,11 +218,13 @@ def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
 
 
 @contextmanager
-def sidecar(box: Box, policy_path: Path, state: Path, *extra: str) -> Iterator[Running]:
+def sidecar(
+    box: Box, policy_path: Path, state: Path, *extra: str, wrapper: tuple[str, ...] = ()
+) -> Iterator[Running]:
     """A running sidecar (killed on the way out if the test did not stop it)."""
     start = time.monotonic()
     with open(box.dir / "sidecar.err", "ab") as err:
-        proc = subprocess.Popen(sidecar_argv(box, policy_path, state, *extra),
+        proc = subprocess.Popen(sidecar_argv(box, policy_path, state, *extra, wrapper=wrapper),
                                 stdout=subprocess.PIPE, stderr=err, cwd=ROOT)  # fmt: skip
     try:
         line = _first_line(proc, 30)
@@ -477,6 +485,19 @@ def test_remove_on_exit_leaves_the_netns_as_it_was(uplink: str, state_dir: Path)
         assert snapshot(box.ns) == before
         with Journal.open(state_dir) as journal:
             assert journal.sandbox(box.id)["state"] == "exited"  # type: ignore[index]
+
+
+def test_a_sidecar_started_real_time_runs_under_sched_other(uplink: str, state_dir: Path) -> None:
+    """Real-time, a busy sidecar keeps what its freezes wait on off the CPU (see
+    egress/kernel/sched.py): it leaves it before it starts anything, and says so."""
+    with hand_made(uplink) as box:
+        path = policy_file(box.dir, policy("rt", "*.any.lab.test"))
+        with sidecar(box, path, state_dir, wrapper=("chrt", "--fifo", "10")) as running:
+            threads = [int(t) for t in os.listdir(f"/proc/{running.proc.pid}/task")]
+            assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_OTHER}
+            assert running.stop() == 0
+        said = (box.dir / "sidecar.err").read_text()
+        assert "egressd sidecar: started SCHED_FIFO, now SCHED_OTHER" in said
 
 
 def test_bad_starts_are_refused_and_change_nothing(uplink: str, state_dir: Path) -> None:
