@@ -28,6 +28,7 @@ import contextlib
 import os
 import pwd
 import re
+import resource
 import select
 import shutil
 import subprocess
@@ -182,6 +183,16 @@ def join_cgroups(procs_files: list[str]) -> None:
             os.close(fd)
 
 
+def no_priority_above_normal() -> None:
+    """The workload may not make itself real-time or nicer than it started, whatever
+    limits the caller had (``ulimit -r``, ``-e`` in the shell egressctl was started from
+    pass on through setpriv): a real-time busy loop on every CPU would keep the layers
+    that must freeze it off them (see kernel/sched.py). Hard limits: it can't raise them
+    back. Runs in the child between fork and exec, as join_cgroups does."""
+    resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+
+
 @dataclass
 class Workload:
     """A started command: ``pid`` is bwrap (wait on it), ``init_pid`` PID 1 (signal it)."""
@@ -207,6 +218,7 @@ def spawn(
 
     def in_child() -> None:
         join_cgroups(procs_files)
+        no_priority_above_normal()
         if scope is not None:
             scope()
 

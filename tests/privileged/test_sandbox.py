@@ -439,3 +439,42 @@ def test_egressctl_run_started_real_time_runs_itself_and_the_workload_under_sche
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(os.SCHED_OTHER)]
     assert "egressctl run: started SCHED_FIFO, now SCHED_OTHER" in done.stderr
+
+
+def test_a_workload_can_not_make_itself_real_time_or_nicer_whatever_limits_it_inherits(
+    lab: Lab,
+) -> None:
+    """The attack: from a shell with ``ulimit -r 99 -e 40``, a workload would make itself
+    SCHED_FIFO and spin on every CPU, keeping the layers that must freeze it off them.
+    Its limits are 0, hard, whatever egressctl run was given."""
+    code = """if 1:
+        import json, os, resource
+        out = {"rtprio": resource.getrlimit(resource.RLIMIT_RTPRIO),
+               "nice": resource.getrlimit(resource.RLIMIT_NICE)}
+        for name, act in (("fifo", lambda: os.sched_setscheduler(0, os.SCHED_FIFO,
+                                                                  os.sched_param(1))),
+                          ("nicer", lambda: os.setpriority(os.PRIO_PROCESS, 0, -5)),
+                          ("limit", lambda: resource.setrlimit(resource.RLIMIT_RTPRIO,
+                                                               (1, 1)))):
+            try:
+                act()
+                out[name] = "done"
+            except (PermissionError, ValueError):  # setrlimit: ValueError for EPERM
+                out[name] = "refused"
+        out["policy"] = os.sched_getscheduler(0)
+        print(json.dumps(out))
+    """
+    raise_limits = ["prlimit", "--rtprio=99:99", "--nice=40:40"]
+    can = subprocess.run([*raise_limits, "true"], capture_output=True, text=True)
+    if can.returncode != 0:  # e.g. a VM's root without CAP_SYS_RESOURCE
+        pytest.skip(f"root cannot raise these limits here ({can.stderr.strip()}), so no "
+                    "workload here can inherit them either")  # fmt: skip
+    with workdir() as d:
+        argv = [*raise_limits, *run_in(d),
+                "--policy", str(policy_file(d, POLICY)), "--uplink-netns", lab.uplink_netns,
+                "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env())
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {"rtprio": [0, 0], "nice": [0, 0], "fifo": "refused", "nicer": "refused",
+                    "limit": "refused", "policy": os.SCHED_OTHER}  # fmt: skip
