@@ -1,6 +1,7 @@
 """Start the user's command inside a sandbox: its own uid, PID namespace and view.
 
-    egressctl (root) ─fork─▶ join the sandbox's cgroup(s), enter the Landlock domain
+    egressctl (root) ─fork─▶ join the sandbox's cgroup(s), RLIMIT_RTPRIO and RLIMIT_NICE
+        to 0, enter the Landlock domain
         ─exec─▶ nsenter --net=<the sandbox's netns>
         ─exec─▶ bwrap: new mount, PID, IPC, UTS (and cgroup) namespaces; the view
                 (sandbox/view.py); the seccomp filter (kernel/confine.py)
