@@ -20,16 +20,22 @@ def leave_realtime(who: str) -> None:
     SCHED_FIFO 10, freezes during the load were not confirmed within 5 s (2 runs of 2; at
     nice -10 every freeze of 3 runs was, p99 9-15 ms), and an egressd whose load had
     stopped was found 15 minutes later still busy in a set update, the host at 100%
-    system time. Started by ``egressctl run``, a workload would inherit it too. A
-    reset-on-fork flag is kept: only a privileged process may clear it."""
+    system time. Started by ``egressctl run``, a workload would inherit it too.
+
+    A reset-on-fork flag is cleared if this process may (it would also reset egressd's
+    nice -10 in every thread and child it starts), else kept."""
     found = None
-    for tid in os.listdir("/proc/self/task"):
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError as exc:
+        print(f"{who}: cannot read its threads' scheduling ({exc.strerror})", file=sys.stderr)
+        return
+    for tid in tasks:
         try:
             policy = os.sched_getscheduler(int(tid))
             base = policy & ~os.SCHED_RESET_ON_FORK
             if base in REALTIME:
-                keep = policy & os.SCHED_RESET_ON_FORK
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER | keep, os.sched_param(0))
+                _to_normal(int(tid), policy & os.SCHED_RESET_ON_FORK)
                 found = base
         except ProcessLookupError:
             continue  # a thread that ended meanwhile
@@ -39,6 +45,16 @@ def leave_realtime(who: str) -> None:
             return
     if found is not None:
         name = "SCHED_FIFO" if found == os.SCHED_FIFO else "SCHED_RR"
-        print(f"{who}: started {name}, now SCHED_OTHER: real-time kept from a CPU what its "
+        print(f"{who}: started {name}, now SCHED_OTHER: real-time keeps from a CPU what its "
               "freezes wait on (drop chrt or CPUSchedulingPolicy)", file=sys.stderr,
               flush=True)  # fmt: skip
+
+
+def _to_normal(tid: int, reset_on_fork: int) -> None:
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except PermissionError:
+        if not reset_on_fork:
+            raise
+        # Only a process with CAP_SYS_NICE may clear the flag.
+        os.sched_setscheduler(tid, os.SCHED_OTHER | reset_on_fork, os.sched_param(0))

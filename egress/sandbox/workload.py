@@ -1,7 +1,7 @@
 """Start the user's command inside a sandbox: its own uid, PID namespace and view.
 
-    egressctl (root) ─fork─▶ join the sandbox's cgroup(s), RLIMIT_RTPRIO and RLIMIT_NICE
-        to 0, enter the Landlock domain
+    egressctl (root) ─fork─▶ join the sandbox's cgroup(s), normal scheduling and
+        priority (RLIMIT_RTPRIO and RLIMIT_NICE 0), enter the Landlock domain
         ─exec─▶ nsenter --net=<the sandbox's netns>
         ─exec─▶ bwrap: new mount, PID, IPC, UTS (and cgroup) namespaces; the view
                 (sandbox/view.py); the seccomp filter (kernel/confine.py)
@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from egress.errors import SandboxError, UsageError
-from egress.kernel import confine
+from egress.kernel import confine, sched
 from egress.sandbox.view import Identity, View, hostname
 from egress.store import uids
 
@@ -185,11 +185,17 @@ def join_cgroups(procs_files: list[str]) -> None:
 
 
 def no_priority_above_normal() -> None:
-    """The workload may not make itself real-time or nicer than it started, whatever
-    limits the caller had (``ulimit -r``, ``-e`` in the shell egressctl was started from
-    pass on through setpriv): a real-time busy loop on every CPU would keep the layers
-    that must freeze it off them (see kernel/sched.py). Hard limits: it can't raise them
-    back. Runs in the child between fork and exec, as join_cgroups does."""
+    """The workload starts under the normal scheduler, at nice 0 or lower priority, and may
+    not raise its priority from there, whatever the caller had (``chrt``, ``nice -n -10``,
+    or ``ulimit -r`` / ``-e`` in the shell egressctl was started from, all of which pass on
+    through bwrap and setpriv): a real-time or favoured busy loop on every CPU would keep
+    the layers that must freeze it off them (see kernel/sched.py). Hard limits: it can't
+    raise them back. Runs in the child, still root, between fork and exec, as
+    join_cgroups does: plain syscalls only."""
+    if os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK in sched.REALTIME:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
     resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
     resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
 

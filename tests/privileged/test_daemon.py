@@ -28,6 +28,7 @@ from tests.support import NOBODY, SYSTEM_PYTHON
 from tests.support.egressd import START_S, Egressd, egressd, read_until
 from tests.support.netns import unique
 from tests.support.probes import dig, set_ips, wait_until
+from tests.support.sched import policies, tasks_under
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -359,47 +360,22 @@ def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
     its observer layer go back to SCHED_OTHER before they start anything, every thread
     and child, and say so. With reset-on-fork only the starting thread is real-time."""
     with egressd(state_dir, wrapper=("chrt", "--fifo", *flags, "10")) as d:
-        threads, children = _tasks_under(d.pid)
+        threads, children = tasks_under(d.pid)
         assert children  # its nft worker
-        assert _policies(threads) == {os.SCHED_OTHER}
+        assert policies(threads) == {os.SCHED_OTHER}
         assert os.getpriority(os.PRIO_PROCESS, d.pid) == -10
         assert "egressd: started SCHED_FIFO, now SCHED_OTHER" in d.stderr()
         box = d.create(policy("rt", "allowed.lab.test"), lab.uplink_netns)
         observer = d.observer()
         try:
             said = read_until(observer, f"watching {box['id']}")
-            threads, children = _tasks_under(observer.pid)
+            threads, children = tasks_under(observer.pid)
             assert children  # its shards
-            assert _policies(threads) == {os.SCHED_OTHER}
+            assert policies(threads) == {os.SCHED_OTHER}
             assert "egressd observer: started SCHED_FIFO, now SCHED_OTHER" in said
         finally:
             observer.send_signal(signal.SIGTERM)
             observer.communicate(timeout=20)
-
-
-def _tasks_under(pid: int) -> tuple[list[int], list[int]]:
-    """(every thread of ``pid`` and of its descendants, the descendants' pids); what
-    ends meanwhile is left out."""
-    threads: list[int] = []
-    children: list[int] = []
-    with suppress(FileNotFoundError, ProcessLookupError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            threads.append(int(tid))
-            with suppress(FileNotFoundError):
-                for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
-                    more_threads, more_children = _tasks_under(int(child))
-                    threads += more_threads
-                    children += [int(child), *more_children]
-    return threads, children
-
-
-def _policies(threads: list[int]) -> set[int]:
-    """Their scheduling policies, a reset-on-fork flag left out (of those still there)."""
-    out = set()
-    for tid in threads:
-        with suppress(ProcessLookupError):
-            out.add(os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK)
-    return out
 
 
 def test_sigterm_leaves_rules_and_a_new_egressd_adopts(lab: Lab, state_dir: Path) -> None:
@@ -565,6 +541,22 @@ def test_observer_layer_watches_attached_sandboxes_with_egressd_killed(
         assert freeze["layer"] == "observer" and freeze["latency_ms"] is not None
         print(f"observer froze the attached sandbox in {freeze['latency_ms']:.2f} ms")
         d.start()  # adopts it, so cleanup detaches it through the API
+
+
+def test_sandbox_exec_from_a_real_time_favoured_caller_starts_its_workload_normal(
+    daemon: Egressd, lab: Lab
+) -> None:
+    """A workload started by a real-time or favoured ``egressctl sandbox exec`` does not
+    inherit it (busy, it would keep the layers that must freeze it off the CPU): the
+    workload reports SCHED_OTHER and nice 0 from inside."""
+    box = daemon.create(policy("exec-rt", "allowed.lab.test"), lab.uplink_netns)
+    code = "import os; print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"
+    argv = ["chrt", "--fifo", "10", "nice", "-n", "-10", sys.executable, "-m",
+            "egress.cli.main", "sandbox", "exec", "--daemon", daemon.socket, "--user",
+            str(NOBODY), box["id"], "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(os.SCHED_OTHER), "0"]
 
 
 def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(

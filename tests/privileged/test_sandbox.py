@@ -441,7 +441,7 @@ def test_egressctl_run_started_real_time_runs_itself_and_the_workload_under_sche
     assert "egressctl run: started SCHED_FIFO, now SCHED_OTHER" in done.stderr
 
 
-def test_a_workload_can_not_make_itself_real_time_or_nicer_whatever_limits_it_inherits(
+def test_a_workload_can_not_make_itself_real_time_or_favoured_whatever_limits_it_inherits(
     lab: Lab,
 ) -> None:
     """The attack: from a shell with ``ulimit -r 99 -e 40``, a workload would make itself
@@ -453,7 +453,7 @@ def test_a_workload_can_not_make_itself_real_time_or_nicer_whatever_limits_it_in
                "nice": resource.getrlimit(resource.RLIMIT_NICE)}
         for name, act in (("fifo", lambda: os.sched_setscheduler(0, os.SCHED_FIFO,
                                                                   os.sched_param(1))),
-                          ("nicer", lambda: os.setpriority(os.PRIO_PROCESS, 0, -5)),
+                          ("favoured", lambda: os.setpriority(os.PRIO_PROCESS, 0, -5)),
                           ("limit", lambda: resource.setrlimit(resource.RLIMIT_RTPRIO,
                                                                (1, 1)))):
             try:
@@ -476,5 +476,16 @@ def test_a_workload_can_not_make_itself_real_time_or_nicer_whatever_limits_it_in
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env())
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen == {"rtprio": [0, 0], "nice": [0, 0], "fifo": "refused", "nicer": "refused",
+    assert seen == {"rtprio": [0, 0], "nice": [0, 0], "fifo": "refused", "favoured": "refused",
                     "limit": "refused", "policy": os.SCHED_OTHER}  # fmt: skip
+
+
+def test_egressctl_observe_started_real_time_leaves_it_before_anything_else() -> None:
+    """It freezes too (a pod's observer container runs it): the first thing it does is
+    leave real-time, before it even looks at its options (here, wrong ones)."""
+    argv = ["chrt", "--fifo", "10", *EGRESSCTL, "observe", "--sandbox", "x",
+            "--netns", "/proc/self/ns/net", "--policy", "unread.yaml",
+            "--freezer", "/nonexistent"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env())
+    assert done.returncode == 1 and "--freezer needs --cgroup" in done.stderr, done.stderr
+    assert "egressctl observe: started SCHED_FIFO, now SCHED_OTHER" in done.stderr

@@ -43,6 +43,7 @@ from egress.store.paths import read_template
 from tests.support import NOBODY, ROOT, SYSTEM_PYTHON
 from tests.support.netns import scratch_netns, unique
 from tests.support.sandboxes import policy_file, workdir
+from tests.support.sched import policies, tasks_under
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -493,8 +494,8 @@ def test_a_sidecar_started_real_time_runs_under_sched_other(uplink: str, state_d
     with hand_made(uplink) as box:
         path = policy_file(box.dir, policy("rt", "*.any.lab.test"))
         with sidecar(box, path, state_dir, wrapper=("chrt", "--fifo", "10")) as running:
-            threads = [int(t) for t in os.listdir(f"/proc/{running.proc.pid}/task")]
-            assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_OTHER}
+            threads, _ = tasks_under(running.proc.pid)
+            assert threads and policies(threads) == {os.SCHED_OTHER}
             assert running.stop() == 0
         said = (box.dir / "sidecar.err").read_text()
         assert "egressd sidecar: started SCHED_FIFO, now SCHED_OTHER" in said

@@ -1,0 +1,48 @@
+"""What a workload's child does to its priority before exec (sandbox/workload.py), run in a
+forked child as ``spawn`` runs it. The end-to-end attacks, from inside a sandbox, are in
+privileged/test_sandbox.py and privileged/test_daemon.py; on a host whose root can't raise
+RLIMIT_RTPRIO (this VM's can't) the limits are 0 already, so here the calls are recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+
+from egress.sandbox import workload
+
+
+def _in_child() -> dict[str, object]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: reports through the pipe, never returns
+        code = 1
+        try:
+            os.close(r)
+            calls: list[list[object]] = []
+            real = resource.setrlimit
+
+            def recording(which: int, limits: tuple[int, int]) -> None:
+                calls.append([which, list(limits)])
+                real(which, limits)
+
+            resource.setrlimit = recording  # type: ignore[assignment]
+            workload.no_priority_above_normal()
+            out = {"calls": calls, "rtprio": resource.getrlimit(resource.RLIMIT_RTPRIO),
+                   "nice": resource.getrlimit(resource.RLIMIT_NICE)}  # fmt: skip
+            os.write(w, json.dumps(out).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return dict(json.loads(data))
+
+
+def test_the_workload_can_raise_neither_limit_again() -> None:
+    seen = _in_child()
+    assert seen["calls"] == [[resource.RLIMIT_RTPRIO, [0, 0]], [resource.RLIMIT_NICE, [0, 0]]]
+    assert seen["rtprio"] == [0, 0] and seen["nice"] == [0, 0]
