@@ -67,22 +67,40 @@ def make_lab(require_root: None) -> Iterator[Callable[..., Lab]]:
 
 
 @pytest.fixture(autouse=True)
-def host_namespace_left_alone() -> Iterator[None]:
+def host_namespace_left_alone(host_had_uplink_table: bool | None) -> Iterator[None]:
     """No test makes the host's own namespace an uplink (forwarding and NAT on its real
     interface): every sandbox a test makes leaves through a lab's uplink netns, which has
-    no route out. egress's uplink table appearing there during a test fails the test. If
-    the host has one already (egress in real use here), a test's cannot be told apart."""
+    no route out. egress's uplink table still there when a test ends fails that test (one
+    a module's fixtures leave, the session's check). If the host had one already (egress
+    in real use here), a test's cannot be told apart."""
+    if host_had_uplink_table is None:  # no root here: the tests skip
+        yield
+        return
     before = _host_has_uplink_table()
     yield
     if not before and _host_has_uplink_table():
         pytest.fail("this test made the host's own namespace an uplink (nft table "
-                    "inet egress_uplink appeared there): give its sandboxes a lab's "
+                    "inet egress_uplink is there now): give its sandboxes a lab's "
                     "uplink netns")  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def host_had_uplink_table() -> Iterator[bool | None]:
+    """Whether the host had egress's uplink table when the tests began (None: no root)."""
+    if netns_unavailable():
+        yield None
+        return
+    before = _host_has_uplink_table()
+    yield before
+    if not before and _host_has_uplink_table():
+        pytest.fail("the privileged tests left the host's own namespace an uplink (nft "
+                    "table inet egress_uplink)")  # fmt: skip
+
+
 def _host_has_uplink_table() -> bool:
-    listed = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True, text=True)
-    return "table inet egress_uplink\n" in listed.stdout + "\n"
+    listed = subprocess.run(["nft", "list", "tables", "inet"], capture_output=True,
+                            text=True, check=True, timeout=30)  # fmt: skip
+    return "table inet egress_uplink" in listed.stdout.splitlines()
 
 
 @pytest.fixture(scope="session", autouse=True)

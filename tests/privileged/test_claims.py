@@ -99,8 +99,10 @@ def test_create_draws_another_id_for_one_used_before(
         assert sb.id == "fresh1"
         assert {c.id: c.index for c in claims.load_all()}["live01"] == live.index
     finally:
-        claims.release("live01")  # first: the last sandbox out takes the uplink's table
-        sb.destroy()
+        try:
+            claims.release("live01")  # first: the last sandbox out takes the uplink's table
+        finally:
+            sb.destroy()
 
 
 def test_an_id_another_run_dir_uses_on_this_host_is_refused(
