@@ -7,29 +7,19 @@ import asyncio
 import random
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
 from dnslib import QTYPE, RR, A, DNSRecord
 
 from egress.errors import DatapathError
-from egress.inline import upstream
 from egress.inline.server import ResolverServer
 from egress.policy import parse_policy
 from egress.resolver import wire
 from egress.resolver.core import ResolverCore
 
-
-@pytest.fixture(autouse=True)
-def every_upstream_socket_closed() -> Iterator[None]:
-    """A closed server leaves no upstream supply (or its ready sockets) behind."""
-    yield
-    left = {key: len(s.ready) for key, s in upstream._supplies.items()}
-    for supply in list(upstream._supplies.values()):
-        supply.close()
-    upstream._supplies.clear()
-    assert not left, f"upstream supplies left by a closed server: {left}"
+pytestmark = pytest.mark.usefixtures("no_upstream_supply_left")
 
 
 POLICY = """

@@ -8,7 +8,6 @@ upstream and mark, made in batches), and that nothing outlives the last pool.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,16 +18,7 @@ from egress.inline.upstream import SUPPLY_LOW, SUPPLY_SIZE, UpstreamPool
 UP_A = ("127.0.0.1", 5301)
 UP_B = ("127.0.0.1", 5302)
 
-
-@pytest.fixture(autouse=True)
-def no_supplies_left() -> Iterator[None]:
-    assert not upstream._supplies
-    yield
-    leftover = dict(upstream._supplies)
-    for supply in leftover.values():
-        supply.close()
-    upstream._supplies.clear()
-    assert not leftover, f"supplies left open: {list(leftover)}"
+pytestmark = pytest.mark.usefixtures("no_upstream_supply_left")
 
 
 def test_every_query_gets_its_own_connected_socket_never_one_handed_out_before() -> None:
