@@ -9,16 +9,16 @@ STAMPS := .make
 # Debian packages: the datapath (nftables, iproute2), in-process nft (python3-nftables, used
 # from a venv made with --system-site-packages), DNS tools for tests and benchmarks, and the
 # real tunnel tools the detection tests run; a C compiler and Python's headers for the
-# scorer's compiled modules (egress/tunnel/native.py); iptables-nft, whose NFQUEUE target
-# (through nft_compat) queues packets on kernels built without nft's own queue statement;
-# podman (CNI backend), runc, the reference CNI plugins and busybox-static for the container
+# compiled hot modules (egress/native.py: the tunnel scorer, the NFLOG copies' walk);
+# iptables-nft, whose NFQUEUE target (through nft_compat) queues packets on kernels built
+# without nft's own queue statement; podman (CNI backend), runc, the reference CNI plugins and busybox-static for the container
 # tests' runtime and image (no registry needed).
 APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils iodine \
 	dns2tcp dnsmasq-base dnsperf tcpdump procps util-linux bubblewrap tini python3-seccomp \
 	git openssl gcc python3-dev iptables podman runc containernetworking-plugins busybox-static
-# What mypyc compiles (egress.tunnel.native.MODULES): rebuilt when any of them changes.
-NATIVE_SRC := $(addprefix egress/tunnel/,entropy.py features.py labels.py overrides.py \
-	scorer.py verdict.py vocab.py window.py zone.py)
+# What mypyc compiles (each package's native.NATIVE): rebuilt when any of them changes.
+NATIVE_SRC := egress/datapath/nflog_wire.py $(addprefix egress/tunnel/,entropy.py features.py \
+	labels.py overrides.py scorer.py verdict.py vocab.py window.py zone.py)
 
 .PHONY: help setup demo test test-unit lint bench image clean
 
@@ -45,8 +45,9 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	@$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $@
 
-# The tunnel scorer compiled by mypyc; without a fresh build the sources run (slower).
-$(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC) egress/tunnel/native.py egress/cli/native_build.py
+# The hot modules compiled by mypyc; without a fresh build the sources run (slower).
+$(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC) egress/native.py egress/tunnel/native.py \
+		egress/datapath/native.py egress/cli/native_build.py
 	@$(PY) -m egress.cli.native_build
 	@touch $@
 
@@ -60,10 +61,10 @@ setup: $(STAMPS)/venv $(STAMPS)/native
 demo: setup
 	@$(VENV)/bin/egressctl demo
 
-# The suite runs the compiled scorer; its unit tests run once more on the Python sources.
+# The suite runs the compiled modules; their unit tests run once more on the Python sources.
 test: setup
 	$(PY) -m pytest -q tests
-	EGRESS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit -k "tunnel or native"
+	EGRESS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit -k "tunnel or native or nflog"
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit tests/integration
@@ -91,4 +92,4 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info egress/tunnel/_native* \
-		egress/tunnel/.native.lock
+		egress/tunnel/.native.lock egress/datapath/_native* egress/datapath/.native.lock

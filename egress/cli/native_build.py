@@ -1,10 +1,11 @@
-"""``python -m egress.cli.native_build``: compile the tunnel scorer with mypyc.
+"""``python -m egress.cli.native_build``: compile egress's hot modules with mypyc.
 
-``make setup`` runs it. It compiles ``egress.tunnel.native.MODULES`` from a copy of the
-package (so the stamp describes exactly the bytes compiled, even if a source is edited
-meanwhile) and replaces ``egress/tunnel/_native/`` in one rename, under a lock, so no
-import sees half of an old and half of a new build. Needs mypy (mypyc), setuptools, and a
-C compiler with Python's headers (Debian: gcc, python3-dev).
+``make setup`` runs it. For each package with a ``Native`` (``PACKAGES``: the tunnel
+scorer, the NFLOG copies' walk) it compiles the package's modules from a copy of egress
+(so the stamp describes exactly the bytes compiled, even if a source is edited meanwhile)
+and replaces the package's ``_native/`` in one rename, under a lock, so no import sees half
+of an old and half of a new build. Needs mypy (mypyc), setuptools, and a C compiler with
+Python's headers (Debian: gcc, python3-dev).
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from egress.tunnel import native
+from egress.datapath.native import NATIVE as DATAPATH
+from egress.native import Native
+from egress.tunnel.native import NATIVE as TUNNEL
+
+PACKAGES = (TUNNEL, DATAPATH)
 
 
-def build() -> Path:
+def build(native: Native) -> Path:
     from mypyc.build import mypycify
     from setuptools import Distribution  # type: ignore[import-untyped,unused-ignore]
 
-    package = native.HERE.parent  # egress/
-    with (native.HERE / ".native.lock").open("w") as lock:
+    package = native.here.parent  # egress/
+    sub = native.package.split(".", 1)[1]  # "tunnel"
+    with (native.here / ".native.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         with tempfile.TemporaryDirectory(prefix="egress-native-") as tmp:
             work = Path(tmp)
@@ -34,14 +40,14 @@ def build() -> Path:
                 work / "egress",
                 ignore=shutil.ignore_patterns("_native*", "__pycache__", "*.so", ".native.lock"),
             )
-            sources = native.digests(work / "egress" / "tunnel")
+            sources = native.digests(work / "egress" / sub)
             cwd = Path.cwd()
             os.chdir(work)  # mypyc names modules by their path: egress/tunnel/x.py
             try:
                 extensions = mypycify(
-                    [f"egress/tunnel/{name}.py" for name in native.MODULES],
+                    [f"egress/{sub}/{name}.py" for name in native.modules],
                     opt_level="3",
-                    group_name=native.GROUP,
+                    group_name=native.group,
                     target_dir=str(work / "c"),
                 )
                 dist = Distribution({"name": "egress-native", "ext_modules": extensions})
@@ -51,31 +57,35 @@ def build() -> Path:
                 dist.run_command("build_ext")
             finally:
                 os.chdir(cwd)
-            built = sorted((work / "lib" / "egress" / "tunnel").glob("*.so"))
-            if len(built) != len(native.MODULES) + 1:
+            built = sorted((work / "lib" / "egress" / sub).glob("*.so"))
+            if len(built) != len(native.modules) + 1:
                 raise SystemExit(
-                    f"mypyc built {len(built)} modules, expected {len(native.MODULES) + 1}"
+                    f"mypyc built {len(built)} modules of {native.package}, "
+                    f"expected {len(native.modules) + 1}"
                 )
-            staging = Path(tempfile.mkdtemp(prefix="_native.", dir=native.HERE))
+            staging = Path(tempfile.mkdtemp(prefix="_native.", dir=native.here))
             staging.chmod(0o755)  # as the sources: readable by whoever runs them
             lines = [sources]
             for so in built:
                 shutil.copy2(so, staging / so.name)
                 lines.append(f"{hashlib.sha256(so.read_bytes()).hexdigest()}  {so.name}\n")
             (staging / "SOURCES").write_text("".join(lines), encoding="ascii")
-        old = native.HERE / f"_native.old.{os.getpid()}"
-        if native.BUILD.exists():
-            native.BUILD.rename(old)
-        staging.rename(native.BUILD)
+        old = native.here / f"_native.old.{os.getpid()}"
+        if native.build.exists():
+            native.build.rename(old)
+        staging.rename(native.build)
         shutil.rmtree(old, ignore_errors=True)
-    return native.BUILD
+    return native.build
 
 
 def main() -> None:
-    where = build()
-    fresh = "in use" if native.fresh() else "NOT in use: a source changed while it was built"
-    print(f"compiled {len(native.MODULES)} modules into {where} ({fresh})")
-    if not native.fresh():
+    stale = False
+    for native in PACKAGES:
+        where = build(native)
+        fresh = "in use" if native.fresh() else "NOT in use: a source changed while it was built"
+        print(f"compiled {len(native.modules)} modules into {where} ({fresh})")
+        stale = stale or not native.fresh()
+    if stale:
         sys.exit(1)
 
 

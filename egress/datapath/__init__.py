@@ -5,6 +5,8 @@
     DNS answer IPs + rule ──elements.plan_update()──▶ "ip . proto . port" for allow4/allow6
         ──ExpiryBook.plan_adds()──▶ one add per set and timeout (no answer shortens another)
     pool ──addressing.Pools──▶ the sandbox's v4/v6 link networks (first_free index)
+    NFLOG messages ──nflog_wire.walk()──▶ each copy's prefix and payload (compiled by mypyc,
+        ``native``, when built from these sources); the observer's repeats end there
     NFLOG payload ──packet.parse_ip_packet()──▶ Packet; evidence.drop_violation()
     a new flow's first client bytes ──firstbytes.judge()──▶ FirstBytes: the TLS SNI or
         HTTP Host it asks for, or why it names no one hostname (invariant 10's input)
@@ -13,3 +15,7 @@ The kernel adapters load the text in one atomic transaction (kernel.nft); the re
 adds go over egress's own netlink socket (kernel.nft_sets, libnftables as the fallback);
 the templates themselves are read by the caller.
 """
+
+from egress.datapath.native import NATIVE
+
+NATIVE.activate(__path__)  # before any module of the package: the compiled ones, if fresh

@@ -193,17 +193,3 @@ def _icmp(base: Packet, seg: bytes) -> Packet | None:
     if len(seg) < 4:
         return None
     return replace(base, icmp_type=seg[0], icmp_code=seg[1])
-
-
-def udp4_payload(raw: bytes) -> bytes | None:
-    """The payload of an unfragmented IPv4 UDP packet, or None for anything else: the
-    observer's cheap look at a DNS copy before it decides to parse the packet whole."""
-    if len(raw) < 28 or raw[0] >> 4 != 4 or raw[9] != 17 or raw[6] & 0x3F or raw[7]:
-        return None
-    ihl = (raw[0] & 0x0F) * 4
-    if ihl < 20 or len(raw) < ihl + 8:
-        return None
-    length = (raw[ihl + 4] << 8) | raw[ihl + 5]
-    if length < 8:
-        return None
-    return raw[ihl + 8 : ihl + length]

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from egress.datapath.nflog_wire import walk
 from egress.datapath.packet import Packet, parse_ip_packet
 from egress.errors import DatapathError
 from egress.kernel.nfnetlink import NFGEN, NfnlListener, attr, be32, iter_attrs, open_socket
@@ -114,18 +116,41 @@ class NflogListener(NfnlListener[NflogEvent]):
         """Drain what is ready now (up to max_events) without blocking."""
         return self._drain(max_events)
 
+    def _decode_all(self, buf: bytes, items: list[NflogEvent]) -> int:
+        # nflog_wire.walk (compiled) finds each copy's prefix and payload, so a copy the
+        # reader deals with itself (a repeat) is never decoded further.
+        if sys.byteorder != "little":  # walk reads netlink's host order as little-endian
+            return super()._decode_all(buf, items)
+        found = walk(buf, _PACKET_TYPE)
+        for kind, pos, end, prefix, payload in found:
+            self._take(items, kind, buf, pos, end, prefix, payload)
+        return len(found)
+
     def _decode(self, kind: int, buf: bytes, pos: int, end: int) -> list[NflogEvent]:
-        if kind != _PACKET_TYPE or end - pos < NFGEN.size:
-            return []
-        family, _version, group = NFGEN.unpack_from(buf, pos)
+        # One message that came with an ack (NfnlListener._await_ack): rare, so plainly.
         attrs = iter_attrs(buf, pos + NFGEN.size, end)
-        if (
-            self.skip is not None
-            and not self._ahead
-            and self.skip(attrs.get(_A_PREFIX, b""), attrs.get(_A_PAYLOAD, b""))
-        ):
-            return []
-        return [_event(group, family, attrs)]
+        items: list[NflogEvent] = []
+        prefix, payload = attrs.get(_A_PREFIX, b""), attrs.get(_A_PAYLOAD, b"")
+        self._take(items, kind, buf, pos, end, prefix, payload)
+        return items
+
+    def _take(
+        self,
+        items: list[NflogEvent],
+        kind: int,
+        buf: bytes,
+        pos: int,
+        end: int,
+        prefix: bytes,
+        payload: bytes,
+    ) -> None:
+        """Append the event a message is, unless it is no packet copy or ``skip`` takes it."""
+        if kind != _PACKET_TYPE or end - pos < NFGEN.size:
+            return
+        if self.skip is not None and not self._ahead and self.skip(prefix, payload):
+            return
+        family, _version, group = NFGEN.unpack_from(buf, pos)
+        items.append(_event(group, family, iter_attrs(buf, pos + NFGEN.size, end)))
 
     def _unbind_attrs(self) -> bytes:
         return attr(_CFG_CMD, bytes([_CMD_UNBIND]))

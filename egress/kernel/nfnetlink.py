@@ -178,10 +178,15 @@ class NfnlListener(Generic[T]):
                     raise DatapathError(f"{self._where()}: receive: {exc}") from exc
                 self.overruns += 1
                 continue
-            for kind, _seq, pos, end in messages(buf):
-                handled += 1
-                items.extend(self._decode(kind, buf, pos, end))
+            handled += self._decode_all(buf, items)
         return items
+
+    def _decode_all(self, buf: bytes, items: list[T]) -> int:
+        """Append what each message of ``buf`` is to ``items``; how many messages it held."""
+        found = messages(buf)
+        for kind, _seq, pos, end in found:
+            items.extend(self._decode(kind, buf, pos, end))
+        return len(found)
 
     def _decode(self, kind: int, buf: bytes, pos: int, end: int) -> list[T]:
         raise NotImplementedError

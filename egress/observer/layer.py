@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
-from egress.datapath.packet import udp4_payload
+from egress.datapath.nflog_wire import udp4_payload
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup

@@ -11,15 +11,15 @@ not seen: a repeat adds nothing to any window. The one thing a repeat can meet i
 verdict the scorer reached since (a tunnel found in its zone covers every query there),
 so any violation the observer finds empties this (``clear``).
 
-Keys come from ``datapath.packet.udp4_payload`` of the copied IP packet, for lookup and
-for keeping alike, and only a query that is exactly what was judged is kept: nothing but
-an unfragmented IPv4 UDP query can match one. Bounded; emptied when full. Pure: ``now``
+Keys come from ``datapath.nflog_wire.udp4_payload`` of the copied IP packet, for lookup
+and for keeping alike, and only a query that is exactly what was judged is kept: nothing
+but an unfragmented IPv4 UDP query can match one. Bounded; emptied when full. Pure: ``now``
 is passed in.
 """
 
 from __future__ import annotations
 
-from egress.datapath.packet import udp4_payload
+from egress.datapath.nflog_wire import udp4_payload
 
 REPLAY_S = 1.0
 REPLAY_MAX = 4096

@@ -38,9 +38,9 @@ presentation form with ``\\DDD`` escapes; ``name_from_labels`` makes the latter 
 labels, which keeps a raw '.' inside a label apart from a label boundary.
 """
 
-from egress.tunnel import native
+from egress.tunnel.native import NATIVE
 
-native.activate(__path__)  # before the modules below: the compiled ones, if fresh
+NATIVE.activate(__path__)  # before the modules below: the compiled ones, if fresh
 
 from egress.tunnel.features import NameScore, score_name  # noqa: E402
 from egress.tunnel.labels import name_from_labels  # noqa: E402

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egress.datapath.packet import Packet, parse_ip_packet, udp4_payload
+from egress.datapath.nflog_wire import udp4_payload
+from egress.datapath.packet import Packet, parse_ip_packet
 from egress.model import Flow
 
 SRC4, DST4 = "10.1.2.3", "192.0.2.10"
