@@ -81,22 +81,36 @@ class Bindings:
         lasts longer (on other ports, the new answer's replace it). ``checked``: False
         when the answer's rule has check_names off."""
         wanted = [_key(name) for name in names]
-        if not wanted:
-            return
+        if wanted:
+            self._bind(ips, wanted, ports, now, (until, ports, checked))
+
+    def _bind(
+        self,
+        ips: Iterable[IPAddress],
+        keys: Iterable[str],
+        ports: Ports,
+        now: float,
+        entry: tuple[float, Ports, bool],
+    ) -> None:
+        """``learn`` for names already keyed (``_key``), ``entry`` (until, ports, checked)
+        made once: the observer applies an answer's binding at every copy of it."""
+        table = self._table
+        until, _, checked = entry
         for ip in ips:
-            bound = self._table.pop(ip, None)
+            bound = table.pop(ip, None)
             if bound is None:
-                if len(self._table) >= self.max_addresses:
+                if len(table) >= self.max_addresses:
                     self._make_room(now)
                 bound = {}
-            self._table[ip] = bound  # to the end: the most recently learned
-            for name in wanted:
+            table[ip] = bound  # to the end: the most recently learned
+            for name in keys:
                 old = bound.get(name)
-                if old is not None and old[1:] == (ports, checked) and old[0] >= until:
+                if old is None:
+                    if len(bound) >= self.max_names:
+                        del bound[_first_to_expire(bound)]
+                elif old[0] >= until and old[1] == ports and old[2] == checked:
                     continue
-                if old is None and len(bound) >= self.max_names:
-                    del bound[min(bound, key=lambda n: bound[n][0])]
-                bound[name] = (until, ports, checked)
+                bound[name] = entry
 
     def names(self, ip: IPAddress, now: float) -> tuple[str, ...]:
         """The names bound to ``ip`` at ``now``, in the order they were learned."""
@@ -174,14 +188,14 @@ class AnswerBinding:
     observer keeps it by those bytes and applies it again at each copy's own time."""
 
     addresses: tuple[IPAddress, ...]
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # keyed as the table keys them: lowercase, no final dot
     ports: Ports
     ttl: int
     checked: bool
 
     def apply(self, bindings: Bindings, now: float, grace: float) -> None:
-        bindings.learn(self.addresses, self.names, self.ports, now, now + self.ttl + grace,
-                       checked=self.checked)  # fmt: skip
+        entry = (now + self.ttl + grace, self.ports, self.checked)
+        bindings._bind(self.addresses, self.names, self.ports, now, entry)
 
 
 def answer_binding(data: bytes, policy: Policy, matcher: Matcher) -> AnswerBinding | None:
@@ -203,7 +217,7 @@ def answer_binding(data: bytes, policy: Policy, matcher: Matcher) -> AnswerBindi
         return None
     ttl = max(policy.dns.ttl_min, min(min(t for _, t in ips), policy.dns.ttl_max))
     addresses = tuple(dict.fromkeys(ip for ip, _ in ips))
-    names = answer_chain(qname, response.answers)
+    names = tuple(_key(name) for name in answer_chain(qname, response.answers))
     return AnswerBinding(addresses, names, learned_ports(rule, policy), ttl, rule.check_names)
 
 
@@ -212,3 +226,12 @@ ADDRESS_TYPES = (message.A, message.AAAA)
 
 def _key(name: str) -> str:
     return name.lower().rstrip(".")
+
+
+def _first_to_expire(bound: dict[str, tuple[float, Ports, bool]]) -> str:
+    """The name of ``bound`` whose binding ends first (the first learned of a tie)."""
+    first, soonest = "", float("inf")
+    for name, (until, _, _) in bound.items():
+        if until < soonest:
+            first, soonest = name, until
+    return first

@@ -89,6 +89,23 @@ def test_a_cname_chain_and_an_answer_over_tcp_bind_every_name_on_it() -> None:
     assert watch.bindings.names(ipaddress.ip_address(DST), 1.0) == ("alias.test", "allowed.test")
 
 
+def test_names_are_bound_whatever_their_case_in_the_answer() -> None:
+    """The table's keys are lowercase without the final dot, whoever binds: a name as
+    the answer spells it still finds its binding, and a first request naming it in any
+    case passes."""
+    inline = core()
+    records = (
+        RR("Alias.TEST.", QTYPE.CNAME, rdata=CNAME("ALLOWED.test."), ttl=60),
+        RR("ALLOWED.test.", QTYPE.A, rdata=A(DST), ttl=60),
+    )
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    watch.learn(released(inline, "Alias.TEST", *records), 0.1)
+    ip = ipaddress.ip_address(DST)
+    assert watch.bindings.names(ip, 1.0) == ("alias.test", "allowed.test")
+    assert watch.bindings.bound(ip, "Alias.Test", 443, 1.0)
+    assert watch.on_event(segment_event(hello("ALIAS.test"), 1.0)) == []
+
+
 def test_a_copy_that_does_not_parse_binds_nothing() -> None:
     inline = core()
     watch = FlowWatch(inline.policy, inline.matcher, None)

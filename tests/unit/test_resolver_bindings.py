@@ -72,6 +72,14 @@ def test_a_full_address_replaces_the_name_that_expires_first() -> None:
     assert set(b.names(IP1, 0.0)) == {"n0.test", "n2.test", "new.test"}
 
 
+def test_of_names_that_expire_together_a_full_address_replaces_the_first_learned() -> None:
+    b = Bindings(max_names=3)
+    for name, until in (("n0.test", 30.0), ("n1.test", 10.0), ("n2.test", 10.0)):
+        b.learn([IP1], [name], WEB, 0.0, until)
+    b.learn([IP1], ["new.test"], WEB, 0.0, 40.0)
+    assert b.names(IP1, 0.0) == ("n0.test", "n2.test", "new.test")
+
+
 def test_a_full_table_drops_what_expired_then_what_it_learned_longest_ago() -> None:
     b = Bindings(max_addresses=16)
     ips = [ipaddress.ip_address(f"198.51.100.{i}") for i in range(20)]
