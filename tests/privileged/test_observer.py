@@ -70,6 +70,36 @@ def test_a_new_observer_does_not_count_earlier_drops_as_missed(box: Sandbox, lab
             assert journal.violations(box.id) == []
 
 
+def test_a_sandbox_gone_ends_its_watch_asked_about_once_a_second(
+    box: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard ticks each of its observers ten times a second; whether the sandbox's netns
+    is there is a stat() each, asked once a second. Gone, the watch ends at the next ask."""
+    from egress.observer import layer
+
+    asked: list[str] = []
+    gone = False
+    real = layer.netns_exists
+
+    def netns_exists(netns: str) -> bool:
+        asked.append(netns)
+        return not gone and real(netns)
+
+    monkeypatch.setattr(layer, "netns_exists", netns_exists)
+    with observing(box) as (observer, _):
+        for _ in range(20):
+            observer.tick()
+        assert asked == [] and not observer.stopping  # opened in it just now
+        time.sleep(layer.NETNS_S)
+        for _ in range(20):
+            observer.tick()
+        assert asked == [box.netns] and not observer.stopping
+        gone = True
+        time.sleep(layer.NETNS_S)
+        observer.tick()
+        assert asked == [box.netns] * 2 and observer.stopping
+
+
 @pytest.mark.parametrize("current", [True, False])
 def test_an_observer_whose_policy_was_swapped_out_does_not_act(
     box: Sandbox, lab: Lab, current: bool
