@@ -54,7 +54,7 @@ def test_a_build_is_used_only_while_it_matches_the_sources(tree: Native) -> None
     assert not tree.fresh() and not tree.activate(path) and path == ["/pkg"]
 
 
-@pytest.mark.parametrize("damage", ["changed", "missing", "writable", "interpreter"])
+@pytest.mark.parametrize("damage", ["changed", "missing", "unlisted", "writable", "interpreter"])
 def test_a_damaged_or_foreign_build_is_not_used(tree: Native, damage: str) -> None:
     if damage == "interpreter":
         other = tree.digests().replace(sys.implementation.cache_tag, "cpython-399", 1)
@@ -67,6 +67,9 @@ def test_a_damaged_or_foreign_build_is_not_used(tree: Native, damage: str) -> No
         so.write_bytes(b"something else")
     elif damage == "missing":
         so.unlink()
+    elif damage == "unlisted":  # the stamp names one file fewer than the build has
+        lines = tree.stamp.read_text(encoding="ascii").splitlines(keepends=True)
+        tree.stamp.write_text("".join(lines[:-1]), encoding="ascii")
     elif damage == "writable":
         tree.build.chmod(0o777)
     assert not tree.fresh()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 
 import pytest
 
@@ -55,6 +56,46 @@ def test_the_skip_hook_is_not_asked_about_a_copy_behind_an_event() -> None:
         events = nl.read_events()
         assert [e.prefix for e in events] == ["egress first_bytes", "egress dns answer"]
         assert asked == [b"egress dns answer\0", b"egress first_bytes\0"]
+    finally:
+        nl.release()
+        kernel.close()
+
+
+def test_in_a_batch_of_copies_the_hook_is_asked_only_ahead_of_the_first_event() -> None:
+    """The kernel sends the observer's copies 64 to a datagram: the order holds inside
+    one, and what each datagram holds counts against the read's budget."""
+    nl, kernel = listener()
+    asked: list[bytes] = []
+    nl.skip = lambda prefix, packet: asked.append(prefix) or prefix.startswith(b"egress dns")
+    try:
+        kernel.send(message("egress dns") + message("egress first_bytes") + message("egress dns"))
+        events = nl.read_events()
+        assert [e.prefix for e in events] == ["egress first_bytes", "egress dns"]
+        assert asked == [b"egress dns\0", b"egress first_bytes\0"]
+        for _ in range(3):
+            kernel.send(message("egress dns") * 4)
+        assert nl.read_events(5) == [] and len(asked) == 2 + 8  # two datagrams: 8 >= 5
+        assert nl.read_events(1000) == [] and len(asked) == 2 + 12
+    finally:
+        nl.release()
+        kernel.close()
+
+
+@pytest.mark.parametrize("order", ["little", "big"])
+def test_the_decoder_for_a_big_endian_host_reads_the_same_events(
+    order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``nflog_wire.walk`` reads netlink as little-endian; on a big-endian host the
+    listener decodes each message whole instead (here: told the host is one, on
+    little-endian messages), and must find the same events, the hook asked alike."""
+    monkeypatch.setattr(sys, "byteorder", order)
+    nl, kernel = listener()
+    nl.skip = lambda prefix, packet: prefix == b"egress dns answer\0"
+    try:
+        kernel.send(
+            message("egress dns answer") + message("egress dns") + message("egress dns answer")
+        )
+        assert [e.prefix for e in nl.read_events()] == ["egress dns", "egress dns answer"]
     finally:
         nl.release()
         kernel.close()
