@@ -87,7 +87,8 @@ def open_socket(netns: str | None) -> socket.socket:
 class NfnlListener(Generic[T]):
     """One bound resource (``res_id``) of one nfnetlink subsystem in one netns. A
     subclass names its subsystem and config message, decodes what the kernel sends
-    (``_decode``) and says how to unbind (``_unbind_attrs``)."""
+    (``_decode`` a message, ``_decode_all`` a whole read, which by default calls
+    ``_decode`` for each) and says how to unbind (``_unbind_attrs``)."""
 
     SUBSYS = 0
     CONFIG_MSG = 0

@@ -35,7 +35,7 @@ inherit nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -82,20 +82,19 @@ class Bindings:
         when the answer's rule has check_names off."""
         wanted = [_key(name) for name in names]
         if wanted:
-            self._bind(ips, wanted, ports, now, (until, ports, checked))
+            self._bind(ips, wanted, now, (until, ports, checked))
 
     def _bind(
         self,
         ips: Iterable[IPAddress],
-        keys: Iterable[str],
-        ports: Ports,
+        keys: Sequence[str],
         now: float,
         entry: tuple[float, Ports, bool],
     ) -> None:
         """``learn`` for names already keyed (``_key``), ``entry`` (until, ports, checked)
         made once: the observer applies an answer's binding at every copy of it."""
         table = self._table
-        until, _, checked = entry
+        until, ports, checked = entry
         for ip in ips:
             bound = table.pop(ip, None)
             if bound is None:
@@ -195,7 +194,7 @@ class AnswerBinding:
 
     def apply(self, bindings: Bindings, now: float, grace: float) -> None:
         entry = (now + self.ttl + grace, self.ports, self.checked)
-        bindings._bind(self.addresses, self.names, self.ports, now, entry)
+        bindings._bind(self.addresses, self.names, now, entry)
 
 
 def answer_binding(data: bytes, policy: Policy, matcher: Matcher) -> AnswerBinding | None:
@@ -229,8 +228,10 @@ def _key(name: str) -> str:
 
 
 def _first_to_expire(bound: dict[str, tuple[float, Ports, bool]]) -> str:
-    """The name of ``bound`` whose binding ends first (the first learned of a tie)."""
-    first, soonest = "", float("inf")
+    """The name of (non-empty) ``bound`` whose binding ends first (the first learned of a
+    tie, even of bindings that never end)."""
+    first = next(iter(bound))
+    soonest = bound[first][0]
     for name, (until, _, _) in bound.items():
         if until < soonest:
             first, soonest = name, until

@@ -78,6 +78,10 @@ def test_of_names_that_expire_together_a_full_address_replaces_the_first_learned
         b.learn([IP1], [name], WEB, 0.0, until)
     b.learn([IP1], ["new.test"], WEB, 0.0, 40.0)
     assert b.names(IP1, 0.0) == ("n0.test", "n2.test", "new.test")
+    forever = Bindings(max_names=2)  # e.g. what a handover restores, unbounded
+    for name in ("a.test", "b.test", "c.test"):
+        forever.learn([IP1], [name], WEB, 0.0, float("inf"))
+    assert forever.names(IP1, 0.0) == ("b.test", "c.test")
 
 
 def test_a_full_table_drops_what_expired_then_what_it_learned_longest_ago() -> None:
