@@ -79,6 +79,16 @@ def netns_exists(name: str) -> bool:
     return os.path.exists(netns_path(name))
 
 
+def netns_id(name_or_path: str) -> tuple[int, int] | None:
+    """Which netns the name or path pins now (its nsfs device and inode), None if none:
+    a path like /proc/PID/ns/net can come to pin another one when the PID is reused."""
+    try:
+        st = os.stat(netns_path(name_or_path))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _setns(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         raise _os_error("setns")

@@ -35,7 +35,7 @@ from egress.datapath.nflog_wire import udp4_payload
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
-from egress.kernel.netns import netns_exists, netns_path
+from egress.kernel.netns import netns_exists, netns_id, netns_path
 from egress.kernel.netns_cgroup import Peers
 from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
@@ -55,10 +55,11 @@ TICK_S = 0.1
 # many the log then missed. A read is a libnftables round trip: per tick it cost egressd's
 # observer layer more than its DNS copies did, over hundreds of sandboxes.
 COUNTER_S = 1.0
-# Whether the sandbox's netns is still there is asked once a second, not at every tick: a
-# shard ticks each of its ~500 observers ten times a second, and those stat()s were 2-12%
-# of a shard's samples at 1,000 sandboxes (py-spy). A removed sandbox's observer is ended
-# by its owner anyway (egressctl run stops it, a shard's scan of the run dir ends it).
+# Whether the sandbox's netns is still the one this observer opened is asked once a
+# second, not at every tick: a shard ticks each of its ~500 observers ten times a second,
+# and those stat()s were 2-12% of a shard's samples at 1,000 sandboxes (py-spy). It is
+# what ends `egressctl observe`'s watch; egressctl run stops its observer, and a shard's
+# scan of the run dir ends the observer of a sandbox deleted through egressd.
 NETNS_S = 1.0
 # The kernel hands copies over in batches of up to this many (or at its next tick, 4 ms
 # at HZ=250 and 10 ms at HZ=100, when fewer come): a syscall and a wake-up per batch,
@@ -147,7 +148,9 @@ class Observer:
         self.inline_fd = _pidfd(cfg.watch_pid)
         self.inline_dead = False
         self.stopping = False
-        self._netns_seen = time.monotonic()  # opened in it just now
+        # The netns it opened in, and when that was last checked (just now).
+        self._netns = netns_id(cfg.netns)
+        self._netns_seen = time.monotonic()
 
     def start(self) -> None:
         """Serve until the sandbox is gone; an inline layer already dead is a loss now."""
@@ -193,8 +196,9 @@ class Observer:
         """What each pass does besides reading (at least every TICK_S): the sandbox gone
         ends the watch; the drop counter, the first-request timers, an abandoned sandbox."""
         now = time.monotonic()
-        if now - self._netns_seen >= NETNS_S:
-            if not netns_exists(self.cfg.netns):
+        if now - self._netns_seen >= NETNS_S or self._netns is None:
+            seen = netns_id(self.cfg.netns)
+            if seen is None or seen != self._netns:  # gone, or a reused PID's path
                 self.stopping = True
                 return
             self._netns_seen = now

@@ -70,34 +70,40 @@ def test_a_new_observer_does_not_count_earlier_drops_as_missed(box: Sandbox, lab
             assert journal.violations(box.id) == []
 
 
+@pytest.mark.parametrize("then", ["gone", "another netns at its path"])
 def test_a_sandbox_gone_ends_its_watch_asked_about_once_a_second(
-    box: Sandbox, monkeypatch: pytest.MonkeyPatch
+    box: Sandbox, monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
-    """A shard ticks each of its observers ten times a second; whether the sandbox's netns
-    is there is a stat() each, asked once a second. Gone, the watch ends at the next ask."""
+    """A shard ticks each of its observers ten times a second; which netns the sandbox's
+    path pins is a stat() each, asked once a second. Gone, or another netns there (an
+    attached sandbox's /proc/PID/ns/net, the PID reused), the watch ends at the next ask."""
     from egress.observer import layer
 
     asked: list[str] = []
-    gone = False
-    real = layer.netns_exists
+    changed = False
+    real = layer.netns_id
 
-    def netns_exists(netns: str) -> bool:
+    def netns_id(netns: str) -> tuple[int, int] | None:
         asked.append(netns)
-        return not gone and real(netns)
+        now = real(netns)
+        if not changed or now is None:
+            return now
+        return None if then == "gone" else (now[0], now[1] + 1)
 
-    monkeypatch.setattr(layer, "netns_exists", netns_exists)
+    monkeypatch.setattr(layer, "netns_id", netns_id)
     with observing(box) as (observer, _):
+        assert asked == [box.netns]  # which netns it opened in
         for _ in range(20):
             observer.tick()
-        assert asked == [] and not observer.stopping  # opened in it just now
+        assert asked == [box.netns] and not observer.stopping  # checked just now
         time.sleep(layer.NETNS_S)
         for _ in range(20):
             observer.tick()
-        assert asked == [box.netns] and not observer.stopping
-        gone = True
+        assert asked == [box.netns] * 2 and not observer.stopping
+        changed = True
         time.sleep(layer.NETNS_S)
         observer.tick()
-        assert asked == [box.netns] * 2 and observer.stopping
+        assert asked == [box.netns] * 3 and observer.stopping
 
 
 @pytest.mark.parametrize("current", [True, False])
