@@ -15,6 +15,16 @@ WORK=$(mktemp -d /var/tmp/egress-image.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
 "$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$WORK/wheels" .
+# The hot modules mypyc compiled here (make setup) go in beside the installed sources: the
+# image's Python is this machine's (Debian 12's 3.11), and egress uses a build only while
+# its stamp matches the sources and the interpreter (egress/native.py), else the sources.
+SITE=/opt/egress/lib/python$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+mkdir -p "$WORK/native"
+for pkg in tunnel datapath; do
+	if [ -f "egress/$pkg/_native/SOURCES" ]; then
+		mkdir -p "$WORK/native/$pkg" && cp -a "egress/$pkg/_native" "$WORK/native/$pkg/"
+	fi
+done
 # What egressd needs of the system (the same list as the Makefile's, without test tools).
 PACKAGES=python3,python3-venv,python3-nftables,nftables,iproute2,iptables,procps,util-linux,ca-certificates
 mmdebstrap --quiet --variant=minbase --include="$PACKAGES" \
@@ -25,6 +35,7 @@ mmdebstrap --quiet --variant=minbase --include="$PACKAGES" \
 	--customize-hook='chroot "$1" python3 -m venv --system-site-packages /opt/egress' \
 	--customize-hook='chroot "$1" env PIP_CONFIG_FILE=/dev/null /opt/egress/bin/pip install -q --no-index --no-compile --find-links /tmp/wheels egress' \
 	--customize-hook='chroot "$1" /opt/egress/bin/pip uninstall -q -y pip setuptools' \
+	--customize-hook="for pkg in \$(ls $WORK/native); do cp -a $WORK/native/\$pkg/_native \"\$1$SITE/egress/\$pkg/\"; done" \
 	--customize-hook='for b in egressd egressctl egress-cni egress-cni-install egress-oci-hook; do ln -s /opt/egress/bin/$b "$1/usr/local/bin/$b"; done' \
 	--customize-hook='rm -rf "$1"/tmp/wheels "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
 	bookworm "$WORK/rootfs.tar"
@@ -39,3 +50,7 @@ echo "built $TAG: $((size / 1000000)) MB"
 # present, as crun refuses hybrid cgroup hosts).
 podman run --rm --network none ${RUNC:+--runtime "$RUNC"} --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
 	"$TAG" egressctl --version
+podman run --rm --network none ${RUNC:+--runtime "$RUNC"} --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
+	"$TAG" /opt/egress/bin/python -c 'from egress.datapath.native import NATIVE as d
+from egress.tunnel.native import NATIVE as t
+print(f"tunnel scorer: {t.in_use()}; NFLOG walk: {d.in_use()}")'
