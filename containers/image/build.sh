@@ -15,10 +15,9 @@ WORK=$(mktemp -d /var/tmp/egress-image.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
 "$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$WORK/wheels" .
-# The hot modules mypyc compiled here (make setup) go in beside the installed sources: the
-# image's Python is this machine's (Debian 12's 3.11), and egress uses a build only while
-# its stamp matches the sources and the interpreter (egress/native.py), else the sources.
-SITE=/opt/egress/lib/python$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+# The hot modules mypyc compiled here (make setup) go in beside the installed sources.
+# egress uses a build only while its stamp matches the sources and the interpreter
+# (egress/native.py): built on Debian 12 like the image, they are used; else the sources.
 mkdir -p "$WORK/native"
 for pkg in tunnel datapath; do
 	if [ -f "egress/$pkg/_native/SOURCES" ]; then
@@ -35,7 +34,7 @@ mmdebstrap --quiet --variant=minbase --include="$PACKAGES" \
 	--customize-hook='chroot "$1" python3 -m venv --system-site-packages /opt/egress' \
 	--customize-hook='chroot "$1" env PIP_CONFIG_FILE=/dev/null /opt/egress/bin/pip install -q --no-index --no-compile --find-links /tmp/wheels egress' \
 	--customize-hook='chroot "$1" /opt/egress/bin/pip uninstall -q -y pip setuptools' \
-	--customize-hook="for pkg in \$(ls $WORK/native); do cp -a $WORK/native/\$pkg/_native \"\$1$SITE/egress/\$pkg/\"; done" \
+	--customize-hook="site=\$(chroot \"\$1\" /opt/egress/bin/python -c 'import egress, os; print(os.path.dirname(egress.__file__))') && for pkg in \$(ls $WORK/native); do cp -a $WORK/native/\$pkg/_native \"\$1\$site/\$pkg/\"; done" \
 	--customize-hook='for b in egressd egressctl egress-cni egress-cni-install egress-oci-hook; do ln -s /opt/egress/bin/$b "$1/usr/local/bin/$b"; done' \
 	--customize-hook='rm -rf "$1"/tmp/wheels "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
 	bookworm "$WORK/rootfs.tar"
