@@ -83,7 +83,8 @@ def main() -> None:
     for native in PACKAGES:
         where = build(native)
         fresh = "in use" if native.fresh() else "NOT in use: a source changed while it was built"
-        print(f"compiled {len(native.modules)} modules into {where} ({fresh})")
+        count = f"{len(native.modules)} module{'s' if len(native.modules) > 1 else ''}"
+        print(f"compiled {count} of {native.package} into {where} ({fresh})")
         stale = stale or not native.fresh()
     if stale:
         sys.exit(1)
