@@ -10,13 +10,17 @@ The resolver core records an answer here when the kernel has acked its set eleme
 with the same timeout, so a name is bound exactly while its addresses are allowed for
 it. Each sandbox has its own table: another sandbox's answers bind nothing here.
 
-Bounded: ``max_addresses`` addresses with ``max_names`` names each. A full table first
-drops what has expired, then the eighth of its addresses learned longest ago; a full
-address replaces its name that expires first. Forgetting only ever turns a later flow
-into a mismatch (fail closed), never into a pass. Full, the table holds 2.1 MB when its
-addresses share their names (one answer binds its names to all of its addresses) and
-13.6 MB at the very worst: 8 distinct 253-character names on each address, which takes
-32,768 unique long names, far more than the tunnel scorer lets a sandbox ask.
+Bounded: ``max_addresses`` addresses, ``max_pairs`` (address, name) bindings in all, and
+``max_names`` names on one address. A CDN serves hundreds of names from one address, and a
+sandbox may resolve dozens of them within their TTLs: each must stay bound while its
+answer lasts, or reconnecting to the first one resolved is a mismatch and a freeze (with
+8 names an address, 40 names of the lab's wildcard froze the sandbox at the first).
+A full table first drops what has expired, then the eighth of its addresses learned
+longest ago; a full address replaces its name that expires first. Forgetting only ever
+turns a later flow into a mismatch (fail closed), never into a pass. Full, the table
+holds 2.1 MB when its addresses share their names (one answer binds its names to all of
+its addresses) and 13.6 MB at the very worst: 32,768 distinct 253-character names,
+far more than the tunnel scorer lets a sandbox ask.
 
 Each binding keeps the ports of the rule the answer came through: the kernel's elements
 allow the address on those, and a flow to another port (allowed through another name's
@@ -46,15 +50,26 @@ from egress.resolver.answer import learned_ports, record_ip
 from egress.resolver.wire import WireError
 
 MAX_ADDRESSES = 4096
-MAX_NAMES = 8  # per address: a CDN address a sandbox reaches under several names
+MAX_PAIRS = 32768  # (address, name) bindings in all: what bounds the table's memory
+MAX_NAMES = 512  # per address: a CDN address a sandbox reaches under many names
 
 
 class Bindings:
-    def __init__(self, max_addresses: int = MAX_ADDRESSES, max_names: int = MAX_NAMES) -> None:
-        if max_addresses < 1 or max_names < 1:
-            raise ValueError("a bindings table holds at least one address and one name")
+    def __init__(
+        self,
+        max_addresses: int = MAX_ADDRESSES,
+        max_names: int = MAX_NAMES,
+        max_pairs: int = MAX_PAIRS,
+    ) -> None:
+        if max_addresses < 1 or max_names < 1 or max_pairs < max_names:
+            raise ValueError(
+                "a bindings table holds at least one address and one name, and an address"
+                " full of names"
+            )
         self.max_addresses = max_addresses
         self.max_names = max_names
+        self.max_pairs = max_pairs
+        self._pairs = 0  # names bound, over all addresses
         # address -> {name: (until, ports, checked)}; dict order is learning order
         # (refreshed on re-learn). ``ports``: those of the rule the answer came through,
         # which are what the kernel's set elements for the address allow; ``checked``:
@@ -107,6 +122,10 @@ class Bindings:
                 if old is None:
                     if len(bound) >= self.max_names:
                         del bound[_first_to_expire(bound)]
+                    else:
+                        if self._pairs >= self.max_pairs:
+                            self._make_room(now, keep=ip)
+                        self._pairs += 1
                 elif old[0] >= until and old[1] == ports and old[2] == checked:
                     continue
                 bound[name] = entry
@@ -155,17 +174,18 @@ class Bindings:
             for until, ports, checked in self._table.get(ip, {}).values()
         )
 
-    def _make_room(self, now: float) -> None:
-        """Drop what expired; if that is not enough, the eighth learned longest ago (so
-        the scan runs once per ``max_addresses / 8`` new addresses, not for each)."""
-        expired = [
-            ip for ip, bound in self._table.items() if max(u for u, *_ in bound.values()) <= now
-        ]
-        for ip in expired:
-            del self._table[ip]
-        if len(self._table) >= self.max_addresses:
-            for ip in list(islice(self._table, max(1, self.max_addresses // 8))):
-                del self._table[ip]
+    def _make_room(self, now: float, keep: IPAddress | None = None) -> None:
+        """Drop the addresses whose every name expired; if that is not enough, the eighth
+        learned longest ago (so the scan runs once per eighth of the table's addresses or
+        bindings made anew, not for each). Never ``keep``, the address being learned (the
+        most recent: the eighth is taken from the oldest, and it has at least one more)."""
+        table = self._table
+        for ip in [ip for ip, bound in table.items() if ip != keep and _ended(bound, now)]:
+            self._pairs -= len(table.pop(ip))
+        if len(table) >= self.max_addresses or self._pairs >= self.max_pairs:
+            for ip in list(islice(table, max(1, len(table) // 8))):
+                if ip != keep:
+                    self._pairs -= len(table.pop(ip))
 
 
 def answer_chain(qname: str, answers: list[message.Record]) -> tuple[str, ...]:
@@ -225,6 +245,11 @@ ADDRESS_TYPES = (message.A, message.AAAA)
 
 def _key(name: str) -> str:
     return name.lower().rstrip(".")
+
+
+def _ended(bound: dict[str, tuple[float, Ports, bool]], now: float) -> bool:
+    """Every binding of an address has expired (or it has none)."""
+    return all(until <= now for until, _, _ in bound.values())
 
 
 def _first_to_expire(bound: dict[str, tuple[float, Ports, bool]]) -> str:

@@ -29,6 +29,8 @@ from egress.policy.matcher import Matcher
 from egress.resolver.answer import learned_ports
 from egress.resolver.bindings import Bindings
 
+SHOWN = 8  # names of the address a mismatch's detail lists (a CDN's may be hundreds)
+
 
 @dataclass(frozen=True, slots=True)
 class FlowVerdict:
@@ -63,7 +65,10 @@ def judge_flow(
         and learned_ports(rule, matcher.policy).allows("tcp", dport)
     ):
         others = bindings.names(dst, now)
-        resolved = f"resolved for {', '.join(others)}" if others else "resolved for no name now"
+        shown = ", ".join(others[:SHOWN]) + (
+            f" and {len(others) - SHOWN} more" if len(others) > SHOWN else ""
+        )
+        resolved = f"resolved for {shown}" if others else "resolved for no name now"
         return FlowVerdict(False, name, "not_resolved_here",
                            f"{where} asks for {name}: this sandbox never resolved it to "
                            f"{dst} for port {dport}, or no longer does (the address is "

@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 ADDRESS = "203.0.113.10"
 ALLOWED = "allowed.lab.test"
 OTHER = "https.lab.test"  # the same address, the same certificate (*.lab.test)
+WILD = "203.0.113.12"  # every name under wild.lab.test
 
 POLICY = """
 apiVersion: egress/v1
@@ -183,6 +184,22 @@ REASONS = {
     "python-ssl": "name_not_allowed",
     "absolute-form": "host_conflict",
 }
+
+
+def test_many_names_on_one_address_each_stay_bound_for_their_answers_ttl(lab: Lab) -> None:
+    """A CDN serves many names from one address: a workload that resolved 40 of them
+    (the lab's wildcard, one address, TTL 300 s) connects afterwards, with no new query,
+    to the first it resolved and to the others, and passes for each. With 8 names kept
+    per address, the first was forgotten and its connection frozen."""
+    names = [f"w{i}.wild.lab.test" for i in range(40)]
+    script = "set -eu\n" + "".join(f"getent ahostsv4 {n} >/dev/null\n" for n in names)
+    script += "".join(f"curl -sS --max-time 10 --resolve {n}:80:{WILD} http://{n}/\n"
+                      for n in (names[0], names[20], names[39]))  # fmt: skip
+    with run_tool(lab, policy("'*.wild.lab.test'"), script) as run:
+        assert run.rc == 0 and run.violations() == [], run.explain()
+        assert run.stdout.splitlines() == [f"lab {WILD}:80"] * 3, run.explain()
+        hosts = [host for _, _, host in lab_saw(run)]
+        assert hosts == [names[0], names[20], names[39]], run.explain()
 
 
 @pytest.mark.parametrize("client", sorted(CLIENTS))

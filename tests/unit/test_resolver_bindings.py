@@ -62,6 +62,8 @@ def test_an_answer_with_no_names_binds_nothing_and_breaks_nothing() -> None:
     assert b.names(IP2, 62.0) == ("b.test",) and len(b) == 1
     with pytest.raises(ValueError):
         Bindings(max_names=0)
+    with pytest.raises(ValueError):
+        Bindings(max_names=8, max_pairs=7)
 
 
 def test_a_full_address_replaces_the_name_that_expires_first() -> None:
@@ -82,6 +84,41 @@ def test_of_names_that_expire_together_a_full_address_replaces_the_first_learned
     for name in ("a.test", "b.test", "c.test"):
         forever.learn([IP1], [name], WEB, 0.0, float("inf"))
     assert forever.names(IP1, 0.0) == ("b.test", "c.test")
+
+
+def test_an_address_keeps_the_many_names_a_cdn_serves_from_it() -> None:
+    b = Bindings()
+    names = [f"w{i}.cdn.test" for i in range(300)]
+    for i, name in enumerate(names):
+        b.learn([IP1], [name], WEB, float(i), 1000.0)
+    assert all(b.bound(IP1, name, 443, 500.0) for name in names)
+    assert b.names(IP1, 500.0) == tuple(names)
+
+
+def test_bindings_in_all_are_bounded_and_the_oldest_addresses_go_first() -> None:
+    b = Bindings(max_addresses=100, max_names=8, max_pairs=16)
+    ips = [ipaddress.ip_address(f"198.51.100.{i}") for i in range(6)]
+    for i, ip in enumerate(ips[:4]):  # 4 addresses x 4 names: full
+        b.learn([ip], [f"n{k}.test" for k in range(4)], WEB, float(i), 100.0)
+    b.learn([ips[4]], ["new.test"], WEB, 10.0, 100.0)  # the oldest eighth (1 address) goes
+    assert [len(b.names(ip, 10.0)) for ip in ips[:5]] == [0, 4, 4, 4, 1]
+    b.learn([ips[1]], ["n0.test"], WEB, 60.0, 200.0)  # learned again: now the newest
+    b.learn([ips[4]], [f"more{k}.test" for k in range(4)], WEB, 60.0, 100.0)  # 1 over
+    assert [len(b.names(ip, 60.0)) for ip in ips[:5]] == [0, 4, 0, 4, 5]
+    b.learn([ips[5]], [f"late{k}.test" for k in range(4)], WEB, 150.0, 300.0)  # 1 over
+    # What had ended went (not the oldest live: ips[1] still binds n0 until 200).
+    assert [len(b.names(ip, 150.0)) for ip in ips] == [0, 1, 0, 0, 0, 4]
+    assert b._pairs == sum(len(bound) for bound in b._table.values()) == 8
+
+
+def test_an_address_learning_a_name_is_not_what_makes_room_for_it() -> None:
+    """Full, with every binding ended: the address given a new name stays, others go."""
+    b = Bindings(max_addresses=100, max_names=8, max_pairs=8)
+    for ip in (IP1, IP2):
+        b.learn([ip], [f"n{k}.test" for k in range(4)], WEB, 0.0, 10.0)
+    b.learn([IP1], ["again.test"], WEB, 20.0, 50.0)
+    assert b.bound(IP1, "again.test", 443, 20.0) and b.names(IP2, 0.0) == ()
+    assert b._pairs == 5
 
 
 def test_a_full_table_drops_what_expired_then_what_it_learned_longest_ago() -> None:
@@ -148,6 +185,15 @@ def test_a_binding_past_its_timeout_no_longer_lets_a_flow_through() -> None:
     v = judge_flow(judge(hello("allowed.test")), IP1, 443, b, matcher(), 61.0)
     assert (v.allowed, v.reason) == (False, "not_resolved_here")
     assert "resolved for no name now" in v.detail
+
+
+def test_a_mismatch_lists_a_few_of_the_names_its_address_was_resolved_for() -> None:
+    b = Bindings()
+    b.learn([IP1], [f"w{i}.cdn.test" for i in range(30)], WEB, 0.0, 60.0)
+    v = judge_flow(judge(hello("allowed.test")), IP1, 443, b, matcher(), 1.0)
+    assert (v.allowed, v.reason) == (False, "not_resolved_here")
+    listed = ", ".join(f"w{i}.cdn.test" for i in range(8))
+    assert f"resolved for {listed} and 22 more)" in v.detail, v.detail
 
 
 def test_need_more_is_the_callers_to_wait_on() -> None:
