@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -34,17 +32,12 @@ ROUNDS, BUFFERS = 7, 2_000
 
 
 def buffer() -> bytes:
-    from egress.kernel.nfnetlink import HDR, NFGEN, attr
+    from tests.support.nflog import copy
 
     out = b""
     for i in range(COPIES):
-        prefix = b"egress dns\0" if i % 2 == 0 else b"egress dns answer\0"
-        payload = bytes(28 + (33 if i % 2 == 0 else 49))
-        body = NFGEN.pack(socket.AF_INET, 0, 101) + attr(1, struct.pack("!HBx", 0x0800, 3))
-        body += attr(10, prefix) + attr(5, struct.pack("!I", 1))
-        body += attr(11, struct.pack("!I", 65534)) + attr(14, struct.pack("!I", 65534))
-        body += attr(9, payload)
-        out += HDR.pack(HDR.size + len(body), (4 << 8) | 0, 0, i, 0) + body
+        prefix = b"egress dns" if i % 2 == 0 else b"egress dns answer"
+        out += copy(prefix, bytes(28 + (33 if i % 2 == 0 else 49)))
     return out
 
 

@@ -120,11 +120,11 @@ print(json.dumps(out))
 """
 
 
-# Walks damaged and whole NFLOG buffers (test_nflog_wire's) and prints what it found.
+# Walks damaged and whole NFLOG buffers (tests/support/nflog.py's) and prints what it found.
 WALK = r"""
 import json, random, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests/unit"]
-from test_nflog_wire import PACKET, QUERY, copy
+sys.path[:0] = [sys.argv[1]]
+from tests.support.nflog import PACKET, QUERY, copy
 from egress.datapath.native import NATIVE
 from egress.datapath.nflog_wire import udp4_payload, walk
 

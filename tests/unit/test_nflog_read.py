@@ -11,15 +11,8 @@ import sys
 import pytest
 
 from egress.kernel.nflog import NflogListener
-from egress.kernel.nfnetlink import HDR, NFGEN, attr
-
-GROUP = 101
-
-
-def message(prefix: str, payload: bytes = b"\x45" + b"\0" * 27) -> bytes:
-    body = NFGEN.pack(socket.AF_INET, 0, GROUP)
-    body += attr(10, prefix.encode() + b"\0") + attr(9, payload)
-    return HDR.pack(HDR.size + len(body), (4 << 8) | 0, 0, 0, 0) + body
+from egress.kernel.nfnetlink import HDR
+from tests.support.nflog import GROUP, copy
 
 
 def listener() -> tuple[NflogListener, socket.socket]:
@@ -34,7 +27,7 @@ def test_a_read_stops_after_its_budget_of_messages_skipped_ones_included() -> No
     nl.skip = lambda prefix, packet: asked.append(prefix) or True
     try:
         for _ in range(8):  # a unix datagram queue holds 10 (net.unix.max_dgram_qlen)
-            kernel.send(message("egress dns"))
+            kernel.send(copy(b"egress dns"))
         assert nl.read_events(3) == []
         assert len(asked) == 3  # the rest wait for the next read
         assert nl.read_events(1000) == [] and len(asked) == 8
@@ -50,9 +43,9 @@ def test_the_skip_hook_is_not_asked_about_a_copy_behind_an_event() -> None:
     asked: list[bytes] = []
     nl.skip = lambda prefix, packet: asked.append(prefix) or prefix.startswith(b"egress dns")
     try:
-        kernel.send(message("egress dns answer"))  # nothing ahead: dealt with by the hook
-        kernel.send(message("egress first_bytes"))
-        kernel.send(message("egress dns answer"))  # behind an event: an event too
+        kernel.send(copy(b"egress dns answer"))  # nothing ahead: dealt with by the hook
+        kernel.send(copy(b"egress first_bytes"))
+        kernel.send(copy(b"egress dns answer"))  # behind an event: an event too
         events = nl.read_events()
         assert [e.prefix for e in events] == ["egress first_bytes", "egress dns answer"]
         assert asked == [b"egress dns answer\0", b"egress first_bytes\0"]
@@ -68,12 +61,12 @@ def test_in_a_batch_of_copies_the_hook_is_asked_only_ahead_of_the_first_event() 
     asked: list[bytes] = []
     nl.skip = lambda prefix, packet: asked.append(prefix) or prefix.startswith(b"egress dns")
     try:
-        kernel.send(message("egress dns") + message("egress first_bytes") + message("egress dns"))
+        kernel.send(copy(b"egress dns") + copy(b"egress first_bytes") + copy(b"egress dns"))
         events = nl.read_events()
         assert [e.prefix for e in events] == ["egress first_bytes", "egress dns"]
         assert asked == [b"egress dns\0", b"egress first_bytes\0"]
         for _ in range(3):
-            kernel.send(message("egress dns") * 4)
+            kernel.send(copy(b"egress dns") * 4)
         assert nl.read_events(5) == [] and len(asked) == 2 + 8  # two datagrams: 8 >= 5
         assert nl.read_events(1000) == [] and len(asked) == 2 + 12
     finally:
@@ -92,9 +85,7 @@ def test_the_decoder_for_a_big_endian_host_reads_the_same_events(
     nl, kernel = listener()
     nl.skip = lambda prefix, packet: prefix == b"egress dns answer\0"
     try:
-        kernel.send(
-            message("egress dns answer") + message("egress dns") + message("egress dns answer")
-        )
+        kernel.send(copy(b"egress dns answer") + copy(b"egress dns") + copy(b"egress dns answer"))
         assert [e.prefix for e in nl.read_events()] == ["egress dns", "egress dns answer"]
     finally:
         nl.release()
@@ -105,7 +96,7 @@ def test_without_a_hook_every_copy_is_an_event() -> None:
     nl, kernel = listener()
     try:
         for p in ("egress dns", "egress blocked_connect"):
-            kernel.send(message(p))
+            kernel.send(copy(p.encode()))
         assert [e.prefix for e in nl.read_events()] == ["egress dns", "egress blocked_connect"]
         assert struct.calcsize("=IHHII") == HDR.size
     finally:
@@ -118,7 +109,7 @@ def test_what_the_kernel_flushes_as_the_binding_goes_is_read_not_closed_unread()
     of its ack (the observer's copies are batched): ``unbind`` keeps them to be read."""
     nl, kernel = listener()
     try:
-        kernel.send(message("egress first_bytes"))  # the flushed batch, then the ack
+        kernel.send(copy(b"egress first_bytes"))  # the flushed batch, then the ack
         seq = nl._seq + 1  # the unbind's
         kernel.send(HDR.pack(HDR.size + 4 + HDR.size, 2, 0, seq, 0) + struct.pack("=i", 0)
                     + HDR.pack(HDR.size, 0, 0, seq, 0))  # fmt: skip

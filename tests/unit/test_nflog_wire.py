@@ -8,30 +8,14 @@ Runs on the compiled module when it is built (``make test`` runs it again with
 from __future__ import annotations
 
 import random
-import socket
 import struct
 
 from egress.datapath.nflog_wire import walk
 from egress.kernel.nfnetlink import HDR, NFGEN, attr, iter_attrs, messages
+from tests.support.nflog import PACKET, QUERY, copy
 
-PACKET = (4 << 8) | 0  # NFNL_SUBSYS_ULOG, NFULNL_MSG_PACKET
 CONFIG = (4 << 8) | 1
 DONE, ERROR = 3, 2
-
-
-def copy(
-    prefix: bytes | None, payload: bytes | None, kind: int = PACKET, extra: bytes = b""
-) -> bytes:
-    """A message laid out as nfnetlink_log sends one: header, hw protocol and hook,
-    prefix, out device, uid, gid, payload last."""
-    body = NFGEN.pack(socket.AF_INET, 0, 101) + attr(1, struct.pack("!HBx", 0x0800, 3))
-    if prefix is not None:
-        body += attr(10, prefix + b"\0")
-    body += attr(5, struct.pack("!I", 1)) + attr(11, struct.pack("!I", 65534)) + extra
-    body += attr(14, struct.pack("!I", 65534))
-    if payload is not None:
-        body += attr(9, payload)
-    return HDR.pack(HDR.size + len(body), kind, 0, 7, 0) + body
 
 
 def reference(buf: bytes, packet_type: int = PACKET) -> list[tuple[int, int, int, bytes, bytes]]:
@@ -40,10 +24,6 @@ def reference(buf: bytes, packet_type: int = PACKET) -> list[tuple[int, int, int
         attrs = iter_attrs(buf, pos + NFGEN.size, end) if kind == packet_type else {}
         out.append((kind, pos, end, attrs.get(10, b""), attrs.get(9, b"")))
     return out
-
-
-QUERY = bytes.fromhex("4500003c1c4640004011" + "00" * 10) + b"\x30\x39\x00\x35\x00\x28\x00\x00"
-QUERY += bytes(32)
 
 
 def test_each_copy_gives_its_prefix_and_payload() -> None:
