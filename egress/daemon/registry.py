@@ -563,10 +563,12 @@ def _upstreams(policy: Policy, upstream: str | None) -> list[tuple[str, int]]:
 
 
 def _inode(netns_ref: str) -> tuple[int, int]:
-    from egress.kernel.netns import netns_path
+    from egress.kernel.netns import netns_id
 
-    st = os.stat(netns_path(netns_ref))
-    return st.st_dev, st.st_ino
+    found = netns_id(netns_ref)
+    if found is None:
+        raise FileNotFoundError(f"netns {netns_ref} is gone")
+    return found
 
 
 def _log(line: str) -> None:
