@@ -97,7 +97,10 @@ def register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "Tear down every sandbox whose `egressctl run` process has died (killed, "
             "crashed, or the host's egress was stopped): kill its processes, remove its "
             "netns, veth, uplink rules, cgroup and address claim. A sandbox kept with "
-            "--keep is only removed when named."
+            "--keep is only removed when named. Also removes workload files (the "
+            "workload's $HOME, under /var/lib/egress/workloads) left by sandboxes whose "
+            "claim is gone, because their run dir was removed or a reboot emptied "
+            "/run: unless a process of their uid still runs."
         ),
         epilog="examples:\n  egressctl gc --dry-run\n  egressctl gc\n  egressctl gc 3f2a1c",
     )
@@ -108,7 +111,7 @@ def register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from egress.sandbox.lifecycle import teardown_claim
+    from egress.sandbox.lifecycle import reclaim_orphans, teardown_claim
     from egress.store import claims
 
     wanted = set(args.sandbox)
@@ -136,7 +139,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 journal.set_sandbox_state(claim.id, SandboxState.EXITED)
     for sandbox_id in [] if args.dry_run else removed:
         print(f"sandbox {sandbox_id} removed")
-    if not removed and not failed:
+    orphans = 0
+    for o in reclaim_orphans(wanted, dry_run=args.dry_run):
+        e = o.entry
+        what = f"workload files of {e.sandbox_id} (uid {e.uid}; its claim {e.claim_file} is gone)"
+        if o.pids:
+            pids = " ".join(map(str, o.pids[:8])) + (" ..." if len(o.pids) > 8 else "")
+            print(f"{what}: kept, processes of uid {e.uid} still run (pids {pids}); "
+                  f"end them, then gc again")  # fmt: skip
+        elif o.error:
+            failed += 1
+            print(f"{what}: could not remove: {o.error}")
+        else:
+            orphans += 1
+            print(f"{what} {'would be removed' if args.dry_run else 'removed'}")
+    if not removed and not failed and not orphans:
         print("nothing to remove")
     return 1 if failed else 0
 

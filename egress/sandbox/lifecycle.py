@@ -14,6 +14,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from egress.kernel.nft import NftHandle
 from egress.model import Policy
 from egress.sandbox import uplink as uplink_mod
 from egress.sandbox import view
-from egress.store import claims
+from egress.store import claims, uids
 from egress.store.paths import read_template
 
 ETC_NETNS = Path("/etc/netns")
@@ -309,3 +310,35 @@ def _remove_cgroup_by_name(name: str) -> None:
     except SandboxError:
         return  # never made, or already gone
     _remove_cgroup(cgroup)
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """Workload files whose sandbox's claim is gone (its run dir was removed, or a reboot
+    emptied /run): nothing else of the sandbox is left, and its uid is free again."""
+
+    entry: uids.Entry
+    pids: list[int]  # processes of its uid still running: the files are kept while any do
+    error: str = ""  # why they could not be removed
+
+
+def reclaim_orphans(only: AbstractSet[str] = frozenset(), dry_run: bool = False) -> list[Orphan]:
+    """Remove every orphan's workload files (those of ``only``, if given) unless a process
+    of its uid still runs; with ``dry_run`` only find them. Under the ledger's lock, where
+    a claim is written together with its entry: one being made is never taken for one."""
+    found = []
+    with uids.locked():
+        orphans = [e for e in uids.ledger() if e.orphaned and (not only or e.sandbox_id in only)]
+        if not orphans:
+            return []
+        lo, hi = min(e.uid for e in orphans), max(e.uid for e in orphans)
+        running = uids.live_processes(range(lo, hi + 1))
+        for entry in orphans:
+            orphan = Orphan(entry, running.get(entry.uid, []))
+            if not orphan.pids and not dry_run:
+                try:
+                    view.remove(entry.sandbox_id)
+                except SandboxError as exc:
+                    orphan = Orphan(entry, [], str(exc))
+            found.append(orphan)
+    return found

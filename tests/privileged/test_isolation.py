@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from egress.datapath.addressing import Pools
 from egress.errors import DaemonError
 from egress.kernel import confine
 from egress.kernel.cgroup import Cgroup
@@ -560,6 +561,72 @@ def test_a_killed_runs_uid_is_reclaimed_by_gc_and_an_exhausted_range_refused(lab
         finally:
             first.kill()
             cleanup(claim.id) if "claim" in locals() else None
+
+
+def test_gc_removes_workload_files_whose_claim_is_gone_unless_their_uid_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reboot empties /run (the claims) and keeps /var/lib/egress/workloads (the homes):
+    `egressctl gc` removes such leftovers, keeps one whose uid still runs a process until
+    it ends, and never touches the files of a sandbox whose claim lives (another run
+    dir's). --dry-run removes nothing. Claims made as a create makes them; the run dir
+    removed is the reboot."""
+    where = {"EGRESS_WORKLOADS_DIR": str(tmp_path / "workloads"),
+             "EGRESS_STATE_DIR": str(tmp_path / "state")}  # fmt: skip
+    for key, value in where.items():
+        monkeypatch.setenv(key, value)
+    ids = range(2000200000, 2000200010)
+    pools = Pools.parse(None)
+    made = {}
+    for run, sandbox_id in (("gone", "orphan-a"), ("gone", "orphan-b"), ("kept", "live-c")):
+        monkeypatch.setenv("EGRESS_RUN_DIR", str(tmp_path / run))
+        made[sandbox_id] = claims.claim(sandbox_id, pools, None, ids).uid
+        home = workloads_dir() / sandbox_id / "homes" / "agent"
+        home.mkdir(parents=True)
+        (home / "notes").write_text("what the agent kept")
+        os.chown(home / "notes", made[sandbox_id], made[sandbox_id])
+    assert made == {"orphan-a": ids[0], "orphan-b": ids[1], "live-c": ids[2]}
+    shutil.rmtree(tmp_path / "gone")  # the reboot: these claims are gone
+    squatter = subprocess.Popen(["setpriv", f"--reuid={ids[1]}", f"--regid={ids[1]}",
+                                 "--clear-groups", "sh", "-c", "echo up; exec sleep 600"],
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert squatter.stdout is not None and squatter.stdout.readline() == "up\n"
+    environ = {**env(), **where, "EGRESS_RUN_DIR": str(tmp_path / "kept")}
+
+    def gc(*args: str) -> str:
+        done = subprocess.run([*EGRESSCTL, "gc", *args], capture_output=True, text=True,
+                              env=environ, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done
+        return done.stdout
+
+    try:
+        assert uids.live_uids(range(ids[1], ids[1] + 1)) == {ids[1]}
+        out = gc("--dry-run")
+        assert f"workload files of orphan-a (uid {ids[0]};" in out and "would be removed" in out
+        assert f"orphan-b (uid {ids[1]};" in out and f"still run (pids {squatter.pid})" in out
+        assert "live-c" not in out
+        left = {p.name for p in workloads_dir().iterdir() if not p.name.startswith(".")}
+        assert left == set(made)
+        out = gc()
+        assert "workload files of orphan-a" in out and "removed" in out, out
+        assert "orphan-b" in out and "kept" in out, out
+        assert not (workloads_dir() / "orphan-a").exists()
+        assert (workloads_dir() / "orphan-b" / "homes" / "agent" / "notes").exists()
+        squatter.kill()
+        squatter.wait()
+        assert f"workload files of orphan-b (uid {ids[1]};" in gc()
+        assert not (workloads_dir() / "orphan-b").exists()
+        assert (workloads_dir() / "live-c" / "homes" / "agent" / "notes").exists()
+        assert gc().strip() == "nothing to remove"
+        # The orphans' uids are free again; the live claim's is not.
+        with claims.locked(), uids.locked():
+            assert uids.pick(ids, set()) == ids[0]
+    finally:
+        squatter.kill()
+        squatter.wait()
+        squatter.stdout.close()
+        claims.release("live-c")
+        shutil.rmtree(tmp_path / "workloads", ignore_errors=True)
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ environment, binds, the view's passwd and the directories made on the way to a m
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,31 @@ def test_pick_honours_another_run_dirs_ledger_entries_and_skips_only_the_known(
     assert uids.pick(ids, set(), known={"ours"}) == 2000000000  # skipped: the caller's say
     theirs.unlink()  # their sandbox ended: its entry holds nothing now
     assert uids.pick(ids, {2000000000}, known={"ours"}) == 2000000001
+
+
+def test_an_entry_whose_claim_is_gone_is_orphaned_once_and_for_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its uid is free again, and its claim file is not looked for at the next create
+    (1,080 such entries cost each create 4.5 ms); a live entry's is, every time."""
+    monkeypatch.setenv("EGRESS_WORKLOADS_DIR", str(tmp_path / "workloads"))
+    (tmp_path / "workloads").mkdir()
+    live, gone = tmp_path / "run" / "live.json", tmp_path / "run" / "gone.json"
+    live.parent.mkdir()
+    for claim in (live, gone):
+        claim.write_text("{}")
+    uids.record("live", 2000000000, live)
+    uids.record("gone", 2000000001, gone)
+    assert uids.ledger_held() == {2000000000, 2000000001}
+    gone.unlink()
+    assert uids.ledger_held() == {2000000000}
+    assert {e.sandbox_id for e in uids.ledger() if e.orphaned} == {"gone"}
+    looked: list[str] = []
+    exists = os.path.exists
+    monkeypatch.setattr(uids.os.path, "exists", lambda p: looked.append(str(p)) or exists(p))
+    assert [(e.sandbox_id, e.uid) for e in uids.ledger() if e.orphaned] == [("gone", 2000000001)]
+    assert uids.ledger_held() == {2000000000}
+    assert looked == [str(live), str(live)]
 
 
 def test_env_is_the_allowlist_plus_what_env_names() -> None:
