@@ -15,7 +15,7 @@ from egress.datapath import constants as c
 from egress.datapath.packet import Packet
 from egress.kernel.nflog import NflogEvent
 from egress.model import Flow, Layer
-from egress.observer.flows import GRACE_S, FlowWatch
+from egress.observer.flows import GRACE_S, REAPPLY_S, FlowWatch
 from egress.resolver.actions import AllowThenReply, Reply
 from egress.resolver.core import ResolverCore
 from egress.resolver.firstrequest import FirstRequests, Segment
@@ -178,3 +178,45 @@ def test_a_repeated_answer_binds_from_its_own_time_without_being_parsed_again() 
     assert watch.bindings.names(ipaddress.ip_address("203.0.113.11"), 32.0) == ("api.test",)
     watch.learn(b"\x00\x01" + b"\xff" * 10, 31.0)  # garbage: kept as binding nothing
     assert len(watch._answers) == 3
+
+
+def test_a_repeat_within_reapply_s_is_skipped_unless_the_table_dropped_something() -> None:
+    """Copies of one answer REAPPLY_S apart or more each push its bindings' end; closer
+    ones don't (they would add less than REAPPLY_S). But if the table made room meanwhile
+    (here: it holds one address, and another answer took its place), the next copy binds
+    again at once, however soon."""
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    watch.bindings.max_addresses = 1
+    ip, other_ip = ipaddress.ip_address(DST), ipaddress.ip_address("203.0.113.11")
+    data = released(inline, "allowed.test", RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60))
+    other = released(inline, "api.test", RR("api.test", QTYPE.A, rdata=A(str(other_ip)), ttl=60))
+    end = 60 + GRACE_S
+    watch.learn(data, 10.0)
+    watch.learn(data, 10.0 + REAPPLY_S / 2)  # skipped: ends where the first said
+    assert watch.bindings.bound(ip, "allowed.test", 443, 10.0 + end - 0.001)
+    assert not watch.bindings.bound(ip, "allowed.test", 443, 10.0 + end + 0.001)
+    watch.learn(data, 10.0 + REAPPLY_S)  # applied: ends REAPPLY_S later
+    assert watch.bindings.bound(ip, "allowed.test", 443, 10.0 + REAPPLY_S + end - 0.001)
+    watch.learn(other, 10.0 + REAPPLY_S)  # the table is full: the first address goes
+    assert watch.bindings.names(ip, 11.0) == ()
+    watch.learn(data, 10.0 + REAPPLY_S * 1.5)  # within REAPPLY_S, but it was dropped
+    assert watch.bindings.names(ip, 11.0) == ("allowed.test",)
+    assert watch.bindings.names(other_ip, 11.0) == ()  # and made room in its turn
+    watch.learn(other, 10.0 + REAPPLY_S * 1.6)
+    assert watch.bindings.names(other_ip, 11.0) == ("api.test",)
+
+
+def test_a_name_dropped_from_a_full_address_is_bound_again_by_its_next_copy() -> None:
+    """The same for an address full of names: another name's answer took its place."""
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    watch.bindings.max_names = 1
+    ip = ipaddress.ip_address(DST)
+    first = released(inline, "allowed.test", RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60))
+    second = released(inline, "api.test", RR("api.test", QTYPE.A, rdata=A(DST), ttl=60))
+    watch.learn(first, 10.0)
+    watch.learn(second, 10.0)
+    assert watch.bindings.names(ip, 11.0) == ("api.test",)
+    watch.learn(first, 10.0 + REAPPLY_S / 2)
+    assert watch.bindings.names(ip, 11.0) == ("allowed.test",)
