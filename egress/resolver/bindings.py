@@ -110,7 +110,7 @@ class Bindings:
         entry: tuple[float, Ports, bool],
     ) -> None:
         """``learn`` for names already keyed (``_key``), ``entry`` (until, ports, checked)
-        made once: the observer applies an answer's binding at every copy of it."""
+        made once: the observer applies an answer's binding again at its copies."""
         table = self._table
         until, ports, checked = entry
         for ip in ips:
@@ -209,7 +209,8 @@ class AnswerBinding:
     """What one released answer binds: its question and CNAME chain to its addresses, on
     its rule's ports, for ``ttl`` seconds (the shortest address TTL, clamped as the
     kernel's timeout is). The same answer bytes always parse to the same one, so the
-    observer keeps it by those bytes and applies it again at each copy's own time."""
+    observer keeps it by those bytes and applies it again at a copy's own time
+    (``observer.flows.REAPPLY_S``)."""
 
     addresses: tuple[IPAddress, ...]
     names: tuple[str, ...]  # keyed as the table keys them: lowercase, no final dot
