@@ -61,6 +61,7 @@ class Shard:
         self.index = index
         self.shards = shards
         self.journal = Journal.open(state_dir)
+        self.records = rundir.Records(run_dir)
         self.watched: dict[str, Watched] = {}
         self.owner: dict[int, str] = {}  # fd -> sandbox id
         self.retry: dict[str, float] = {}  # sandbox id -> when to try it again
@@ -119,9 +120,7 @@ class Shard:
 
     def scan(self) -> None:
         wanted = {
-            r.id: r
-            for r in rundir.load_all(self.run_dir)
-            if shard_of(r.id, self.shards) == self.index
+            r.id: r for r in self.records.load_all() if shard_of(r.id, self.shards) == self.index
         }
         for sid in [s for s in self.watched if s not in wanted]:
             self._end(sid)
