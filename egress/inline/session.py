@@ -200,6 +200,19 @@ class Session:
     def close(self, handed_over: bool = False) -> None:
         """Stop; with ``handed_over`` a successor reads the NFLOG group from now on, so
         leave the rest of its queue to it and keep the group bound."""
+        self._last_evidence(handed_over)
+        self._writer.join()  # everything seen is in the journal before the report is made
+        self._release(handed_over)
+
+    async def aclose(self, handed_over: bool = False) -> None:
+        """``close`` for egressd: the loop serves the other sandboxes while the writer
+        thread commits what is left (a commit each, fsync'd: at 1,000 sandboxes being
+        deleted, the join stalled every answer for up to 10 ms each time)."""
+        self._last_evidence(handed_over)
+        await asyncio.to_thread(self._writer.join)
+        self._release(handed_over)
+
+    def _last_evidence(self, handed_over: bool) -> None:
         if not handed_over:
             with contextlib.suppress(EgressError):
                 self.on_nflog()  # evidence that arrived while the command was exiting
@@ -208,7 +221,8 @@ class Session:
         self.flush_audit()
         # Last in line (after every record), blocks until there is room: nothing is lost.
         self._journal_queue.put((2, next(self._queued), None))
-        self._writer.join()  # everything seen is in the journal before the report is made
+
+    def _release(self, handed_over: bool) -> None:
         self.state.overruns = self.listener.overruns
         if handed_over:
             self.listener.release()

@@ -98,13 +98,18 @@ async def stop(
     if resolver is not None:
         await resolver.close()
     if session is not None:
-        _close_session(session, handed_over)
+        _stop_reading(session, handed_over)
+        await session.aclose(handed_over)
 
 
 def _close_session(session: Session, handed_over: bool) -> None:
+    _stop_reading(session, handed_over)
+    session.close(handed_over)
+
+
+def _stop_reading(session: Session, handed_over: bool) -> None:
     session.stopping = True
     if session.flows is not None:
         session.flows.close(handed_over)
     with contextlib.suppress(ValueError, OSError):
         asyncio.get_running_loop().remove_reader(session.listener.fileno())
-    session.close(handed_over)
