@@ -10,6 +10,7 @@
     /metrics ◀─ resolver cores, sessions, nft counters and sets (metrics.py)
     collect.py: what lives frozen out of the garbage collector's walks (a sandbox made,
              every second); one full collection once the sandboxes settle
+    lag.py: how late the loop runs what is due (every 10 ms), for /metrics
     sidecar: one sandbox from inside its netns ─▶ the same inline wiring, upstream
              sockets marked (SO_MARK) for the one rule that lets them out
 

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from egress import __version__
 from egress.daemon.collect import Collector
+from egress.daemon.lag import LoopLag
 from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
 from egress.kernel.netns_cgroup import enter_host_cgroupns
@@ -293,6 +294,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     uids.check_range(uid_range)
     registry = Registry(journal, run_dir, review_hint=hint, uid_range=uid_range)
     collector = registry.collector = Collector(asyncio.get_running_loop())
+    lag = registry.lag = LoopLag(asyncio.get_running_loop())
     runner: web.AppRunner | None = None
     api: socket.socket | None = None
     giver: handoff.Giver | None = None
@@ -332,9 +334,11 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             api_file = os.stat(args.socket).st_ino
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
         collector.start()  # start-up's objects frozen, and from now on (daemon/collect.py)
+        lag.start()
         ended = await _until_signalled(giver)
     finally:
         collector.close()  # no full collection in the middle of a shutdown or handover
+        lag.close()
         if logger is not None:
             logger.stop()  # what was journaled until now is printed first
         if taken is not None:

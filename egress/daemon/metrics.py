@@ -5,8 +5,8 @@ query *rate* is ``rate(egress_dns_queries_total[1m])``), queries dropped by the
 sandbox's rate limit, upstream round trips (forward to answer, per sandbox), inline
 violations by class, the inline layer's freeze latency (detection to the cgroup
 reporting frozen), kernel set sizes and drop counters read from nft at scrape time, and
-the set-update path's timing. Both latencies are histograms rendered by ``_histogram``
-from a fixed-size ``Latencies``.
+the set-update path's timing, and how late egressd's event loop runs (``lag.py``). The
+latencies are histograms rendered by ``_histogram`` from a fixed-size ``Latencies``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from egress.inline.upstream import Latencies
 from egress.model import SandboxKind
 
 from .collect import Collector
+from .lag import LoopLag
 from .registry import Registry, Served
 
 FREEZE_BUCKETS_MS = (0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000)
@@ -82,6 +83,8 @@ def render(registry: Registry, kernel: dict[str, Kernel]) -> str:
     _sets(out, served, kernel)
     if registry.collector is not None:
         _collector(out, registry.collector)
+    if registry.lag is not None:
+        _lag(out, registry.lag)
     return "\n".join(out.lines) + "\n"
 
 
@@ -93,6 +96,17 @@ def _collector(out: _Out, collector: Collector) -> None:
     out.family("egress_gc_full_collection_last_seconds", "gauge",
                "How long the last full garbage collection held egressd's loop.")  # fmt: skip
     out.sample("egress_gc_full_collection_last_seconds", collector.last_ms / 1000)
+
+
+def _lag(out: _Out, lag: LoopLag) -> None:
+    """How late the one loop every sandbox's DNS waits on ran what was due (daemon/lag.py)."""
+    name = "egress_loop_lag_seconds"
+    text = f"How late egressd's event loop ran a callback due every {lag.tick_s:g} s."
+    out.family(name, "histogram", text)
+    _histogram(out, name, lag.latencies)
+    out.family("egress_loop_lag_max_seconds", "gauge",
+               "The longest egressd's event loop was late since it started.")  # fmt: skip
+    out.sample("egress_loop_lag_max_seconds", lag.worst)
 
 
 def _dns(out: _Out, served: Iterable[Served]) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from egress.daemon.collect import Collector
+from egress.daemon.lag import LoopLag
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import (
@@ -140,6 +141,7 @@ class Registry:
         self._settled = asyncio.Event()
         self._settled.set()
         self.collector: Collector | None = None  # egressd's own; none in tests
+        self.lag: LoopLag | None = None  # egressd's own (daemon/lag.py); none in tests
 
     # -- reading -------------------------------------------------------------------------
 

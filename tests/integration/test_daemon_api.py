@@ -3,9 +3,12 @@ nothing is left half-made, and the OpenAPI document covers every route."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from egress.daemon.api import make_app, openapi_document
+from egress.daemon.lag import LoopLag
 from egress.daemon.registry import Registry
 from egress.store.journal import Journal
 
@@ -179,3 +183,28 @@ def test_systemd_units_verify(tmp_path: Path) -> None:
         units.append(str(tmp_path / name))
     done = subprocess.run([analyze, "verify", *units], capture_output=True, text=True)
     assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+
+
+async def test_metrics_show_how_late_the_loop_ran_what_was_due(api: Api) -> None:
+    """A callback that holds the loop 60 ms (as a blocking call would) shows in the loop
+    lag histogram's tail and as the worst lag."""
+    loop = asyncio.get_running_loop()
+    lag = api.registry.lag = LoopLag(loop, tick_s=0.005)
+    lag.start()
+    try:
+        while lag.latencies.count < 5:  # some ticks on a free loop first
+            await asyncio.sleep(0.005)
+        time.sleep(0.06)  # holds the loop: the next tick is due meanwhile
+        seen = lag.latencies.count
+        while lag.latencies.count == seen:
+            await asyncio.sleep(0.001)
+        status, text = await api.call("GET", "/metrics")
+    finally:
+        lag.close()
+    assert status == 200
+    assert 0.03 <= lag.worst < 1.0, lag.worst  # due within the 60 ms, run after it
+    late = re.search(r'^egress_loop_lag_seconds_bucket\{le="0.025"\} (\d+)$', text, re.M)
+    total = re.search(r"^egress_loop_lag_seconds_count (\d+)$", text, re.M)
+    assert late is not None and total is not None
+    assert int(late.group(1)) < int(total.group(1))  # one above 25 ms
+    assert f"egress_loop_lag_max_seconds {lag.worst:g}" in text

@@ -126,6 +126,9 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
         # The one pause egressd takes on purpose is counted and timed (daemon/collect.py).
         assert re.search(r"^egress_gc_full_collections_total \d+$", metrics, re.M)
         assert re.search(r"^egress_gc_full_collection_last_seconds [\d.e-]+$", metrics, re.M)
+        # How late its loop ran what was due (daemon/lag.py): ticking since it started.
+        ticks = re.search(r"^egress_loop_lag_seconds_count (\d+)$", metrics, re.M)
+        assert ticks is not None and int(ticks.group(1)) > 0, metrics
     finally:
         for box in boxes:
             daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
