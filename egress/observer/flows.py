@@ -43,8 +43,9 @@ GRACE_S = 2.0
 # a cache hit's copy is applied again without being parsed. Bounded; cleared when full.
 ANSWERS_MAX = 4096
 ANSWER_MAX_BYTES = 1232  # larger ones (up to 64 KiB over UDP) are parsed each time
-# The same answer applied again within REAPPLY_S, when the table lost nothing meanwhile,
-# would only push its bindings' ends later by that much: it is not applied. Re-applying
+# The same answer applied again within REAPPLY_S, with nothing in the table dropped or
+# replaced meanwhile (``Bindings.changes``), would only push its bindings' ends later by
+# that much: it is not applied. Re-applying
 # every copy of the bench's cache hits (4 names, 70,000 a second) was about a third of
 # the observer's CPU. A binding may so end up to REAPPLY_S sooner, well inside GRACE_S.
 REAPPLY_S = 0.05
@@ -52,14 +53,14 @@ REAPPLY_S = 0.05
 
 class _Seen:
     """An answer's binding (None: it binds nothing), and when it was last applied, with
-    the table's ``Bindings.removals`` before that."""
+    the table's ``Bindings.changes`` before that."""
 
-    __slots__ = ("applied", "binding", "removals")
+    __slots__ = ("applied", "binding", "changes")
 
     def __init__(self, binding: AnswerBinding | None) -> None:
         self.binding = binding
         self.applied = float("-inf")
-        self.removals = -1
+        self.changes = -1
 
 
 class FlowWatch:
@@ -111,13 +112,13 @@ class FlowWatch:
                 self._answers[bytes(key)] = seen
         if seen.binding is None:
             return
-        removals = self.bindings.removals
-        if removals == seen.removals and 0.0 <= now - seen.applied < REAPPLY_S:
+        changes = self.bindings.changes
+        if changes == seen.changes and 0.0 <= now - seen.applied < REAPPLY_S:
             return  # every pair it binds is there, and ends at most REAPPLY_S sooner
         seen.binding.apply(self.bindings, now, GRACE_S)
-        # The count from before: had this apply made room by dropping some of its own
+        # The count from before: had this apply dropped or replaced some of its own
         # pairs, the next copy applies it again.
-        seen.applied, seen.removals = now, removals
+        seen.applied, seen.changes = now, changes
 
     def _on_segment(self, event: NflogEvent) -> list[Violation]:
         seg = segment_of(next(self._ids), event.packet)

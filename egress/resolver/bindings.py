@@ -70,9 +70,10 @@ class Bindings:
         self.max_names = max_names
         self.max_pairs = max_pairs
         self._pairs = 0  # names bound, over all addresses
-        # Counts every time bindings were dropped to make room: one who knows the count
-        # from when it bound something knows it is all still there if the count is the same.
-        self.removals = 0
+        # Counts every binding dropped to make room or replaced by one on other ports (or
+        # checked otherwise): one who knows the count from when it bound something knows
+        # it all still stands, as bound, if the count is the same.
+        self.changes = 0
         # address -> {name: (until, ports, checked)}; dict order is learning order
         # (refreshed on re-learn). ``ports``: those of the rule the answer came through,
         # which are what the kernel's set elements for the address allow; ``checked``:
@@ -125,12 +126,14 @@ class Bindings:
                 if old is None:
                     if len(bound) >= self.max_names:
                         del bound[_first_to_expire(bound)]
-                        self.removals += 1
+                        self.changes += 1
                     else:
                         if self._pairs >= self.max_pairs:
                             self._make_room(now, keep=ip)
                         self._pairs += 1
-                elif old[0] >= until and old[1] == ports and old[2] == checked:
+                elif old[1] != ports or old[2] != checked:
+                    self.changes += 1  # what the old one allowed is gone, not extended
+                elif old[0] >= until:
                     continue
                 bound[name] = entry
 
@@ -184,7 +187,7 @@ class Bindings:
         bindings made anew, not for each). Never ``keep``, the address being learned (the
         most recent: the eighth is taken from the oldest, and it has at least one more)."""
         table = self._table
-        self.removals += 1
+        self.changes += 1
         for ip in [ip for ip, bound in table.items() if ip != keep and _ended(bound, now)]:
             self._pairs -= len(table.pop(ip))
         if len(table) >= self.max_addresses or self._pairs >= self.max_pairs:
