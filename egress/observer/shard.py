@@ -98,8 +98,9 @@ class Shard:
                 seen = _mtime_ns(self.run_dir)
                 changed = seen != mtime
                 due = any(at <= now for at in self.retry.values())
-                if changed or again or due or now - scanned >= RESCAN_S:
-                    self.scan()
+                rescan = now - scanned >= RESCAN_S
+                if changed or again or due or rescan:
+                    self.scan(fresh=rescan)
                     scanned = now
                 looked, again, mtime = now, changed, seen
         for sid in list(self.watched):
@@ -118,9 +119,12 @@ class Shard:
         observer = watched.observer
         self._guard(sid, watched, lambda: observer.on_ready(fd))
 
-    def scan(self) -> None:
+    def scan(self, fresh: bool = False) -> None:
+        """Start and end observers as the records say (``fresh``: each read anew)."""
         wanted = {
-            r.id: r for r in self.records.load_all() if shard_of(r.id, self.shards) == self.index
+            r.id: r
+            for r in self.records.load_all(fresh)
+            if shard_of(r.id, self.shards) == self.index
         }
         for sid in [s for s in self.watched if s not in wanted]:
             self._end(sid)

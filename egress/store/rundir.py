@@ -102,13 +102,15 @@ class Records:
     file is not the one read before. A save replaces the file (another inode) and a
     swap's record differs in its size or time; that a later file has all three of an
     earlier one's would take its inode freed and reused, and the same size, within one
-    timestamp tick. 1,000 records: 23 ms to read and parse them all, 2.6 ms to look."""
+    timestamp tick; ``fresh`` reads every one anyway (a shard does every RESCAN_S, so no
+    such match outlives it). 1,000 records: 23 ms to read and parse them all, 2.6 ms to
+    look."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._read: dict[str, tuple[tuple[int, int, int], Record]] = {}
 
-    def load_all(self) -> list[Record]:
+    def load_all(self, fresh: bool = False) -> list[Record]:
         try:
             entries = sorted(
                 (e for e in os.scandir(self.directory) if e.name.endswith(".json")),
@@ -128,7 +130,7 @@ class Records:
             # under the old key, so the next look reads it again.
             record = (
                 known[1]
-                if known is not None and known[0] == key
+                if known is not None and known[0] == key and not fresh
                 else load(self.directory, entry.name[: -len(".json")])
             )
             if record is not None:

@@ -71,7 +71,7 @@ def test_a_scan_starts_only_this_shards_sandboxes_and_backs_off_after_a_failure(
     records = [rundir.Record(id=f"s{i:04x}", kind="created", netns=f"egress-s{i}", cgroup="",
                              policy="x") for i in range(40)]  # fmt: skip
     sh = Shard(tmp_path / "run", tmp_path / "state", 1, 3)
-    monkeypatch.setattr(sh.records, "load_all", lambda: records)
+    monkeypatch.setattr(sh.records, "load_all", lambda fresh=False: records)
     monkeypatch.setattr(sh, "_start", lambda r: (started.append(r.id), sh._failed(r.id, "no")))
     try:
         sh.scan()

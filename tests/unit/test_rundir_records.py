@@ -4,6 +4,7 @@ and sees each change at the next look."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,11 @@ def test_a_record_is_read_once_until_its_file_is_replaced(
     assert [r.id for r in records.load_all()] == ["a", "b"] and reads == ["a", "b"]
     assert [r.id for r in records.load_all()] == ["a", "b"] and reads == ["a", "b"]
     # A swap: the same size and, within a timestamp tick, the same time; another file.
+    before = os.stat(tmp_path / "a.json")
     swapped = record("a", "spec: []\n")
     rundir.save(tmp_path, swapped)
+    os.utime(tmp_path / "a.json", ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(tmp_path / "a.json").st_size == before.st_size
     assert [r.policy_sha256 for r in records.load_all()] == [
         swapped.policy_sha256, record("b").policy_sha256]  # fmt: skip
     assert reads == ["a", "b", "a"]
@@ -39,6 +43,10 @@ def test_a_record_is_read_once_until_its_file_is_replaced(
     assert [r.id for r in rundir.load_all(tmp_path)] == ["a"]
     rundir.save(tmp_path, record("b"))  # made again
     assert [r.id for r in records.load_all()] == ["a", "b"]
+    # ``fresh``: every one read anew, whatever its file says.
+    reads.clear()
+    assert [r.id for r in records.load_all(fresh=True)] == ["a", "b"]
+    assert reads == ["a", "b", "c"]  # c, torn, is read at every look
 
 
 def test_no_directory_is_no_records(tmp_path: Path) -> None:
