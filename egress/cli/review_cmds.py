@@ -97,21 +97,32 @@ def register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "Tear down every sandbox whose `egressctl run` process has died (killed, "
             "crashed, or the host's egress was stopped): kill its processes, remove its "
             "netns, veth, uplink rules, cgroup and address claim. A sandbox kept with "
-            "--keep is only removed when named. Also removes workload files (the "
-            "workload's $HOME, under /var/lib/egress/workloads) left by sandboxes whose "
-            "claim is gone, because their run dir was removed or a reboot emptied "
-            "/run: unless a process of their uid still runs."
+            "--keep is only removed when named. It also lists workload files (the "
+            "workload's $HOME, under /var/lib/egress/workloads) that sandboxes left "
+            "behind when their claim and netns went without a teardown (their run dir "
+            "was removed, or a reboot emptied /run); --orphans or naming one removes "
+            "them. Their uids are not handed out again until then."
         ),
-        epilog="examples:\n  egressctl gc --dry-run\n  egressctl gc\n  egressctl gc 3f2a1c",
+        epilog=(
+            "examples:\n  egressctl gc --dry-run\n  egressctl gc\n  egressctl gc 3f2a1c\n"
+            "  egressctl gc --orphans"
+        ),
     )
     g.add_argument("sandbox", nargs="*", metavar="ID", help="only these (also --keep ones)")
     g.add_argument("--dry-run", action="store_true", help="only list what it would remove")
+    g.add_argument(
+        "--orphans",
+        action="store_true",
+        help="also remove the workload files sandboxes left behind, but not while a process "
+        "of their uid runs, nor those of a sandbox the journal says is frozen (evidence "
+        "awaiting a decision) unless named",
+    )
     _state_dir_arg(g)
     g.set_defaults(func=cmd_gc)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from egress.sandbox.lifecycle import reclaim_orphans, teardown_claim
+    from egress.sandbox.lifecycle import teardown_claim
     from egress.store import claims
 
     wanted = set(args.sandbox)
@@ -139,23 +150,79 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 journal.set_sandbox_state(claim.id, SandboxState.EXITED)
     for sandbox_id in [] if args.dry_run else removed:
         print(f"sandbox {sandbox_id} removed")
-    orphans = 0
-    for o in reclaim_orphans(wanted, dry_run=args.dry_run):
-        e = o.entry
-        what = f"workload files of {e.sandbox_id} (uid {e.uid}; its claim {e.claim_file} is gone)"
-        if o.pids:
-            pids = " ".join(map(str, o.pids[:8])) + (" ..." if len(o.pids) > 8 else "")
-            print(f"{what}: kept, processes of uid {e.uid} still run (pids {pids}); "
-                  f"end them, then gc again")  # fmt: skip
-        elif o.error:
-            failed += 1
-            print(f"{what}: could not remove: {o.error}")
-        else:
-            orphans += 1
-            print(f"{what} {'would be removed' if args.dry_run else 'removed'}")
+    orphans, orphans_failed = _gc_orphans(args, wanted)
+    failed += orphans_failed
     if not removed and not failed and not orphans:
         print("nothing to remove")
     return 1 if failed else 0
+
+
+def _gc_orphans(args: argparse.Namespace, wanted: set[str]) -> tuple[int, int]:
+    """Workload files left behind (``lifecycle.orphans``): listed, or removed with
+    --orphans or by id. Returns how many were (or would be) removed, and failures."""
+    from egress.sandbox.lifecycle import Orphan, orphans, remove_orphan
+    from egress.store import uids
+
+    act = not args.dry_run and (args.orphans or bool(wanted))
+    chosen: list[Orphan] = []
+    count = 0
+    try:
+        with uids.locked() if act else contextlib.nullcontext():
+            found = orphans(wanted)
+            frozen = _frozen_in_journal(args, [o.entry.sandbox_id for o in found])
+            for o in found:
+                e = o.entry
+                what = f"workload files of {e.sandbox_id} (uid {e.uid})"
+                named = e.sandbox_id in wanted
+                if o.pids:
+                    pids = " ".join(map(str, o.pids[:8])) + (" ..." if len(o.pids) > 8 else "")
+                    print(f"{what}: kept, processes of uid {e.uid} still run (pids {pids}); "
+                          "end them, then gc again")  # fmt: skip
+                elif e.sandbox_id in frozen and not named:
+                    hint = f"egressctl gc {e.sandbox_id}"
+                    print(f"{what}: kept, the journal says it is frozen (awaiting a "
+                          f"decision); name it to remove them: {hint}")  # fmt: skip
+                elif not (args.orphans or named):
+                    print(f"{what}: left behind (its claim and netns are gone); "
+                          "egressctl gc --orphans removes them")  # fmt: skip
+                elif args.dry_run:
+                    count += 1
+                    print(f"{what} would be removed (its claim and netns are gone)")
+                else:
+                    chosen.append(o)
+    except SandboxError as exc:
+        print(f"workload files: {exc}")
+        return count, 1
+    failures = 0
+    # Outside the lock (a home can be large): its entry holds the uid until it is gone,
+    # and no sandbox can take its id while its directory is there.
+    for o in chosen:
+        error = remove_orphan(o)
+        if error:
+            failures += 1
+            print(f"workload files of {o.entry.sandbox_id}: could not remove: {error}")
+            continue
+        count += 1
+        print(f"workload files of {o.entry.sandbox_id} (uid {o.entry.uid}) removed")
+        with contextlib.suppress(EgressError), _journal(args) as journal:
+            row = journal.sandbox(o.entry.sandbox_id)
+            if row is not None and row["state"] != SandboxState.EXITED:
+                journal.set_sandbox_state(o.entry.sandbox_id, SandboxState.EXITED)
+    return count, failures
+
+
+def _frozen_in_journal(args: argparse.Namespace, ids: list[str]) -> set[str]:
+    """Which of ``ids`` the journal says are frozen; all of them if it can't be read (a
+    home may be a freeze's evidence: kept unless named)."""
+    if not ids:
+        return set()
+    try:
+        with _journal(args) as journal:
+            rows = {i: journal.sandbox(i) for i in ids}
+    except EgressError as exc:
+        print(f"journal: {exc}; workload files left behind are kept unless named")
+        return set(ids)
+    return {i for i, row in rows.items() if row is not None and row["state"] == SandboxState.FROZEN}
 
 
 def _journal(args: argparse.Namespace) -> Any:

@@ -314,31 +314,30 @@ def _remove_cgroup_by_name(name: str) -> None:
 
 @dataclass(frozen=True)
 class Orphan:
-    """Workload files whose sandbox's claim is gone (its run dir was removed, or a reboot
-    emptied /run): nothing else of the sandbox is left, and its uid is free again."""
+    """Workload files nothing else of their sandbox is left with (``uids.Entry.orphaned``:
+    its run dir was removed, or a reboot emptied /run). Their uid stays held until they go."""
 
     entry: uids.Entry
     pids: list[int]  # processes of its uid still running: the files are kept while any do
-    error: str = ""  # why they could not be removed
 
 
-def reclaim_orphans(only: AbstractSet[str] = frozenset(), dry_run: bool = False) -> list[Orphan]:
-    """Remove every orphan's workload files (those of ``only``, if given) unless a process
-    of its uid still runs; with ``dry_run`` only find them. Under the ledger's lock, where
-    a claim is written together with its entry: one being made is never taken for one."""
-    found = []
-    with uids.locked():
-        orphans = [e for e in uids.ledger() if e.orphaned and (not only or e.sandbox_id in only)]
-        if not orphans:
-            return []
-        lo, hi = min(e.uid for e in orphans), max(e.uid for e in orphans)
-        running = uids.live_processes(range(lo, hi + 1))
-        for entry in orphans:
-            orphan = Orphan(entry, running.get(entry.uid, []))
-            if not orphan.pids and not dry_run:
-                try:
-                    view.remove(entry.sandbox_id)
-                except SandboxError as exc:
-                    orphan = Orphan(entry, [], str(exc))
-            found.append(orphan)
-    return found
+def orphans(only: AbstractSet[str] = frozenset()) -> list[Orphan]:
+    """The orphaned workload files (those of ``only``, if given), each with the processes
+    of its uid that still run. To act on them, call under ``uids.locked()``: a create
+    writes its ledger entry and its claim under it."""
+    entries = uids.ledger()
+    found = [e for e in entries if (not only or e.sandbox_id in only) and e.orphaned()]
+    if not found:
+        return []
+    lo, hi = min(e.uid for e in found), max(e.uid for e in found)
+    running = uids.live_processes(range(lo, hi + 1))
+    return [Orphan(e, running.get(e.uid, [])) for e in found]
+
+
+def remove_orphan(orphan: Orphan) -> str:
+    """Remove its files (``view.remove``: never through a mount); what went wrong, or ""."""
+    try:
+        view.remove(orphan.entry.sandbox_id)
+    except SandboxError as exc:
+        return str(exc)
+    return ""

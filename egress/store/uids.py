@@ -162,46 +162,57 @@ def locked() -> Iterator[None]:
 
 # Ledger entries read before, by (directory name, inode, mtime): ``record`` replaces the
 # uid file, which changes its directory's mtime. Every create looks at every entry;
-# reading each uid file again cost a create at 300 sandboxes several ms. The value's last
-# field says the entry's claim was found gone: read under ``locked``, where ``record`` and
-# the claim's first save happen together, that is final for this entry (a claim for its
-# id is refused while the directory exists), so the claim file is not looked for again.
-# 1,080 such entries cost each create 4.5 ms while they were (measured 2026-12-05).
-_entries: dict[tuple[str, int, int], tuple[int, str, bool]] = {}
+# reading each uid file again cost a create at 300 sandboxes several ms.
+_entries: dict[tuple[str, int, int], tuple[int, str]] = {}
+# The netns a sandbox with a workload uid lives in (claims.netns_name's, pinned by `ip
+# netns`); pinned for the sandbox's whole life, and gone with it, reboot included.
+NETNS_PATH = "/run/netns/egress-{}"
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One ledger entry: the sandbox (its directory's name), its uid, the claim file
-    that holds it, and whether that file is gone (the sandbox's run dir was removed, or
-    a reboot emptied /run: its workload files were left behind)."""
+    """One ledger entry: the sandbox (its directory's name), its uid, and the claim file
+    that holds it. Its uid is held while the entry is there, whatever became of the claim:
+    the workload's files are still that uid's."""
 
     sandbox_id: str
     uid: int
     claim_file: str
-    orphaned: bool
+
+    def orphaned(self) -> bool:
+        """Nothing of its sandbox is left but these files: its claim file and its netns
+        are both gone (its run dir was removed, or a reboot emptied /run without a
+        teardown). Only "no such file" counts as gone: a path that can't be read (a
+        permission, a loop) is not taken for one."""
+        for path in (self.claim_file, NETNS_PATH.format(self.sandbox_id)):
+            try:
+                os.lstat(path)
+                return False
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+        return os.path.isabs(self.claim_file)  # a relative one names no file for sure
 
 
 def ledger(skip: AbstractSet[str] = frozenset()) -> list[Entry]:
-    """Every readable ledger entry but those of ``skip`` (call under ``locked``)."""
+    """Every readable ledger entry but those of ``skip`` (to act on it: under ``locked``)."""
     try:
         entries = list(os.scandir(workloads_dir()))
     except OSError:
         return []
     known, out = {}, []
     for entry in entries:
-        if entry.name in skip:
+        if entry.name in skip or entry.name.startswith("."):
             continue
         try:
             key = (entry.name, entry.inode(), entry.stat(follow_symlinks=False).st_mtime_ns)
             found = _entries.get(key)
             if found is None:
                 uid_text, _, claim_file = Path(entry.path, "uid").read_text().partition("\n")
-                found = (int(uid_text), claim_file.strip(), False)
+                found = (int(uid_text), claim_file.strip())
         except (OSError, ValueError):
             continue
-        if not found[2] and not os.path.exists(found[1]):
-            found = (found[0], found[1], True)
         known[key] = found
         out.append(Entry(entry.name, *found))
     _entries.clear()
@@ -210,9 +221,10 @@ def ledger(skip: AbstractSet[str] = frozenset()) -> list[Entry]:
 
 
 def ledger_held(skip: AbstractSet[str] = frozenset()) -> set[int]:
-    """uids the ledger names whose claim (in whichever run dir) still exists. Entries of
-    the sandboxes in ``skip`` are not looked at: the caller knows their uids already."""
-    return {e.uid for e in ledger(skip) if not e.orphaned}
+    """uids the ledger names (every run dir's sandboxes, and files a sandbox left behind
+    until `egressctl gc` removes them). Entries of the sandboxes in ``skip`` are not
+    looked at: the caller knows their uids already."""
+    return {e.uid for e in ledger(skip)}
 
 
 def record(sandbox_id: str, uid: int, claim_file: Path) -> None:
@@ -221,7 +233,7 @@ def record(sandbox_id: str, uid: int, claim_file: Path) -> None:
     try:
         base.mkdir(mode=0o711, exist_ok=True)
         tmp = base / ".uid.tmp"
-        tmp.write_text(f"{uid}\n{claim_file}\n")
+        tmp.write_text(f"{uid}\n{os.path.abspath(claim_file)}\n")
         os.replace(tmp, base / "uid")
     except OSError as exc:
         raise SandboxError(f"{base}: {exc.strerror}") from None

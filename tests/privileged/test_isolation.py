@@ -30,6 +30,7 @@ from egress.kernel import confine
 from egress.kernel.cgroup import Cgroup
 from egress.lab import Lab
 from egress.store import claims, uids
+from egress.store.journal import Journal
 from egress.store.paths import workloads_dir
 from tests.support import SYSTEM_PYTHON
 from tests.support.egressd import Egressd, Lines, egressd
@@ -563,14 +564,16 @@ def test_a_killed_runs_uid_is_reclaimed_by_gc_and_an_exhausted_range_refused(lab
             cleanup(claim.id) if "claim" in locals() else None
 
 
-def test_gc_removes_workload_files_whose_claim_is_gone_unless_their_uid_still_runs(
+def test_gc_removes_workload_files_left_behind_when_asked_never_a_live_or_busy_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reboot empties /run (the claims) and keeps /var/lib/egress/workloads (the homes):
-    `egressctl gc` removes such leftovers, keeps one whose uid still runs a process until
-    it ends, and never touches the files of a sandbox whose claim lives (another run
-    dir's). --dry-run removes nothing. Claims made as a create makes them; the run dir
-    removed is the reboot."""
+    """A reboot empties /run (the claims, the netns pins) and keeps
+    /var/lib/egress/workloads (the homes). `egressctl gc` lists such files, and removes
+    them with --orphans: not one whose uid still runs a process, nor one of a sandbox the
+    journal says is frozen unless named, never the files of a sandbox whose claim lives
+    (another run dir's) or whose netns is still pinned. Their uids are not handed out
+    again until the files go. Claims made as a create makes them; the removed run dir
+    and an unpinned netns path are the reboot."""
     where = {"EGRESS_WORKLOADS_DIR": str(tmp_path / "workloads"),
              "EGRESS_STATE_DIR": str(tmp_path / "state")}  # fmt: skip
     for key, value in where.items():
@@ -578,17 +581,21 @@ def test_gc_removes_workload_files_whose_claim_is_gone_unless_their_uid_still_ru
     ids = range(2000200000, 2000200010)
     pools = Pools.parse(None)
     made = {}
-    for run, sandbox_id in (("gone", "orphan-a"), ("gone", "orphan-b"), ("kept", "live-c")):
+    for run, sandbox_id in (("gone", "orphan-a"), ("gone", "orphan-b"), ("gone", "frozen-f"),
+                            ("kept", "live-c")):  # fmt: skip
         monkeypatch.setenv("EGRESS_RUN_DIR", str(tmp_path / run))
         made[sandbox_id] = claims.claim(sandbox_id, pools, None, ids).uid
         home = workloads_dir() / sandbox_id / "homes" / "agent"
         home.mkdir(parents=True)
         (home / "notes").write_text("what the agent kept")
         os.chown(home / "notes", made[sandbox_id], made[sandbox_id])
-    assert made == {"orphan-a": ids[0], "orphan-b": ids[1], "live-c": ids[2]}
-    shutil.rmtree(tmp_path / "gone")  # the reboot: these claims are gone
-    squatter = subprocess.Popen(["setpriv", f"--reuid={ids[1]}", f"--regid={ids[1]}",
-                                 "--clear-groups", "sh", "-c", "echo up; exec sleep 600"],
+    assert sorted(made.values()) == list(ids[:4])
+    with Journal.open(tmp_path / "state") as journal:
+        journal.record_sandbox("frozen-f", "p", state="frozen")
+    shutil.rmtree(tmp_path / "gone")  # the reboot: these claims are gone (no netns pinned)
+    b = made["orphan-b"]
+    squatter = subprocess.Popen(["setpriv", f"--reuid={b}", f"--regid={b}", "--clear-groups",
+                                 "sh", "-c", "echo up; exec sleep 600"],
                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert squatter.stdout is not None and squatter.stdout.readline() == "up\n"
     environ = {**env(), **where, "EGRESS_RUN_DIR": str(tmp_path / "kept")}
@@ -599,28 +606,36 @@ def test_gc_removes_workload_files_whose_claim_is_gone_unless_their_uid_still_ru
         assert done.returncode == 0, done
         return done.stdout
 
+    def left() -> set[str]:
+        return {p.name for p in workloads_dir().iterdir() if not p.name.startswith(".")}
+
     try:
-        assert uids.live_uids(range(ids[1], ids[1] + 1)) == {ids[1]}
-        out = gc("--dry-run")
-        assert f"workload files of orphan-a (uid {ids[0]};" in out and "would be removed" in out
-        assert f"orphan-b (uid {ids[1]};" in out and f"still run (pids {squatter.pid})" in out
-        assert "live-c" not in out
-        left = {p.name for p in workloads_dir().iterdir() if not p.name.startswith(".")}
-        assert left == set(made)
-        out = gc()
-        assert "workload files of orphan-a" in out and "removed" in out, out
-        assert "orphan-b" in out and "kept" in out, out
-        assert not (workloads_dir() / "orphan-a").exists()
+        out = gc()  # listed only
+        assert "workload files of orphan-a" in out and "gc --orphans removes them" in out
+        assert f"still run (pids {squatter.pid})" in out and "journal says it is frozen" in out
+        assert "live-c" not in out and left() == set(made)
+        with claims.locked(), uids.locked():  # the orphans' uids are still theirs
+            assert uids.pick(ids, set()) == ids[4]
+        out = gc("--orphans", "--dry-run")
+        assert "workload files of orphan-a (uid" in out and "would be removed" in out, out
+        assert left() == set(made)
+        out = gc("--orphans")
+        assert f"workload files of orphan-a (uid {made['orphan-a']}) removed" in out, out
+        assert left() == {"orphan-b", "frozen-f", "live-c"}
         assert (workloads_dir() / "orphan-b" / "homes" / "agent" / "notes").exists()
+        assert f"workload files of frozen-f (uid {made['frozen-f']}) removed" in gc("frozen-f")
         squatter.kill()
         squatter.wait()
-        assert f"workload files of orphan-b (uid {ids[1]};" in gc()
-        assert not (workloads_dir() / "orphan-b").exists()
+        assert "workload files of orphan-b" in gc("--orphans")
+        assert left() == {"live-c"}
         assert (workloads_dir() / "live-c" / "homes" / "agent" / "notes").exists()
-        assert gc().strip() == "nothing to remove"
-        # The orphans' uids are free again; the live claim's is not.
-        with claims.locked(), uids.locked():
-            assert uids.pick(ids, set()) == ids[0]
+        assert gc("--orphans").strip() == "nothing to remove"
+        with claims.locked(), uids.locked():  # free again; the live claim's is not
+            assert uids.pick(ids, set()) == min(made["orphan-a"], made["orphan-b"],
+                                               made["frozen-f"])  # fmt: skip
+        with Journal.open(tmp_path / "state") as journal:
+            row = journal.sandbox("frozen-f")
+            assert row is not None and row["state"] == "exited"
     finally:
         squatter.kill()
         squatter.wait()

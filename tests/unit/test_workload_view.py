@@ -3,7 +3,6 @@ environment, binds, the view's passwd and the directories made on the way to a m
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -57,33 +56,40 @@ def test_pick_honours_another_run_dirs_ledger_entries_and_skips_only_the_known(
     # Ours is known (its uid comes in ``taken``); theirs, of another run dir, is not.
     assert uids.pick(ids, {2000000000}, known={"ours"}) == 2000000002
     assert uids.pick(ids, set(), known={"ours"}) == 2000000000  # skipped: the caller's say
-    theirs.unlink()  # their sandbox ended: its entry holds nothing now
+    theirs.unlink()  # their claim went without a teardown: their files still hold it
+    assert uids.pick(ids, {2000000000}, known={"ours"}) == 2000000002
+    (tmp_path / "workloads" / "theirs" / "uid").unlink()  # their files removed (gc)
+    (tmp_path / "workloads" / "theirs").rmdir()
     assert uids.pick(ids, {2000000000}, known={"ours"}) == 2000000001
 
 
-def test_an_entry_whose_claim_is_gone_is_orphaned_once_and_for_all(
+def test_an_entry_is_orphaned_only_when_its_claim_and_netns_are_both_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its uid is free again, and its claim file is not looked for at the next create
-    (1,080 such entries cost each create 4.5 ms); a live entry's is, every time."""
+    """Only "no such file" counts as gone, for the claim and the netns alike; the ledger
+    keeps the claim's path absolute. An orphan's uid stays held until its files go."""
     monkeypatch.setenv("EGRESS_WORKLOADS_DIR", str(tmp_path / "workloads"))
     (tmp_path / "workloads").mkdir()
-    live, gone = tmp_path / "run" / "live.json", tmp_path / "run" / "gone.json"
-    live.parent.mkdir()
-    for claim in (live, gone):
-        claim.write_text("{}")
-    uids.record("live", 2000000000, live)
-    uids.record("gone", 2000000001, gone)
-    assert uids.ledger_held() == {2000000000, 2000000001}
-    gone.unlink()
-    assert uids.ledger_held() == {2000000000}
-    assert {e.sandbox_id for e in uids.ledger() if e.orphaned} == {"gone"}
-    looked: list[str] = []
-    exists = os.path.exists
-    monkeypatch.setattr(uids.os.path, "exists", lambda p: looked.append(str(p)) or exists(p))
-    assert [(e.sandbox_id, e.uid) for e in uids.ledger() if e.orphaned] == [("gone", 2000000001)]
-    assert uids.ledger_held() == {2000000000}
-    assert looked == [str(live), str(live)]
+    netns = tmp_path / "netns"
+    netns.mkdir()
+    monkeypatch.setattr(uids, "NETNS_PATH", str(netns / "egress-{}"))
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.chdir(tmp_path)
+    for sid in ("live", "gone", "pinned"):
+        (run / f"{sid}.json").write_text("{}")
+        uids.record(sid, 2000000000 + len(sid), Path("run") / f"{sid}.json")  # relative
+    # ENOTDIR, not ENOENT: a claim path that can't be looked at is not a claim gone.
+    uids.record("unreadable", 2000000010, run / "live.json" / "unreadable.json")
+    by_id = {e.sandbox_id: e for e in uids.ledger()}
+    assert by_id["live"].claim_file == str(run / "live.json")  # kept absolute
+    assert not any(e.orphaned() for e in by_id.values())
+    for sid in ("gone", "pinned"):
+        (run / f"{sid}.json").unlink()
+    (netns / "egress-pinned").write_text("")  # its netns still pinned: it lives
+    orphaned = {e.sandbox_id for e in uids.ledger() if e.orphaned()}
+    assert orphaned == {"gone"}
+    assert uids.ledger_held() == {2000000004, 2000000006, 2000000010}
 
 
 def test_env_is_the_allowlist_plus_what_env_names() -> None:
@@ -189,3 +195,9 @@ def test_the_command_line_confines_before_it_runs_cmd(monkeypatch: pytest.Monkey
 def test_the_sandboxs_own_name_is_in_its_hosts_file() -> None:
     text = view.sandbox_hosts("egress-abc123", ["127.0.0.1\tlocalhost"])
     assert text == "127.0.0.1\tlocalhost\n127.0.1.1\tegress-abc123\n::1\tegress-abc123\n"
+
+
+def test_the_ledger_looks_for_a_sandboxs_netns_where_claims_pin_it() -> None:
+    from egress.store import claims
+
+    assert uids.NETNS_PATH.format("abc") == f"{claims.NETNS_DIR}/{claims.netns_name('abc')}"
