@@ -299,6 +299,7 @@ class Registry:
         ``started``: when its create or attach began (monotonic), for its create_ms."""
         session: Session | None = None
         resolver: TrackingResolver | None = None
+        saving: asyncio.Future[None] | None = None
         # A fresh sandbox's create_ms: its steps after lifecycle's (from when the worker
         # thread's result reached this loop), and in all from the request's start.
         mark = time.monotonic()
@@ -333,9 +334,17 @@ class Registry:
                 )
             session, resolver = await self._start(sb, record, upstreams, fresh, handed)
             done("serve")
-            await _in_thread(rundir.save, self.run_dir, record)
+            saving = asyncio.get_running_loop().run_in_executor(
+                None, rundir.save, self.run_dir, record
+            )
+            await asyncio.shield(saving)  # cancelled or not, the save goes on to the end
             done("record")
         except BaseException:
+            if saving is not None:
+                with contextlib.suppress(BaseException):
+                    await saving
+                if fresh:  # its record must not outlive it (an adopted one's stays)
+                    rundir.remove(self.run_dir, record.id)
             await self._stop(session, resolver)
             if handed is not None:
                 handed.close()  # ours only: the previous egressd's copies are its own

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from egress.datapath import constants as c
@@ -82,6 +83,7 @@ class Session:
         # acts at once.
         self.freeze_off_loop = freeze_off_loop
         self._loop = asyncio.get_running_loop() if freeze_off_loop else None
+        self._writer_ended: Callable[[], None] | None = None  # aclose's, told as it ends
         self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
         self._writer.start()
         self.stopping = False
@@ -169,11 +171,16 @@ class Session:
             print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
 
     def _journal_writer(self) -> None:
-        while (item := self._journal_queue.get()[2]) is not None:
-            if isinstance(item, AuditBatch):
-                self._record_audit(item)
-            else:
-                self._act(item)
+        try:
+            while (item := self._journal_queue.get()[2]) is not None:
+                if isinstance(item, AuditBatch):
+                    self._record_audit(item)
+                else:
+                    self._act(item)
+        finally:
+            ended = self._writer_ended
+            if ended is not None:
+                ended()
 
     def _record_audit(self, batch: AuditBatch) -> None:
         try:
@@ -208,9 +215,27 @@ class Session:
         """``close`` for egressd: the loop serves the other sandboxes while the writer
         thread commits what is left (a commit each, fsync'd: at 1,000 sandboxes being
         deleted, the join stalled every answer for up to 10 ms each time)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def ended() -> None:  # on the writer thread, as it ends
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle)
+
+        # Told by the thread itself, not waited for on one of the loop's executor threads:
+        # those are few and shared (creates, deletes, a person's kill), and a workload
+        # can make this backlog 10,000 commits long.
+        self._writer_ended = ended
         self._last_evidence(handed_over)
-        await asyncio.to_thread(self._writer.join)
-        self._release(handed_over)
+        try:
+            if self._writer.is_alive():
+                await asyncio.shield(done)  # cancelled or not, the writer goes on to the end
+        finally:
+            self._release(handed_over)
 
     def _last_evidence(self, handed_over: bool) -> None:
         if not handed_over:

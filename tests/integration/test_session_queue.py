@@ -5,6 +5,7 @@ never on the event loop that answers every sandbox's DNS."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,14 @@ class FakeListener:
         pass
 
 
+class ClosedCount(FakeListener):
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
 @dataclass
 class FakeSandbox:
     id: str = "sbx1"
@@ -76,5 +85,47 @@ def test_a_freeze_goes_ahead_of_queued_records_and_off_the_loop() -> None:
         # The writer was busy with the first record at most; the freeze came next.
         assert order.index("blocked_connect") <= 1, order
         assert len(order) == 5 and {t for _, t in enforcer.handled} == {"journal"} != {loop_thread}
+
+    asyncio.run(main())
+
+
+def test_aclose_returns_once_everything_queued_is_journaled_and_the_loop_runs_meanwhile() -> None:
+    """egressd's close: the loop answers other sandboxes while the writer commits the
+    backlog (no executor thread is held for it), and it returns only once the last record
+    is in; cancelled, it still releases the listener and the writer still finishes."""
+
+    async def main() -> None:
+        for cancel in (False, True):
+            enforcer = FakeEnforcer()
+            listener = ClosedCount()
+            session = Session(
+                sb=FakeSandbox(), enforcer=enforcer, decision_timeout=None, review_hint="",  # type: ignore[arg-type]
+                listener=listener, freeze_off_loop=True,  # type: ignore[arg-type]
+            )  # fmt: skip
+            for _ in range(5):
+                session.on_violation(violation(ViolationClass.DENIED_NAME, Action.BLOCK))
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.005)
+
+            ticker = asyncio.ensure_future(tick())
+            closing = asyncio.ensure_future(session.aclose())
+            if cancel:
+                await asyncio.sleep(SLOW_S)
+                closing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await closing
+                assert listener.closed == 1
+                session._writer.join(timeout=5 * SLOW_S * 5)
+                assert not session._writer.is_alive() and len(enforcer.handled) == 5
+            else:
+                await closing
+                assert len(enforcer.handled) == 5 and listener.closed == 1
+                assert ticks >= 10, ticks  # ~25 ticks in 5 x 50 ms: the loop was not held
+            ticker.cancel()
 
     asyncio.run(main())
