@@ -7,12 +7,17 @@ made (``sandbox.create``) or attached (``attach.attach``) in a worker thread: th
 (netlink, sysctls, the nft worker, a process's first iptables-nft exec), and pyroute2's
 synchronous API (teardown's) runs an event loop of its own, which this thread may not.
 
-    create ─▶ [thread] sandbox.create ─▶ journal ─▶ Session + resolver ─▶ run-dir record
-    attach ─▶ [thread] attach.attach  ─▶ journal ─▶ Session + resolver ─▶ run-dir record
-    delete ─▶ stop serving ─▶ [thread] Sandbox.destroy (teardown or detach) ─▶ journal
+    create ─▶ [thread] sandbox.create ─▶ [thread] journal ─▶ Session + resolver
+                                                            ─▶ [thread] run-dir record
+    attach ─▶ [thread] attach.attach  ─▶ [thread] journal ─▶ Session + resolver
+                                                            ─▶ [thread] run-dir record
+    delete ─▶ stop serving (the session's writer drains) ─▶ [thread] Sandbox.destroy
+              (teardown or detach) ─▶ [thread] record removed, journal
     stop (SIGTERM) ─▶ stop serving; the kernel keeps enforcing; records stay for adoption
 
-Any failure half-way undoes what that request made, so nothing is left half-created.
+The journal's and the record's writes are fsync'd: in a thread, the loop answers every
+other sandbox meanwhile. Any failure half-way undoes what that request made, so nothing
+is left half-created.
 """
 
 from __future__ import annotations
