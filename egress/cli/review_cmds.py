@@ -108,14 +108,16 @@ def register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "  egressctl gc --orphans"
         ),
     )
-    g.add_argument("sandbox", nargs="*", metavar="ID", help="only these (also --keep ones)")
+    g.add_argument("sandbox", nargs="*", metavar="ID",
+                   help="only these (also --keep ones, and the files one left behind)")  # fmt: skip
     g.add_argument("--dry-run", action="store_true", help="only list what it would remove")
     g.add_argument(
         "--orphans",
         action="store_true",
         help="also remove the workload files sandboxes left behind, but not while a process "
-        "of their uid runs, nor those of a sandbox the journal says is frozen (evidence "
-        "awaiting a decision) unless named",
+        "of their uid runs, and only those of sandboxes the journal knows and does not say "
+        "are frozen (evidence awaiting a decision); others only when named. A --keep "
+        "sandbox's claim is gone after a reboot: its files are removed like any other's",
     )
     _state_dir_arg(g)
     g.set_defaults(func=cmd_gc)
@@ -150,79 +152,90 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 journal.set_sandbox_state(claim.id, SandboxState.EXITED)
     for sandbox_id in [] if args.dry_run else removed:
         print(f"sandbox {sandbox_id} removed")
-    orphans, orphans_failed = _gc_orphans(args, wanted)
+    reported, orphans_failed = _gc_orphans(args, wanted)
     failed += orphans_failed
-    if not removed and not failed and not orphans:
+    if not removed and not failed and not reported:
         print("nothing to remove")
     return 1 if failed else 0
 
 
 def _gc_orphans(args: argparse.Namespace, wanted: set[str]) -> tuple[int, int]:
     """Workload files left behind (``lifecycle.orphans``): listed, or removed with
-    --orphans or by id. Returns how many were (or would be) removed, and failures."""
-    from egress.sandbox.lifecycle import Orphan, orphans, remove_orphan
+    --orphans or by id. Returns how many were reported (listed, kept, removed or to be),
+    and failures."""
+    from egress.sandbox.lifecycle import orphans, remove_orphan
     from egress.store import uids
 
-    act = not args.dry_run and (args.orphans or bool(wanted))
-    chosen: list[Orphan] = []
-    count = 0
-    try:
-        with uids.locked() if act else contextlib.nullcontext():
-            found = orphans(wanted)
-            frozen = _frozen_in_journal(args, [o.entry.sandbox_id for o in found])
-            for o in found:
-                e = o.entry
-                what = f"workload files of {e.sandbox_id} (uid {e.uid})"
-                named = e.sandbox_id in wanted
-                if o.pids:
-                    pids = " ".join(map(str, o.pids[:8])) + (" ..." if len(o.pids) > 8 else "")
-                    print(f"{what}: kept, processes of uid {e.uid} still run (pids {pids}); "
-                          "end them, then gc again")  # fmt: skip
-                elif e.sandbox_id in frozen and not named:
-                    hint = f"egressctl gc {e.sandbox_id}"
-                    print(f"{what}: kept, the journal says it is frozen (awaiting a "
-                          f"decision); name it to remove them: {hint}")  # fmt: skip
-                elif not (args.orphans or named):
-                    print(f"{what}: left behind (its claim and netns are gone); "
-                          "egressctl gc --orphans removes them")  # fmt: skip
-                elif args.dry_run:
-                    count += 1
-                    print(f"{what} would be removed (its claim and netns are gone)")
-                else:
-                    chosen.append(o)
-    except SandboxError as exc:
-        print(f"workload files: {exc}")
-        return count, 1
+    found = orphans(wanted)  # looked at again under the lock before anything is removed
+    kept_by_journal = _kept_by_journal(args, [o.entry.sandbox_id for o in found])
+    chosen: set[str] = set()
+    for o in found:
+        e = o.entry
+        what = f"workload files of {e.sandbox_id} (uid {e.uid})"
+        named = e.sandbox_id in wanted
+        why = kept_by_journal.get(e.sandbox_id)
+        if o.pids:
+            pids = " ".join(map(str, o.pids[:8])) + (" ..." if len(o.pids) > 8 else "")
+            print(f"{what}: kept, processes of uid {e.uid} still run (pids {pids}); "
+                  "end them, then gc again")  # fmt: skip
+        elif why and not named:
+            print(f"{what}: kept, {why}; name it to remove them: egressctl gc {e.sandbox_id}")
+        elif not (args.orphans or named):
+            print(f"{what}: left behind (its claim and netns are gone); "
+                  "egressctl gc --orphans removes them")  # fmt: skip
+        elif args.dry_run:
+            print(f"{what} would be removed (its claim and netns are gone)")
+        else:
+            chosen.add(e.sandbox_id)
     failures = 0
-    # Outside the lock (a home can be large): its entry holds the uid until it is gone,
-    # and no sandbox can take its id while its directory is there.
-    for o in chosen:
-        error = remove_orphan(o)
-        if error:
-            failures += 1
-            print(f"workload files of {o.entry.sandbox_id}: could not remove: {error}")
-            continue
-        count += 1
-        print(f"workload files of {o.entry.sandbox_id} (uid {o.entry.uid}) removed")
-        with contextlib.suppress(EgressError), _journal(args) as journal:
-            row = journal.sandbox(o.entry.sandbox_id)
-            if row is not None and row["state"] != SandboxState.EXITED:
-                journal.set_sandbox_state(o.entry.sandbox_id, SandboxState.EXITED)
-    return count, failures
+    if chosen:
+        try:
+            with uids.locked():  # still orphaned, with nothing of their uid running?
+                again = [o for o in orphans(chosen) if not o.pids]
+        except SandboxError as exc:
+            print(f"workload files: {exc}")
+            return len(found), 1
+        # Removed outside the lock (a home can be large): the entry holds its uid until it
+        # is gone, and no sandbox can take its id while its directory is there.
+        for o in again:
+            error = remove_orphan(o)
+            if error:
+                failures += 1
+                print(f"workload files of {o.entry.sandbox_id}: could not remove: {error}")
+                continue
+            print(f"workload files of {o.entry.sandbox_id} (uid {o.entry.uid}) removed")
+            with contextlib.suppress(EgressError), _journal(args) as journal:
+                row = journal.sandbox(o.entry.sandbox_id)
+                if row is not None and row["state"] != SandboxState.EXITED:
+                    journal.set_sandbox_state(o.entry.sandbox_id, SandboxState.EXITED)
+    return len(found), failures
 
 
-def _frozen_in_journal(args: argparse.Namespace, ids: list[str]) -> set[str]:
-    """Which of ``ids`` the journal says are frozen; all of them if it can't be read (a
-    home may be a freeze's evidence: kept unless named)."""
+def _kept_by_journal(args: argparse.Namespace, ids: list[str]) -> dict[str, str]:
+    """Why the journal keeps each of ``ids`` unless named: it says the sandbox is frozen
+    (its home may be a freeze's evidence), or it has no record of it, or there is no
+    journal to ask (another --state-dir's sandbox, say). A home is removed unnamed only
+    when the journal knows its sandbox and that it is not frozen."""
+    from egress.store.journal import JOURNAL_FILE
+    from egress.store.paths import state_dir
+
     if not ids:
-        return set()
+        return {}
+    where = state_dir(args.state_dir)
+    if not (where / JOURNAL_FILE).exists():
+        return {i: f"there is no journal in {where} to say it is not frozen" for i in ids}
     try:
         with _journal(args) as journal:
             rows = {i: journal.sandbox(i) for i in ids}
     except EgressError as exc:
-        print(f"journal: {exc}; workload files left behind are kept unless named")
-        return set(ids)
-    return {i for i, row in rows.items() if row is not None and row["state"] == SandboxState.FROZEN}
+        return {i: f"the journal can't be read ({exc})" for i in ids}
+    out = {}
+    for i, row in rows.items():
+        if row is None:
+            out[i] = f"the journal in {where} has no record of it"
+        elif row["state"] == SandboxState.FROZEN:
+            out[i] = "the journal says it is frozen (awaiting a decision)"
+    return out
 
 
 def _journal(args: argparse.Namespace) -> Any:

@@ -346,10 +346,12 @@ class Registry:
             done("record")
         except BaseException:
             if saving is not None:
-                with contextlib.suppress(BaseException):
-                    await saving
+                while not saving.done():  # cancelled again meanwhile: still wait for it
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(saving)
                 if fresh:  # its record must not outlive it (an adopted one's stays)
-                    rundir.remove(self.run_dir, record.id)
+                    with contextlib.suppress(OSError):
+                        rundir.remove(self.run_dir, record.id)
             await self._stop(session, resolver)
             if handed is not None:
                 handed.close()  # ours only: the previous egressd's copies are its own

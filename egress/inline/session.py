@@ -84,6 +84,7 @@ class Session:
         self.freeze_off_loop = freeze_off_loop
         self._loop = asyncio.get_running_loop() if freeze_off_loop else None
         self._writer_ended: Callable[[], None] | None = None  # aclose's, told as it ends
+        self._writer_done = threading.Event()
         self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
         self._writer.start()
         self.stopping = False
@@ -178,6 +179,7 @@ class Session:
                 else:
                     self._act(item)
         finally:
+            self._writer_done.set()  # first: aclose looks at it after installing its call
             ended = self._writer_ended
             if ended is not None:
                 ended()
@@ -232,7 +234,7 @@ class Session:
         self._writer_ended = ended
         self._last_evidence(handed_over)
         try:
-            if self._writer.is_alive():
+            if not self._writer_done.is_set():
                 await asyncio.shield(done)  # cancelled or not, the writer goes on to the end
         finally:
             self._release(handed_over)

@@ -78,6 +78,7 @@ class Shard:
         signal.set_wakeup_fd(wake_w)  # SIGTERM wakes poll() at once
         self.poll.register(wake_r, select.EPOLLIN)
         mtime, scanned, looked, again, ticked = None, 0.0, 0.0, True, 0.0
+        fresh_at = time.monotonic()  # the last scan that read every record anew
         while not self.stopping:
             for fd, _ in self.poll.poll(TICK_S):
                 if fd == wake_r:
@@ -98,10 +99,14 @@ class Shard:
                 seen = _mtime_ns(self.run_dir)
                 changed = seen != mtime
                 due = any(at <= now for at in self.retry.values())
-                rescan = now - scanned >= RESCAN_S
-                if changed or again or due or rescan:
-                    self.scan(fresh=rescan)
+                # A full read at least every RESCAN_S, however often a change made one
+                # look at only what changed.
+                fresh = now - fresh_at >= RESCAN_S
+                if changed or again or due or fresh or now - scanned >= RESCAN_S:
+                    self.scan(fresh=fresh)
                     scanned = now
+                    if fresh:
+                        fresh_at = now
                 looked, again, mtime = now, changed, seen
         for sid in list(self.watched):
             self._end(sid)

@@ -30,7 +30,7 @@ from egress.model import Policy
 from egress.sandbox import uplink as uplink_mod
 from egress.sandbox import view
 from egress.store import claims, uids
-from egress.store.paths import read_template
+from egress.store.paths import read_template, workloads_dir
 
 ETC_NETNS = Path("/etc/netns")
 
@@ -339,5 +339,7 @@ def remove_orphan(orphan: Orphan) -> str:
     try:
         view.remove(orphan.entry.sandbox_id)
     except SandboxError as exc:
+        if not os.path.lexists(workloads_dir() / orphan.entry.sandbox_id):
+            return ""  # another gc removed them meanwhile
         return str(exc)
     return ""

@@ -4,8 +4,9 @@ Each created sandbox's workload runs under a uid of its own, so nothing it does 
 a process, file or IPC object of anyone else's: ``kill -9 -1`` finds nobody, ptrace finds
 nobody, and nothing on the host is owned by it. The uid is taken with the sandbox's
 address claim (store/claims.py), under the same lock, so concurrent ``egressctl run``s and
-egressd never pick the same one; it is freed when the claim goes (teardown, or ``gc``
-after a crash) and is never handed out while any process of it still lives.
+egressd never pick the same one; it is freed when the workload's files go (teardown, or
+``gc`` after a crash; ``gc --orphans`` for files a sandbox left behind when its claim went
+without a teardown) and is never handed out while any process of it still lives.
 
 Default range: 2000000000-2000065535 (EGRESS_UID_RANGE, --uid-range). systemd's
 allocation table (systemd.io/UIDS-GIDS) leaves 1879048192…2147352575 unused: it sits
@@ -253,6 +254,7 @@ def pick(ids: range, taken: set[int], known: AbstractSet[str] = frozenset()) -> 
             return uid
     raise UsageError(
         f"no free uid left in {ids.start}-{ids.stop - 1} ({len(busy)} held by sandboxes or "
-        f"their processes); end some sandboxes (`egressctl gc` reclaims crashed ones) or "
+        f"their processes); end some sandboxes (`egressctl gc` reclaims crashed ones, "
+        f"`egressctl gc --orphans` the files sandboxes left behind) or "
         f"widen --uid-range / {ENV}"
     )

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,9 @@ def test_aclose_returns_once_everything_queued_is_journaled_and_the_loop_runs_me
 
             ticker = asyncio.ensure_future(tick())
             closing = asyncio.ensure_future(session.aclose())
+            # The loop's one executor thread stays free for a create, a delete, a kill.
+            await asyncio.sleep(0)
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), SLOW_S) == "free"
             if cancel:
                 await asyncio.sleep(SLOW_S)
                 closing.cancel()
@@ -128,4 +132,8 @@ def test_aclose_returns_once_everything_queued_is_journaled_and_the_loop_runs_me
                 assert ticks >= 10, ticks  # ~25 ticks in 5 x 50 ms: the loop was not held
             ticker.cancel()
 
-    asyncio.run(main())
+    async def one_worker() -> None:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        await main()
+
+    asyncio.run(one_worker())

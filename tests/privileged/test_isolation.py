@@ -582,16 +582,18 @@ def test_gc_removes_workload_files_left_behind_when_asked_never_a_live_or_busy_o
     pools = Pools.parse(None)
     made = {}
     for run, sandbox_id in (("gone", "orphan-a"), ("gone", "orphan-b"), ("gone", "frozen-f"),
-                            ("kept", "live-c")):  # fmt: skip
+                            ("gone", "unknown-u"), ("kept", "live-c")):  # fmt: skip
         monkeypatch.setenv("EGRESS_RUN_DIR", str(tmp_path / run))
         made[sandbox_id] = claims.claim(sandbox_id, pools, None, ids).uid
         home = workloads_dir() / sandbox_id / "homes" / "agent"
         home.mkdir(parents=True)
         (home / "notes").write_text("what the agent kept")
         os.chown(home / "notes", made[sandbox_id], made[sandbox_id])
-    assert sorted(made.values()) == list(ids[:4])
-    with Journal.open(tmp_path / "state") as journal:
-        journal.record_sandbox("frozen-f", "p", state="frozen")
+    assert sorted(made.values()) == list(ids[:5])
+    with Journal.open(tmp_path / "state") as journal:  # as their creates journaled them
+        for sandbox_id in ("orphan-a", "orphan-b", "live-c"):
+            journal.record_sandbox(sandbox_id, "p")
+        journal.record_sandbox("frozen-f", "p", state="frozen")  # unknown-u: another journal's
     shutil.rmtree(tmp_path / "gone")  # the reboot: these claims are gone (no netns pinned)
     b = made["orphan-b"]
     squatter = subprocess.Popen(["setpriv", f"--reuid={b}", f"--regid={b}", "--clear-groups",
@@ -615,15 +617,17 @@ def test_gc_removes_workload_files_left_behind_when_asked_never_a_live_or_busy_o
         assert f"still run (pids {squatter.pid})" in out and "journal says it is frozen" in out
         assert "live-c" not in out and left() == set(made)
         with claims.locked(), uids.locked():  # the orphans' uids are still theirs
-            assert uids.pick(ids, set()) == ids[4]
+            assert uids.pick(ids, set()) == ids[5]
         out = gc("--orphans", "--dry-run")
         assert "workload files of orphan-a (uid" in out and "would be removed" in out, out
         assert left() == set(made)
         out = gc("--orphans")
         assert f"workload files of orphan-a (uid {made['orphan-a']}) removed" in out, out
-        assert left() == {"orphan-b", "frozen-f", "live-c"}
+        assert "unknown-u" in out and "has no record of it" in out, out
+        assert left() == {"orphan-b", "frozen-f", "unknown-u", "live-c"}
         assert (workloads_dir() / "orphan-b" / "homes" / "agent" / "notes").exists()
         assert f"workload files of frozen-f (uid {made['frozen-f']}) removed" in gc("frozen-f")
+        assert "workload files of unknown-u" in gc("unknown-u")
         squatter.kill()
         squatter.wait()
         assert "workload files of orphan-b" in gc("--orphans")
@@ -632,7 +636,7 @@ def test_gc_removes_workload_files_left_behind_when_asked_never_a_live_or_busy_o
         assert gc("--orphans").strip() == "nothing to remove"
         with claims.locked(), uids.locked():  # free again; the live claim's is not
             assert uids.pick(ids, set()) == min(made["orphan-a"], made["orphan-b"],
-                                               made["frozen-f"])  # fmt: skip
+                                               made["frozen-f"], made["unknown-u"])  # fmt: skip
         with Journal.open(tmp_path / "state") as journal:
             row = journal.sandbox("frozen-f")
             assert row is not None and row["state"] == "exited"

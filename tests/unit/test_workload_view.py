@@ -76,9 +76,9 @@ def test_an_entry_is_orphaned_only_when_its_claim_and_netns_are_both_gone(
     run = tmp_path / "run"
     run.mkdir()
     monkeypatch.chdir(tmp_path)
-    for sid in ("live", "gone", "pinned"):
+    for uid, sid in enumerate(("live", "gone", "pinned"), start=2000000001):
         (run / f"{sid}.json").write_text("{}")
-        uids.record(sid, 2000000000 + len(sid), Path("run") / f"{sid}.json")  # relative
+        uids.record(sid, uid, Path("run") / f"{sid}.json")  # relative
     # ENOTDIR, not ENOENT: a claim path that can't be looked at is not a claim gone.
     uids.record("unreadable", 2000000010, run / "live.json" / "unreadable.json")
     by_id = {e.sandbox_id: e for e in uids.ledger()}
@@ -89,7 +89,7 @@ def test_an_entry_is_orphaned_only_when_its_claim_and_netns_are_both_gone(
     (netns / "egress-pinned").write_text("")  # its netns still pinned: it lives
     orphaned = {e.sandbox_id for e in uids.ledger() if e.orphaned()}
     assert orphaned == {"gone"}
-    assert uids.ledger_held() == {2000000004, 2000000006, 2000000010}
+    assert uids.ledger_held() == {2000000001, 2000000002, 2000000003, 2000000010}
 
 
 def test_env_is_the_allowlist_plus_what_env_names() -> None:
