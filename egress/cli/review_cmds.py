@@ -197,6 +197,7 @@ def _gc_orphans(args: argparse.Namespace, wanted: set[str]) -> tuple[int, int]:
             return len(found), 1
         # Removed outside the lock (a home can be large): the entry holds its uid until it
         # is gone, and no sandbox can take its id while its directory is there.
+        gone = []
         for o in again:
             error = remove_orphan(o)
             if error:
@@ -204,10 +205,13 @@ def _gc_orphans(args: argparse.Namespace, wanted: set[str]) -> tuple[int, int]:
                 print(f"workload files of {o.entry.sandbox_id}: could not remove: {error}")
                 continue
             print(f"workload files of {o.entry.sandbox_id} (uid {o.entry.uid}) removed")
+            gone.append(o.entry.sandbox_id)
+        if gone:
             with contextlib.suppress(EgressError), _journal(args) as journal:
-                row = journal.sandbox(o.entry.sandbox_id)
-                if row is not None and row["state"] != SandboxState.EXITED:
-                    journal.set_sandbox_state(o.entry.sandbox_id, SandboxState.EXITED)
+                for sandbox_id in gone:
+                    row = journal.sandbox(sandbox_id)
+                    if row is not None and row["state"] != SandboxState.EXITED:
+                        journal.set_sandbox_state(sandbox_id, SandboxState.EXITED)
     return len(found), failures
 
 

@@ -45,9 +45,9 @@ ANSWERS_MAX = 4096
 ANSWER_MAX_BYTES = 1232  # larger ones (up to 64 KiB over UDP) are parsed each time
 # The same answer applied again within REAPPLY_S, with nothing in the table dropped or
 # replaced meanwhile (``Bindings.changes``), would only push its bindings' ends later by
-# that much: it is not applied. Re-applying
-# every copy of the bench's cache hits (4 names, 70,000 a second) was about a third of
-# the observer's CPU. A binding may so end up to REAPPLY_S sooner, well inside GRACE_S.
+# that much: it is not applied. Re-applying every copy of the bench's cache hits (4
+# names, 70,000 a second) was about a third of the observer's CPU. A binding may so end
+# up to REAPPLY_S sooner, well inside GRACE_S.
 REAPPLY_S = 0.05
 
 

@@ -77,7 +77,7 @@ class Shard:
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)  # SIGTERM wakes poll() at once
         self.poll.register(wake_r, select.EPOLLIN)
-        mtime, scanned, looked, again, ticked = None, 0.0, 0.0, True, 0.0
+        mtime, looked, again, ticked = None, 0.0, True, 0.0
         fresh_at = time.monotonic()  # the last scan that read every record anew
         while not self.stopping:
             for fd, _ in self.poll.poll(TICK_S):
@@ -102,9 +102,8 @@ class Shard:
                 # A full read at least every RESCAN_S, however often a change made one
                 # look at only what changed.
                 fresh = now - fresh_at >= RESCAN_S
-                if changed or again or due or fresh or now - scanned >= RESCAN_S:
+                if changed or again or due or fresh:
                     self.scan(fresh=fresh)
-                    scanned = now
                     if fresh:
                         fresh_at = now
                 looked, again, mtime = now, changed, seen
