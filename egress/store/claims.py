@@ -20,9 +20,16 @@ from pathlib import Path
 from egress.datapath.addressing import Pools, SandboxNet, first_free_spans
 from egress.errors import SandboxError
 from egress.store import uids
-from egress.store.paths import private_dir, run_dir, tighten, workloads_dir, write_private
-
-NETNS_DIR = "/run/netns"  # where `ip netns` pins a sandbox's netns: it lives while this does
+from egress.store.paths import (
+    netns_name,
+    netns_path,
+    netns_pin,
+    private_dir,
+    run_dir,
+    tighten,
+    workloads_dir,
+    write_private,
+)
 
 
 @dataclass
@@ -42,11 +49,6 @@ class Claim:
 
 class IdTaken(SandboxError):
     """Another claim has this sandbox id (random ids collide, rarely): pick another."""
-
-
-def netns_name(sandbox_id: str) -> str:
-    """The sandbox's netns name: the host's, shared by every run dir."""
-    return f"egress-{sandbox_id}"
 
 
 def sandboxes_dir() -> Path:
@@ -96,7 +98,7 @@ def each() -> Iterator[Claim]:
 
 
 def is_stale(claim: Claim) -> bool:
-    return not alive(claim.owner_pid) and not Path(NETNS_DIR, claim.netns).exists()
+    return not alive(claim.owner_pid) and not os.path.exists(netns_pin(claim.netns))
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class _Held:
 
 def _netns_inode(name: str) -> int | None:
     try:
-        return os.stat(f"{NETNS_DIR}/{name}").st_ino
+        return os.stat(netns_pin(name)).st_ino
     except OSError:
         return None
 
@@ -185,9 +187,7 @@ def claim(
             raise IdTaken(f"sandbox id {sandbox_id} is taken already")
         # Names every run dir on the host shares: another run dir's live sandbox with this
         # id has them, and a failed create's undo would remove its workload files.
-        if os.path.lexists(f"{NETNS_DIR}/{netns_name(sandbox_id)}") or os.path.lexists(
-            workloads_dir() / sandbox_id
-        ):
+        if os.path.lexists(netns_path(sandbox_id)) or os.path.lexists(workloads_dir() / sandbox_id):
             raise IdTaken(f"sandbox id {sandbox_id} is in use on this host")
         holdings = _holdings()
         net = first_free_spans(pools, (s for h in holdings for s in h.spans4),

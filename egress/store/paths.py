@@ -31,6 +31,25 @@ DIR_MODE = 0o750
 FILE_MODE = 0o640
 
 
+NETNS_DIR = "/run/netns"  # where `ip netns` pins a netns: a sandbox's lives while its pin does
+
+
+def netns_name(sandbox_id: str) -> str:
+    """The sandbox's netns name: the host's, shared by every run dir."""
+    return f"egress-{sandbox_id}"
+
+
+def netns_pin(netns: str) -> str:
+    """Where the netns named ``netns`` is pinned."""
+    return f"{NETNS_DIR}/{netns}"
+
+
+def netns_path(sandbox_id: str) -> str:
+    """Where the sandbox's netns is pinned, for its whole life (gone with it, and with a
+    reboot): what the claims and the uid ledger both look for."""
+    return netns_pin(netns_name(sandbox_id))
+
+
 def run_dir() -> Path:
     """Volatile state (claims, egressd's records): EGRESS_RUN_DIR, default /run/egress."""
     return Path(os.environ.get("EGRESS_RUN_DIR", DEFAULT_RUN_DIR))

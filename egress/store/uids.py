@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from egress.errors import SandboxError, UsageError
-from egress.store.paths import workloads_dir
+from egress.store.paths import netns_path, workloads_dir
 
 DEFAULT_UID_RANGE = "2000000000-2000065535"
 ENV = "EGRESS_UID_RANGE"
@@ -165,9 +165,6 @@ def locked() -> Iterator[None]:
 # uid file, which changes its directory's mtime. Every create looks at every entry;
 # reading each uid file again cost a create at 300 sandboxes several ms.
 _entries: dict[tuple[str, int, int], tuple[int, str]] = {}
-# The netns a sandbox with a workload uid lives in (claims.netns_name's, pinned by `ip
-# netns`); pinned for the sandbox's whole life, and gone with it, reboot included.
-NETNS_PATH = "/run/netns/egress-{}"
 
 
 @dataclass(frozen=True)
@@ -185,7 +182,7 @@ class Entry:
         are both gone (its run dir was removed, or a reboot emptied /run without a
         teardown). Only "no such file" counts as gone: a path that can't be read (a
         permission, a loop) is not taken for one."""
-        for path in (self.claim_file, NETNS_PATH.format(self.sandbox_id)):
+        for path in (self.claim_file, netns_path(self.sandbox_id)):
             try:
                 os.lstat(path)
                 return False

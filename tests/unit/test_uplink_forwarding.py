@@ -19,7 +19,7 @@ import pytest
 from egress.datapath.render import PLACEHOLDER_UPLINK, render_uplink
 from egress.sandbox import uplink
 from egress.sandbox.uplink import ON, V4_ALL, V6_ALL, Plan, Saved, Seen, plan, restore_plan
-from egress.store import claims
+from egress.store import claims, paths
 from egress.store.paths import read_template
 
 UP = "inet0"
@@ -238,7 +238,7 @@ def test_the_table_stays_while_another_live_sandbox_uses_the_uplink(
     netns gone) keep nothing."""
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid nobody has: pids come back only after pid_max more
-    monkeypatch.setattr(claims, "NETNS_DIR", str(tmp_path / "netns"))
+    monkeypatch.setattr(paths, "NETNS_DIR", str(tmp_path / "netns"))
     (tmp_path / "netns").mkdir()
     (tmp_path / "netns" / "egress-test-e").touch()
     with fake(namespace(force_forwarding=True)) as ns:

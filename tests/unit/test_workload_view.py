@@ -10,7 +10,7 @@ import pytest
 from egress.errors import UsageError
 from egress.sandbox import view, workload
 from egress.sandbox.view import Bind, Identity
-from egress.store import uids
+from egress.store import paths, uids
 
 WHO = Identity("egress-abc123", 2000000007, 2000000007, "/home/egress-abc123", True)
 
@@ -72,7 +72,7 @@ def test_an_entry_is_orphaned_only_when_its_claim_and_netns_are_both_gone(
     (tmp_path / "workloads").mkdir()
     netns = tmp_path / "netns"
     netns.mkdir()
-    monkeypatch.setattr(uids, "NETNS_PATH", str(netns / "egress-{}"))
+    monkeypatch.setattr(paths, "NETNS_DIR", str(netns))  # where claims pin them too
     run = tmp_path / "run"
     run.mkdir()
     monkeypatch.chdir(tmp_path)
@@ -195,9 +195,3 @@ def test_the_command_line_confines_before_it_runs_cmd(monkeypatch: pytest.Monkey
 def test_the_sandboxs_own_name_is_in_its_hosts_file() -> None:
     text = view.sandbox_hosts("egress-abc123", ["127.0.0.1\tlocalhost"])
     assert text == "127.0.0.1\tlocalhost\n127.0.1.1\tegress-abc123\n::1\tegress-abc123\n"
-
-
-def test_the_ledger_looks_for_a_sandboxs_netns_where_claims_pin_it() -> None:
-    from egress.store import claims
-
-    assert uids.NETNS_PATH.format("abc") == f"{claims.NETNS_DIR}/{claims.netns_name('abc')}"
