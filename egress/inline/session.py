@@ -69,6 +69,7 @@ class Session:
         # A listener handed over by a previous egressd is already bound to the group.
         self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
+        self._released = False  # _release ran: no review starts here any more
         # Bounded: a workload flooding denied queries must not grow egressctl without end.
         # Ordered by urgency: a freeze-worthy verdict (with freeze_off_loop) goes before
         # every block/log record still waiting for its fsync.
@@ -250,6 +251,7 @@ class Session:
         self._journal_queue.put((2, next(self._queued), None))
 
     def _release(self, handed_over: bool) -> None:
+        self._released = True
         self.state.overruns = self.listener.overruns
         if handed_over:
             self.listener.release()
@@ -298,6 +300,12 @@ class Session:
 
     def _frozen(self, event: FreezeEvent) -> None:
         self.state.freezes.append(event)
+        if self._released:
+            # A cancelled aclose let go while its writer froze the sandbox: the freeze is
+            # journaled, and whoever serves the sandbox next (a successor egressd, or the
+            # delete that ends it) finds the cgroup frozen. A review started here would
+            # outlive the session, and could kill at its timeout a sandbox it no longer serves.
+            return
         if self._monitor is None or self._monitor.done():
             print(
                 review_block(self.sb.id, event, self.review_hint, self.decision_timeout),

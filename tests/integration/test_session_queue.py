@@ -137,3 +137,33 @@ def test_aclose_returns_once_everything_queued_is_journaled_and_the_loop_runs_me
         await main()
 
     asyncio.run(one_worker())
+
+
+def test_a_freeze_the_writer_makes_after_a_cancelled_aclose_starts_no_review() -> None:
+    """aclose cancelled while the writer is still freezing: the session has let go (its
+    listener closed), so the freeze is kept as evidence but starts no review of its own,
+    which would outlive the session and could kill a sandbox nobody serves here."""
+
+    async def main() -> None:
+        enforcer = FakeEnforcer()
+        listener = ClosedCount()
+        session = Session(
+            sb=FakeSandbox(), enforcer=enforcer, decision_timeout=1.0, review_hint="",  # type: ignore[arg-type]
+            listener=listener, freeze_off_loop=True,  # type: ignore[arg-type]
+        )  # fmt: skip
+        session.on_violation(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE))
+        closing = asyncio.ensure_future(session.aclose())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        assert listener.closed == 1 and not enforcer.handled  # let go before the freeze
+        await asyncio.to_thread(session._writer.join, 5 * SLOW_S)
+        assert not session._writer.is_alive() and len(enforcer.handled) == 1
+        deadline = time.monotonic() + 5
+        while not session.state.freezes:  # the writer's report, run on the loop
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert session._monitor is None
+
+    asyncio.run(main())
