@@ -16,7 +16,10 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
   in every sandbox (cache hits). p50/p99 of each kind; "direct": new names asked of the
   lab's DNS straight from the uplink netns meanwhile (at the rate of one sandbox's
   misses), what a miss costs without egressd; queries that got no answer within 2 s
-  ("lost") and answers other than NOERROR with an address ("bad");
+  ("lost") and answers other than NOERROR with an address ("bad"). Under the row, the
+  same latencies to when the kernel queued each answer on the client's socket
+  (SO_TIMESTAMPNS): what is left once this client's own lateness in reading is taken
+  out, so a tail there is egress's (and the machine's), not the client's;
 - freezes under that load: --freezes sandboxes (spread over them and over the load) each
   send one datagram their policy blocks, from their netns; the time from the send to the
   kernel's confirmation of the freeze, as the journal holds it (both layers, the earlier
@@ -93,6 +96,8 @@ RESOLVER = ("127.0.0.53", 53)
 LAB_DNS = ("198.51.100.53", 53)
 BLOCKED = ("203.0.113.99", 9)  # no policy here allows it: a blocked_connect, frozen
 TIMEOUT_S = 2.0
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's; Python 3.11 lacks the name
+STAMP = struct.Struct("@qq")  # the struct timespec it comes in
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -201,6 +206,10 @@ class Load:
     hit_ms: list[float] = field(default_factory=list)
     miss_ms: list[float] = field(default_factory=list)
     direct_ms: list[float] = field(default_factory=list)  # new names, to the lab's DNS
+    # The same, to the kernel's timestamp of each answer's arrival (SO_TIMESTAMPNS).
+    stamped: dict[str, list[float]] = field(
+        default_factory=lambda: {"hit": [], "miss": [], "direct": []}
+    )
     lost: int = 0
     lost_kinds: dict[str, int] = field(default_factory=dict)  # hit, miss, direct: how many
     bad: int = 0  # answered, but not NOERROR with an answer
@@ -248,6 +257,7 @@ class Asker:
     qid: int = -1  # the query in flight, -1: none
     seq: int = 0  # how many it sent: what its deadlines are keyed by (a qid may repeat)
     sent: float = 0.0
+    sent_wall: float = 0.0  # the same moment on the kernel's timestamps' clock
     miss: bool = False
 
 
@@ -271,6 +281,9 @@ def dns_load(
         clients.append(Asker(len(clients), direct, 1 / d_rate, 1.0, True,
                               start + random.random() / d_rate))  # fmt: skip
     by_fd = {c.sock.fileno(): c for c in clients}
+    for c in clients:
+        c.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    room = socket.CMSG_SPACE(STAMP.size)
     sends = [(c.due, i) for i, c in enumerate(clients) if c.due < end]
     heapq.heapify(sends)
     deadlines: list[tuple[float, int, int]] = []  # (deadline, client, its seq)
@@ -294,6 +307,7 @@ def dns_load(
                 c.qid = secrets.randbits(16)
                 c.seq += 1
                 c.sent = time.perf_counter()
+                c.sent_wall = time.time()
                 with contextlib.suppress(OSError):  # unsent: lost at its deadline
                     c.sock.send(dns_query(c.qid, next(fresh) if c.miss else random.choice(HITS)))
                 heapq.heappush(deadlines, (c.sent + TIMEOUT_S, i, c.seq))
@@ -315,7 +329,7 @@ def dns_load(
                 got = time.perf_counter()
                 while True:
                     try:
-                        data = c.sock.recv(4096)
+                        data, ancillary, _, _ = c.sock.recvmsg(4096, room)
                     except OSError:  # drained (or an ICMP error): wait for more
                         break
                     if c.qid < 0 or data[:2] != struct.pack("!H", c.qid):
@@ -323,9 +337,14 @@ def dns_load(
                     ms = (got - c.sent) * 1000
                     if data[3] & 0xF != 0 or data[6:8] == b"\0\0":
                         out.bad += 1
+                    kind = "direct" if c.direct else "miss" if c.miss else "hit"
                     (out.direct_ms if c.direct else out.miss_ms if c.miss else out.hit_ms).append(
                         ms
                     )
+                    for level, kind_, cdata in ancillary:
+                        if level == socket.SOL_SOCKET and kind_ == SO_TIMESTAMPNS:
+                            sec, ns = STAMP.unpack_from(cdata)
+                            out.stamped[kind].append((sec + ns / 1e9 - c.sent_wall) * 1000)
                     in_flight -= 1
                     c.qid = -1
                     _next(c, got, end, sends)
@@ -570,6 +589,11 @@ def show(step: Step, first: Step | None) -> None:
     for x in (step.burst_rate, step.burst_delete_rate):
         if isinstance(x, str) and x != "-":
             print(f"      burst: {x}")
+    if any(ld.stamped.values()):
+        parts = ", ".join(
+            f"{k} {pct(v, 0.5):.2f}/{pct(v, 0.99):.2f}" for k, v in ld.stamped.items()
+        )
+        print(f"      the same to each answer's arrival (kernel timestamp), p50/p99 ms: {parts}")
     if ld.lost:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(ld.lost_kinds.items()))
         print(f"      lost (no answer within {TIMEOUT_S:g} s): {kinds}")
