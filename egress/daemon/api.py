@@ -163,8 +163,16 @@ async def journal(request: web.Request) -> web.Response:
 async def prometheus(request: web.Request) -> web.Response:
     registry = _registry(request)
     loop = asyncio.get_running_loop()
-    kernel = await loop.run_in_executor(None, metrics.read_kernel, registry.list())
-    text = metrics.render(registry, kernel)
+    served = registry.list()
+    kernel = await loop.run_in_executor(None, metrics.read_kernel, served)
+    steps = metrics.render(registry, kernel, served)
+    while True:  # a chunk of sandboxes at a time, the loop answering DNS in between
+        try:
+            next(steps)
+        except StopIteration as done:
+            text = str(done.value)
+            break
+        await asyncio.sleep(0)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

@@ -109,6 +109,10 @@ class _WorkerContext:
             # alive for as long as egressd runs.
             self._finalizer = weakref.finalize(self, os.close, self._fd)
 
+    @property
+    def netns_ref(self) -> str | None:
+        return self._netns
+
     def close(self) -> None:
         if self._fd is not None:
             self._finalizer()  # closes it, once
@@ -148,6 +152,14 @@ class NftHandle:
                 raise DatapathError(f"cannot load libnftables: {exc}") from exc
         nft.set_json_output(False)
         return cls(nft, netns)
+
+    @property
+    def netns_ref(self) -> str | None:
+        """What to enter for this handle's netns: through the worker, the descriptor it
+        pinned at open (a name or a /proc/PID path could name another netns by now)."""
+        if isinstance(self._nft, _WorkerContext):
+            return self._nft.netns_ref
+        return self.netns
 
     def close(self) -> None:
         """Free the context; CPython frees it (and its socket) when the last ref goes."""

@@ -190,6 +190,36 @@ def test_metrics_count_rate_limited_queries_and_time_upstream_round_trips(
         daemon.client.call("DELETE", f"/v1/sandboxes/{sid}")
 
 
+def test_metrics_show_the_kernels_set_sizes_and_drop_count(daemon: Egressd, lab: Lab) -> None:
+    """egress_set_elements and egress_dropped_packets_total are the kernel's own figures
+    (read by raw netlink, kernel/nft_figures.py): the same as nft lists at that moment."""
+    blocking = policy("figures", "allowed.lab.test", "mail.lab.test").replace(
+        "blocked_connect: freeze", "blocked_connect: block"
+    )
+    box = daemon.create(blocking, lab.uplink_netns)
+    sid = box["id"]
+    try:
+        for name in ("allowed.lab.test", "mail.lab.test"):
+            assert dig(box["netns"], name) == NAMES[name]
+        send = "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        send += "for p in (9, 10, 11):\n    try: s.sendto(b'x', ('203.0.113.99', p))\n"
+        send += "    except OSError: pass\n"
+        subprocess.run(["ip", "netns", "exec", box["netns"], SYSTEM_PYTHON, "-c", send],
+                       check=True, timeout=20)  # fmt: skip
+        metrics = daemon.client.request("GET", "/metrics")[1]
+        with NftHandle.open(box["netns"]) as nft:
+            allow4 = len(nft.list_set("inet", "egress", "allow4"))
+            allow6 = len(nft.list_set("inet", "egress", "allow6"))
+            dropped = nft.counter("inet", "egress", "dropped").packets
+        assert allow4 == 4 and allow6 == 0  # two names, tcp/80 and tcp/443 each
+        assert dropped >= 3
+        assert f'egress_set_elements{{sandbox="{sid}",set="allow4"}} {allow4}' in metrics
+        assert f'egress_set_elements{{sandbox="{sid}",set="allow6"}} {allow6}' in metrics
+        assert f'egress_dropped_packets_total{{sandbox="{sid}"}} {dropped}' in metrics
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{sid}")
+
+
 def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Egressd, lab: Lab) -> None:
     box = daemon.create(policy("swap", "allowed.lab.test", "mail.lab.test"), lab.uplink_netns)
     try:

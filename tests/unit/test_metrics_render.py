@@ -1,0 +1,70 @@
+"""egressd's /metrics text rendered a chunk of sandboxes at a time (daemon/metrics.py):
+the loop answers DNS between chunks, and the text is the same as rendered at once, each
+family under one header with every sandbox's samples."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from egress.daemon import metrics
+from egress.inline.upstream import Latencies
+from egress.model import SandboxKind
+
+
+def sandbox(i: int) -> Any:
+    latency = Latencies()
+    latency.observe(0.001 * (i + 1))
+    return SimpleNamespace(
+        id=f"s{i:03d}",
+        record=SimpleNamespace(kind=SandboxKind.CREATED),
+        resolver=SimpleNamespace(
+            core=SimpleNamespace(stats={"queries": i, "allowed": i}),
+            rate_limited=i % 3,
+            upstream_latency=latency,
+            sets=SimpleNamespace(updates=i, failures=0, slow=0, last_ms=0.5),
+        ),
+        session=SimpleNamespace(state=SimpleNamespace(violations=[], freezes=[])),
+    )
+
+
+def families(text: str) -> dict[str, list[str]]:
+    """Each family's sample lines, asserting every header comes once and its samples
+    follow it without another family's in between."""
+    out: dict[str, list[str]] = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            current = line.split()[2]
+            assert current not in out, f"{current} has two headers"
+            out[current] = []
+        elif not line.startswith("#"):
+            assert line.startswith(current), f"{line!r} outside its family {current!r}"
+            out[current].append(line)
+    return out
+
+
+def test_render_stops_after_every_chunk_and_keeps_each_family_together() -> None:
+    served = [sandbox(i) for i in range(2 * metrics.CHUNK + 5)]
+    kernel = {s.id: metrics.Kernel({"allow4": 2, "allow6": 0}, 7) for s in served}
+    registry = SimpleNamespace(created_total=len(served), collector=None, lag=None)
+    steps = metrics.render(registry, kernel, served)  # type: ignore[arg-type]
+    stops = 0
+    while True:
+        try:
+            next(steps)
+            stops += 1
+        except StopIteration as done:
+            text = str(done.value)
+            break
+    assert stops == 3  # 25 + 25 + 5 sandboxes
+    by_family = families(text)
+    queries = by_family["egress_dns_queries_total"]
+    assert len(queries) == len(served) * len(metrics.VERDICTS)
+    assert 'egress_dns_queries_total{sandbox="s054",verdict="queries"} 54' in queries
+    assert len(by_family["egress_set_elements"]) == 2 * len(served)
+    assert len(by_family["egress_dropped_packets_total"]) == len(served)
+    latency = by_family["egress_upstream_latency_seconds"]
+    assert len(latency) == len(served) * (len(Latencies.UPSTREAM_S) + 3)
+    assert 'egress_sandboxes{kind="created"} 55' in by_family["egress_sandboxes"]
+    assert by_family["egress_freeze_latency_ms"][-1] == "egress_freeze_latency_ms_count 0"
