@@ -12,6 +12,7 @@ latencies are histograms rendered by ``_histogram`` from a fixed-size ``Latencie
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
@@ -73,11 +74,17 @@ def read_kernel(served: list[Served]) -> dict[str, Kernel]:
     for s in served:
         sets: dict[str, int] = {}
         dropped = None
-        with contextlib.suppress(EgressError), nft_figures.Reader(s.sb.nft.netns_ref,
-                                                                  c.TABLE) as kernel:  # fmt: skip
-            for set_name in c.ALLOW_SETS:
-                sets[set_name] = kernel.set_size(set_name)
-            dropped = kernel.counter_packets("dropped")
+        with contextlib.suppress(EgressError):  # gone meanwhile, or its table: no figures
+            fd = s.sb.nft.netns_fd()  # its own copy: a delete may close the handle's now
+            try:
+                reader = nft_figures.Reader(None if fd is None else f"/proc/self/fd/{fd}", c.TABLE)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            with reader as kernel:
+                for set_name in c.ALLOW_SETS:
+                    sets[set_name] = kernel.set_size(set_name)
+                dropped = kernel.counter_packets("dropped")
         out[s.id] = Kernel(sets, dropped)
     return out
 
@@ -97,6 +104,10 @@ def render(
         out.sample("egress_sandboxes", sum(s.record.kind == kind for s in served), kind=kind)
     out.family("egress_sandboxes_created_total", "counter", "Sandboxes created or attached.")
     out.sample("egress_sandboxes_created_total", registry.created_total)
+    # Every family's header, sandboxes or not (each chunk adds its samples under it).
+    _dns(out, [])
+    _violations(out, [])
+    _sets(out, [], kernel)
     for start in range(0, len(served), CHUNK):
         chunk = served[start : start + CHUNK]
         _dns(out, chunk)

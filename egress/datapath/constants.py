@@ -6,6 +6,7 @@ the same ones: nothing here needs to be allocated.
 
 from __future__ import annotations
 
+NETNS_DIR = "/run/netns"  # where `ip netns` (and egress) pin a netns: it lives while its pin does
 TABLE = "egress"  # inet table in the sandbox netns
 # The sets the resolver fills with `ip . proto . port` elements learned from DNS answers.
 ALLOW4 = "allow4"

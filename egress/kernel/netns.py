@@ -24,9 +24,10 @@ from typing import Any
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from egress.datapath import constants as c
 from egress.errors import SandboxError
 
-NETNS_RUN_DIR = "/run/netns"
+NETNS_RUN_DIR = c.NETNS_DIR
 CLONE_NEWNET = 0x40000000
 _MS_BIND = 4096
 _MS_REC = 16384

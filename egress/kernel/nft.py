@@ -86,8 +86,8 @@ class Counter(NamedTuple):
 class _WorkerContext:
     """The three calls NftHandle makes on a libnftables context, run by the worker.
 
-    Unlike a libnftables context it may be shared by threads (egressd reads metrics in
-    one while the event loop writes): the worker serialises the commands, and the two
+    Unlike a libnftables context it may be shared by threads (egressd's creates and
+    deletes run in its executor's): the worker serialises the commands, and the two
     flags are per thread.
     """
 
@@ -95,6 +95,8 @@ class _WorkerContext:
         self._worker = worker
         self._flags = threading.local()
         self._fd: int | None = None
+        self._lock = threading.Lock()  # the descriptor's close against a copy being made
+        self._closed = False
         self._netns: str | None = None
         if netns is not None:
             # Pin the netns now, as an in-process context's socket would: a name could be
@@ -109,14 +111,20 @@ class _WorkerContext:
             # alive for as long as egressd runs.
             self._finalizer = weakref.finalize(self, os.close, self._fd)
 
-    @property
-    def netns_ref(self) -> str | None:
-        return self._netns
+    def dup_netns(self) -> int | None:
+        """A copy of the pinned descriptor (None: the worker's own netns). Under the
+        lock a close takes: a descriptor number closed meanwhile is reused at once."""
+        with self._lock:
+            if self._closed:
+                raise SandboxError("netns handle closed")
+            return None if self._fd is None else os.dup(self._fd)
 
     def close(self) -> None:
-        if self._fd is not None:
-            self._finalizer()  # closes it, once
-            self._fd = None
+        with self._lock:
+            self._closed = True
+            if self._fd is not None:
+                self._finalizer()  # closes it, once
+                self._fd = None
 
     def set_json_output(self, flag: bool) -> None:
         self._flags.json = flag
@@ -153,13 +161,18 @@ class NftHandle:
         nft.set_json_output(False)
         return cls(nft, netns)
 
-    @property
-    def netns_ref(self) -> str | None:
-        """What to enter for this handle's netns: through the worker, the descriptor it
-        pinned at open (a name or a /proc/PID path could name another netns by now)."""
+    def netns_fd(self) -> int | None:
+        """A descriptor of this handle's netns, the caller's to close (None: the current
+        netns). Through the worker, a copy of the one it pinned at open: a name or a
+        /proc/PID path could name another netns by now."""
         if isinstance(self._nft, _WorkerContext):
-            return self._nft.netns_ref
-        return self.netns
+            return self._nft.dup_netns()
+        if self.netns is None:
+            return None
+        try:
+            return os.open(netns_path(self.netns), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SandboxError(f"netns {self.netns}: {exc.strerror}") from None
 
     def close(self) -> None:
         """Free the context; CPython frees it (and its socket) when the last ref goes."""

@@ -108,13 +108,15 @@ class Reader:
                     if length < HDR.size or pos + length > len(buf):
                         break
                     if got_seq == seq:
-                        if got == NLMSG_DONE:
-                            return out
-                        if got == NLMSG_ERROR:
-                            err = -struct.unpack_from("=i", buf, pos + HDR.size)[0]
-                            if err:
+                        if got in (NLMSG_DONE, NLMSG_ERROR):
+                            # A dump that failed part way (its table or set deleted)
+                            # ends with DONE carrying the error, not with an ERROR.
+                            err = 0
+                            if length >= HDR.size + 4:
+                                err = -struct.unpack_from("=i", buf, pos + HDR.size)[0]
+                            if err > 0:
                                 raise DatapathError(f"{what}: {os.strerror(err)}")
-                            return out  # the ack of a request that is not a dump
+                            return out  # a dump's end, or a request's ack
                         out.append((got, buf, pos + HDR.size, pos + length))
                     pos += (length + 3) & ~3
         except TimeoutError:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from egress.errors import SandboxError, UsageError
 from egress.kernel import confine, sched
+from egress.kernel.netns import netns_path
 from egress.sandbox.view import Identity, View, hostname
 from egress.store import uids
 
@@ -159,7 +160,7 @@ def command_line(
     info_fd: int,
 ) -> list[str]:
     return [
-        tool("nsenter"), f"--net=/run/netns/{netns}", "--",
+        tool("nsenter"), f"--net={netns_path(netns)}", "--",
         tool("bwrap"),
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--hostname", hostname(sandbox_id), "--as-pid-1", "--new-session",

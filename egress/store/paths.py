@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import egress
+from egress.datapath.constants import NETNS_DIR  # where kernel.netns pins sandboxes' netns
 from egress.errors import EgressError
 
 DEFAULT_RUN_DIR = "/run/egress"
@@ -29,9 +30,6 @@ DEFAULT_WORKLOADS_DIR = "/var/lib/egress/workloads"
 EGRESS_GROUP = "egress"
 DIR_MODE = 0o750
 FILE_MODE = 0o640
-
-
-NETNS_DIR = "/run/netns"  # where `ip netns` pins a netns: a sandbox's lives while its pin does
 
 
 def netns_name(sandbox_id: str) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from egress.daemon import metrics
 from egress.inline.upstream import Latencies
 from egress.model import SandboxKind
@@ -68,3 +70,15 @@ def test_render_stops_after_every_chunk_and_keeps_each_family_together() -> None
     assert len(latency) == len(served) * (len(Latencies.UPSTREAM_S) + 3)
     assert 'egress_sandboxes{kind="created"} 55' in by_family["egress_sandboxes"]
     assert by_family["egress_freeze_latency_ms"][-1] == "egress_freeze_latency_ms_count 0"
+
+
+def test_every_family_is_there_with_no_sandbox() -> None:
+    registry = SimpleNamespace(created_total=0, collector=None, lag=None)
+    steps = metrics.render(registry, {}, [])  # type: ignore[arg-type]
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    text = str(done.value.value)
+    for family in ("egress_dns_queries_total", "egress_upstream_latency_seconds",
+                   "egress_violations_total", "egress_set_elements",
+                   "egress_dropped_packets_total", "egress_freeze_latency_ms"):  # fmt: skip
+        assert f"# TYPE {family} " in text

@@ -1,0 +1,75 @@
+"""kernel/nft_figures.py's reading of the kernel's answers, fed as the kernel sends them:
+a dump over several reads, a dump that fails part way, a counter object and its ack."""
+
+from __future__ import annotations
+
+import errno
+import struct
+
+import pytest
+
+from egress.errors import DatapathError
+from egress.kernel import nft_figures as nf
+from egress.kernel.nfnetlink import HDR, NLMSG_DONE, NLMSG_ERROR, attr, message
+
+
+class FakeSocket:
+    """Hands out the queued reads in turn, whatever was sent (the request's seq is 1)."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> int:
+        self.sent.append(data)
+        return len(data)
+
+    def recv(self, size: int) -> bytes:
+        return self.reads.pop(0)
+
+
+def reader(reads: list[bytes]) -> nf.Reader:
+    r = nf.Reader.__new__(nf.Reader)
+    r._sock = FakeSocket(reads)  # type: ignore[assignment]
+    r._table = b"egress\0"
+    r._seq = 0
+    return r
+
+
+def elements(n: int, seq: int = 1) -> bytes:
+    """A NEWSETELEM message of n elements (each a key, as the kernel nests them)."""
+    items = b"".join(attr(nf._LIST_ELEM | 0x8000, attr(1 | 0x8000, attr(1, b"\1" * 12)))
+                     for _ in range(n))  # fmt: skip
+    body = attr(nf._LIST_TABLE, b"egress\0") + attr(nf._LIST_SET, b"allow4\0")
+    body += attr(nf._LIST_ELEMENTS | 0x8000, items)
+    return message(nf._NEWSETELEM, 2, seq, 1, 0, body)
+
+
+def done(seq: int = 1, err: int = 0) -> bytes:
+    return HDR.pack(HDR.size + 4, NLMSG_DONE, 2, seq, 0) + struct.pack("=i", err)
+
+
+def test_a_dump_over_several_reads_counts_every_element() -> None:
+    r = reader([elements(3) + elements(2), elements(4) + done()])
+    assert r.set_size("allow4") == 9
+
+
+def test_a_dump_that_fails_part_way_is_an_error_not_a_smaller_set() -> None:
+    r = reader([elements(3), done(err=-errno.ENOENT)])
+    with pytest.raises(DatapathError, match="set allow4: No such file"):
+        r.set_size("allow4")
+
+
+def test_an_answer_to_an_earlier_request_is_skipped() -> None:
+    r = reader([elements(5, seq=7) + elements(1) + done()])
+    assert r.set_size("allow4") == 1
+
+
+def test_a_counter_objects_packets_then_its_ack() -> None:
+    data = attr(1, struct.pack("!Q", 999)) + attr(nf._COUNTER_PACKETS, struct.pack("!Q", 42))
+    obj = message(nf._NEWOBJ, 0, 1, 1, 0, attr(nf._OBJ_DATA | 0x8000, data))
+    ack = HDR.pack(HDR.size + 4, NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", 0)
+    assert reader([obj + ack]).counter_packets("dropped") == 42
+    missing = HDR.pack(HDR.size + 4, NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -errno.ENOENT)
+    with pytest.raises(DatapathError, match="counter dropped: No such file"):
+        reader([missing]).counter_packets("dropped")
