@@ -22,10 +22,10 @@ from egress.errors import SandboxError
 from egress.store import uids
 from egress.store.paths import (
     netns_name,
-    netns_path,
     netns_pin,
     private_dir,
     run_dir,
+    sandbox_pin,
     tighten,
     workloads_dir,
     write_private,
@@ -187,7 +187,9 @@ def claim(
             raise IdTaken(f"sandbox id {sandbox_id} is taken already")
         # Names every run dir on the host shares: another run dir's live sandbox with this
         # id has them, and a failed create's undo would remove its workload files.
-        if os.path.lexists(netns_path(sandbox_id)) or os.path.lexists(workloads_dir() / sandbox_id):
+        if os.path.lexists(sandbox_pin(sandbox_id)) or os.path.lexists(
+            workloads_dir() / sandbox_id
+        ):
             raise IdTaken(f"sandbox id {sandbox_id} is in use on this host")
         holdings = _holdings()
         net = first_free_spans(pools, (s for h in holdings for s in h.spans4),

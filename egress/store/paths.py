@@ -42,7 +42,7 @@ def netns_pin(netns: str) -> str:
     return f"{NETNS_DIR}/{netns}"
 
 
-def netns_path(sandbox_id: str) -> str:
+def sandbox_pin(sandbox_id: str) -> str:
     """Where the sandbox's netns is pinned, for its whole life (gone with it, and with a
     reboot): what the claims and the uid ledger both look for."""
     return netns_pin(netns_name(sandbox_id))

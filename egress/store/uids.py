@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from egress.errors import SandboxError, UsageError
-from egress.store.paths import netns_path, workloads_dir
+from egress.store.paths import sandbox_pin, workloads_dir
 
 DEFAULT_UID_RANGE = "2000000000-2000065535"
 ENV = "EGRESS_UID_RANGE"
@@ -182,7 +182,7 @@ class Entry:
         are both gone (its run dir was removed, or a reboot emptied /run without a
         teardown). Only "no such file" counts as gone: a path that can't be read (a
         permission, a loop) is not taken for one."""
-        for path in (self.claim_file, netns_path(self.sandbox_id)):
+        for path in (self.claim_file, sandbox_pin(self.sandbox_id)):
             try:
                 os.lstat(path)
                 return False
