@@ -4,7 +4,7 @@ Only what is measured: per-sandbox DNS verdict counters (the resolver core's own
 query *rate* is ``rate(egress_dns_queries_total[1m])``), queries dropped by the
 sandbox's rate limit, upstream round trips (forward to answer, per sandbox), inline
 violations by class, the inline layer's freeze latency (detection to the cgroup
-reporting frozen), kernel set sizes and drop counters read from nft at scrape time, and
+reporting frozen), kernel set sizes and drop counters read at scrape time, and
 the set-update path's timing, and how late egressd's event loop runs (``lag.py``). The
 latencies are histograms rendered by ``_histogram`` from a fixed-size ``Latencies``.
 """

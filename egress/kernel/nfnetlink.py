@@ -62,15 +62,16 @@ def be32(attrs: dict[int, bytes], kind: int) -> int | None:
     return struct.unpack("!I", raw[:4])[0] if raw is not None and len(raw) >= 4 else None
 
 
-def messages(buf: bytes) -> list[tuple[int, int, int, int]]:
-    """(type, seq, payload start, payload end) of each netlink message in buf."""
+def messages(buf: bytes, done: bool = False) -> list[tuple[int, int, int, int]]:
+    """(type, seq, payload start, payload end) of each netlink message in buf; a dump's
+    NLMSG_DONE too with ``done`` (its payload: the dump's error, 0 or negative)."""
     out = []
     pos = 0
     while pos + HDR.size <= len(buf):
         length, kind, _flags, seq, _pid = HDR.unpack_from(buf, pos)
         if length < HDR.size or pos + length > len(buf):
             break
-        if kind != NLMSG_DONE:
+        if done or kind != NLMSG_DONE:
             out.append((kind, seq, pos + HDR.size, pos + length))
         pos += (length + 3) & ~3
     return out

@@ -18,7 +18,6 @@ import struct
 from egress.errors import DatapathError
 from egress.kernel.netns import in_netns
 from egress.kernel.nfnetlink import (
-    HDR,
     NETLINK_NETFILTER,
     NFGEN,
     NLM_F_ACK,
@@ -28,6 +27,7 @@ from egress.kernel.nfnetlink import (
     attr,
     iter_attrs,
     message,
+    messages,
 )
 
 TIMEOUT_S = 1.0  # the kernel answers in microseconds; this only bounds a wedged read
@@ -102,23 +102,17 @@ class Reader:
             out: list[tuple[int, bytes, int, int]] = []
             while True:
                 buf = self._sock.recv(1 << 16)
-                pos = 0
-                while pos + HDR.size <= len(buf):
-                    length, got, _, got_seq, _ = HDR.unpack_from(buf, pos)
-                    if length < HDR.size or pos + length > len(buf):
-                        break
-                    if got_seq == seq:
-                        if got in (NLMSG_DONE, NLMSG_ERROR):
-                            # A dump that failed part way (its table or set deleted)
-                            # ends with DONE carrying the error, not with an ERROR.
-                            err = 0
-                            if length >= HDR.size + 4:
-                                err = -struct.unpack_from("=i", buf, pos + HDR.size)[0]
-                            if err > 0:
-                                raise DatapathError(f"{what}: {os.strerror(err)}")
-                            return out  # a dump's end, or a request's ack
-                        out.append((got, buf, pos + HDR.size, pos + length))
-                    pos += (length + 3) & ~3
+                for got, got_seq, start, end in messages(buf, done=True):
+                    if got_seq != seq:
+                        continue  # an earlier request's answer
+                    if got in (NLMSG_DONE, NLMSG_ERROR):
+                        # A dump that failed part way (its table or set deleted) ends
+                        # with DONE carrying the error, not with an ERROR.
+                        err = -struct.unpack_from("=i", buf, start)[0] if end - start >= 4 else 0
+                        if err > 0:
+                            raise DatapathError(f"{what}: {os.strerror(err)}")
+                        return out  # a dump's end, or a request's ack
+                    out.append((got, buf, start, end))
         except TimeoutError:
             raise DatapathError(f"{what}: no answer from the kernel in {TIMEOUT_S:g} s") from None
         except OSError as exc:
