@@ -24,6 +24,8 @@ log rule), writing its answers' addresses into timeout sets (bench_dns.start_dns
 Prints each figure next to its target and dnsmasq's; asserts nothing. Needs root.
 
     .venv/bin/python bench/bench_deployed.py [--seconds 10] [--misses 1500] [-n 200]
+
+``--misses 0`` and ``-n 0`` leave those parts out.
 """
 
 from __future__ import annotations
@@ -264,28 +266,29 @@ def run(args: argparse.Namespace) -> None:
                                f"(`{' '.join(bd.DNSPERF)} -l {args.seconds}`)",
                                f"{ours['qps']:,.0f} qps ({ratio:.2f}x)", "ours >= 1.0x dnsmasq",
                                ratio >= 1.0, f"{theirs['qps']:,.0f} qps")  # fmt: skip
-                via, direct = misses(lab, work, state, args.misses)
-                dm_via, dm_direct = bd.miss_latency(
-                    dm_ns, bd.RESOLVER, dm_ns, bd.anyip_names(2, args.misses),
-                    bd.anyip_names(3, args.misses))  # fmt: skip
-                print(f"added cache-miss latency ({args.misses} sequential unique names, "
-                      f"each a set insert):")  # fmt: skip
-                added = {}
-                for label, (a, b) in (("egressctl run", (via, direct)),
-                                      ("dnsmasq", (dm_via, dm_direct))):  # fmt: skip
-                    added[label] = (pct(a, 0.5) - pct(b, 0.5), pct(a, 0.99) - pct(b, 0.99))
-                    a50, a99 = added[label]
-                    print(f"  {label:<14} p50 {pct(a, 0.5):6.3f} ms  p99 {pct(a, 0.99):6.3f} ms"
-                          f"   direct p50 {pct(b, 0.5):6.3f}  p99 {pct(b, 0.99):6.3f}   added "
-                          f"p50 {a50:+6.3f}  p99 {a99:+6.3f} ms")  # fmt: skip
-                o, d = added["egressctl run"], added["dnsmasq"]
-                met = o[0] <= d[0] and o[1] <= d[1]
-                print(f"  ratio p50 {o[0] / d[0]:.2f}x  p99 {o[1] / d[1]:.2f}x   target: "
-                      f"{TARGETS['miss']}   {'MET' if met else 'not met'}")  # fmt: skip
-                figures.record("bench_deployed", f"the same, latency a cache miss adds, set "
-                               f"update included ({args.misses} names), p50 / p99",
-                               f"+{o[0]:.3f} / +{o[1]:.3f} ms", "ours <= dnsmasq, p50 and p99",
-                               met, f"+{d[0]:.3f} / +{d[1]:.3f} ms")  # fmt: skip
+                if args.misses:
+                    via, direct = misses(lab, work, state, args.misses)
+                    dm_via, dm_direct = bd.miss_latency(
+                        dm_ns, bd.RESOLVER, dm_ns, bd.anyip_names(2, args.misses),
+                        bd.anyip_names(3, args.misses))  # fmt: skip
+                    print(f"added cache-miss latency ({args.misses} sequential unique names, "
+                          f"each a set insert):")  # fmt: skip
+                    added = {}
+                    for label, (a, b) in (("egressctl run", (via, direct)),
+                                          ("dnsmasq", (dm_via, dm_direct))):  # fmt: skip
+                        added[label] = (pct(a, 0.5) - pct(b, 0.5), pct(a, 0.99) - pct(b, 0.99))
+                        a50, a99 = added[label]
+                        print(f"  {label:<14} p50 {pct(a, 0.5):6.3f} ms  p99 {pct(a, 0.99):6.3f} ms"
+                              f"   direct p50 {pct(b, 0.5):6.3f}  p99 {pct(b, 0.99):6.3f}   added "
+                              f"p50 {a50:+6.3f}  p99 {a99:+6.3f} ms")  # fmt: skip
+                    o, d = added["egressctl run"], added["dnsmasq"]
+                    met = o[0] <= d[0] and o[1] <= d[1]
+                    print(f"  ratio p50 {o[0] / d[0]:.2f}x  p99 {o[1] / d[1]:.2f}x   target: "
+                          f"{TARGETS['miss']}   {'MET' if met else 'not met'}")  # fmt: skip
+                    figures.record("bench_deployed", f"the same, latency a cache miss adds, set "
+                                   f"update included ({args.misses} names), p50 / p99",
+                                   f"+{o[0]:.3f} / +{o[1]:.3f} ms", "ours <= dnsmasq, p50 and p99",
+                                   met, f"+{d[0]:.3f} / +{d[1]:.3f} ms")  # fmt: skip
             if args.n:
                 lat = freezes(lab, work, state, args.n)
                 p50, p99 = pct(lat, 0.5), pct(lat, 0.99)
@@ -306,7 +309,7 @@ def run(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=int, default=10)
-    parser.add_argument("--misses", type=int, default=1500)
+    parser.add_argument("--misses", type=int, default=1500, help="cache misses (0: none)")
     parser.add_argument("-n", type=int, default=200, help="freezes (0: none)")
     args = parser.parse_args()
     missing = bd.missing()
