@@ -58,6 +58,8 @@ NEW_NETNS_SYSCTLS_IF_PRESENT = (
     ("net/ipv6/conf/default/force_forwarding", "0"),
 )
 
+FATAL_EXIT = 1  # a thread stuck in another netns (_restore): egress's errors' status
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _run_dir_ready = False
 
@@ -100,6 +102,7 @@ def in_netns(name_or_path: str | None) -> Iterator[None]:
     """Run the body with the current thread in that netns (None: stay where we are).
 
     Sockets and handles opened inside keep acting on that netns after the block ends.
+    A thread that cannot come back ends the process (``_restore``).
     """
     if name_or_path is None:
         yield
@@ -124,11 +127,26 @@ def in_netns(name_or_path: str | None) -> Iterator[None]:
 
 
 def _restore(saved_fd: int) -> None:
+    """Back to the netns ``saved_fd`` pins, or end the process.
+
+    A thread left in another netns goes on without a sign of it: every socket, link and
+    ruleset it makes afterwards lands there (one sandbox's rules loaded into another's
+    netns, an upstream socket opened inside a sandbox). An exception would not help: a
+    pool thread outlives the call that failed, and its caller may catch the error (a
+    /metrics read skips a sandbox it cannot read) while the thread takes the next job. So
+    the process ends here. The kernel keeps enforcing every sandbox meanwhile; egressd's
+    successor adopts them, and `egressctl run`'s observer sees its inline layer gone.
+    """
     try:
         _setns(saved_fd)
     except OSError as exc:
-        # Leaving a thread in the wrong netns would silently misroute everything after.
-        raise SandboxError(f"cannot return to the original netns: {exc}") from exc
+        _fatal(f"a thread cannot return to its network namespace ({exc.strerror or exc})")
+
+
+def _fatal(why: str) -> None:
+    with suppress(OSError):  # stderr closed: the exit status still says it
+        os.write(2, f"egress: fatal: {why}; exiting, so nothing runs in the wrong one\n".encode())
+    os._exit(FATAL_EXIT)
 
 
 def _prepare_run_dir() -> None:

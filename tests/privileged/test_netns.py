@@ -6,6 +6,7 @@ import fcntl
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from egress.errors import SandboxError
 from egress.kernel import netns
+from tests.support import ROOT
 from tests.support.netns import Pair, ifname, ns_inode, sandbox_pair, scratch_netns, unique
 
 pytestmark = [
@@ -90,6 +92,40 @@ def test_in_netns_restores_on_exception(ns: str) -> None:
     with pytest.raises(RuntimeError), netns.in_netns(ns):
         raise RuntimeError("boom")
     assert _here() == host
+
+
+# A pool thread whose caller swallows the error (as /metrics' kernel read does) and which
+# then takes another job: it must not get to that job from inside the sandbox's netns.
+_STUCK = """
+import sys, threading
+from egress.kernel import netns
+real, calls = netns._setns, []
+def setns(fd):
+    calls.append(fd)
+    if len(calls) == 2:  # the way back
+        raise OSError(12, "Cannot allocate memory")
+    real(fd)
+netns._setns = setns
+def job():
+    try:
+        with netns.in_netns(sys.argv[1]):
+            pass
+    except Exception:
+        pass
+    print("next job ran", flush=True)
+thread = threading.Thread(target=job)
+thread.start()
+thread.join()
+print("process went on", flush=True)
+"""
+
+
+def test_a_thread_that_cannot_return_to_its_netns_ends_the_process(ns: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", _STUCK, ns], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == netns.FATAL_EXIT, proc.stderr
+    assert proc.stdout == ""
+    assert "egress: fatal: a thread cannot return to its network namespace" in proc.stderr
 
 
 def test_in_netns_nests(pair: Pair) -> None:
