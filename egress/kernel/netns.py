@@ -17,9 +17,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, NoReturn
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -120,7 +121,13 @@ def in_netns(name_or_path: str | None) -> Iterator[None]:
         try:
             yield
         finally:
-            _restore(saved)
+            try:
+                _restore(saved)
+            except BaseException:
+                # A signal handler's exception (egressctl run's Stopped) can land before
+                # the setns ran: back first, then let it go on. Once more is harmless.
+                _restore(saved)
+                raise
     finally:
         os.close(target)
         os.close(saved)
@@ -134,8 +141,10 @@ def _restore(saved_fd: int) -> None:
     netns, an upstream socket opened inside a sandbox). An exception would not help: a
     pool thread outlives the call that failed, and its caller may catch the error (a
     /metrics read skips a sandbox it cannot read) while the thread takes the next job. So
-    the process ends here. The kernel keeps enforcing every sandbox meanwhile; egressd's
-    successor adopts them, and `egressctl run`'s observer sees its inline layer gone.
+    the process ends here. The kernel keeps enforcing every sandbox meanwhile: egressd's
+    successor adopts the ones it served, an observer shard or nft worker is started again
+    by its parent, and `egressctl run`'s observer sees its inline layer gone. A sandbox
+    being made at that moment is left half-made, for `egressctl gc` to remove.
     """
     try:
         _setns(saved_fd)
@@ -143,9 +152,12 @@ def _restore(saved_fd: int) -> None:
         _fatal(f"a thread cannot return to its network namespace ({exc.strerror or exc})")
 
 
-def _fatal(why: str) -> None:
+def _fatal(why: str) -> NoReturn:
+    who = f"{os.path.basename(sys.argv[0]) or 'python'} (pid {os.getpid()})"
+    line = f"egress: fatal: {who}: {why}; it exits, so that nothing runs in the wrong one; "
+    line += "`egressctl gc` removes a sandbox it left half-made\n"
     with suppress(OSError):  # stderr closed: the exit status still says it
-        os.write(2, f"egress: fatal: {why}; exiting, so nothing runs in the wrong one\n".encode())
+        os.write(2, line.encode())
     os._exit(FATAL_EXIT)
 
 
@@ -187,7 +199,7 @@ def create_netns(name: str) -> None:
 
 def _unshare_and_pin(path: str) -> None:
     """unshare(CLONE_NEWNET) on this thread, set its sysctls, bind the new netns to path,
-    switch back."""
+    switch back (or end the process: ``_restore``)."""
     saved = os.open(_SELF_NS, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if _libc.unshare(CLONE_NEWNET) != 0:
