@@ -121,13 +121,7 @@ def in_netns(name_or_path: str | None) -> Iterator[None]:
         try:
             yield
         finally:
-            try:
-                _restore(saved)
-            except BaseException:
-                # A signal handler's exception (egressctl run's Stopped) can land before
-                # the setns ran: back first, then let it go on. Once more is harmless.
-                _restore(saved)
-                raise
+            _restore(saved)
     finally:
         os.close(target)
         os.close(saved)
@@ -145,7 +139,18 @@ def _restore(saved_fd: int) -> None:
     successor adopts the ones it served, an observer shard or nft worker is started again
     by its parent, and `egressctl run`'s observer sees its inline layer gone. A sandbox
     being made at that moment is left half-made, for `egressctl gc` to remove.
+
+    A signal handler's exception (egressctl run's Stopped) can land before the setns ran:
+    it is made once more (harmless if it had), and then the exception goes on.
     """
+    try:
+        _return_to(saved_fd)
+    except BaseException:
+        _return_to(saved_fd)
+        raise
+
+
+def _return_to(saved_fd: int) -> None:
     try:
         _setns(saved_fd)
     except OSError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -127,6 +128,45 @@ def test_a_thread_that_cannot_return_to_its_netns_ends_the_process(ns: str) -> N
     assert proc.stdout == ""
     assert "egress: fatal: " in proc.stderr
     assert "a thread cannot return to its network namespace" in proc.stderr
+
+
+def _interrupted_on_the_way_back(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    """The ``nth`` setns raises what a signal handler would, before it ran."""
+    real, calls = netns._setns, []
+
+    def setns(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == nth:
+            raise KeyboardInterrupt
+        real(fd)
+
+    monkeypatch.setattr(netns, "_setns", setns)
+
+
+def test_a_signal_on_the_way_back_out_of_in_netns_still_returns(
+    ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = _here()
+    _interrupted_on_the_way_back(monkeypatch, 2)  # the first enters
+    with pytest.raises(KeyboardInterrupt), netns.in_netns(ns):
+        assert _here() != host
+    assert _here() == host
+
+
+def test_a_signal_on_the_way_back_from_a_new_netns_still_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host = _here()
+    name = unique("sig")
+    _interrupted_on_the_way_back(monkeypatch, 1)  # unshare enters; the first setns returns
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            netns.create_netns(name)
+        assert _here() == host
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(SandboxError):
+            netns.remove_netns(name)
 
 
 def test_in_netns_nests(pair: Pair) -> None:
