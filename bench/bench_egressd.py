@@ -25,6 +25,9 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
   kernel's confirmation of the freeze, as the journal holds it (both layers, the earlier
   one's); each is resumed through the API afterwards (--freezes 0 for DNS figures
   comparable with runs before 2026-12-04, which froze nothing meanwhile);
+- with --scrape S, GET /metrics every S seconds during the load, as a Prometheus scraper
+  would (curl, a process of its own): how long each scrape took, and what it costs the
+  DNS figures in the row above (compare a run without);
 - egressd's CPU during the DNS load (its nft worker included; percent of one CPU), and
   the observer layer's (`egressd observer`, started beside it; --no-observer leaves it
   out: all its processes) and its PSS. "direct" rising with N says the machine itself
@@ -261,6 +264,26 @@ class Asker:
     miss: bool = False
 
 
+def scrape_every(api_socket: str, every_s: float) -> subprocess.Popen[str]:
+    """GET /metrics on egressd's API socket now and every ``every_s`` after each, as a
+    Prometheus scraper would, from a process of its own (curl: not this one's GIL).
+    Each line it writes: the HTTP status and the seconds the scrape took."""
+    curl = f"curl -s -o /dev/null -w '%{{http_code}} %{{time_total}}\\n' --unix-socket {api_socket}"
+    loop = f"while :; do {curl} http://egressd/metrics; sleep {every_s}; done"
+    return subprocess.Popen(["bash", "-c", loop], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def scrapes_made(scraper: subprocess.Popen[str]) -> list[float]:
+    """Stop ``scraper`` (its process group: the shell and a curl still running, ours by
+    its PID); the seconds each scrape that answered 200 took."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(scraper.pid, signal.SIGTERM)
+    out, _ = scraper.communicate()
+    return [float(t) for code, _, t in (line.partition(" ") for line in out.splitlines())
+            if code == "200"]  # fmt: skip
+
+
 def dns_load(
     socks: list[socket.socket], rate: float, seconds: float, miss_share: float,
     fresh: Iterator[str], direct: socket.socket, probes: list[socket.socket] | None = None,
@@ -380,6 +403,7 @@ class Step:
     create_steps: dict[str, float] = field(default_factory=dict)
     host_busy: float = 0.0  # percent of all CPUs busy during the DNS load, everyone's work
     freeze_ms: list[float] = field(default_factory=list)  # probe sent -> frozen, confirmed
+    scrape_s: list[float] = field(default_factory=list)  # each GET /metrics during the load
 
 
 class Bench:
@@ -446,14 +470,18 @@ class Bench:
         k = min(a.freezes, len(self.boxes))
         probed = self.boxes[:: len(self.boxes) // k][:k] if k > 0 else []
         probes: list[socket.socket] = []
+        scraper = None
         try:
             probes.extend(udp_in(box["netns"]) for box in probed)
+            if a.scrape:
+                scraper = scrape_every(self.daemon.socket, a.scrape)
             load, wall = dns_load(self.socks, a.qps, a.seconds, a.miss_share, self.fresh, direct,
                                   probes)  # fmt: skip
         finally:
             direct.close()
             for p in probes:
                 p.close()
+            scrape_s = scrapes_made(scraper) if scraper is not None else []
         after, dt = cpu_ticks(watched + served), time.monotonic() - t0
         busy, total = (b - a for a, b in zip(host_before, host_ticks(), strict=True))
         host_busy = 100 * busy / total if total else 0.0
@@ -468,7 +496,7 @@ class Bench:
         freeze_ms = self.frozen_after([b["id"] for b in probed], load.probes_sent)
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
                     load.answered / wall, obs_cpu, obs_pss, cpu(served),
-                    self.create_steps(), host_busy, freeze_ms)  # fmt: skip
+                    self.create_steps(), host_busy, freeze_ms, scrape_s)  # fmt: skip
 
     def frozen_after(self, ids: list[str], sent: list[float]) -> list[float]:
         """ms from each probe's send to its sandbox's freeze, as the kernel confirmed it
@@ -602,6 +630,10 @@ def show(step: Step, first: Step | None) -> None:
         print(f"      a blocked datagram -> frozen (journal: kernel-confirmed), during the load, "
               f"n={len(fm)}: p50 {pct(fm, 0.5):.2f} ms, p99 {pct(fm, 0.99):.2f} ms, "
               f"max {max(fm):.2f} ms")  # fmt: skip
+    if step.scrape_s:
+        ss = step.scrape_s
+        print(f"      GET /metrics during the load, n={len(ss)}: p50 {pct(ss, 0.5):.2f} s, "
+              f"max {max(ss):.2f} s")  # fmt: skip
     if step.create_steps:
         parts = " ".join(f"{k} {v:.1f}" for k, v in step.create_steps.items() if k != "total")
         print(f"      create inside egressd, median ms: {step.create_steps['total']:.1f} = {parts}")
@@ -716,6 +748,9 @@ def main() -> int:
         default=50,
         help="sandboxes frozen for a blocked datagram during each load (50)",
     )
+    ap.add_argument("--scrape", type=float, default=0.0, metavar="SECONDS",
+                    help="GET /metrics every SECONDS during each load, as a scraper would "
+                         "(default 0: none)")  # fmt: skip
     ap.add_argument("--no-observer", dest="observer", action="store_false",
                     help="egressd alone, without `egressd observer` (default: both layers, "
                          "as deployed)")  # fmt: skip
