@@ -82,3 +82,41 @@ def test_every_family_is_there_with_no_sandbox() -> None:
                    "egress_violations_total", "egress_set_elements",
                    "egress_dropped_packets_total", "egress_freeze_latency_ms"):  # fmt: skip
         assert f"# TYPE {family} " in text
+
+
+def test_values_are_exact_however_large() -> None:
+    """A counter past a million is rendered in full (``:g`` gave 1.23457e+06: the
+    counter then moved in steps of ten or more), a float as its shortest exact text."""
+    s = sandbox(0)
+    s.resolver.core.stats = {"queries": 1_234_567, "allowed": 10**12 + 1}
+    s.resolver.sets.last_ms = 0.123456789
+    registry = SimpleNamespace(created_total=1, collector=None, lag=None)
+    steps = metrics.render(registry, {}, [s])  # type: ignore[arg-type]
+    next(steps)
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    text = str(done.value.value)
+    assert 'egress_dns_queries_total{sandbox="s000",verdict="queries"} 1234567\n' in text
+    assert 'egress_dns_queries_total{sandbox="s000",verdict="allowed"} 1000000000001\n' in text
+    assert 'egress_set_update_last_ms{sandbox="s000"} 0.123456789\n' in text
+    assert "egress_kernel_figures 1\n" in text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(0, "0"), (True, "1"), (2.5, "2.5"), (1e-05, "1e-05"), (float("nan"), "NaN"),
+     (float("inf"), "+Inf"), (float("-inf"), "-Inf")],
+)  # fmt: skip
+def test_value_spellings(value: float, text: str) -> None:
+    assert metrics._value(value) == text
+
+
+def test_kernel_figures_that_failed_are_said_so() -> None:
+    registry = SimpleNamespace(created_total=0, collector=None, lag=None)
+    steps = metrics.render(registry, None, [sandbox(0)])  # type: ignore[arg-type]
+    next(steps)
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    text = str(done.value.value)
+    assert "egress_kernel_figures 0\n" in text
+    assert "egress_set_elements{" not in text
