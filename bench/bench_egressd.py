@@ -28,10 +28,11 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
 - with --scrape S, GET /metrics every S seconds during the load, as a Prometheus scraper
   would (curl, a process of its own): how long each scrape took, and what it costs the
   DNS figures in the row above (compare a run without);
-- egressd's CPU during the DNS load (its nft worker included; percent of one CPU), and
-  the observer layer's (`egressd observer`, started beside it; --no-observer leaves it
-  out: all its processes) and its PSS. "direct" rising with N says the machine itself
-  (this client, the lab's DNS, both layers on 2 vCPUs) is saturated, not egressd alone;
+- egressd's CPU during the DNS load (its nft and figures workers included; percent of
+  one CPU), and the observer layer's (`egressd observer`, started beside it;
+  --no-observer leaves it out: all its processes) and its PSS. "direct" rising with N
+  says the machine itself (this client, the lab's DNS, both layers on 2 vCPUs) is
+  saturated, not egressd alone;
   "host busy%" says it outright: the share of all CPUs busy during the load (/proc/stat);
 - under the row, the median of each create step egressd timed (the sandbox JSON's
   create_ms) over that step's sequential creates.

@@ -7,7 +7,8 @@
     set-policy ─▶ inline.swap: one nft transaction (rules + stale elements out)
     run dir (/run/egress/daemon/ID.json) ─▶ adoption by the next egressd, `egressd observer`
     handoff.py: --replace and SIGHUP pass every socket to the successor (SCM_RIGHTS)
-    /metrics ◀─ resolver cores, sessions, nft counters and sets (metrics.py)
+    /metrics ◀─ resolver cores, sessions (metrics.py), nft counters and sets asked of
+             the figures worker process (figures.py ─▶ kernel.figures_worker)
     collect.py: what lives frozen out of the garbage collector's walks (a sandbox made,
              every second); one full collection once the sandboxes settle
     lag.py: how late the loop runs what is due (every 10 ms), for /metrics

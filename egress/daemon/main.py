@@ -32,6 +32,7 @@ from egress.store.paths import EGRESS_GROUP, egress_gid, private_dir, run_dir, s
 
 from . import handoff, sidecar
 from .api import make_app, make_metrics_app
+from .figures import KernelFigures
 from .registry import Registry
 
 FMT = argparse.RawDescriptionHelpFormatter
@@ -295,6 +296,9 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     registry = Registry(journal, run_dir, review_hint=hint, uid_range=uid_range)
     collector = registry.collector = Collector(asyncio.get_running_loop())
     lag = registry.lag = LoopLag(asyncio.get_running_loop())
+    figures = registry.figures = KernelFigures()
+    with contextlib.suppress(EgressError):  # said at the first scrape, tried again there
+        figures.start()  # now, while this process is small: a spawn forks it
     runner: web.AppRunner | None = None
     api: socket.socket | None = None
     giver: handoff.Giver | None = None
@@ -339,6 +343,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     finally:
         collector.close()  # no full collection in the middle of a shutdown or handover
         lag.close()
+        figures.close()
         if logger is not None:
             logger.stop()  # what was journaled until now is printed first
         if taken is not None:

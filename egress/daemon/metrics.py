@@ -4,25 +4,20 @@ Only what is measured: per-sandbox DNS verdict counters (the resolver core's own
 query *rate* is ``rate(egress_dns_queries_total[1m])``), queries dropped by the
 sandbox's rate limit, upstream round trips (forward to answer, per sandbox), inline
 violations by class, the inline layer's freeze latency (detection to the cgroup
-reporting frozen), kernel set sizes and drop counters read at scrape time, the
-set-update path's timing, and how late egressd's event
+reporting frozen), kernel set sizes and drop counters read at scrape time (by egressd's
+figures worker: figures.py), the set-update path's timing, and how late egressd's event
 loop runs (``lag.py``). The latencies are histograms rendered by ``_histogram_lines``
 from a fixed-size ``Latencies``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections import Counter
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from functools import cache
 
-from egress.datapath import constants as c
-from egress.errors import EgressError
 from egress.inline.upstream import Latencies
-from egress.kernel import nft_figures
 from egress.model import SandboxKind
 
 from .collect import Collector
@@ -101,35 +96,11 @@ class Kernel:
     dropped: int | None
 
 
-def read_kernel(served: list[Served]) -> dict[str, Kernel]:
-    """Each sandbox's set sizes and drop counter, asked of the kernel directly
-    (kernel/nft_figures.py; none of it in the nft worker): 0.4-0.7 s for 1,000 sandboxes
-    under 5,000 qps. Blocking, for a thread: mostly system calls, each letting the loop
-    have the GIL."""
-    out = {}
-    for s in served:
-        sets: dict[str, int] = {}
-        dropped = None
-        with contextlib.suppress(EgressError):  # gone meanwhile, or its table: no figures
-            fd = s.sb.nft.netns_fd()  # its own copy: a delete may close the handle's now
-            try:
-                reader = nft_figures.Reader(None if fd is None else f"/proc/self/fd/{fd}", c.TABLE)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-            with reader as kernel:
-                for set_name in c.ALLOW_SETS:
-                    sets[set_name] = kernel.set_size(set_name)
-                dropped = kernel.counter_packets("dropped")
-        out[s.id] = Kernel(sets, dropped)
-    return out
-
-
 def render(
     registry: Registry, kernel: dict[str, Kernel] | None, served: list[Served]
 ) -> Generator[None, None, str]:
     """The metrics text (the generator's return value); ``kernel`` is what
-    ``read_kernel`` read for these sandboxes (None: it failed, and
+    ``KernelFigures.read`` (figures.py) read for these sandboxes (None: it failed, and
     ``egress_kernel_figures`` says so). It stops after every CHUNK sandboxes, for
     the caller to let the loop answer DNS meanwhile: at 1,000 sandboxes the text is
     30,000 lines, and rendered at once it held every sandbox's DNS for 55 ms. Rendered in
@@ -142,8 +113,8 @@ def render(
     out.family("egress_sandboxes_created_total", "counter", "Sandboxes created or attached.")
     out.sample("egress_sandboxes_created_total", registry.created_total)
     out.family("egress_kernel_figures", "gauge",
-               "1 if this scrape read the kernel's set sizes and drop counters, "
-               "0 if not.")  # fmt: skip
+               "1 if this scrape read the kernel's set sizes and drop counters, 0 if not "
+               "(egressd's stderr says why).")  # fmt: skip
     out.sample("egress_kernel_figures", int(kernel is not None))
     kernel = kernel or {}
     # Every family's header, sandboxes or not (each chunk adds its samples under it).

@@ -33,10 +33,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from egress.daemon.collect import Collector
 from egress.daemon.lag import LoopLag
+
+if TYPE_CHECKING:
+    from egress.daemon.figures import KernelFigures  # it imports this module
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import (
@@ -147,6 +150,8 @@ class Registry:
         self._settled.set()
         self.collector: Collector | None = None  # egressd's own; none in tests
         self.lag: LoopLag | None = None  # egressd's own (daemon/lag.py); none in tests
+        # egressd's own (daemon/figures.py); none in tests: no kernel figures in /metrics
+        self.figures: KernelFigures | None = None
 
     # -- reading -------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ cgroupfs.
     nft.py         one libnftables handle per namespace: atomic loads, sets, counters
     nft_worker.py  libnftables in a child process, for egressd's many descriptors
     nft_sets.py    the resolver's set-element adds/deletes as one raw nf_tables batch
+    nft_figures.py a sandbox's set sizes and drop counter, read by raw nf_tables netlink
+    figures_worker.py  those reads for egressd's /metrics, in a child process of their own
     nfnetlink.py   a raw NETLINK_NETFILTER socket bound to one resource: what the next two share
     nflog.py       NFLOG listeners: the kernel's drop and DNS evidence, per namespace
     nfqueue.py     NFQUEUE listeners: packets held until a verdict (a flow's first bytes)

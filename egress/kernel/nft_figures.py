@@ -6,7 +6,8 @@ three round trips, each set listed whole as JSON to be counted. At 1,000 sandbox
 scrape held the worker for 2.5 s, and a create waiting for it to load its rules waited
 that long too. Here one socket in the sandbox's netns asks the kernel directly: a dump
 per set, whose elements are counted, not decoded, and one GETOBJ. The kernel's dump
-leaves out expired elements, as ``nft list set`` shows them.
+leaves out expired elements, as ``nft list set`` shows them. egressd reads them in a
+process of its own (figures_worker.py), not on its loop's.
 """
 
 from __future__ import annotations

@@ -220,6 +220,54 @@ def test_metrics_show_the_kernels_set_sizes_and_drop_count(daemon: Egressd, lab:
         daemon.client.call("DELETE", f"/v1/sandboxes/{sid}")
 
 
+def figures_workers(pid: int) -> list[int]:
+    """The children of ``pid`` that are its figures worker (kernel/figures_worker.py)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with suppress(OSError):
+                if b"egress.kernel.figures_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(int(child))
+    return found
+
+
+def dead(pid: int) -> bool:
+    """``pid`` has ended (a zombie its parent has not reaped yet, or gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+def test_metrics_kernel_figures_come_from_a_worker_started_again_when_it_dies(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """The kernel is read by egressd's figures worker, not in egressd's own process (there
+    it held the loop: bench_egressd --scrape). Killed, the next scrape starts another and
+    gets the kernel's own figures; egressd's end ends it."""
+    with egressd(tmp_path / "state") as d:
+        first = figures_workers(d.pid)
+        assert len(first) == 1, first  # started with egressd, before any scrape
+        box = d.create(policy("worker", "allowed.lab.test"), lab.uplink_netns)
+        sid = box["id"]
+        try:
+            assert dig(box["netns"], "allowed.lab.test") == NAMES["allowed.lab.test"]
+            os.kill(first[0], signal.SIGKILL)  # our egressd's child, by its PID
+            assert wait_until(lambda: dead(first[0]))
+            metrics = d.client.request("GET", "/metrics")[1]
+            assert "egress_kernel_figures 1" in metrics, metrics[:2000]
+            with NftHandle.open(box["netns"]) as nft:
+                allow4 = len(nft.list_set("inet", "egress", "allow4"))
+            assert allow4 == 2  # one name, tcp/80 and tcp/443
+            assert f'egress_set_elements{{sandbox="{sid}",set="allow4"}} 2' in metrics
+            again = figures_workers(d.pid)
+            assert len(again) == 1 and again != first
+        finally:
+            d.client.call("DELETE", f"/v1/sandboxes/{sid}")
+        d.stop()
+        assert not Path(f"/proc/{again[0]}").exists()
+
+
 def test_policy_swap_removes_names_and_their_addresses_at_once(daemon: Egressd, lab: Lab) -> None:
     box = daemon.create(policy("swap", "allowed.lab.test", "mail.lab.test"), lab.uplink_netns)
     try:

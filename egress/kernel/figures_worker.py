@@ -1,0 +1,168 @@
+"""egressd's /metrics kernel figures (``nft_figures.Reader``), read in a process of their own.
+
+At 1,000 sandboxes the reads for one scrape take 0.4-0.7 s, mostly Python between system
+calls. In a thread of egressd they held the GIL against its event loop, and every answer
+of every sandbox waited behind them; a child spawned per scrape was no better, as the
+spawn (a fork of egressd) held the loop for 45-230 ms each time. So egressd starts this
+worker once, at its own start, and asks it at each scrape over a socket pair, the
+sandboxes' netns descriptors passed along (SCM_RIGHTS): a name could name another netns
+by now, a descriptor cannot. It runs at nice 10: its figures can wait, egressd's answers
+(nice -10) cannot.
+
+Protocol, one datagram each way (SOCK_SEQPACKET) per request of at most CHUNK sandboxes:
+the request is JSON ``{"table": str, "sets": [str], "counter": str, "ids": [str],
+"own": [str]}`` with one descriptor per id of ``ids``, in order (``own``: sandboxes in
+the worker's own netns, no descriptor); the answer is JSON ``{id: {"sets": {name: int},
+"dropped": int|null}}``, what could be read of each (a sandbox deleted meanwhile has
+fewer figures or none), or ``{"error": str}``. End of the socket (egressd gone) ends it.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from egress.errors import DatapathError, EgressError
+from egress.kernel.nft_figures import Reader
+
+CHUNK = 250  # sandboxes per request: SCM_RIGHTS carries at most 253 descriptors
+MAX_MESSAGE = 1 << 20  # an answer of CHUNK sandboxes is ~20 KB
+CHILD_NICE = 10
+
+Figures = tuple[dict[str, int], int | None]  # set sizes by name, the counter's packets
+
+
+class FiguresWorker:
+    """The parent's end: the worker process and its socket (non-blocking, for a loop)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self.starts = 0
+
+    def socket(self) -> socket.socket:
+        """The worker's socket, started first if it is not running. A start spawns a
+        process (blocking, ~0.1 s): egressd does it at its own start, and again only
+        after a failure."""
+        if self._proc is not None and self._proc.poll() is None and self._sock is not None:
+            return self._sock
+        self.kill()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # -P: root must not import from whatever directory egressd was started in.
+            self._proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "egress.kernel.figures_worker",
+                 str(theirs.fileno())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+            )  # fmt: skip
+        except OSError as exc:
+            ours.close()
+            raise DatapathError(f"kernel figures: cannot start their reader: {exc}") from None
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        self.starts += 1
+        return ours
+
+    def kill(self) -> None:
+        """End the worker now (by its PID; a request it was answering is abandoned)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
+def request(
+    table: str, sets: tuple[str, ...], counter: str, chunk: list[tuple[str, int | None]]
+) -> tuple[bytes, list[int]]:
+    """One request's datagram and the descriptors to pass with it, in order."""
+    ids = [sid for sid, fd in chunk if fd is not None]
+    own = [sid for sid, fd in chunk if fd is None]
+    body = {"table": table, "sets": list(sets), "counter": counter, "ids": ids, "own": own}
+    return json.dumps(body).encode(), [fd for _, fd in chunk if fd is not None]
+
+
+def send(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send one request; OSError if the worker cannot take it now (its socket is full:
+    it is stuck) or is gone."""
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([data], rights)
+
+
+def answer(data: bytes) -> dict[str, Figures]:
+    """The figures in one answer; DatapathError if it is an error or malformed."""
+    try:
+        got = json.loads(data)
+        if "error" in got:
+            raise DatapathError(f"kernel figures: their reader failed: {got['error']}")
+        return {
+            str(sid): ({str(k): int(v) for k, v in one["sets"].items()},
+                       None if one["dropped"] is None else int(one["dropped"]))
+            for sid, one in got.items()
+        }  # fmt: skip
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise DatapathError(f"kernel figures: their reader's answer is malformed: {exc}") from None
+
+
+def read_all(body: dict[str, Any], fds: list[int]) -> dict[str, dict[str, Any]]:
+    """What one request asks (``fds``: its descriptors, in the order of its ids)."""
+    table, counter = str(body["table"]), str(body["counter"])
+    ids: list[str] = [str(sid) for sid in body["ids"]]
+    if len(ids) != len(fds):
+        raise ValueError(f"{len(ids)} sandboxes but {len(fds)} descriptors")
+    wanted: list[tuple[str, str | None]] = [
+        (sid, f"/proc/self/fd/{fd}") for sid, fd in zip(ids, fds, strict=True)
+    ]
+    wanted += [(str(sid), None) for sid in body["own"]]
+    out: dict[str, dict[str, Any]] = {}
+    for sid, netns in wanted:
+        sets: dict[str, int] = {}
+        dropped = None
+        # A sandbox gone meanwhile, or its table: fewer figures or none.
+        with contextlib.suppress(EgressError), Reader(netns, table) as kernel:
+            for set_name in body["sets"]:
+                sets[str(set_name)] = kernel.set_size(str(set_name))
+            dropped = kernel.counter_packets(counter)
+        out[sid] = {"sets": sets, "dropped": dropped}
+    return out
+
+
+def serve(fd: int) -> int:
+    """The worker's life: a request in, its answer out, until egressd's end closes."""
+    with contextlib.suppress(OSError):  # started at egressd's nice -10: give that up
+        os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), CHILD_NICE))
+    sock = socket.socket(fileno=fd)
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, CHUNK)
+        except OSError:
+            return 1
+        if not data:
+            return 0
+        try:
+            reply: dict[str, Any] = read_all(json.loads(data), fds)
+        except (ValueError, TypeError, KeyError) as exc:
+            reply = {"error": f"a request it could not read: {exc}"}
+        finally:
+            for got in fds:
+                os.close(got)
+        try:
+            sock.send(json.dumps(reply).encode())
+        except OSError:
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1])))
