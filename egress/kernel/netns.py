@@ -22,9 +22,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, NoReturn
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-
 from egress.datapath import constants as c
 from egress.errors import SandboxError
 
@@ -257,6 +254,10 @@ def remove_netns(name: str) -> None:
 
 
 def _open_rtnl(netns: str | None, what: str) -> Any:
+    # Imported here: pyroute2 is 20 MB of a process, and egressd's worker processes
+    # (nft_worker.py, figures_worker.py) need this module's setns, not its links.
+    from pyroute2 import IPRoute
+
     try:
         with in_netns(netns):
             return IPRoute(groups=0)
@@ -268,6 +269,8 @@ def _open_rtnl(netns: str | None, what: str) -> Any:
 def _rtnl(netns: str | None, what: str) -> Iterator[Any]:
     """An IPRoute bound to netns; netlink errors become SandboxError naming the step.
     (A sandbox's own wiring goes through egress.kernel.rtnl's batches instead.)"""
+    from pyroute2.netlink.exceptions import NetlinkError  # see _open_rtnl
+
     ipr = _open_rtnl(netns, what)
     try:
         yield ipr
@@ -334,6 +337,8 @@ def delete_link(ifname: str, netns: str | None) -> None:
     """Delete a link (and a veth's peer with it); nothing to do if it is gone."""
     if netns is not None and not netns_exists(netns):
         return
+    from pyroute2.netlink.exceptions import NetlinkError  # see _open_rtnl
+
     with _rtnl(netns, f"delete link {ifname}") as ipr:
         found = ipr.link_lookup(ifname=ifname)
         if found:
