@@ -56,6 +56,7 @@ import os
 import random
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -269,7 +270,8 @@ def scrape_every(api_socket: str, every_s: float) -> subprocess.Popen[str]:
     """GET /metrics on egressd's API socket now and every ``every_s`` after each, as a
     Prometheus scraper would, from a process of its own (curl: not this one's GIL).
     Each line it writes: the HTTP status and the seconds the scrape took."""
-    curl = f"curl -s -o /dev/null -w '%{{http_code}} %{{time_total}}\\n' --unix-socket {api_socket}"
+    path = shlex.quote(api_socket)
+    curl = f"curl -s -o /dev/null -w '%{{http_code}} %{{time_total}}\\n' --unix-socket {path}"
     loop = f"while :; do {curl} http://egressd/metrics; sleep {every_s}; done"
     return subprocess.Popen(["bash", "-c", loop], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -277,12 +279,12 @@ def scrape_every(api_socket: str, every_s: float) -> subprocess.Popen[str]:
 
 def scrapes_made(scraper: subprocess.Popen[str]) -> list[float]:
     """Stop ``scraper`` (its process group: the shell and a curl still running, ours by
-    its PID); the seconds each scrape that answered 200 took."""
+    its PID); the seconds each scrape that answered 200 took (one that did not: -1)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(scraper.pid, signal.SIGTERM)
     out, _ = scraper.communicate()
-    return [float(t) for code, _, t in (line.partition(" ") for line in out.splitlines())
-            if code == "200"]  # fmt: skip
+    return [float(t) if code == "200" else -1.0
+            for code, _, t in (line.partition(" ") for line in out.splitlines())]  # fmt: skip
 
 
 def dns_load(
@@ -632,9 +634,11 @@ def show(step: Step, first: Step | None) -> None:
               f"n={len(fm)}: p50 {pct(fm, 0.5):.2f} ms, p99 {pct(fm, 0.99):.2f} ms, "
               f"max {max(fm):.2f} ms")  # fmt: skip
     if step.scrape_s:
-        ss = step.scrape_s
-        print(f"      GET /metrics during the load, n={len(ss)}: p50 {pct(ss, 0.5):.2f} s, "
-              f"max {max(ss):.2f} s")  # fmt: skip
+        ss = [s for s in step.scrape_s if s >= 0]
+        failed = len(step.scrape_s) - len(ss)
+        took = f"p50 {pct(ss, 0.5):.2f} s, max {max(ss):.2f} s" if ss else "none answered"
+        print(f"      GET /metrics during the load, n={len(step.scrape_s)}: {took}"
+              + (f"; {failed} not answered 200" if failed else ""))  # fmt: skip
     if step.create_steps:
         parts = " ".join(f"{k} {v:.1f}" for k, v in step.create_steps.items() if k != "total")
         print(f"      create inside egressd, median ms: {step.create_steps['total']:.1f} = {parts}")

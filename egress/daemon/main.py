@@ -343,7 +343,6 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     finally:
         collector.close()  # no full collection in the middle of a shutdown or handover
         lag.close()
-        figures.close()
         if logger is not None:
             logger.stop()  # what was journaled until now is printed first
         if taken is not None:
@@ -362,6 +361,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
             await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+        figures.close()  # after the API's cleanup: no scrape can start another worker now
         if ended == "stop":
             print(f"egressd: stopping; {len(registry.served)} sandboxes keep their rules "
                   "in the kernel for the next egressd", file=sys.stderr, flush=True)  # fmt: skip

@@ -10,11 +10,13 @@ by now, a descriptor cannot. It runs at nice 10: its figures can wait, egressd's
 (nice -10) cannot.
 
 Protocol, one datagram each way (SOCK_SEQPACKET) per request of at most CHUNK sandboxes:
-the request is JSON ``{"table": str, "sets": [str], "counter": str, "ids": [str],
-"own": [str]}`` with one descriptor per id of ``ids``, in order (``own``: sandboxes in
-the worker's own netns, no descriptor); the answer is JSON ``{id: {"sets": {name: int},
-"dropped": int|null}}``, what could be read of each (a sandbox deleted meanwhile has
-fewer figures or none), or ``{"error": str}``. End of the socket (egressd gone) ends it.
+the request is JSON ``{"seq": int, "table": str, "sets": [str], "counter": str, "ids":
+[str], "own": [str]}`` with one descriptor per id of ``ids``, in order (``own``:
+sandboxes in the worker's own netns, no descriptor); the answer is JSON ``{"seq": int,
+"figures": {id: {"sets": {name: int}, "dropped": int|null}}}``, what could be read of
+each (a sandbox deleted meanwhile has fewer figures or none), or ``{"error": str}``. The
+parent reads only the answer whose seq is its request's. End of the socket (egressd
+gone) ends the worker.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 from egress.errors import DatapathError, EgressError
@@ -34,25 +37,44 @@ from egress.kernel.nft_figures import Reader
 CHUNK = 250  # sandboxes per request: SCM_RIGHTS carries at most 253 descriptors
 MAX_MESSAGE = 1 << 20  # an answer of CHUNK sandboxes is ~20 KB
 CHILD_NICE = 10
+RESTART_AFTER_S = 5.0  # the soonest a failed worker is started again
 
 Figures = tuple[dict[str, int], int | None]  # set sizes by name, the counter's packets
 
 
 class FiguresWorker:
-    """The parent's end: the worker process and its socket (non-blocking, for a loop)."""
+    """The parent's end: the worker process and its socket (non-blocking, for a loop).
 
-    def __init__(self) -> None:
+    Nothing here waits for a process on the caller's thread while egressd serves: a
+    worker killed is reaped when it has ended (``poll``, at the next start or kill), as
+    one stuck in the kernel ends only when its system call returns. Only ``close``, at
+    egressd's end, waits (a few seconds at most)."""
+
+    def __init__(self, restart_after_s: float = RESTART_AFTER_S) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._dying: list[subprocess.Popen[bytes]] = []  # killed, not yet reaped
+        self._started_at: float | None = None
+        self.restart_after_s = restart_after_s
         self.starts = 0
+        self.closed = False
 
     def socket(self) -> socket.socket:
         """The worker's socket, started first if it is not running. A start spawns a
         process (blocking, ~0.1 s): egressd does it at its own start, and again only
-        after a failure."""
+        after a failure, at most once every ``restart_after_s`` (a worker that dies at
+        each request must not cost a spawn at each scrape). DatapathError if it cannot."""
+        if self.closed:
+            raise DatapathError("kernel figures: egressd is stopping")
         if self._proc is not None and self._proc.poll() is None and self._sock is not None:
             return self._sock
         self.kill()
+        now = time.monotonic()
+        if self._started_at is not None and now - self._started_at < self.restart_after_s:
+            wait = self.restart_after_s - (now - self._started_at)
+            raise DatapathError(f"kernel figures: their reader failed; started again in "
+                                f"{wait:.0f} s")  # fmt: skip
+        self._started_at = now
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             # -P: root must not import from whatever directory egressd was started in.
@@ -73,7 +95,8 @@ class FiguresWorker:
         return ours
 
     def kill(self) -> None:
-        """End the worker now (by its PID; a request it was answering is abandoned)."""
+        """End the worker now (by its PID; a request it was answering is abandoned, and
+        no answer on its socket is read again: the socket goes with it)."""
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
@@ -81,16 +104,30 @@ class FiguresWorker:
         if proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-            proc.wait()
+            self._dying.append(proc)
+        self._dying = [p for p in self._dying if p.poll() is None]
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """No more workers: the running one killed, and every one killed reaped (waited
+        for up to ``wait_s`` in all; one that outlasts it is left to init)."""
+        self.closed = True
+        self.kill()
+        deadline = time.monotonic() + wait_s
+        for proc in self._dying:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        self._dying = [p for p in self._dying if p.poll() is None]
 
 
 def request(
-    table: str, sets: tuple[str, ...], counter: str, chunk: list[tuple[str, int | None]]
-) -> tuple[bytes, list[int]]:
-    """One request's datagram and the descriptors to pass with it, in order."""
+    seq: int, table: str, sets: tuple[str, ...], counter: str,
+    chunk: list[tuple[str, int | None]],
+) -> tuple[bytes, list[int]]:  # fmt: skip
+    """Request ``seq``'s datagram and the descriptors to pass with it, in order."""
     ids = [sid for sid, fd in chunk if fd is not None]
     own = [sid for sid, fd in chunk if fd is None]
-    body = {"table": table, "sets": list(sets), "counter": counter, "ids": ids, "own": own}
+    body = {"seq": seq, "table": table, "sets": list(sets), "counter": counter, "ids": ids,
+            "own": own}  # fmt: skip
     return json.dumps(body).encode(), [fd for _, fd in chunk if fd is not None]
 
 
@@ -101,16 +138,17 @@ def send(sock: socket.socket, data: bytes, fds: list[int]) -> None:
     sock.sendmsg([data], rights)
 
 
-def answer(data: bytes) -> dict[str, Figures]:
-    """The figures in one answer; DatapathError if it is an error or malformed."""
+def answer(data: bytes) -> tuple[int, dict[str, Figures]]:
+    """The request an answer is to (its ``seq``) and its figures; DatapathError if it is
+    an error or malformed."""
     try:
         got = json.loads(data)
         if "error" in got:
             raise DatapathError(f"kernel figures: their reader failed: {got['error']}")
-        return {
+        return int(got["seq"]), {
             str(sid): ({str(k): int(v) for k, v in one["sets"].items()},
                        None if one["dropped"] is None else int(one["dropped"]))
-            for sid, one in got.items()
+            for sid, one in got["figures"].items()
         }  # fmt: skip
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise DatapathError(f"kernel figures: their reader's answer is malformed: {exc}") from None
@@ -152,7 +190,8 @@ def serve(fd: int) -> int:
         if not data:
             return 0
         try:
-            reply: dict[str, Any] = read_all(json.loads(data), fds)
+            body = json.loads(data)
+            reply: dict[str, Any] = {"seq": body["seq"], "figures": read_all(body, fds)}
         except (ValueError, TypeError, KeyError) as exc:
             reply = {"error": f"a request it could not read: {exc}"}
         finally:
