@@ -37,9 +37,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from egress.daemon.collect import Collector
 from egress.daemon.lag import LoopLag
-
-if TYPE_CHECKING:
-    from egress.daemon.figures import KernelFigures  # it imports this module
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import (
@@ -66,6 +63,9 @@ from egress.store import rundir, uids
 from egress.store.journal import Journal
 
 from . import handoff
+
+if TYPE_CHECKING:
+    from egress.daemon.figures import KernelFigures  # it imports this module
 
 _T = TypeVar("_T")
 _ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}\Z")
