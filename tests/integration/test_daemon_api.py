@@ -207,4 +207,4 @@ async def test_metrics_show_how_late_the_loop_ran_what_was_due(api: Api) -> None
     total = re.search(r"^egress_loop_lag_seconds_count (\d+)$", text, re.M)
     assert late is not None and total is not None
     assert int(late.group(1)) < int(total.group(1))  # one above 25 ms
-    assert f"egress_loop_lag_max_seconds {lag.worst:g}" in text
+    assert f"egress_loop_lag_max_seconds {lag.worst!r}" in text  # exact, not :g
