@@ -262,10 +262,10 @@ def test_metrics_kernel_figures_come_from_a_worker_started_again_when_it_dies(
                 status, text = d.client.request("GET", "/metrics")
                 assert status == 200 and "egress_dns_queries_total{" in text
                 seen.append(text)
-                return "egress_kernel_figures 1" in text
+                return "\negress_kernel_figures 1\n" in text  # the sample, not its HELP
 
             assert wait_until(read_again, seconds=20), seen[-1][:2000]
-            assert all("egress_kernel_figures 0" in t for t in seen[:-1])
+            assert all("\negress_kernel_figures 0\n" in t for t in seen[:-1])
             metrics = seen[-1]
             with NftHandle.open(box["netns"]) as nft:
                 allow4 = len(nft.list_set("inet", "egress", "allow4"))
