@@ -221,13 +221,12 @@ def test_metrics_show_the_kernels_set_sizes_and_drop_count(daemon: Egressd, lab:
 
 
 def figures_workers(pid: int) -> list[int]:
-    """The children of ``pid`` that are its figures worker (kernel/figures_worker.py)."""
+    """The processes under ``pid`` that are its figures worker (kernel/figures_worker.py)."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            with suppress(OSError):
-                if b"egress.kernel.figures_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    found.append(int(child))
+    for child in tasks_under(pid)[1]:
+        with suppress(OSError):  # ended meanwhile
+            if b"egress.kernel.figures_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
     return found
 
 
