@@ -335,3 +335,33 @@ class Violation:
             if value is not None:
                 out[key] = value
         return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> Violation:
+        """``to_json``'s inverse (a freeze intent read back, store/intents.py); KeyError,
+        TypeError or ValueError when ``data`` is not one."""
+        f = data.get("flow")
+        flow = None
+        if isinstance(f, dict):
+            sport, dport = _opt_int(f.get("sport")), _opt_int(f.get("dport"))
+            flow = Flow(str(f["proto"]), str(f["src"]), str(f["dst"]), sport, dport)
+        return cls(
+            cls=ViolationClass(data["class"]),
+            layer=str(data["layer"]),
+            rule=str(data["rule"]),
+            detail=str(data["detail"]),
+            at=float(data["at"]),  # type: ignore[arg-type]
+            action=Action(data["action"]),
+            flow=flow,
+            uid=_opt_int(data.get("uid")),
+            qname=None if data.get("qname") is None else str(data["qname"]),
+            qtype=None if data.get("qtype") is None else str(data["qtype"]),
+        )
+
+
+def _opt_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int):
+        raise TypeError(f"expected an integer, not {value!r}")
+    return value

@@ -1,12 +1,14 @@
 """One layer's hand on the freeze lever: journal, then act, then confirm.
 
 Both layers (the inline resolver/NFLOG reader and the separate observer process) own an
-Enforcer for the same sandbox. For each violation it commits the record first (journal
-before act), freezes the cgroup if the policy's action says so, waits for the kernel to
-report it frozen, journals the confirmation, and then, with the sandbox still, reads which
-process did it. Two layers acting on one violation make one freeze and two detections;
-a layer whose freeze reaches the cgroup after a person resumed that freeze thaws it
-again (``Journal.thaw_if_resumed``), so no freeze stands with nothing left to decide.
+Enforcer for the same sandbox. For each violation it makes the record durable first
+(journal before act: in its process's intent file, store/intents.py, or where there is
+none, committed to SQLite), freezes the cgroup if the policy's action says so, waits for
+the kernel to report it frozen, commits the intent's record to SQLite, journals the
+confirmation, and then, with the sandbox still, reads which process did it. Two layers
+acting on one violation make one freeze and two detections; a layer whose freeze reaches
+the cgroup after a person resumed that freeze thaws it again
+(``Journal.thaw_if_resumed``), so no freeze stands with nothing left to decide.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from egress.errors import EgressError, JournalError, SandboxError
 from egress.freeze.attribution import attribute
 from egress.kernel.cgroup import Cgroup
 from egress.model import Action, Mode, Policy, Violation
+from egress.store.intents import Intent
 from egress.store.journal import Journal
 from egress.store.journal_schema import violation_key
 
@@ -47,7 +50,12 @@ class Enforcer:
         journal: Journal,
         cgroup: Cgroup,
         on_freeze: Callable[[FreezeEvent], None] | None = None,
+        *,
+        intents: bool = True,
     ) -> None:
+        """``intents``: freeze once the record is durable in this process's intent file
+        (store/intents.py); False: once SQLite has committed it (both paths are kept:
+        the second is where no intent file can be made, or no slot is free)."""
         self.sandbox_id = sandbox_id
         self.policy = policy
         self.layer = layer
@@ -57,6 +65,12 @@ class Enforcer:
         self.freezes: list[FreezeEvent] = []
         self.frozen_keys: set[str] = set()
         self.journal_errors = 0
+        self.intents = intents
+        try:
+            if intents:
+                journal.open_intents()  # a freeze then waits for no SQLite commit
+        except JournalError as exc:
+            print(f"egress {layer}: {exc}; freezes commit to SQLite first", file=sys.stderr)
 
     def wants_freeze(self, v: Violation) -> bool:
         return self.policy.mode is Mode.ENFORCE and v.action is Action.FREEZE
@@ -85,9 +99,17 @@ class Enforcer:
                 lambda: self.journal.record_or_detect(self.sandbox_id, unfrozen, DEDUP_WINDOW_S)
             )
             return None
+        asked = time.time()
+        intent = None
+        if self.intents:
+            intent = self._try(
+                lambda: self.journal.write_intent(self.sandbox_id, v, DEDUP_WINDOW_S, asked)
+            )
+        if intent is not None:
+            return self._freeze_then_fold(v, key, intent, asked)
         # Journal before act: the violation and the freeze request, in one durable commit.
         recorded = self._try(
-            lambda: self.journal.record_for_freeze(self.sandbox_id, v, DEDUP_WINDOW_S, time.time())
+            lambda: self.journal.record_for_freeze(self.sandbox_id, v, DEDUP_WINDOW_S, asked)
         )
         if recorded is not None and recorded[2] is None:
             return None  # the other layer froze for it and a person has already decided
@@ -97,10 +119,43 @@ class Enforcer:
         self.frozen_keys.add(key)  # only once it froze: a failed freeze is tried again
         return event
 
+    def _freeze_then_fold(
+        self, v: Violation, key: str, intent: Intent, asked: float
+    ) -> FreezeEvent | None:
+        """Journal before act through the intent file (store/intents.py): the record is
+        durable there already; freeze, then commit it to SQLite as the other path does
+        before its freeze (an intent SQLite refuses stays for the next open to fold)."""
+        try:
+            at = time.time()
+            confirmed = at + self.cgroup.freeze()
+        finally:
+            recorded = self._try(
+                lambda: self.journal.record_for_freeze(
+                    self.sandbox_id, v, DEDUP_WINDOW_S, asked, intent
+                )
+            )
+        self.frozen_keys.add(key)
+        if recorded is None:
+            return self._frozen(v, None, None, confirmed)
+        vid, _, fid = recorded
+        if fid is None:
+            # The other layer froze for it and a person resumed that freeze before this
+            # one landed: thaw again, as _resumed_before_it_landed does.
+            decided = self._try(lambda: self.journal.decided_freeze(vid))
+            if decided is not None:
+                self._resumed_before_it_landed(decided)
+            return None
+        return self._frozen(v, vid, fid, confirmed)
+
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:
         asked = time.time()
         # When this call first read it frozen (v1 may still be asked after that moment).
-        confirmed = asked + self.cgroup.freeze()
+        return self._frozen(v, vid, fid, asked + self.cgroup.freeze())
+
+    def _frozen(
+        self, v: Violation, vid: int | None, fid: int | None, confirmed: float
+    ) -> FreezeEvent | None:
+        """The cgroup read frozen at ``confirmed``: journal that, then who did it."""
         latency_ms = (confirmed - v.at) * 1000
         if fid is not None:
             self._try(lambda: self.journal.confirm_freeze(fid, confirmed, latency_ms, self.layer))

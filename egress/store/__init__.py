@@ -7,9 +7,13 @@
                        (sshd's StrictModes), else read once and hashed
     claims.py          which sandbox holds which address block (a lock, a file each)
     journal.py         the violation journal (SQLite, WAL, fsync per record)
+    intents.py         a layer's freeze intents: the violation durable in one O_DSYNC
+                       block write before the freeze, committed to the journal after it
+                       (or, if the layer died, by the next Journal.open)
     journal_schema.py  its schema, migrations and file modes
     rundir.py          egressd's record per served sandbox (<run dir>/daemon/ID.json)
 
-The journal is the evidence a person reviews: a violation is committed here before any
-layer freezes for it (DESIGN.md invariant 5).
+The journal is the evidence a person reviews: a violation is durable here (in the
+layer's intent file, or committed) before any layer freezes for it (DESIGN.md
+invariant 5).
 """

@@ -1,9 +1,12 @@
 """The violation journal: what each sandbox tried, who froze it, who let it go.
 
 Journal before act (DESIGN.md invariant 5). A layer that decides to freeze calls
-``record_violation`` and only freezes after it returns; by then the row is committed and
-fsync'd. If the freeze then kills the box, the person who resumes it still reads why.
-The order is: violation committed -> freeze requested (journaled) -> cgroup frozen ->
+``write_intent`` and only freezes after it returns; by then the violation and the freeze
+request are on disk in its intent file (store/intents.py), and ``record_for_freeze``
+commits them here right after the freeze. Without an intent file it calls
+``record_for_freeze`` first and freezes after that commit. Either way, if the freeze then
+kills the box, the person who resumes it still reads why. The order is: violation and
+freeze request durable -> cgroup frozen -> committed here (with an intent) ->
 ``confirm_freeze`` (the confirmation is journaled after the fact, with its latency).
 
 Storage is one SQLite file, ``<state dir>/journal.db``, in WAL mode with
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,7 +47,9 @@ from egress.errors import JournalError
 from egress.model import SandboxState, Violation, ViolationClass
 from egress.resolver.audit import AuditBatch
 from egress.store import audit_sql
+from egress.store import intents as intents_file
 from egress.store import journal_schema as schema
+from egress.store.intents import Intent, IntentLog
 
 JOURNAL_FILE = "journal.db"
 BUSY_TIMEOUT_S = 10.0
@@ -72,10 +78,12 @@ class Journal:
         self._path = path
         self._busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
+        self._intents: IntentLog | None = None  # made by a layer (open_intents)
 
     @classmethod
     def open(cls, state_dir: str | Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> Journal:
-        """Open (creating dir 0750 and file 0640, egress's group, if needed) and migrate."""
+        """Open (creating dir 0750 and file 0640, egress's group, if needed), migrate, and
+        fold what layers that died left in their intent files (store/intents.py)."""
         directory = Path(state_dir)
         path = directory / JOURNAL_FILE
         try:
@@ -97,6 +105,10 @@ class Journal:
         except BaseException:
             journal.close()
             raise
+        try:
+            journal.fold_intents()
+        except JournalError as exc:  # the journal is still there to read; the next open tries
+            print(f"egress: could not fold freeze intents: {exc}", file=sys.stderr)
         return journal
 
     @property
@@ -104,6 +116,17 @@ class Journal:
         return self._path
 
     def close(self) -> None:
+        log, self._intents = self._intents, None
+        if log is not None:
+            # Every record folded: the file goes, and its tokens after it (a crash in
+            # between leaves tokens naming no file, which fold nothing). Else it stays,
+            # unlocked, for the next open to fold.
+            idle = log.idle()
+            with contextlib.suppress(OSError):
+                log.close(remove=idle)
+            if idle:
+                with contextlib.suppress(JournalError):
+                    self._forget_intents([log.stem])
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
@@ -219,7 +242,12 @@ class Journal:
         return Recorded(int(row[0]), False)
 
     def record_for_freeze(
-        self, sandbox_id: str, violation: Violation, within_s: float, at: float
+        self,
+        sandbox_id: str,
+        violation: Violation,
+        within_s: float,
+        at: float,
+        intent: Intent | None = None,
     ) -> FreezeRecorded:
         """``record_or_detect`` and ``record_freeze_request`` as ONE durable commit: the
         freeze path pays one fsync before the freeze instead of two.
@@ -227,13 +255,146 @@ class Journal:
         Returns (violation id, whether this layer saw it first, freeze id). The freeze id
         is None when the violation already caused a freeze a person has decided on: the
         caller must not freeze again for it.
+
+        ``intent``: this record, written by ``write_intent`` before the freeze; its
+        token is committed with it, and its slot freed once that commit returns.
         """
-        with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
-            vid, first = self._record_or_detect(conn, sandbox_id, violation, within_s)
-            if not first and self._decided(conn, vid):
-                return FreezeRecorded(vid, first, None)
-            freeze_id = self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
-            return FreezeRecorded(vid, first, freeze_id)
+        folded = False
+        try:
+            with self._write(f"record violation for sandbox {sandbox_id!r}") as conn:
+                acted = intent is not None
+                recorded = self._record_for_freeze(
+                    conn, sandbox_id, violation, within_s, at, acted=acted
+                )
+                if intent is not None:
+                    conn.execute("INSERT INTO folded_intents VALUES (?)", (intent.token,))
+            folded = True
+            return recorded
+        finally:
+            if intent is not None and self._intents is not None:
+                self._intents.done(intent, folded)
+
+    def _record_for_freeze(
+        self,
+        conn: sqlite3.Connection,
+        sandbox_id: str,
+        violation: Violation,
+        within_s: float,
+        at: float,
+        *,
+        acted: bool = False,
+    ) -> FreezeRecorded:
+        """``acted``: the layer froze already (its intent was durable first); where a
+        person has decided this violation's freeze, its request joins that one, so the
+        thaw that undoes it (``thaw_if_resumed``) is journaled on it."""
+        vid, first = self._record_or_detect(conn, sandbox_id, violation, within_s)
+        decided = None if first else self._decided_freeze(conn, vid)
+        if decided is not None:
+            if acted:
+                row = conn.execute("SELECT id, requested_by FROM freezes WHERE id = ?", (decided,))
+                ask = {"layer": violation.layer, "at": at, "violation_id": vid}
+                self._join(conn, row.fetchone(), ask)
+            return FreezeRecorded(vid, first, None)
+        freeze_id = self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
+        return FreezeRecorded(vid, first, freeze_id)
+
+    # -- freeze intents (store/intents.py) ---------------------------------------------
+
+    def open_intents(self) -> None:
+        """Give this process an intent file, so that its freezes need not wait for
+        SQLite's commit (``write_intent``). A layer calls it once, before its first
+        violation; where the file cannot be made, freezes commit to SQLite first."""
+        if self._intents is not None:
+            return
+        try:
+            self._intents = IntentLog.create(self._path.parent)
+        except OSError as exc:
+            raise JournalError(
+                f"{self._path.parent / intents_file.DIR}: cannot make an intent file: "
+                f"{exc.strerror or exc}"
+            ) from exc
+
+    def write_intent(
+        self, sandbox_id: str, violation: Violation, within_s: float, at: float
+    ) -> Intent | None:
+        """What ``record_for_freeze`` (same arguments) will commit, durable when this
+        returns, in this process's intent file: freeze, then call that with it. None
+        where there is none (no ``open_intents``, or no slot free): commit first."""
+        log = self._intents
+        if log is None:
+            return None
+        record: dict[str, object] = {
+            "violation": violation.to_json(), "within_s": within_s, "asked_at": at,
+        }  # fmt: skip
+        try:
+            return log.write(sandbox_id, record)
+        except OSError as exc:
+            raise JournalError(f"{log.path}: cannot write: {exc.strerror or exc}") from exc
+
+    def decided_freeze(self, violation_id: int) -> int | None:
+        """The freeze a person decided on that ``violation_id`` caused or joined."""
+        with self._read(f"read freezes of violation {violation_id}") as conn:
+            return self._decided_freeze(conn, violation_id)
+
+    def fold_intents(self) -> int:
+        """Fold into SQLite the intents of layers that ended before they could (a crash
+        between an intent and its commit); returns how many records were new here.
+
+        A record whose sandbox this journal does not know is dropped, with a line on
+        stderr: it cannot be attached to anything a person reviews."""
+        folded = 0
+        with intents_file.orphans(self._path.parent) as found:
+            if not found:
+                return 0
+            done: list[str] = []
+            with self._write("fold freeze intents") as conn:
+                for path, stem, data in found:
+                    for seq, record in intents_file.records(data):
+                        token = f"{stem}:{seq}"
+                        if self._fold_one(conn, path, token, record):
+                            folded += 1
+                    done.append(stem)
+            try:
+                intents_file.remove([path for path, _, _ in found])
+            except OSError as exc:
+                raise JournalError(f"cannot remove folded intent files: {exc}") from exc
+        self._forget_intents(done)
+        return folded
+
+    def _fold_one(
+        self, conn: sqlite3.Connection, path: Path, token: str, record: dict[str, object]
+    ) -> bool:
+        if conn.execute("SELECT 1 FROM folded_intents WHERE token = ?", (token,)).fetchone():
+            return False
+        try:
+            sandbox_id = str(record["sandbox_id"])
+            raw = record["violation"]
+            if not isinstance(raw, dict):
+                raise TypeError("no violation")
+            violation = Violation.from_json(raw)
+            within_s = float(record["within_s"])  # type: ignore[arg-type]
+            at = float(record["asked_at"])  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError) as exc:
+            print(f"egress: {path}: {token}: not a freeze intent ({exc}); dropped", file=sys.stderr)
+            return False
+        if not schema.exists(conn, "sandboxes", sandbox_id):
+            print(f"egress: {path}: {token}: no sandbox {sandbox_id!r} in the journal; "
+                  "dropped", file=sys.stderr)  # fmt: skip
+            return False
+        self._record_for_freeze(conn, sandbox_id, violation, within_s, at, acted=True)
+        conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))
+        return True
+
+    def _forget_intents(self, stems: list[str]) -> None:
+        """The tokens of intent files that are gone: nothing will fold them again."""
+        if not stems:
+            return
+        with self._write("forget folded intents") as conn:
+            for stem in stems:
+                conn.execute(
+                    "DELETE FROM folded_intents WHERE token >= ? AND token < ?",
+                    (f"{stem}:", f"{stem};"),
+                )
 
     def record_detection(self, violation_id: int, layer: str, at: float) -> None:
         """Note that ``layer`` also saw violation ``violation_id`` at ``at`` (first sighting)."""
@@ -304,13 +465,17 @@ class Journal:
         if row is None:
             first = (sandbox_id, at, layer, violation_id, schema.dumps([ask]))
             return schema.insert(conn, schema.NEW_FREEZE_SQL, first)
+        self._join(conn, row, ask)
+        return int(row["id"])
+
+    def _join(self, conn: sqlite3.Connection, row: sqlite3.Row, ask: dict[str, object]) -> None:
+        """``ask`` added to the freeze ``row``'s requests, unless its layer asked already."""
         asks = schema.as_dict(row)["requested_by"]
-        if all(a["layer"] != layer for a in asks):
+        if all(a["layer"] != ask["layer"] for a in asks):
             conn.execute(
                 "UPDATE freezes SET requested_by = ? WHERE id = ?",
                 (schema.dumps([*asks, ask]), row["id"]),
             )
-        return int(row["id"])
 
     def confirm_freeze(
         self, freeze_id: int, confirmed_at: float, latency_ms: float, layer: str | None = None
@@ -405,22 +570,23 @@ class Journal:
         decided, must not freeze again for the same thing.
         """
         with self._read(f"read freezes of violation {violation_id}") as conn:
-            return self._decided(conn, violation_id)
+            return self._decided_freeze(conn, violation_id) is not None
 
-    def _decided(self, conn: sqlite3.Connection, violation_id: int) -> bool:
+    def _decided_freeze(self, conn: sqlite3.Connection, violation_id: int) -> int | None:
+        """The newest freeze a person decided that ``violation_id`` caused or joined."""
         rows = conn.execute(
-            "SELECT first_violation, requested_by FROM freezes WHERE decision_id IS NOT NULL "
-            "AND sandbox_id = (SELECT sandbox_id FROM violations WHERE id = ?)",
+            "SELECT id, first_violation, requested_by FROM freezes WHERE decision_id IS NOT "
+            "NULL AND sandbox_id = (SELECT sandbox_id FROM violations WHERE id = ?) "
+            "ORDER BY id DESC",
             (violation_id,),
         ).fetchall()
-        return any(
-            r["first_violation"] == violation_id
-            or any(
-                a.get("violation_id") == violation_id
-                for a in schema.as_dict(r)["requested_by"] or []
-            )
-            for r in rows
-        )
+        for r in rows:
+            asks = schema.as_dict(r)["requested_by"] or []
+            if r["first_violation"] == violation_id or any(
+                a.get("violation_id") == violation_id for a in asks
+            ):
+                return int(r["id"])
+        return None
 
     def freezes(self, sandbox_id: str | None = None, limit: int = 100) -> list[Row]:
         return self._newest("freezes", "requested_at", sandbox_id, limit)

@@ -128,11 +128,16 @@ _V4 = (
     )""",
 )
 
+# The freeze intents already folded into this journal (store/intents.py), so none is
+# folded twice; a file's tokens go when the file does.
+_V5 = ("CREATE TABLE folded_intents (token TEXT PRIMARY KEY) WITHOUT ROWID",)
+
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     _V1,
     _V2,
     _V3,
     _V4,
+    _V5,
 )  # MIGRATIONS[n - 1] brings n - 1 to n
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -10,6 +10,7 @@ import json
 import os
 import select
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
@@ -377,6 +378,62 @@ def test_kill_9_of_every_egress_process_in_a_burst_keeps_the_journal(lab: Lab) -
             rows = j.violations(run.id, limit=100_000)
         assert len(rows) >= 5
         assert all(r["class"] == "blocked_connect" and r["evidence"]["flow"] for r in rows)
+
+
+def test_layers_killed_between_intent_and_commit_leave_the_violation_journaled(
+    lab: Lab,
+) -> None:
+    """A freeze waits for the violation to be durable, not for SQLite: with the journal's
+    write lock held here, the workload's blocked connect freezes the sandbox all the same
+    (the record is in the layers' intent files). Both layers are then killed (-9) while
+    they wait for the lock, the moment a crash between the freeze and the commit leaves.
+    The next open of the journal holds the violation and its freeze, once."""
+    state = Path(os.environ["EGRESS_STATE_DIR"])
+    with agent_run(lab, policy(), "connect") as run:
+        observer = run.observer_pid()
+        lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+        try:
+            lock.execute("BEGIN IMMEDIATE")
+            run.go()
+            end = time.monotonic() + 10
+            while not run.cgroup.is_frozen():
+                assert time.monotonic() < end, "not frozen with the journal locked"
+                time.sleep(0.005)
+            still(run)
+            committed = lock.execute(  # nothing: only the intents hold it (Journal.open
+                "SELECT count(*) FROM violations WHERE sandbox_id = ?",  # would wait)
+                (run.id,),
+            ).fetchone()
+            assert committed == (0,)
+            os.kill(observer, signal.SIGKILL)
+            os.kill(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
+            gone(observer)
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        with run.journal() as j:  # folds what the dead layers left
+            [v] = [v for v in j.violations(run.id) if v["class"] == "blocked_connect"]
+            freezes = j.freezes(run.id)
+        assert v["evidence"]["flow"]["dst"] and v["evidence"]["flow"]["dport"]
+        assert len(freezes) == 1 and freezes[0]["first_violation"] == v["id"]
+        assert freezes[0]["decision_id"] is None  # for a person to decide
+        assert list((state / "intents").glob("*.log")) == []
+        with run.journal() as j:
+            assert len(j.freezes(run.id)) == 1
+            assert len([x for x in j.violations(run.id) if x["class"] == "blocked_connect"]) == 1
+
+
+def gone(pid: int, timeout: float = 10) -> None:
+    """Until ``pid`` is no more (reaped by whoever its parent is now)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < end, f"process {pid} still there"
+        time.sleep(0.01)
 
 
 def _wait_for(run: Run, line: str) -> None:

@@ -1,0 +1,180 @@
+"""Freeze intents (store/intents.py) against a real journal, files and processes: what a
+layer that dies between its intent and its SQLite commit leaves is journaled all the
+same by whoever opens the journal next, once, and never while the layer lives."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from egress.model import Action, Flow, Violation, ViolationClass
+from egress.store import intents
+from egress.store.journal import Journal
+
+V = Violation(
+    cls=ViolationClass.BLOCKED_CONNECT, layer="observer", rule="default deny",
+    detail="tcp to 203.0.113.9:443", at=1_700_000_000.5, action=Action.FREEZE,
+    flow=Flow("tcp", "10.0.0.2", "203.0.113.9", 40000, 443), uid=1000,
+)  # fmt: skip
+
+# A layer in a process of its own: its intent written, then (as `commit` says) its
+# SQLite commit or not, then gone at once, as kill -9 leaves it: no close, no cleanup.
+LAYER = """
+import os, sys, time
+from egress.model import Action, Flow, Violation, ViolationClass
+from egress.store.journal import Journal
+j = Journal.open(sys.argv[1])
+j.open_intents()
+v = Violation(cls=ViolationClass.BLOCKED_CONNECT, layer="observer", rule="default deny",
+              detail="tcp to 203.0.113.9:443", at=float(sys.argv[3]), action=Action.FREEZE,
+              flow=Flow("tcp", "10.0.0.2", "203.0.113.9", 40000, 443), uid=1000)
+intent = j.write_intent("sb1", v, 2.0, float(sys.argv[3]) + 0.001)
+assert intent is not None
+if sys.argv[2] == "commit":
+    j.record_for_freeze("sb1", v, 2.0, float(sys.argv[3]) + 0.001, intent)
+os._exit(0)
+"""
+
+
+def dead_layer(state: Path, commit: bool, at: float) -> None:
+    args = [sys.executable, "-c", LAYER, str(state), "commit" if commit else "no", str(at)]
+    subprocess.run(args, check=True, timeout=60)
+
+
+def intent_files(state: Path) -> list[Path]:
+    return sorted((state / intents.DIR).glob("*" + intents.SUFFIX))
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    with Journal.open(state) as j:
+        j.record_sandbox("sb1", "p")
+    return state
+
+
+def test_a_layer_killed_after_its_intent_leaves_its_violation_and_freeze_journaled(
+    state: Path,
+) -> None:
+    at = time.time()
+    dead_layer(state, commit=False, at=at)
+    [left] = intent_files(state)
+    with Journal.open(state) as j:  # folds it
+        [v] = j.violations("sb1")
+        assert (v["class"], v["layer"], v["key"], v["at"]) == (
+            "blocked_connect", "observer", str(V.flow), at,
+        )  # fmt: skip
+        assert v["evidence"]["uid"] == 1000
+        [f] = j.freezes("sb1")
+        assert f["first_violation"] == v["id"] and f["decision_id"] is None
+        assert f["requested_at"] == at + 0.001 and f["confirmed_at"] is None
+        assert [a["layer"] for a in f["requested_by"]] == ["observer"]
+    assert not left.exists() and intent_files(state) == []
+    with Journal.open(state) as j:  # nothing left to fold twice
+        assert len(j.violations("sb1")) == 1 and len(j.freezes("sb1")) == 1
+
+
+def test_an_intent_already_committed_is_not_folded_again(state: Path) -> None:
+    dead_layer(state, commit=True, at=time.time())
+    [left] = intent_files(state)
+    with Journal.open(state) as j:
+        assert j.fold_intents() == 0  # the open's own fold found it committed
+        assert len(j.violations("sb1")) == 1 and len(j.freezes("sb1")) == 1
+    assert not left.exists()
+
+
+def test_a_live_layers_intents_are_not_folded_until_it_has_gone(state: Path) -> None:
+    layer = Journal.open(state)
+    try:
+        layer.open_intents()
+        intent = layer.write_intent("sb1", V, 2.0, V.at)
+        assert intent is not None
+        with Journal.open(state) as other:  # its open folds nothing of the live file
+            assert other.fold_intents() == 0
+            assert other.violations("sb1") == []
+            assert len(intent_files(state)) == 1
+    finally:
+        layer.close()  # a record not folded: the file stays, unlocked
+    assert len(intent_files(state)) == 1
+    with Journal.open(state) as j:
+        assert len(j.violations("sb1")) == 1
+    assert intent_files(state) == []
+
+
+def test_a_closed_layers_file_and_tokens_go_when_all_is_folded(state: Path) -> None:
+    j = Journal.open(state)
+    j.open_intents()
+    for n in range(3):
+        v = dataclasses.replace(V, at=V.at + n * 10)
+        intent = j.write_intent("sb1", v, 2.0, v.at)
+        assert intent is not None
+        assert j.record_for_freeze("sb1", v, 2.0, v.at, intent).freeze_id is not None
+        j.record_decision("sb1", "resume", 0, v.at + 1)
+    assert len(intent_files(state)) == 1
+    j.close()
+    assert intent_files(state) == []
+    with Journal.open(state) as again:
+        assert len(again.violations("sb1")) == 3
+    conn = sqlite3.connect(state / "journal.db")
+    try:
+        assert conn.execute("SELECT token FROM folded_intents").fetchall() == []
+    finally:
+        conn.close()
+
+
+def test_a_slot_is_written_again_only_once_its_record_is_in_sqlite(tmp_path: Path) -> None:
+    log = intents.IntentLog.create(tmp_path)
+    try:
+        held = [log.write("sb1", {"n": n}) for n in range(intents.SLOTS)]
+        assert all(h is not None for h in held)
+        assert len({h.slot for h in held if h is not None}) == intents.SLOTS
+        assert log.write("sb1", {"n": "one too many"}) is None  # the caller commits first
+        first = held[0]
+        assert first is not None
+        log.done(first, folded=False)  # SQLite refused it: the slot stays taken
+        assert log.write("sb1", {"n": "still none"}) is None
+        second = held[1]
+        assert second is not None
+        log.done(second, folded=True)
+        again = log.write("sb1", {"n": "again"})
+        assert again is not None and again.slot == second.slot
+        data = log.path.read_bytes()
+        assert [r["n"] for _, r in intents.records(data)][-1] == "again"
+        assert {"n": 0} in [{"n": r["n"]} for _, r in intents.records(data)]  # slot 0 kept
+    finally:
+        log.close(remove=False)
+
+
+def test_an_intent_for_a_sandbox_the_journal_lacks_is_dropped_and_said(
+    state: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    layer = Journal.open(state)
+    layer.open_intents()
+    assert layer.write_intent("nosuch", V, 2.0, V.at) is not None
+    layer.close()
+    with Journal.open(state) as j:
+        assert j.violations() == []
+    assert "no sandbox 'nosuch' in the journal; dropped" in capfd.readouterr().err
+    assert intent_files(state) == []
+
+
+def test_a_torn_slot_is_skipped_and_the_others_folded(state: Path) -> None:
+    layer = Journal.open(state)
+    layer.open_intents()
+    for n in range(2):
+        v = dataclasses.replace(V, at=V.at + n * 10)
+        assert layer.write_intent("sb1", v, 2.0, v.at) is not None
+    layer.close()
+    [path] = intent_files(state)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF  # slot 0's record, as a write torn by a power loss leaves it
+    path.write_bytes(bytes(data))
+    with Journal.open(state) as j:
+        [v] = j.violations("sb1")
+        assert v["at"] == V.at + 10
