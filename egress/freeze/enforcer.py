@@ -124,7 +124,9 @@ class Enforcer:
     ) -> FreezeEvent | None:
         """Journal before act through the intent file (store/intents.py): the record is
         durable there already; freeze, then commit it to SQLite as the other path does
-        before its freeze (an intent SQLite refuses stays for the next open to fold)."""
+        before its freeze (an intent SQLite refuses is committed later, Journal). No read
+        comes before the freeze, so a late sighting of a violation whose freeze a person
+        has resumed freezes for the commit's length, then thaws again."""
         try:
             at = time.time()
             confirmed = at + self.cgroup.freeze()
@@ -145,6 +147,12 @@ class Enforcer:
             if decided is not None:
                 self._resumed_before_it_landed(decided)
             return None
+        if not self.cgroup.is_frozen():
+            # Thawed between this freeze and its commit: the other layer settling a
+            # resumed freeze (thaw_if_resumed) found none open, as this one was not
+            # committed yet. Now it is open, no such thaw comes again: freeze again.
+            at = time.time()
+            confirmed = at + self.cgroup.freeze()
         return self._frozen(v, vid, fid, confirmed)
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:

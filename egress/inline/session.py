@@ -195,6 +195,7 @@ class Session:
     def observer_died(self) -> None:
         if self.stopping:
             return
+        self._fold_what_it_left()
         cls = ViolationClass.LAYER_LOSS
         self.on_violation(
             Violation(
@@ -206,6 +207,15 @@ class Session:
                 action=self.sb.policy.action(cls),
             )
         )
+
+    def _fold_what_it_left(self) -> None:
+        """A freeze the dead observer made from its intent but never committed: into
+        the journal now, for the review that follows (store/intents.py)."""
+        try:
+            self.enforcer.journal.fold_intents()
+        except EgressError as exc:
+            print(f"egress inline: could not fold the observer's intents: {exc}",
+                  file=sys.stderr)  # fmt: skip
 
     def close(self, handed_over: bool = False) -> None:
         """Stop; with ``handed_over`` a successor reads the NFLOG group from now on, so

@@ -307,6 +307,11 @@ class Observer:
     def _inline_lost(self) -> None:
         if not netns_exists(self.cfg.netns):
             return  # the sandbox ended with its inline layer: not a loss
+        try:  # a freeze it made from its intent but never committed (store/intents.py)
+            self.journal.fold_intents()
+        except EgressError as exc:
+            print(f"egress observer: could not fold the inline layer's intents: {exc}",
+                  file=sys.stderr)  # fmt: skip
         cls = ViolationClass.LAYER_LOSS
         v = Violation(
             cls=cls,

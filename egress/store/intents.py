@@ -97,24 +97,33 @@ class IntentLog:
         self.path = directory / f"{stem}{SUFFIX}"
         self.stem = stem
         self._fd: int | None = fd
+        # Held across each write, so that close never comes between a write's look at
+        # the descriptor and its pwrite (and no write lands in a file close removed).
         self._lock = threading.Lock()
         self._free = list(range(SLOTS - 1, -1, -1))
         self._seq = 0
-        self.pinned = 0  # records SQLite refused: left for the next open to fold
+        self._pinned: list[Intent] = []  # records SQLite refused, to commit again
 
     @classmethod
     def create(cls, state_dir: Path) -> IntentLog:
-        """A new file, locked, zero-filled and fsync'd, then named: nobody folds it
-        while this process lives, nor a half-made one ever (a dot-name is skipped)."""
+        """A new file, locked, zero-filled and fsync'd, then named (linked: a name some
+        file has already is never taken over): nobody folds it while this process
+        lives, nor a half-made one ever (a dot-name is never folded)."""
         directory = state_dir / DIR
         directory.mkdir(mode=0o700, exist_ok=True)
-        stem = f"{os.getpid()}-{secrets.token_hex(4)}"
-        tmp = directory / f".{stem}{SUFFIX}"
+        tmp = directory / f".{os.getpid()}-{secrets.token_hex(16)}{SUFFIX}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DSYNC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.pwrite(fd, bytes(SLOT * SLOTS), 0)  # O_DSYNC: on disk when it returns
-            os.rename(tmp, directory / f"{stem}{SUFFIX}")
+            while True:
+                stem = f"{os.getpid()}-{secrets.token_hex(16)}"
+                try:
+                    os.link(tmp, directory / f"{stem}{SUFFIX}")
+                    break
+                except FileExistsError:
+                    continue
+            os.unlink(tmp)
             _fsync_dir(directory)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -129,53 +138,48 @@ class IntentLog:
         with self._lock:
             if self._fd is None or not self._free:
                 return None
+            block = encode(self._seq + 1, {"sandbox_id": sandbox_id, **record})
+            if block is None:
+                return None
             self._seq += 1
-            seq, slot = self._seq, self._free.pop()
-        block = encode(seq, {"sandbox_id": sandbox_id, **record})
-        if block is None:
-            self._release(slot)
-            return None
-        try:
-            fd = self._fd
-            if fd is None:
-                raise OSError("intent log closed")
-            os.pwrite(fd, block, slot * SLOT)
-        except OSError:
-            self._release(slot)
-            raise
-        return Intent(f"{self.stem}:{seq}", slot, sandbox_id, record)
+            slot = self._free.pop()
+            try:
+                os.pwrite(self._fd, block, slot * SLOT)
+            except OSError:
+                self._free.append(slot)
+                raise
+            return Intent(f"{self.stem}:{self._seq}", slot, sandbox_id, record)
 
     def done(self, intent: Intent, folded: bool) -> None:
         """SQLite holds ``intent`` (``folded``): its slot may be written again. Not folded,
-        it stays, for whoever opens the journal after this process to fold."""
-        if folded:
-            self._release(intent.slot)
-        else:
-            with self._lock:
-                self.pinned += 1
-
-    def _release(self, slot: int) -> None:
+        it stays, and ``pinned`` lists it, to be committed again."""
         with self._lock:
-            self._free.append(slot)
+            if not folded:
+                self._pinned.append(intent)
+                return
+            if intent in self._pinned:
+                self._pinned.remove(intent)
+            self._free.append(intent.slot)
 
-    def idle(self) -> bool:
-        """No record in it that SQLite may lack."""
+    def pinned(self) -> list[Intent]:
         with self._lock:
-            return len(self._free) == SLOTS
+            return list(self._pinned)
 
-    def close(self, remove: bool) -> None:
-        """Close; ``remove`` (every record folded) also deletes the file."""
+    def close(self) -> bool:
+        """Close; where every record is in SQLite, delete the file too (True)."""
         with self._lock:
             fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        try:
-            if remove:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
-                _fsync_dir(self.directory)
-        finally:
-            os.close(fd)  # the lock goes with it: a file left is for others to fold
+            if fd is None:
+                return False
+            idle = len(self._free) == SLOTS
+            try:
+                if idle:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path)
+                    _fsync_dir(self.directory)
+            finally:
+                os.close(fd)  # the lock goes with it: a file left is for others to fold
+            return idle
 
 
 @contextlib.contextmanager

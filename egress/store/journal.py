@@ -118,13 +118,14 @@ class Journal:
     def close(self) -> None:
         log, self._intents = self._intents, None
         if log is not None:
-            # Every record folded: the file goes, and its tokens after it (a crash in
+            self._commit_pinned(log)
+            # Every record committed: the file goes, and its tokens after it (a crash in
             # between leaves tokens naming no file, which fold nothing). Else it stays,
             # unlocked, for the next open to fold.
-            idle = log.idle()
+            removed = False
             with contextlib.suppress(OSError):
-                log.close(remove=idle)
-            if idle:
+                removed = log.close()
+            if removed:
                 with contextlib.suppress(JournalError):
                     self._forget_intents([log.stem])
         with self._lock:
@@ -269,10 +270,25 @@ class Journal:
                 if intent is not None:
                     conn.execute("INSERT INTO folded_intents VALUES (?)", (intent.token,))
             folded = True
-            return recorded
         finally:
             if intent is not None and self._intents is not None:
                 self._intents.done(intent, folded)
+        if self._intents is not None and intent is not None:
+            self._commit_pinned(self._intents)  # SQLite writes again: what it refused
+        return recorded
+
+    def _commit_pinned(self, log: IntentLog) -> None:
+        """Commit the records of ``log`` SQLite refused before (a full disk, a lock held
+        past the busy timeout): durable in the file, but no one reads them there while
+        this process lives. As a fold would, each opens a freeze for a person."""
+        for intent in log.pinned():
+            record = {"sandbox_id": intent.sandbox_id, **intent.record}
+            try:
+                with self._write("commit a freeze intent again") as conn:
+                    self._fold_one(conn, log.path, intent.token, record)
+            except JournalError:
+                return  # still refused: kept for the next try, or the next open's fold
+            log.done(intent, folded=True)
 
     def _record_for_freeze(
         self,
@@ -381,7 +397,15 @@ class Journal:
             print(f"egress: {path}: {token}: no sandbox {sandbox_id!r} in the journal; "
                   "dropped", file=sys.stderr)  # fmt: skip
             return False
-        self._record_for_freeze(conn, sandbox_id, violation, within_s, at, acted=True)
+        # Whether the dead layer's freeze landed, and when, is unknown: a person decides
+        # it, even where a freeze of this violation was decided before (that freeze may
+        # have landed after the decision, with no layer left to thaw it again).
+        vid, _ = self._record_or_detect(conn, sandbox_id, violation, within_s)
+        self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
+        conn.execute(
+            "UPDATE sandboxes SET state = 'frozen' WHERE id = ? AND state = 'running'",
+            (sandbox_id,),
+        )
         conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))
         return True
 
@@ -518,14 +542,16 @@ class Journal:
         """Call ``thaw`` when a person resumed ``freeze_id`` before ``layer``'s freeze of
         it landed, and no other freeze of the sandbox is open; True when it did.
 
-        Both layers freeze for one violation, each after its own commit. If the first
-        layer froze, a person resumed (journal, then thaw), and only then the second
+        Both layers freeze for one violation, each once its record is durable. If the
+        first layer froze, a person resumed (journal, then thaw), and only then the second
         layer's write reached the cgroup, the sandbox would stand frozen with nothing
         left to decide. The check, the note (``thawed_at`` on the layer's request:
         journal before act) and ``thaw`` run under the write lock, so a new violation's
-        freeze request (committed before its freeze) cannot slip between them and have
-        its freeze undone; ``thaw`` should only write, not wait, as it holds the lock.
-        What ``thaw`` raises rolls the note back and propagates.
+        freeze request committed before its freeze cannot slip between them and have its
+        freeze undone. One frozen from its intent and committed after this thaw was
+        undone by it: that layer looks again once its commit returns, and freezes again
+        (Enforcer._freeze_then_fold). ``thaw`` should only write, not wait, as it holds
+        the lock. What ``thaw`` raises rolls the note back and propagates.
         """
         decided = "SELECT 1 FROM freezes WHERE id = ? AND decision_id IS NOT NULL"
         if not self._select(decided, (freeze_id,)):

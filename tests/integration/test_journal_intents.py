@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from egress.errors import JournalError
 from egress.model import Action, Flow, Violation, ViolationClass
 from egress.store import intents
 from egress.store.journal import Journal
@@ -27,6 +28,7 @@ V = Violation(
 # SQLite commit or not, then gone at once, as kill -9 leaves it: no close, no cleanup.
 LAYER = """
 import os, sys, time
+from egress.errors import JournalError
 from egress.model import Action, Flow, Violation, ViolationClass
 from egress.store.journal import Journal
 j = Journal.open(sys.argv[1])
@@ -36,14 +38,18 @@ v = Violation(cls=ViolationClass.BLOCKED_CONNECT, layer="observer", rule="defaul
               flow=Flow("tcp", "10.0.0.2", "203.0.113.9", 40000, 443), uid=1000)
 intent = j.write_intent("sb1", v, 2.0, float(sys.argv[3]) + 0.001)
 assert intent is not None
-if sys.argv[2] == "commit":
+if sys.argv[2] in ("commit", "commit-resume"):
     j.record_for_freeze("sb1", v, 2.0, float(sys.argv[3]) + 0.001, intent)
+if sys.argv[2] == "commit-resume":
+    j.record_decision("sb1", "resume", 0, float(sys.argv[3]) + 1, "a person")
 os._exit(0)
 """
 
 
-def dead_layer(state: Path, commit: bool, at: float) -> None:
-    args = [sys.executable, "-c", LAYER, str(state), "commit" if commit else "no", str(at)]
+def dead_layer(state: Path, then: str, at: float) -> None:
+    """``then``: "no" (killed before its commit), "commit", or "commit-resume" (and a
+    person resumed the freeze before it died)."""
+    args = [sys.executable, "-c", LAYER, str(state), then, str(at)]
     subprocess.run(args, check=True, timeout=60)
 
 
@@ -63,7 +69,7 @@ def test_a_layer_killed_after_its_intent_leaves_its_violation_and_freeze_journal
     state: Path,
 ) -> None:
     at = time.time()
-    dead_layer(state, commit=False, at=at)
+    dead_layer(state, "no", at=at)
     [left] = intent_files(state)
     with Journal.open(state) as j:  # folds it
         [v] = j.violations("sb1")
@@ -75,18 +81,70 @@ def test_a_layer_killed_after_its_intent_leaves_its_violation_and_freeze_journal
         assert f["first_violation"] == v["id"] and f["decision_id"] is None
         assert f["requested_at"] == at + 0.001 and f["confirmed_at"] is None
         assert [a["layer"] for a in f["requested_by"]] == ["observer"]
+        assert j.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
     assert not left.exists() and intent_files(state) == []
     with Journal.open(state) as j:  # nothing left to fold twice
         assert len(j.violations("sb1")) == 1 and len(j.freezes("sb1")) == 1
 
 
 def test_an_intent_already_committed_is_not_folded_again(state: Path) -> None:
-    dead_layer(state, commit=True, at=time.time())
+    """Committed, then resumed, then the layer died with its file left: folded again, the
+    record would open a new freeze for a person (as a fold of a decided violation does,
+    below); its token says it is in SQLite already."""
+    dead_layer(state, "commit-resume", at=time.time())
     [left] = intent_files(state)
     with Journal.open(state) as j:
-        assert j.fold_intents() == 0  # the open's own fold found it committed
-        assert len(j.violations("sb1")) == 1 and len(j.freezes("sb1")) == 1
+        [f] = j.freezes("sb1")
+        assert f["decision_id"] is not None
+        assert j.sandbox("sb1")["state"] == "running"  # type: ignore[index]
+        assert len(j.violations("sb1")) == 1
     assert not left.exists()
+
+
+def test_a_fold_after_the_violation_was_decided_opens_a_freeze_for_a_person(
+    state: Path,
+) -> None:
+    """The inline layer froze for it and a person resumed; the observer's freeze, from an
+    intent written before, landed after that, and it died before its commit. Nobody is
+    left to thaw it: the fold opens a freeze for a person to decide, not a join of the
+    decided one."""
+    at = time.time()
+    with Journal.open(state) as j:
+        inline = dataclasses.replace(V, layer="inline", at=at)
+        _, _, first = j.record_for_freeze("sb1", inline, 2.0, at)
+        j.record_decision("sb1", "resume", 0, at + 0.5, "a person")
+    dead_layer(state, "no", at=at + 0.0002)
+    with Journal.open(state) as j:
+        [v] = j.violations("sb1")
+        assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}
+        new, old = j.freezes("sb1")
+        assert old["id"] == first and old["decision_id"] is not None
+        assert new["decision_id"] is None and new["first_violation"] == v["id"]
+        assert [a["layer"] for a in new["requested_by"]] == ["observer"]
+        assert j.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+
+
+def test_a_record_sqlite_refused_is_committed_at_the_next_one(state: Path) -> None:
+    layer = Journal.open(state, busy_timeout_s=0.05)
+    lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+    try:
+        layer.open_intents()
+        first = layer.write_intent("sb1", V, 2.0, V.at)
+        assert first is not None
+        lock.execute("BEGIN IMMEDIATE")  # SQLite refuses: busy past the timeout
+        with pytest.raises(JournalError, match="locked"):
+            layer.record_for_freeze("sb1", V, 2.0, V.at, first)
+        lock.execute("ROLLBACK")
+        assert layer.violations("sb1") == []  # only the file has it, pinned there
+        later = dataclasses.replace(V, at=V.at + 60)
+        second = layer.write_intent("sb1", later, 2.0, later.at)
+        assert second is not None and second.slot != first.slot
+        layer.record_for_freeze("sb1", later, 2.0, later.at, second)
+        assert sorted(v["at"] for v in layer.violations("sb1")) == [V.at, later.at]
+    finally:
+        lock.close()
+        layer.close()
+    assert intent_files(state) == []  # both committed: the file went at close
 
 
 def test_a_live_layers_intents_are_not_folded_until_it_has_gone(state: Path) -> None:
@@ -128,7 +186,7 @@ def test_a_closed_layers_file_and_tokens_go_when_all_is_folded(state: Path) -> N
         conn.close()
 
 
-def test_a_slot_is_written_again_only_once_its_record_is_in_sqlite(tmp_path: Path) -> None:
+def test_a_slot_is_written_again_only_once_its_record_is_committed(tmp_path: Path) -> None:
     log = intents.IntentLog.create(tmp_path)
     try:
         held = [log.write("sb1", {"n": n}) for n in range(intents.SLOTS)]
@@ -148,7 +206,7 @@ def test_a_slot_is_written_again_only_once_its_record_is_in_sqlite(tmp_path: Pat
         assert [r["n"] for _, r in intents.records(data)][-1] == "again"
         assert {"n": 0} in [{"n": r["n"]} for _, r in intents.records(data)]  # slot 0 kept
     finally:
-        log.close(remove=False)
+        assert not log.close()  # slot 0 still pinned: the file stays
 
 
 def test_an_intent_for_a_sandbox_the_journal_lacks_is_dropped_and_said(

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -379,6 +380,50 @@ def test_a_freeze_from_an_intent_after_a_resume_of_the_violation_is_undone(
         assert {d["layer"] for d in row["detected_by"]} == {"inline", "observer"}
         assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
     finally:
+        journal.close()
+
+
+def test_a_freeze_from_an_intent_thawed_before_its_commit_is_made_again(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    """The observer froze for a new violation from its intent; before its commit, the
+    inline layer settled an older freeze a person had resumed (thaw_if_resumed), found
+    no freeze open in SQLite, and thawed. Once its commit returns the observer looks
+    again and freezes again: the sandbox never runs with a freeze open and confirmed."""
+    cg = make_cgroup()
+    cg.add_pid(ticker.pid)
+    policy, _ = parse_policy(RACE_POLICY, "<test>")
+    journal = Journal.open(tmp_path / "state")
+    try:
+        journal.record_sandbox("sb1", policy.name)
+        older = race_violation("inline")
+        _, _, resumed = journal.record_for_freeze("sb1", older, 2.0, time.time())
+        assert resumed is not None
+        journal.record_decision("sb1", "resume", 0, time.time(), "a person")
+        real_freeze = cg.freeze
+        thawed: list[bool] = []
+
+        def settled_meanwhile(*args: Any, **kwargs: Any) -> float:
+            took = real_freeze(*args, **kwargs)
+            if not thawed:  # the inline layer, late for the resumed freeze
+                thaw = lambda: cg.thaw(wait=False)  # noqa: E731
+                thawed.append(journal.thaw_if_resumed(resumed, "inline", thaw))
+            return took
+
+        cg.freeze = settled_meanwhile  # type: ignore[method-assign]
+        enforcer = Enforcer("sb1", policy, "observer", journal, cg)
+        newer = replace(race_violation("observer"), flow=Flow("tcp", "10.0.0.2",
+                        "203.0.113.98", 40001, 443), detail="tcp to 203.0.113.98:443")  # fmt: skip
+        event = enforcer.handle(newer)
+        assert thawed == [True]  # the thaw did come between the freeze and the commit
+        assert event is not None
+        assert cg.is_frozen()
+        assert_stopped(ticker)
+        new, _ = journal.freezes("sb1")
+        assert new["decision_id"] is None and new["confirmed_at"] is not None
+        assert journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+    finally:
+        cg.thaw()
         journal.close()
 
 
