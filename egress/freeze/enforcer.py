@@ -153,7 +153,9 @@ class Enforcer:
             # committed yet. Now it is open, no such thaw comes again: freeze again.
             at = time.time()
             confirmed = at + self.cgroup.freeze()
-        return self._frozen(v, vid, fid, confirmed)
+        event = self._frozen(v, vid, fid, confirmed)
+        self._try(self.journal.commit_pinned)  # what SQLite refused before, if anything
+        return event
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:
         asked = time.time()

@@ -195,7 +195,6 @@ class Session:
     def observer_died(self) -> None:
         if self.stopping:
             return
-        self._fold_what_it_left()
         cls = ViolationClass.LAYER_LOSS
         self.on_violation(
             Violation(
@@ -207,6 +206,7 @@ class Session:
                 action=self.sb.policy.action(cls),
             )
         )
+        self._fold_what_it_left()  # after the loss is acted on: it never waits for this
 
     def _fold_what_it_left(self) -> None:
         """A freeze the dead observer made from its intent but never committed: into

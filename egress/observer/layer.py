@@ -307,11 +307,6 @@ class Observer:
     def _inline_lost(self) -> None:
         if not netns_exists(self.cfg.netns):
             return  # the sandbox ended with its inline layer: not a loss
-        try:  # a freeze it made from its intent but never committed (store/intents.py)
-            self.journal.fold_intents()
-        except EgressError as exc:
-            print(f"egress observer: could not fold the inline layer's intents: {exc}",
-                  file=sys.stderr)  # fmt: skip
         cls = ViolationClass.LAYER_LOSS
         v = Violation(
             cls=cls,
@@ -323,6 +318,11 @@ class Observer:
         )
         self._act(v)
         self.inline_dead = True
+        try:  # a freeze it made from its intent but never committed (store/intents.py)
+            self.journal.fold_intents()
+        except EgressError as exc:
+            print(f"egress observer: could not fold the inline layer's intents: {exc}",
+                  file=sys.stderr)  # fmt: skip
         if self.cfg.teardown is not None:
             # The journal's owner is who ends the sandbox: `egressctl kill` waits for it.
             with contextlib.suppress(EgressError):

@@ -101,6 +101,7 @@ class IntentLog:
         # the descriptor and its pwrite (and no write lands in a file close removed).
         self._lock = threading.Lock()
         self._free = list(range(SLOTS - 1, -1, -1))
+        self._live: dict[int, str] = {}  # slot -> the token of the record it holds
         self._seq = 0
         self._pinned: list[Intent] = []  # records SQLite refused, to commit again
 
@@ -148,22 +149,29 @@ class IntentLog:
             except OSError:
                 self._free.append(slot)
                 raise
-            return Intent(f"{self.stem}:{self._seq}", slot, sandbox_id, record)
+            token = f"{self.stem}:{self._seq}"
+            self._live[slot] = token
+            return Intent(token, slot, sandbox_id, record)
 
     def done(self, intent: Intent, folded: bool) -> None:
-        """SQLite holds ``intent`` (``folded``): its slot may be written again. Not folded,
-        it stays, and ``pinned`` lists it, to be committed again."""
+        """SQLite holds ``intent`` (``folded``): its slot may be written again, once (a
+        second ``done`` for it frees nothing). Not folded, it stays, and ``take_pinned``
+        hands it out to be committed again."""
         with self._lock:
             if not folded:
                 self._pinned.append(intent)
-                return
-            if intent in self._pinned:
-                self._pinned.remove(intent)
-            self._free.append(intent.slot)
+            elif self._live.get(intent.slot) == intent.token:
+                del self._live[intent.slot]
+                self._free.append(intent.slot)
 
-    def pinned(self) -> list[Intent]:
+    def take_pinned(self) -> list[Intent]:
+        """The records SQLite refused, each handed to one caller only: it calls ``done``
+        for each, folded or (pinned again) not."""
+        if not self._pinned:  # the usual case, without waiting on a write for the lock
+            return []
         with self._lock:
-            return list(self._pinned)
+            taken, self._pinned = self._pinned, []
+            return taken
 
     def close(self) -> bool:
         """Close; where every record is in SQLite, delete the file too (True)."""

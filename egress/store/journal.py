@@ -271,23 +271,31 @@ class Journal:
                     conn.execute("INSERT INTO folded_intents VALUES (?)", (intent.token,))
             folded = True
         finally:
-            if intent is not None and self._intents is not None:
-                self._intents.done(intent, folded)
-        if self._intents is not None and intent is not None:
-            self._commit_pinned(self._intents)  # SQLite writes again: what it refused
+            log = self._intents
+            if intent is not None and log is not None:
+                log.done(intent, folded)
         return recorded
 
+    def commit_pinned(self) -> None:
+        """Commit the records of this process's intent file SQLite refused before (a
+        full disk, a lock held past the busy timeout): durable in the file, but no one
+        reads them there while this process lives. As a fold would, each opens a freeze
+        for a person. A layer calls it after each freeze it made; close calls it too."""
+        log = self._intents
+        if log is not None:
+            self._commit_pinned(log)
+
     def _commit_pinned(self, log: IntentLog) -> None:
-        """Commit the records of ``log`` SQLite refused before (a full disk, a lock held
-        past the busy timeout): durable in the file, but no one reads them there while
-        this process lives. As a fold would, each opens a freeze for a person."""
-        for intent in log.pinned():
+        taken = log.take_pinned()
+        for n, intent in enumerate(taken):
             record = {"sandbox_id": intent.sandbox_id, **intent.record}
             try:
                 with self._write("commit a freeze intent again") as conn:
                     self._fold_one(conn, log.path, intent.token, record)
             except JournalError:
-                return  # still refused: kept for the next try, or the next open's fold
+                for left in taken[n:]:  # still refused: the next try, or the next open's fold
+                    log.done(left, folded=False)
+                return
             log.done(intent, folded=True)
 
     def _record_for_freeze(

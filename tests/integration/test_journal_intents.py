@@ -124,27 +124,55 @@ def test_a_fold_after_the_violation_was_decided_opens_a_freeze_for_a_person(
         assert j.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
 
 
-def test_a_record_sqlite_refused_is_committed_at_the_next_one(state: Path) -> None:
+def test_a_record_sqlite_refused_is_committed_when_tried_again_and_at_close(
+    state: Path,
+) -> None:
     layer = Journal.open(state, busy_timeout_s=0.05)
     lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
     try:
         layer.open_intents()
-        first = layer.write_intent("sb1", V, 2.0, V.at)
-        assert first is not None
-        lock.execute("BEGIN IMMEDIATE")  # SQLite refuses: busy past the timeout
-        with pytest.raises(JournalError, match="locked"):
-            layer.record_for_freeze("sb1", V, 2.0, V.at, first)
-        lock.execute("ROLLBACK")
-        assert layer.violations("sb1") == []  # only the file has it, pinned there
-        later = dataclasses.replace(V, at=V.at + 60)
-        second = layer.write_intent("sb1", later, 2.0, later.at)
-        assert second is not None and second.slot != first.slot
-        layer.record_for_freeze("sb1", later, 2.0, later.at, second)
-        assert sorted(v["at"] for v in layer.violations("sb1")) == [V.at, later.at]
+        refused = []
+        for n in range(2):
+            v = dataclasses.replace(V, at=V.at + n * 60)
+            intent = layer.write_intent("sb1", v, 2.0, v.at)
+            assert intent is not None
+            lock.execute("BEGIN IMMEDIATE")  # SQLite refuses: busy past the timeout
+            with pytest.raises(JournalError, match="locked"):
+                layer.record_for_freeze("sb1", v, 2.0, v.at, intent)
+            lock.execute("ROLLBACK")
+            refused.append(v.at)
+            if n == 0:
+                assert layer.violations("sb1") == []  # only the file has it, pinned there
+                layer.commit_pinned()  # what a layer calls after its next freeze
+                assert [v["at"] for v in layer.violations("sb1")] == [V.at]
+        assert len(layer.violations("sb1")) == 1  # the second is pinned still
     finally:
         lock.close()
-        layer.close()
+        layer.close()  # commits it
     assert intent_files(state) == []  # both committed: the file went at close
+    with Journal.open(state) as j:
+        assert sorted(v["at"] for v in j.violations("sb1")) == refused
+        assert len(j.freezes("sb1")) == 1  # one open freeze: both joined it
+
+
+def test_a_slot_is_freed_once_however_often_its_record_is_said_committed(
+    tmp_path: Path,
+) -> None:
+    """Two threads committing one pinned record (egressd's writers share the file): a
+    slot freed twice would be handed to two records, the second overwriting the first."""
+    log = intents.IntentLog.create(tmp_path)
+    try:
+        first = log.write("sb1", {"n": 1})
+        assert first is not None
+        log.done(first, folded=False)
+        [taken] = log.take_pinned()
+        assert log.take_pinned() == []  # handed to one caller only
+        log.done(taken, folded=True)
+        log.done(taken, folded=True)
+        a, b = log.write("sb1", {"n": 2}), log.write("sb1", {"n": 3})
+        assert a is not None and b is not None and a.slot != b.slot
+    finally:
+        log.close()
 
 
 def test_a_live_layers_intents_are_not_folded_until_it_has_gone(state: Path) -> None:
