@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from egress.store.journal_schema import fsync_dir
+
 DIR = "intents"
 SUFFIX = ".log"
 SLOT = 4096  # a filesystem block: one write, never split across two
@@ -100,7 +102,6 @@ class IntentLog:
         # Held across each write, so that close never comes between a write's look at
         # the descriptor and its pwrite (and no write lands in a file close removed).
         self._lock = threading.Lock()
-        self._free = list(range(SLOTS - 1, -1, -1))
         self._live: dict[int, str] = {}  # slot -> the token of the record it holds
         self._seq = 0
         self._pinned: list[Intent] = []  # records SQLite refused, to commit again
@@ -125,7 +126,7 @@ class IntentLog:
                 except FileExistsError:
                     continue
             os.unlink(tmp)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -137,18 +138,14 @@ class IntentLog:
         """Write ``record`` durably; None when it cannot be here (no slot free, too big,
         closed): the caller commits to SQLite first instead, as before."""
         with self._lock:
-            if self._fd is None or not self._free:
+            slot = next((n for n in range(SLOTS) if n not in self._live), None)
+            if self._fd is None or slot is None:
                 return None
             block = encode(self._seq + 1, {"sandbox_id": sandbox_id, **record})
             if block is None:
                 return None
+            os.pwrite(self._fd, block, slot * SLOT)
             self._seq += 1
-            slot = self._free.pop()
-            try:
-                os.pwrite(self._fd, block, slot * SLOT)
-            except OSError:
-                self._free.append(slot)
-                raise
             token = f"{self.stem}:{self._seq}"
             self._live[slot] = token
             return Intent(token, slot, sandbox_id, record)
@@ -162,7 +159,6 @@ class IntentLog:
                 self._pinned.append(intent)
             elif self._live.get(intent.slot) == intent.token:
                 del self._live[intent.slot]
-                self._free.append(intent.slot)
 
     def take_pinned(self) -> list[Intent]:
         """The records SQLite refused, each handed to one caller only: it calls ``done``
@@ -179,12 +175,12 @@ class IntentLog:
             fd, self._fd = self._fd, None
             if fd is None:
                 return False
-            idle = len(self._free) == SLOTS
+            idle = not self._live
             try:
                 if idle:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.path)
-                    _fsync_dir(self.directory)
+                    fsync_dir(self.directory)
             finally:
                 os.close(fd)  # the lock goes with it: a file left is for others to fold
             return idle
@@ -233,12 +229,4 @@ def remove(paths: list[Path]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-    _fsync_dir(paths[0].parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(paths[0].parent)

@@ -123,7 +123,7 @@ class Journal:
             # between leaves tokens naming no file, which fold nothing). Else it stays,
             # unlocked, for the next open to fold.
             removed = False
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, JournalError):
                 removed = log.close()
             if removed:
                 with contextlib.suppress(JournalError):
@@ -603,8 +603,7 @@ class Journal:
         A layer that sees a violation after the other one froze for it, and after someone
         decided, must not freeze again for the same thing.
         """
-        with self._read(f"read freezes of violation {violation_id}") as conn:
-            return self._decided_freeze(conn, violation_id) is not None
+        return self.decided_freeze(violation_id) is not None
 
     def _decided_freeze(self, conn: sqlite3.Connection, violation_id: int) -> int | None:
         """The newest freeze a person decided that ``violation_id`` caused or joined."""
