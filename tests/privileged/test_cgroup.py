@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from egress.errors import SandboxError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel import cgroup as cg_mod
 from egress.kernel.cgroup import Cgroup, find_mounts, parse_mountinfo
-from egress.model import Action, Flow, Violation, ViolationClass
+from egress.model import Action, Flow, Policy, Violation, ViolationClass
 from egress.policy import parse_policy
 from egress.store import intents
 from egress.store.journal import Journal
@@ -254,40 +254,31 @@ def test_freeze_asks_every_selected_hierarchy_before_it_returns(
     assert ticks_within(ticker, 2)
 
 
-def test_a_layers_freeze_landing_after_a_resume_of_it_is_undone(
+@dataclass
+class Race:
+    """A sandbox "sb1" for the freeze races: its cgroup (the ticker in it), policy, and
+    journal (in ``state``)."""
+
+    cg: Cgroup
+    policy: Policy
+    journal: Journal
+    state: Path
+
+
+@pytest.fixture
+def race(
     make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], tmp_path: Path
-) -> None:
-    """The race bench_deployed hung on: the other layer froze for the violation, a person
-    resumed, and only then this layer's freeze (its record committed before the resume)
-    reached the cgroup. It must not leave the sandbox frozen with nothing to decide."""
+) -> Iterator[Race]:
     cg = make_cgroup()
     cg.add_pid(ticker.pid)
     policy, _ = parse_policy(RACE_POLICY, "<test>")
-    journal = Journal.open(tmp_path / "state")
+    state = tmp_path / "state"
+    journal = Journal.open(state)
     try:
         journal.record_sandbox("sb1", policy.name)
-        real_freeze = cg.freeze
-
-        def resumed_first(*args: Any, **kwargs: Any) -> float:
-            journal.record_decision("sb1", "resume", 0, time.time(), "a person")
-            return real_freeze(*args, **kwargs)
-
-        cg.freeze = resumed_first  # type: ignore[method-assign]
-        # The path where the record is committed to SQLite before the freeze.
-        enforcer = Enforcer("sb1", policy, "observer", journal, cg, intents=False)
-        flow = Flow("udp", "10.0.0.2", "203.0.113.99", 40000, 1001)
-        v = Violation(cls=ViolationClass.BLOCKED_CONNECT, layer="observer", rule="default deny",
-                      detail="udp to 203.0.113.99:1001", at=time.time(), action=Action.FREEZE,
-                      flow=flow)  # fmt: skip
-        assert enforcer.handle(v) is None
-        assert not cg.is_frozen()
-        assert ticks_within(ticker, 2)
-        [freeze] = journal.freezes("sb1")
-        assert freeze["decision_id"] is not None and freeze["confirmed_at"] is not None
-        [ask] = freeze["requested_by"]
-        assert ask["layer"] == "observer" and ask["thawed_at"] >= ask["confirmed_at"]
-        assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
+        yield Race(cg, policy, journal, state)
     finally:
+        cg.thaw()
         journal.close()
 
 
@@ -298,133 +289,134 @@ def race_violation(layer: str) -> Violation:
                      flow=flow)  # fmt: skip
 
 
+def resume_before_each_freeze(race: Race) -> None:
+    """A person resumes the sandbox's open freeze just before each cgroup write lands."""
+    real_freeze = race.cg.freeze
+
+    def resumed_first(*args: Any, **kwargs: Any) -> float:
+        race.journal.record_decision("sb1", "resume", 0, time.time(), "a person")
+        return real_freeze(*args, **kwargs)
+
+    race.cg.freeze = resumed_first  # type: ignore[method-assign]
+
+
+def test_a_layers_freeze_landing_after_a_resume_of_it_is_undone(
+    race: Race, ticker: subprocess.Popen[bytes]
+) -> None:
+    """The race bench_deployed hung on: the other layer froze for the violation, a person
+    resumed, and only then this layer's freeze (its record committed before the resume)
+    reached the cgroup. It must not leave the sandbox frozen with nothing to decide."""
+    journal = race.journal
+    resume_before_each_freeze(race)
+    # The path where the record is committed to SQLite before the freeze.
+    enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg, intents=False)
+    assert enforcer.handle(race_violation("observer")) is None
+    assert not race.cg.is_frozen()
+    assert ticks_within(ticker, 2)
+    [freeze] = journal.freezes("sb1")
+    assert freeze["decision_id"] is not None and freeze["confirmed_at"] is not None
+    [ask] = freeze["requested_by"]
+    assert ask["layer"] == "observer" and ask["thawed_at"] >= ask["confirmed_at"]
+    assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
+
+
 def test_the_intent_is_on_disk_before_the_freeze_and_in_sqlite_after(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], tmp_path: Path
+    race: Race, ticker: subprocess.Popen[bytes]
 ) -> None:
     """Journal before act through the intent file: when the cgroup is asked to freeze, the
     violation is in this process's intent file on disk (read through a descriptor of
     its own), not yet in SQLite; once handle returns, SQLite holds it, frozen and
     confirmed, and the slot is free again."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
-    policy, _ = parse_policy(RACE_POLICY, "<test>")
-    state = tmp_path / "state"
-    journal = Journal.open(state)
+    journal, state = race.journal, race.state
     seen: list[tuple[list[dict[str, object]], int]] = []
-    try:
-        journal.record_sandbox("sb1", policy.name)
-        real_freeze = cg.freeze
+    real_freeze = race.cg.freeze
 
-        def looked_first(*args: Any, **kwargs: Any) -> float:
-            [path] = (state / intents.DIR).glob("*.log")
-            found = [r for _, r in intents.records(path.read_bytes())]
-            seen.append((found, len(journal.violations("sb1"))))
-            return real_freeze(*args, **kwargs)
+    def looked_first(*args: Any, **kwargs: Any) -> float:
+        [path] = (state / intents.DIR).glob("*.log")
+        found = [r for _, r in intents.records(path.read_bytes())]
+        seen.append((found, len(journal.violations("sb1"))))
+        return real_freeze(*args, **kwargs)
 
-        cg.freeze = looked_first  # type: ignore[method-assign]
-        enforcer = Enforcer("sb1", policy, "observer", journal, cg)
-        v = race_violation("observer")
-        event = enforcer.handle(v)
-        assert event is not None and cg.is_frozen()
-        assert_stopped(ticker)
-        [(found, in_sqlite)] = seen
-        assert in_sqlite == 0
-        assert [r["sandbox_id"] for r in found] == ["sb1"]
-        assert Violation.from_json(found[0]["violation"]) == v  # type: ignore[arg-type]
-        [row] = journal.violations("sb1")
-        assert row["id"] == event.violation_id and row["key"] == str(v.flow)
-        [freeze] = journal.freezes("sb1")
-        assert freeze["first_violation"] == row["id"] and freeze["confirmed_at"] is not None
-        assert journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
-    finally:
-        cg.thaw()
-        journal.close()
+    race.cg.freeze = looked_first  # type: ignore[method-assign]
+    enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg)
+    v = race_violation("observer")
+    event = enforcer.handle(v)
+    assert event is not None and race.cg.is_frozen()
+    assert_stopped(ticker)
+    [(found, in_sqlite)] = seen
+    assert in_sqlite == 0
+    assert [r["sandbox_id"] for r in found] == ["sb1"]
+    assert Violation.from_json(found[0]["violation"]) == v  # type: ignore[arg-type]
+    [row] = journal.violations("sb1")
+    assert row["id"] == event.violation_id and row["key"] == str(v.flow)
+    [freeze] = journal.freezes("sb1")
+    assert freeze["first_violation"] == row["id"] and freeze["confirmed_at"] is not None
+    assert journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+    journal.close()
     assert list((state / intents.DIR).iterdir()) == []  # all folded: the file went at close
     with Journal.open(state) as again:
         assert len(again.violations("sb1")) == 1 and len(again.freezes("sb1")) == 1
 
 
 def test_a_freeze_from_an_intent_after_a_resume_of_the_violation_is_undone(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], tmp_path: Path
+    race: Race, ticker: subprocess.Popen[bytes]
 ) -> None:
     """The race above on the intent path: the inline layer recorded the violation and its
     freeze, a person resumed it, and the observer, whose intent was written before the
     decision, froze after it. Its record finds the decision when it is folded in: its
     request joins that freeze, marked thawed, and the sandbox runs."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
-    policy, _ = parse_policy(RACE_POLICY, "<test>")
-    journal = Journal.open(tmp_path / "state")
-    try:
-        journal.record_sandbox("sb1", policy.name)
-        inline = race_violation("inline")
-        vid, _, fid = journal.record_for_freeze("sb1", inline, 2.0, time.time())
-        real_freeze = cg.freeze
-
-        def resumed_first(*args: Any, **kwargs: Any) -> float:
-            journal.record_decision("sb1", "resume", 0, time.time(), "a person")
-            return real_freeze(*args, **kwargs)
-
-        cg.freeze = resumed_first  # type: ignore[method-assign]
-        enforcer = Enforcer("sb1", policy, "observer", journal, cg)
-        assert enforcer.handle(race_violation("observer")) is None
-        assert not cg.is_frozen()
-        assert ticks_within(ticker, 2)
-        [freeze] = journal.freezes("sb1")
-        assert freeze["id"] == fid and freeze["decision_id"] is not None
-        asks = {a["layer"]: a for a in freeze["requested_by"]}
-        assert set(asks) == {"inline", "observer"}
-        assert asks["observer"]["violation_id"] == vid
-        assert asks["observer"]["thawed_at"] >= asks["observer"]["at"]
-        [row] = journal.violations("sb1")
-        assert {d["layer"] for d in row["detected_by"]} == {"inline", "observer"}
-        assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
-    finally:
-        journal.close()
+    journal = race.journal
+    vid, _, fid = journal.record_for_freeze("sb1", race_violation("inline"), 2.0, time.time())
+    resume_before_each_freeze(race)
+    enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg)
+    assert enforcer.handle(race_violation("observer")) is None
+    assert not race.cg.is_frozen()
+    assert ticks_within(ticker, 2)
+    [freeze] = journal.freezes("sb1")
+    assert freeze["id"] == fid and freeze["decision_id"] is not None
+    asks = {a["layer"]: a for a in freeze["requested_by"]}
+    assert set(asks) == {"inline", "observer"}
+    assert asks["observer"]["violation_id"] == vid
+    assert asks["observer"]["thawed_at"] >= asks["observer"]["at"]
+    [row] = journal.violations("sb1")
+    assert {d["layer"] for d in row["detected_by"]} == {"inline", "observer"}
+    assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
 
 
 def test_a_freeze_from_an_intent_thawed_before_its_commit_is_made_again(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], tmp_path: Path
+    race: Race, ticker: subprocess.Popen[bytes]
 ) -> None:
     """The observer froze for a new violation from its intent; before its commit, the
     inline layer settled an older freeze a person had resumed (thaw_if_resumed), found
     no freeze open in SQLite, and thawed. Once its commit returns the observer looks
     again and freezes again: the sandbox never runs with a freeze open and confirmed."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
-    policy, _ = parse_policy(RACE_POLICY, "<test>")
-    journal = Journal.open(tmp_path / "state")
-    try:
-        journal.record_sandbox("sb1", policy.name)
-        older = race_violation("inline")
-        _, _, resumed = journal.record_for_freeze("sb1", older, 2.0, time.time())
-        assert resumed is not None
-        journal.record_decision("sb1", "resume", 0, time.time(), "a person")
-        real_freeze = cg.freeze
-        thawed: list[bool] = []
+    journal, cg = race.journal, race.cg
+    older = race_violation("inline")
+    _, _, resumed = journal.record_for_freeze("sb1", older, 2.0, time.time())
+    assert resumed is not None
+    journal.record_decision("sb1", "resume", 0, time.time(), "a person")
+    real_freeze = cg.freeze
+    thawed: list[bool] = []
 
-        def settled_meanwhile(*args: Any, **kwargs: Any) -> float:
-            took = real_freeze(*args, **kwargs)
-            if not thawed:  # the inline layer, late for the resumed freeze
-                thaw = lambda: cg.thaw(wait=False)  # noqa: E731
-                thawed.append(journal.thaw_if_resumed(resumed, "inline", thaw))
-            return took
+    def settled_meanwhile(*args: Any, **kwargs: Any) -> float:
+        took = real_freeze(*args, **kwargs)
+        if not thawed:  # the inline layer, late for the resumed freeze
+            thaw = lambda: cg.thaw(wait=False)  # noqa: E731
+            thawed.append(journal.thaw_if_resumed(resumed, "inline", thaw))
+        return took
 
-        cg.freeze = settled_meanwhile  # type: ignore[method-assign]
-        enforcer = Enforcer("sb1", policy, "observer", journal, cg)
-        newer = replace(race_violation("observer"), flow=Flow("tcp", "10.0.0.2",
-                        "203.0.113.98", 40001, 443), detail="tcp to 203.0.113.98:443")  # fmt: skip
-        event = enforcer.handle(newer)
-        assert thawed == [True]  # the thaw did come between the freeze and the commit
-        assert event is not None
-        assert cg.is_frozen()
-        assert_stopped(ticker)
-        new, _ = journal.freezes("sb1")
-        assert new["decision_id"] is None and new["confirmed_at"] is not None
-        assert journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
-    finally:
-        cg.thaw()
-        journal.close()
+    cg.freeze = settled_meanwhile  # type: ignore[method-assign]
+    enforcer = Enforcer("sb1", race.policy, "observer", journal, cg)
+    newer = replace(race_violation("observer"), flow=Flow("tcp", "10.0.0.2",
+                    "203.0.113.98", 40001, 443), detail="tcp to 203.0.113.98:443")  # fmt: skip
+    event = enforcer.handle(newer)
+    assert thawed == [True]  # the thaw did come between the freeze and the commit
+    assert event is not None
+    assert cg.is_frozen()
+    assert_stopped(ticker)
+    new, _ = journal.freezes("sb1")
+    assert new["decision_id"] is None and new["confirmed_at"] is not None
+    assert journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
 
 
 def test_concurrent_freezers_both_return(
