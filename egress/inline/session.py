@@ -206,16 +206,9 @@ class Session:
                 action=self.sb.policy.action(cls),
             )
         )
-        self._fold_what_it_left()  # after the loss is acted on: it never waits for this
-
-    def _fold_what_it_left(self) -> None:
-        """A freeze the dead observer made from its intent but never committed: into
-        the journal now, for the review that follows (store/intents.py)."""
-        try:
-            self.enforcer.journal.fold_intents()
-        except EgressError as exc:
-            print(f"egress inline: could not fold the observer's intents: {exc}",
-                  file=sys.stderr)  # fmt: skip
+        # A freeze the dead observer made from its intent but never committed: into the
+        # journal for the review (store/intents.py); after the loss is acted on.
+        self.enforcer.journal.fold_intents_or_say("egress inline")
 
     def close(self, handed_over: bool = False) -> None:
         """Stop; with ``handed_over`` a successor reads the NFLOG group from now on, so

@@ -318,11 +318,8 @@ class Observer:
         )
         self._act(v)
         self.inline_dead = True
-        try:  # a freeze it made from its intent but never committed (store/intents.py)
-            self.journal.fold_intents()
-        except EgressError as exc:
-            print(f"egress observer: could not fold the inline layer's intents: {exc}",
-                  file=sys.stderr)  # fmt: skip
+        # A freeze it made from its intent but never committed (store/intents.py).
+        self.journal.fold_intents_or_say("egress observer")
         if self.cfg.teardown is not None:
             # The journal's owner is who ends the sandbox: `egressctl kill` waits for it.
             with contextlib.suppress(EgressError):

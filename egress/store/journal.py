@@ -105,10 +105,7 @@ class Journal:
         except BaseException:
             journal.close()
             raise
-        try:
-            journal.fold_intents()
-        except JournalError as exc:  # the journal is still there to read; the next open tries
-            print(f"egress: could not fold freeze intents: {exc}", file=sys.stderr)
+        journal.fold_intents_or_say("egress")
         return journal
 
     @property
@@ -384,6 +381,14 @@ class Journal:
                 raise JournalError(f"cannot remove folded intent files: {exc}") from exc
         self._forget_intents(done)
         return folded
+
+    def fold_intents_or_say(self, who: str) -> None:
+        """``fold_intents``, where a failure is only said on stderr: the journal is still
+        there to read, and the next open (or death of a layer) folds them again."""
+        try:
+            self.fold_intents()
+        except JournalError as exc:
+            print(f"{who}: could not fold freeze intents: {exc}", file=sys.stderr)
 
     def _fold_one(
         self, conn: sqlite3.Connection, path: Path, token: str, record: dict[str, object]
