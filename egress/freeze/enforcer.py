@@ -137,24 +137,26 @@ class Enforcer:
                 )
             )
         self.frozen_keys.add(key)
-        if recorded is None:
-            return self._frozen(v, None, None, confirmed)
-        vid, _, fid = recorded
-        if fid is None:
+        vid, fid = (recorded[0], recorded[2]) if recorded is not None else (None, None)
+        if recorded is not None and fid is None:
             # The other layer froze for it and a person resumed that freeze before this
             # one landed: thaw again, as _resumed_before_it_landed does.
-            decided = self._try(lambda: self.journal.decided_freeze(vid))
+            decided = self._try(lambda: self.journal.decided_freeze(recorded[0]))
             if decided is not None:
                 self._resumed_before_it_landed(decided)
             return None
         if not self.cgroup.is_frozen():
-            # Thawed between this freeze and its commit: the other layer settling a
-            # resumed freeze (thaw_if_resumed) found none open, as this one was not
-            # committed yet. Now it is open, no such thaw comes again: freeze again.
+            # Thawed between this freeze and its commit, or its refusal: the other layer
+            # settling a resumed freeze (thaw_if_resumed) looked for open freezes and
+            # pending intents before this intent was written, and thawed after this
+            # freeze. Its look came first, so its thaw came before this commit's end
+            # (both take the write lock); from now on it finds this freeze, open in
+            # SQLite or pending in the intent file (pinned): freeze again.
             at = time.time()
             confirmed = at + self.cgroup.freeze()
         event = self._frozen(v, vid, fid, confirmed)
-        self._try(self.journal.commit_pinned)  # what SQLite refused before, if anything
+        if recorded is not None:
+            self._try(self.journal.commit_pinned)  # what SQLite refused before, if anything
         return event
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:

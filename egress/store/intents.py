@@ -26,6 +26,7 @@ violation and freeze request are journaled all the same, from its intent.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -37,10 +38,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from egress.store.claims import alive
 from egress.store.journal_schema import fsync_dir
 
 DIR = "intents"
 SUFFIX = ".log"
+KEPT = "kept"  # under DIR: records no journal here could take, for a person (keep_aside)
 SLOT = 4096  # a filesystem block: one write, never split across two
 SLOTS = 64  # freezes in flight at once in one process (egressd: across its sandboxes)
 MAGIC = b"EGI1"
@@ -110,26 +113,32 @@ class IntentLog:
     def create(cls, state_dir: Path) -> IntentLog:
         """A new file, locked, zero-filled and fsync'd, then named (linked: a name some
         file has already is never taken over): nobody folds it while this process
-        lives, nor a half-made one ever (a dot-name is never folded)."""
+        lives, nor a half-made one ever. It is made without a name (O_TMPFILE), so a
+        crash while making it leaves nothing; where the filesystem can't, under a
+        dot-name, which is never folded, and removed by a fold once its maker is gone."""
         directory = state_dir / DIR
         directory.mkdir(mode=0o700, exist_ok=True)
-        tmp = directory / f".{os.getpid()}-{secrets.token_hex(16)}{SUFFIX}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DSYNC, 0o600)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_DSYNC
+        tmp: Path | None = None
+        try:
+            fd = os.open(directory, flags | os.O_TMPFILE, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            tmp = directory / f".{os.getpid()}-{secrets.token_hex(16)}{SUFFIX}"
+            fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.pwrite(fd, bytes(SLOT * SLOTS), 0)  # O_DSYNC: on disk when it returns
-            while True:
-                stem = f"{os.getpid()}-{secrets.token_hex(16)}"
-                try:
-                    os.link(tmp, directory / f"{stem}{SUFFIX}")
-                    break
-                except FileExistsError:
-                    continue
-            os.unlink(tmp)
+            source = f"/proc/self/fd/{fd}" if tmp is None else str(tmp)
+            stem = _link_new(source, directory)
+            if tmp is not None:
+                os.unlink(tmp)
             fsync_dir(directory)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             os.close(fd)
             raise
         return cls(directory, fd, stem)
@@ -186,16 +195,31 @@ class IntentLog:
             return idle
 
 
+def _link_new(source: str, directory: Path) -> str:
+    """Give ``source``'s inode a new ``<pid>-<hex>`` name in ``directory``; its stem.
+    Through linkat with AT_SYMLINK_FOLLOW (os.link does that only given a directory
+    descriptor), so that ``/proc/self/fd/N`` names the O_TMPFILE, not the link to it."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        while True:
+            stem = f"{os.getpid()}-{secrets.token_hex(16)}"
+            try:
+                os.link(source, f"{stem}{SUFFIX}", dst_dir_fd=dfd, follow_symlinks=True)
+                return stem
+            except FileExistsError:
+                continue
+    finally:
+        os.close(dfd)
+
+
 @contextlib.contextmanager
 def orphans(state_dir: Path) -> Iterator[list[tuple[Path, str, bytes]]]:
     """The intent files no live process holds, locked for the caller to fold: (path,
     stem, bytes) each. They are unlocked when the block ends; the caller unlinks each
     it folded whole. Nothing where the directory cannot be read (not root)."""
     directory = state_dir / DIR
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX) and n[0] != ".")
-    except OSError:
-        names = []
+    _remove_abandoned(directory)
+    names = _names(directory)
     held: list[tuple[Path, str, bytes]] = []
     fds: list[int] = []
     try:
@@ -220,6 +244,79 @@ def orphans(state_dir: Path) -> Iterator[list[tuple[Path, str, bytes]]]:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def every_record(state_dir: Path) -> Iterator[tuple[str, int, dict[str, object]]]:
+    """(file stem, sequence, record) of every whole record in every intent file, live
+    (its writer's, read without its lock) or left by a process that ended. A slot being
+    written as this reads it fails its CRC and is not seen: this is a look, not a fold.
+    Records already in SQLite are among them (their tokens say so). OSError where a
+    file is there and cannot be read."""
+    directory = state_dir / DIR
+    for name in _names(directory):
+        try:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            continue  # folded and removed meanwhile
+        try:
+            data = os.pread(fd, SLOT * SLOTS, 0)
+        finally:
+            os.close(fd)
+        for seq, record in records(data):
+            yield name[: -len(SUFFIX)], seq, record
+
+
+def keep_aside(state_dir: Path, stem: str, entries: list[dict[str, object]]) -> Path:
+    """Keep records no journal here can take (their sandbox unknown to it, or not a freeze
+    intent this version reads) for a person, as JSON lines in ``intents/kept/<stem>.jsonl``
+    (``token``, ``why``, ``record``): merged by token with what that file holds (a fold
+    done again after a crash keeps each once), written whole under a temporary name,
+    synced, then renamed over it."""
+    directory = state_dir / DIR / KEPT
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / f"{stem}.jsonl"
+    by_token: dict[object, dict[str, object]] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                old = json.loads(line)
+                if isinstance(old, dict):
+                    by_token[old.get("token")] = old
+    for entry in entries:
+        by_token[entry["token"]] = entry
+    text = "".join(json.dumps(e, sort_keys=True) + "\n" for e in by_token.values())
+    tmp = directory / f".{stem}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(directory)
+    return path
+
+
+def _remove_abandoned(directory: Path) -> None:
+    """Remove the dot-named files of makers that died making them (``IntentLog.create``
+    without O_TMPFILE): none of them holds a record."""
+    try:
+        names = [n for n in os.listdir(directory) if n[0] == "." and n.endswith(SUFFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[1:].partition("-")[0]
+        if pid.isdigit() and not alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(directory / name)
+
+
+def _names(directory: Path) -> list[str]:
+    """The intent files' names, sorted; none where the directory cannot be read (not
+    there yet, or not root). A dot-name is a file still being made."""
+    try:
+        return sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX) and n[0] != ".")
+    except OSError:
+        return []
 
 
 def remove(paths: list[Path]) -> None:

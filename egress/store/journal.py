@@ -288,7 +288,13 @@ class Journal:
             record = {"sandbox_id": intent.sandbox_id, **intent.record}
             try:
                 with self._write("commit a freeze intent again") as conn:
-                    self._fold_one(conn, log.path, intent.token, record)
+                    self._fold_one(conn, intent.token, record)
+            except _NotAnIntent as exc:  # its sandbox gone from the journal meanwhile
+                try:
+                    self._keep_aside(log.stem, [exc.entry(intent.token, record)])
+                except OSError:
+                    log.done(intent, folded=False)  # kept in the file: the next open's fold
+                    continue
             except JournalError:
                 for left in taken[n:]:  # still refused: the next try, or the next open's fold
                     log.done(left, folded=False)
@@ -361,26 +367,39 @@ class Journal:
         """Fold into SQLite the intents of layers that ended before they could (a crash
         between an intent and its commit); returns how many records were new here.
 
-        A record whose sandbox this journal does not know is dropped, with a line on
-        stderr: it cannot be attached to anything a person reviews."""
+        A record this journal cannot take (its sandbox unknown here, or not a freeze
+        intent this version reads) is kept aside, ``intents/kept/``, with a line on
+        stderr: it cannot be attached to anything a person reviews here."""
         folded = 0
         with intents_file.orphans(self._path.parent) as found:
             if not found:
                 return 0
             done: list[str] = []
+            kept: dict[str, list[dict[str, object]]] = {}
             with self._write("fold freeze intents") as conn:
-                for path, stem, data in found:
+                for _, stem, data in found:
                     for seq, record in intents_file.records(data):
                         token = f"{stem}:{seq}"
-                        if self._fold_one(conn, path, token, record):
-                            folded += 1
+                        try:
+                            folded += self._fold_one(conn, token, record)
+                        except _NotAnIntent as exc:
+                            kept.setdefault(stem, []).append(exc.entry(token, record))
                     done.append(stem)
             try:
+                for stem, entries in kept.items():  # before their files go
+                    self._keep_aside(stem, entries)
                 intents_file.remove([path for path, _, _ in found])
             except OSError as exc:
                 raise JournalError(f"cannot remove folded intent files: {exc}") from exc
         self._forget_intents(done)
         return folded
+
+    def _keep_aside(self, stem: str, entries: list[dict[str, object]]) -> None:
+        """Raises OSError where they cannot be kept: their intent file stays then."""
+        path = intents_file.keep_aside(self._path.parent, stem, entries)
+        why = "; ".join(sorted({str(e["why"]) for e in entries}))
+        print(f"egress: {len(entries)} freeze intent(s) not journaled ({why}): kept in {path}",
+              file=sys.stderr)  # fmt: skip
 
     def fold_intents_or_say(self, who: str) -> None:
         """``fold_intents``, where a failure is only said on stderr: the journal is still
@@ -390,10 +409,10 @@ class Journal:
         except JournalError as exc:
             print(f"{who}: could not fold freeze intents: {exc}", file=sys.stderr)
 
-    def _fold_one(
-        self, conn: sqlite3.Connection, path: Path, token: str, record: dict[str, object]
-    ) -> bool:
-        if conn.execute("SELECT 1 FROM folded_intents WHERE token = ?", (token,)).fetchone():
+    def _fold_one(self, conn: sqlite3.Connection, token: str, record: dict[str, object]) -> bool:
+        """Commit one intent's record (within ``conn``'s transaction); False where SQLite
+        holds it already. _NotAnIntent, before any write, where it cannot be taken."""
+        if _folded(conn, token):
             return False
         try:
             sandbox_id = str(record["sandbox_id"])
@@ -404,12 +423,9 @@ class Journal:
             within_s = float(record["within_s"])  # type: ignore[arg-type]
             at = float(record["asked_at"])  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as exc:
-            print(f"egress: {path}: {token}: not a freeze intent ({exc}); dropped", file=sys.stderr)
-            return False
+            raise _NotAnIntent(f"not a freeze intent this version reads: {exc}") from None
         if not schema.exists(conn, "sandboxes", sandbox_id):
-            print(f"egress: {path}: {token}: no sandbox {sandbox_id!r} in the journal; "
-                  "dropped", file=sys.stderr)  # fmt: skip
-            return False
+            raise _NotAnIntent(f"no sandbox {sandbox_id!r} in {self._path}")
         # Whether the dead layer's freeze landed, and when, is unknown: a person decides
         # it, even where a freeze of this violation was decided before (that freeze may
         # have landed after the decision, with no layer left to thaw it again).
@@ -561,10 +577,12 @@ class Journal:
         left to decide. The check, the note (``thawed_at`` on the layer's request:
         journal before act) and ``thaw`` run under the write lock, so a new violation's
         freeze request committed before its freeze cannot slip between them and have its
-        freeze undone. One frozen from its intent and committed after this thaw was
-        undone by it: that layer looks again once its commit returns, and freezes again
-        (Enforcer._freeze_then_fold). ``thaw`` should only write, not wait, as it holds
-        the lock. What ``thaw`` raises rolls the note back and propagates.
+        freeze undone. Nor is it thawed while a freeze of the sandbox is durable in an
+        intent file and not yet here (``_intent_pending``). One frozen from an intent
+        written after that look, whose freeze this thaw then undid, is seen by its layer
+        once its commit returns or fails, and frozen again (Enforcer._freeze_then_fold).
+        ``thaw`` should only write, not wait, as it holds the lock. What ``thaw`` raises
+        rolls the note back and propagates.
         """
         decided = "SELECT 1 FROM freezes WHERE id = ? AND decision_id IS NOT NULL"
         if not self._select(decided, (freeze_id,)):
@@ -579,9 +597,28 @@ class Journal:
                 return False  # a kill reaps it frozen or not
             if conn.execute(schema.OPEN_FREEZE_SQL, (row["sandbox_id"],)).fetchone():
                 return False
+            if self._intent_pending(conn, str(row["sandbox_id"])):
+                return False
             self._mark_request(conn, freeze_id, layer, "thawed_at", time.time())
             thaw()
             return True
+
+    def _intent_pending(self, conn: sqlite3.Connection, sandbox_id: str) -> bool:
+        """A freeze of ``sandbox_id`` is durable in an intent file and not in SQLite: a
+        layer between its freeze and its commit, one whose commit SQLite refused (its
+        record pinned, Journal.commit_pinned), or one that died before it (folded at the
+        next open). Its freeze stands for a person to decide, as if it were open here.
+        So does any freeze where the files cannot be read."""
+        try:
+            for stem, seq, record in intents_file.every_record(self._path.parent):
+                if record.get("sandbox_id") == sandbox_id and not _folded(conn, f"{stem}:{seq}"):
+                    return True
+        except OSError as exc:
+            where = self._path.parent / intents_file.DIR
+            print(f"egress: {where}: cannot read ({exc}); sandbox {sandbox_id} stays frozen "
+                  "for a person to decide", file=sys.stderr)  # fmt: skip
+            return True
+        return False
 
     def record_decision(
         self, sandbox_id: str, action: str, uid: int, at: float, note: str = ""
@@ -750,3 +787,16 @@ class Journal:
             yield
         except sqlite3.Error as exc:
             raise JournalError(f"{self._path}: {what}: {exc}") from exc
+
+
+class _NotAnIntent(Exception):
+    """An intent's record this journal cannot take; kept aside (intents.keep_aside)."""
+
+    def entry(self, token: str, record: dict[str, object]) -> dict[str, object]:
+        return {"token": token, "why": str(self), "record": record}
+
+
+def _folded(conn: sqlite3.Connection, token: str) -> bool:
+    """SQLite holds the intent record ``token`` names."""
+    row = conn.execute("SELECT 1 FROM folded_intents WHERE token = ?", (token,)).fetchone()
+    return row is not None

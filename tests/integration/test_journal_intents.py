@@ -5,11 +5,14 @@ same by whoever opens the journal next, once, and never while the layer lives.""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -239,17 +242,98 @@ def test_a_slot_is_written_again_only_once_its_record_is_committed(tmp_path: Pat
         assert not log.close()  # slot 0 still pinned: the file stays
 
 
-def test_an_intent_for_a_sandbox_the_journal_lacks_is_dropped_and_said(
+def kept_aside(state: Path) -> list[dict[str, Any]]:
+    paths = sorted((state / intents.DIR / intents.KEPT).glob("*.jsonl"))
+    return [json.loads(line) for p in paths for line in p.read_text().splitlines()]
+
+
+def test_an_intent_the_journal_cannot_take_is_kept_aside_and_said(
     state: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """One record for a sandbox this journal does not know, one that is not a freeze
+    intent this version reads (a newer violation class, after a rollback): neither is
+    journaled, both are kept whole for a person, once however often the fold runs."""
     layer = Journal.open(state)
     layer.open_intents()
     assert layer.write_intent("nosuch", V, 2.0, V.at) is not None
+    future = {**V.to_json(), "class": "from_a_newer_egress"}
+    other = intents.IntentLog.create(state)
+    assert other.write("sb1", {"violation": future, "within_s": 2.0, "asked_at": V.at})
     layer.close()
+    assert not other.close()  # its record not in SQLite: the file stays
     with Journal.open(state) as j:
         assert j.violations() == []
-    assert "no sandbox 'nosuch' in the journal; dropped" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert err.count("1 freeze intent(s) not journaled") == 2
+    assert "no sandbox 'nosuch'" in err and "not a freeze intent this version reads" in err
     assert intent_files(state) == []
+    entries = kept_aside(state)
+    by_sandbox = {e["record"]["sandbox_id"]: e for e in entries}
+    assert set(by_sandbox) == {"nosuch", "sb1"} and len(entries) == 2
+    assert Violation.from_json(by_sandbox["nosuch"]["record"]["violation"]) == V
+    assert by_sandbox["sb1"]["record"]["violation"] == future
+    [stem, _] = by_sandbox["sb1"]["token"].split(":")
+    # A fold done again (a crash before the intent file went): each record kept once.
+    intents.keep_aside(state, stem, [by_sandbox["sb1"]])
+    assert sorted(map(str, kept_aside(state))) == sorted(map(str, entries))
+
+
+def test_a_file_left_half_made_is_removed_once_its_maker_is_gone(state: Path) -> None:
+    """Where the filesystem has no O_TMPFILE, an intent file is made under a dot-name
+    first; a crash then leaves it. It holds no record: a fold removes it, but not a
+    live maker's."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    directory = state / intents.DIR
+    directory.mkdir(exist_ok=True)
+    dead = directory / f".{gone.stdout.strip()}-{'0' * 32}{intents.SUFFIX}"
+    live = directory / f".{os.getpid()}-{'1' * 32}{intents.SUFFIX}"
+    for path in (dead, live):
+        path.write_bytes(bytes(intents.SLOT))
+    with Journal.open(state):
+        pass
+    assert not dead.exists() and live.exists()
+    log = intents.IntentLog.create(state)  # made without a name: no dot-file meanwhile
+    try:
+        assert sorted(p.name for p in directory.iterdir() if p.is_file()) == sorted(
+            [live.name, log.path.name]
+        )
+    finally:
+        log.close()
+
+
+def test_a_resumed_freeze_is_not_thawed_while_a_freeze_of_its_sandbox_is_in_an_intent(
+    state: Path,
+) -> None:
+    """A late sighting of a violation a person resumed thaws the sandbox where no freeze
+    of it is open (thaw_if_resumed). A freeze durable in an intent file and not yet in
+    SQLite is open all the same: a live layer's, between its freeze and its commit (or
+    refused by SQLite), or a dead layer's, not yet folded. Once SQLite holds it, it is
+    decided there like any other."""
+    j = Journal.open(state)
+    other = Journal.open(state)
+    try:
+        _, _, resumed = j.record_for_freeze("sb1", V, 2.0, V.at)
+        assert resumed is not None
+        j.record_decision("sb1", "resume", 0, V.at + 1, "a person")
+        thaws: list[str] = []
+        other.open_intents()
+        newer = dataclasses.replace(V, at=V.at + 60, flow=dataclasses.replace(V.flow, dport=22),
+                                    detail="tcp to 203.0.113.9:22")  # fmt: skip
+        intent = other.write_intent("sb1", newer, 2.0, newer.at)
+        assert intent is not None
+        assert not j.thaw_if_resumed(resumed, "inline", lambda: thaws.append("live"))
+        other.record_for_freeze("sb1", newer, 2.0, newer.at, intent)
+        assert not j.thaw_if_resumed(resumed, "inline", lambda: thaws.append("open"))
+        j.record_decision("sb1", "resume", 0, newer.at + 1, "a person")
+        assert j.thaw_if_resumed(resumed, "inline", lambda: thaws.append("decided"))
+        assert thaws == ["decided"]
+        dead_layer(state, "no", at=V.at + 120)  # a flow of its own, killed before its commit
+        assert not j.thaw_if_resumed(resumed, "inline", lambda: thaws.append("dead"))
+        assert thaws == ["decided"]
+    finally:
+        other.close()
+        j.close()
 
 
 def test_a_torn_slot_is_skipped_and_the_others_folded(state: Path) -> None:

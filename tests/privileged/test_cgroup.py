@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -383,40 +384,133 @@ def test_a_freeze_from_an_intent_after_a_resume_of_the_violation_is_undone(
     assert journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
 
 
-def test_a_freeze_from_an_intent_thawed_before_its_commit_is_made_again(
-    race: Race, ticker: subprocess.Popen[bytes]
-) -> None:
-    """The observer froze for a new violation from its intent; before its commit, the
-    inline layer settled an older freeze a person had resumed (thaw_if_resumed), found
-    no freeze open in SQLite, and thawed. Once its commit returns the observer looks
-    again and freezes again: the sandbox never runs with a freeze open and confirmed."""
-    journal, cg = race.journal, race.cg
-    older = race_violation("inline")
-    _, _, resumed = journal.record_for_freeze("sb1", older, 2.0, time.time())
-    assert resumed is not None
-    journal.record_decision("sb1", "resume", 0, time.time(), "a person")
-    real_freeze = cg.freeze
-    thawed: list[bool] = []
+def newer_violation() -> Violation:
+    """A violation of another flow than race_violation's: a freeze of its own."""
+    return replace(race_violation("observer"), flow=Flow("tcp", "10.0.0.2", "203.0.113.98",
+                   40001, 443), detail="tcp to 203.0.113.98:443")  # fmt: skip
 
-    def settled_meanwhile(*args: Any, **kwargs: Any) -> float:
+
+class LateThaw:
+    """The inline layer settling a freeze a person resumed (thaw_if_resumed, on a journal
+    of its own, in a thread), whose look for open freezes and pending intents comes
+    before the observer's intent is written, and whose thaw lands after the observer's
+    freeze: ``run`` starts it and returns once it has looked; ``landed`` (called from the
+    observer's freeze) lets its thaw land and waits for it and its commit."""
+
+    def __init__(self, race: Race, resumed: int) -> None:
+        self.journal = Journal.open(race.state)
+        self.cg = race.cg
+        self.resumed = resumed
+        self.looked = threading.Event()
+        self.froze = threading.Event()
+        self.result: list[bool] = []
+        self.thread = threading.Thread(target=self._settle)
+
+    def _thaw(self) -> None:
+        self.looked.set()
+        assert self.froze.wait(30)
+        self.cg.thaw(wait=False)
+
+    def _settle(self) -> None:
+        self.result.append(self.journal.thaw_if_resumed(self.resumed, "inline", self._thaw))
+
+    def run(self) -> None:
+        self.thread.start()
+        assert self.looked.wait(30)
+
+    def landed(self) -> None:
+        self.froze.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    def close(self) -> None:
+        self.froze.set()
+        self.thread.join(30)
+        self.journal.close()
+
+
+@pytest.fixture
+def late_thaw(race: Race) -> Iterator[LateThaw]:
+    """A freeze of an older violation a person resumed, and the inline layer late for it."""
+    _, _, resumed = race.journal.record_for_freeze("sb1", race_violation("inline"), 2.0,
+                                                   time.time())  # fmt: skip
+    assert resumed is not None
+    race.journal.record_decision("sb1", "resume", 0, time.time(), "a person")
+    late = LateThaw(race, resumed)
+    try:
+        yield late
+    finally:
+        late.close()
+
+
+def test_a_freeze_from_an_intent_thawed_before_its_commit_is_made_again(
+    race: Race, late_thaw: LateThaw, ticker: subprocess.Popen[bytes]
+) -> None:
+    """The observer froze for a new violation from its intent; the inline layer, settling
+    an older freeze a person had resumed, had looked before that intent was written and
+    found nothing open, and its thaw landed after the observer's freeze. Once its commit
+    returns the observer looks again and freezes again: the sandbox never runs with a
+    freeze open and confirmed."""
+    journal, cg = race.journal, race.cg
+    real_freeze = cg.freeze
+
+    def thawed_meanwhile(*args: Any, **kwargs: Any) -> float:
         took = real_freeze(*args, **kwargs)
-        if not thawed:  # the inline layer, late for the resumed freeze
-            thaw = lambda: cg.thaw(wait=False)  # noqa: E731
-            thawed.append(journal.thaw_if_resumed(resumed, "inline", thaw))
+        late_thaw.landed()
         return took
 
-    cg.freeze = settled_meanwhile  # type: ignore[method-assign]
-    enforcer = Enforcer("sb1", race.policy, "observer", journal, cg)
-    newer = replace(race_violation("observer"), flow=Flow("tcp", "10.0.0.2",
-                    "203.0.113.98", 40001, 443), detail="tcp to 203.0.113.98:443")  # fmt: skip
-    event = enforcer.handle(newer)
-    assert thawed == [True]  # the thaw did come between the freeze and the commit
+    cg.freeze = thawed_meanwhile  # type: ignore[method-assign]
+    late_thaw.run()
+    event = Enforcer("sb1", race.policy, "observer", journal, cg).handle(newer_violation())
+    assert late_thaw.result == [True]  # the thaw did come between the freeze and the commit
     assert event is not None
     assert cg.is_frozen()
     assert_stopped(ticker)
     new, _ = journal.freezes("sb1")
     assert new["decision_id"] is None and new["confirmed_at"] is not None
     assert journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+
+
+def test_a_freeze_thawed_before_sqlite_refused_its_commit_is_made_again_and_kept(
+    race: Race, late_thaw: LateThaw, ticker: subprocess.Popen[bytes]
+) -> None:
+    """The same late thaw, and then SQLite refuses the observer's commit (its lock held
+    past the busy timeout): the observer freezes again all the same, its record pinned in
+    its intent file; a further late thaw finds it pending there and leaves the sandbox
+    frozen; once SQLite takes the record, its freeze is open there."""
+    observer = Journal.open(race.state, busy_timeout_s=0.5)
+    holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
+    cg = race.cg
+    real_freeze = cg.freeze
+
+    def thawed_then_locked(*args: Any, **kwargs: Any) -> float:
+        took = real_freeze(*args, **kwargs)
+        if not holder.in_transaction:  # the first freeze, not the one made again
+            late_thaw.landed()
+            holder.execute("BEGIN IMMEDIATE")  # held past the observer's busy timeout
+        return took
+
+    try:
+        cg.freeze = thawed_then_locked  # type: ignore[method-assign]
+        late_thaw.run()
+        enforcer = Enforcer("sb1", race.policy, "observer", observer, cg)
+        event = enforcer.handle(newer_violation())
+        assert late_thaw.result == [True] and enforcer.journal_errors == 1
+        assert event is not None and event.violation_id is None
+        assert cg.is_frozen()
+        assert_stopped(ticker)
+        holder.execute("ROLLBACK")
+        assert len(observer.violations("sb1")) == 1  # only the older one: pinned still
+        again = late_thaw.journal.thaw_if_resumed(late_thaw.resumed, "inline", cg.thaw)
+        assert not again and cg.is_frozen()
+        observer.commit_pinned()  # what the observer does after its next freeze, and at close
+        new, _ = observer.freezes("sb1")
+        assert new["decision_id"] is None
+        assert observer.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+        assert len(observer.violations("sb1")) == 2
+    finally:
+        holder.close()
+        observer.close()
 
 
 def test_concurrent_freezers_both_return(
