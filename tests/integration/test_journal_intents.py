@@ -5,6 +5,7 @@ same by whoever opens the journal next, once, and never while the layer lives.""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import sqlite3
@@ -300,6 +301,33 @@ def test_a_file_left_half_made_is_removed_once_its_maker_is_gone(state: Path) ->
         )
     finally:
         log.close()
+
+
+def test_without_o_tmpfile_the_file_is_made_under_a_dot_name_and_named_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem without O_TMPFILE (EOPNOTSUPP): the file is made under a dot-name,
+    locked, filled, then linked to its name; the dot-name goes."""
+    real_open = os.open
+
+    def no_tmpfile(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(intents.os, "open", no_tmpfile)
+    log = intents.IntentLog.create(tmp_path)
+    monkeypatch.undo()
+    try:
+        assert [p.name for p in (tmp_path / intents.DIR).iterdir()] == [log.path.name]
+        assert log.path.stat().st_size == intents.SLOT * intents.SLOTS
+        intent = log.write("sb1", {"n": 1})
+        assert intent is not None
+        assert [r for _, r in intents.records(log.path.read_bytes())] == [
+            {"sandbox_id": "sb1", "n": 1}
+        ]
+    finally:
+        assert not log.close()
 
 
 def test_a_resumed_freeze_is_not_thawed_while_a_freeze_of_its_sandbox_is_in_an_intent(
