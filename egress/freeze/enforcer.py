@@ -76,7 +76,16 @@ class Enforcer:
         return self.policy.mode is Mode.ENFORCE and v.action is Action.FREEZE
 
     def handle(self, v: Violation) -> FreezeEvent | None:
-        """Journal ``v`` and act on it; returns the freeze it caused, if any."""
+        """Journal ``v`` and act on it; returns the freeze it caused, if any. Then, if the
+        journal took what this did, commit what SQLite refused before (its records
+        pinned in the intent file, Journal.commit_pinned), if anything."""
+        errors = self.journal_errors
+        event = self._handle(v)
+        if self.journal_errors == errors:
+            self._try(self.journal.commit_pinned)
+        return event
+
+    def _handle(self, v: Violation) -> FreezeEvent | None:
         if not self.wants_freeze(v):
             self._try(lambda: self.journal.record_or_detect(self.sandbox_id, v, DEDUP_WINDOW_S))
             return None
@@ -149,15 +158,11 @@ class Enforcer:
             # Thawed between this freeze and its commit, or its refusal: the other layer
             # settling a resumed freeze (thaw_if_resumed) looked for open freezes and
             # pending intents before this intent was written, and thawed after this
-            # freeze. Its look came first, so its thaw came before this commit's end
-            # (both take the write lock); from now on it finds this freeze, open in
-            # SQLite or pending in the intent file (pinned): freeze again.
+            # freeze. That layer looks again after its thaw and freezes again; this is
+            # the same mend from this side, for a thaw that came before this look.
             at = time.time()
             confirmed = at + self.cgroup.freeze()
-        event = self._frozen(v, vid, fid, confirmed)
-        if recorded is not None:
-            self._try(self.journal.commit_pinned)  # what SQLite refused before, if anything
-        return event
+        return self._frozen(v, vid, fid, confirmed)
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:
         asked = time.time()
@@ -188,7 +193,7 @@ class Enforcer:
         reviewed as any freeze is."""
         try:
             return self.journal.thaw_if_resumed(
-                fid, self.layer, lambda: self.cgroup.thaw(wait=False)
+                fid, self.layer, lambda: self.cgroup.thaw(wait=False), self._freeze_again
             )
         except JournalError as exc:
             self.journal_errors += 1
@@ -197,6 +202,14 @@ class Enforcer:
             print(f"egress {self.layer}: could not thaw a freeze already resumed: {exc}",
                   file=sys.stderr)  # fmt: skip
         return False
+
+    def _freeze_again(self) -> None:
+        """A thaw undid a freeze another layer made from an intent (thaw_if_resumed)."""
+        try:
+            self.cgroup.freeze()
+        except SandboxError as exc:
+            print(f"egress {self.layer}: could not freeze again after a thaw: {exc}",
+                  file=sys.stderr)  # fmt: skip
 
     def _try(self, call: Callable[[], _T]) -> _T | None:
         try:

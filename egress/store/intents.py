@@ -60,10 +60,29 @@ class Intent:
     sandbox_id: str
     record: dict[str, object]
 
+    @property
+    def stored(self) -> dict[str, object]:
+        """The record as its slot holds it (and a fold reads it)."""
+        return {"sandbox_id": self.sandbox_id, **self.record}
+
+
+def token(stem: str, seq: int) -> str:
+    """What SQLite's folded_intents keeps of a record: its file's stem and sequence."""
+    return f"{stem}:{seq}"
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _sandbox_field(sandbox_id: str) -> bytes:
+    """How an encoded record names its sandbox, byte for byte."""
+    return b'"sandbox_id":' + _json(sandbox_id)
+
 
 def encode(seq: int, record: dict[str, object]) -> bytes | None:
     """``record`` as one slot's bytes; None if it does not fit in one."""
-    payload = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
+    payload = _json(record)
     if len(payload) > MAX_PAYLOAD:
         return None
     head = _HEAD.pack(MAGIC, len(payload), zlib.crc32(payload), seq)
@@ -150,14 +169,14 @@ class IntentLog:
             slot = next((n for n in range(SLOTS) if n not in self._live), None)
             if self._fd is None or slot is None:
                 return None
-            block = encode(self._seq + 1, {"sandbox_id": sandbox_id, **record})
+            intent = Intent(token(self.stem, self._seq + 1), slot, sandbox_id, record)
+            block = encode(self._seq + 1, intent.stored)
             if block is None:
                 return None
             os.pwrite(self._fd, block, slot * SLOT)
             self._seq += 1
-            token = f"{self.stem}:{self._seq}"
-            self._live[slot] = token
-            return Intent(token, slot, sandbox_id, record)
+            self._live[slot] = intent.token
+            return intent
 
     def done(self, intent: Intent, folded: bool) -> None:
         """SQLite holds ``intent`` (``folded``): its slot may be written again, once (a
@@ -219,7 +238,10 @@ def orphans(state_dir: Path) -> Iterator[list[tuple[Path, str, bytes]]]:
     it folded whole. Nothing where the directory cannot be read (not root)."""
     directory = state_dir / DIR
     _remove_abandoned(directory)
-    names = _names(directory)
+    try:
+        names = _names(directory)
+    except OSError:
+        names = []  # not ours to fold (not root)
     held: list[tuple[Path, str, bytes]] = []
     fds: list[int] = []
     try:
@@ -246,12 +268,16 @@ def orphans(state_dir: Path) -> Iterator[list[tuple[Path, str, bytes]]]:
             os.close(fd)
 
 
-def every_record(state_dir: Path) -> Iterator[tuple[str, int, dict[str, object]]]:
+def every_record(
+    state_dir: Path, sandbox_id: str | None = None
+) -> Iterator[tuple[str, int, dict[str, object]]]:
     """(file stem, sequence, record) of every whole record in every intent file, live
     (its writer's, read without its lock) or left by a process that ended. A slot being
     written as this reads it fails its CRC and is not seen: this is a look, not a fold.
-    Records already in SQLite are among them (their tokens say so). OSError where a
-    file is there and cannot be read."""
+    Records already in SQLite are among them (their tokens say so). ``sandbox_id``: only
+    that sandbox's (a file that never names it is not decoded). OSError where the
+    directory or a file in it is there and cannot be read."""
+    needle = None if sandbox_id is None else _sandbox_field(sandbox_id)
     directory = state_dir / DIR
     for name in _names(directory):
         try:
@@ -262,38 +288,57 @@ def every_record(state_dir: Path) -> Iterator[tuple[str, int, dict[str, object]]
             data = os.pread(fd, SLOT * SLOTS, 0)
         finally:
             os.close(fd)
+        if needle is not None and needle not in data:
+            continue
         for seq, record in records(data):
-            yield name[: -len(SUFFIX)], seq, record
+            if sandbox_id is None or record.get("sandbox_id") == sandbox_id:
+                yield name[: -len(SUFFIX)], seq, record
 
 
 def keep_aside(state_dir: Path, stem: str, entries: list[dict[str, object]]) -> Path:
     """Keep records no journal here can take (their sandbox unknown to it, or not a freeze
     intent this version reads) for a person, as JSON lines in ``intents/kept/<stem>.jsonl``
-    (``token``, ``why``, ``record``): merged by token with what that file holds (a fold
-    done again after a crash keeps each once), written whole under a temporary name,
-    synced, then renamed over it."""
+    (``token``, ``why``, ``record``), synced when this returns. Appended, never rewritten:
+    a line already there stays whatever it holds, and an entry whose token is there
+    already (a fold done again after a crash) is not added twice. Only one process
+    writes a stem's file (the intent file's owner, or the one fold holding its lock), so
+    this process's lock orders its threads."""
     directory = state_dir / DIR / KEPT
-    directory.mkdir(mode=0o700, exist_ok=True)
+    for made in (directory.parent, directory):
+        made.mkdir(mode=0o700, exist_ok=True)
     path = directory / f"{stem}.jsonl"
-    by_token: dict[object, dict[str, object]] = {}
-    with contextlib.suppress(FileNotFoundError):
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                old = json.loads(line)
-                if isinstance(old, dict):
-                    by_token[old.get("token")] = old
-    for entry in entries:
-        by_token[entry["token"]] = entry
-    text = "".join(json.dumps(e, sort_keys=True) + "\n" for e in by_token.values())
-    tmp = directory / f".{stem}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(directory)
+    with _kept_lock:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)  # fmt: skip
+        try:
+            there = b""
+            while chunk := os.read(fd, 1 << 16):
+                there += chunk
+            tokens = {_token_of(line) for line in there.splitlines()}
+            lines = [json.dumps(e, sort_keys=True) for e in entries if e["token"] not in tokens]
+            if lines:
+                torn = there and not there.endswith(b"\n")  # a crash mid-append: its own line
+                text = ("\n" if torn else "") + "".join(line + "\n" for line in lines)
+                view = memoryview(text.encode())
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not there:
+            fsync_dir(directory)  # its name, new (or empty before)
     return path
+
+
+def _token_of(line: bytes) -> object:
+    try:
+        entry = json.loads(line)
+    except ValueError:  # torn or not UTF-8: kept as it is, named by no token
+        return None
+    return entry.get("token") if isinstance(entry, dict) else None
+
+
+_kept_lock = threading.Lock()
 
 
 def _remove_abandoned(directory: Path) -> None:
@@ -311,11 +356,11 @@ def _remove_abandoned(directory: Path) -> None:
 
 
 def _names(directory: Path) -> list[str]:
-    """The intent files' names, sorted; none where the directory cannot be read (not
-    there yet, or not root). A dot-name is a file still being made."""
+    """The intent files' names, sorted; none where there is no directory yet, OSError
+    where it cannot be read (not root, or worse). A dot-name is a file being made."""
     try:
         return sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX) and n[0] != ".")
-    except OSError:
+    except FileNotFoundError:
         return []
 
 

@@ -277,7 +277,7 @@ class Journal:
         """Commit the records of this process's intent file SQLite refused before (a
         full disk, a lock held past the busy timeout): durable in the file, but no one
         reads them there while this process lives. As a fold would, each opens a freeze
-        for a person. A layer calls it after each freeze it made; close calls it too."""
+        for a person. Enforcer.handle calls it after each violation the journal took; close too."""
         log = self._intents
         if log is not None:
             self._commit_pinned(log)
@@ -285,7 +285,7 @@ class Journal:
     def _commit_pinned(self, log: IntentLog) -> None:
         taken = log.take_pinned()
         for n, intent in enumerate(taken):
-            record = {"sandbox_id": intent.sandbox_id, **intent.record}
+            record = intent.stored
             try:
                 with self._write("commit a freeze intent again") as conn:
                     self._fold_one(conn, intent.token, record)
@@ -379,7 +379,7 @@ class Journal:
             with self._write("fold freeze intents") as conn:
                 for _, stem, data in found:
                     for seq, record in intents_file.records(data):
-                        token = f"{stem}:{seq}"
+                        token = intents_file.token(stem, seq)
                         try:
                             folded += self._fold_one(conn, token, record)
                         except _NotAnIntent as exc:
@@ -567,7 +567,13 @@ class Journal:
                 (schema.dumps(marked), freeze_id),
             )
 
-    def thaw_if_resumed(self, freeze_id: int, layer: str, thaw: Callable[[], object]) -> bool:
+    def thaw_if_resumed(
+        self,
+        freeze_id: int,
+        layer: str,
+        thaw: Callable[[], object],
+        freeze_again: Callable[[], object] | None = None,
+    ) -> bool:
         """Call ``thaw`` when a person resumed ``freeze_id`` before ``layer``'s freeze of
         it landed, and no other freeze of the sandbox is open; True when it did.
 
@@ -578,11 +584,13 @@ class Journal:
         journal before act) and ``thaw`` run under the write lock, so a new violation's
         freeze request committed before its freeze cannot slip between them and have its
         freeze undone. Nor is it thawed while a freeze of the sandbox is durable in an
-        intent file and not yet here (``_intent_pending``). One frozen from an intent
-        written after that look, whose freeze this thaw then undid, is seen by its layer
-        once its commit returns or fails, and frozen again (Enforcer._freeze_then_fold).
-        ``thaw`` should only write, not wait, as it holds the lock. What ``thaw`` raises
-        rolls the note back and propagates.
+        intent file and not yet here (``_intent_pending``). An intent written after that
+        look, whose freeze this thaw may then have undone, is looked for again after the
+        thaw: if there is one, ``freeze_again`` (the one it misses was written after the
+        thaw, and its freeze lands after it). Its layer looks too, once its commit
+        returns or fails (Enforcer._freeze_then_fold). ``thaw`` should only write, not
+        wait, as it holds the lock. What ``thaw`` raises rolls the note back and
+        propagates.
         """
         decided = "SELECT 1 FROM freezes WHERE id = ? AND decision_id IS NOT NULL"
         if not self._select(decided, (freeze_id,)):
@@ -597,10 +605,13 @@ class Journal:
                 return False  # a kill reaps it frozen or not
             if conn.execute(schema.OPEN_FREEZE_SQL, (row["sandbox_id"],)).fetchone():
                 return False
-            if self._intent_pending(conn, str(row["sandbox_id"])):
+            sandbox_id = str(row["sandbox_id"])
+            if self._intent_pending(conn, sandbox_id):
                 return False
             self._mark_request(conn, freeze_id, layer, "thawed_at", time.time())
             thaw()
+            if freeze_again is not None and self._intent_pending(conn, sandbox_id):
+                freeze_again()
             return True
 
     def _intent_pending(self, conn: sqlite3.Connection, sandbox_id: str) -> bool:
@@ -610,8 +621,8 @@ class Journal:
         next open). Its freeze stands for a person to decide, as if it were open here.
         So does any freeze where the files cannot be read."""
         try:
-            for stem, seq, record in intents_file.every_record(self._path.parent):
-                if record.get("sandbox_id") == sandbox_id and not _folded(conn, f"{stem}:{seq}"):
+            for stem, seq, _ in intents_file.every_record(self._path.parent, sandbox_id):
+                if not _folded(conn, intents_file.token(stem, seq)):
                     return True
         except OSError as exc:
             where = self._path.parent / intents_file.DIR

@@ -11,6 +11,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -273,10 +274,31 @@ def test_an_intent_the_journal_cannot_take_is_kept_aside_and_said(
     assert set(by_sandbox) == {"nosuch", "sb1"} and len(entries) == 2
     assert Violation.from_json(by_sandbox["nosuch"]["record"]["violation"]) == V
     assert by_sandbox["sb1"]["record"]["violation"] == future
-    [stem, _] = by_sandbox["sb1"]["token"].split(":")
-    # A fold done again (a crash before the intent file went): each record kept once.
-    intents.keep_aside(state, stem, [by_sandbox["sb1"]])
-    assert sorted(map(str, kept_aside(state))) == sorted(map(str, entries))
+
+
+def test_kept_records_are_appended_once_each_and_nothing_there_is_rewritten(
+    state: Path,
+) -> None:
+    """The kept file only grows: a record kept again (a fold done again after a crash)
+    is there once, another is added, and a line torn by a crash or not even UTF-8
+    stays as it was, while the journal still opens."""
+    stem = "123-" + "ab" * 16
+    first = {"token": intents.token(stem, 1), "why": "w", "record": {"sandbox_id": "x"}}
+    second = {"token": intents.token(stem, 2), "why": "w", "record": {"sandbox_id": "y"}}
+    path = intents.keep_aside(state, stem, [first])
+    with open(path, "ab") as f:
+        f.write(b'\xff\xfe not json {"token": "' + stem.encode() + b':2"')  # torn, no newline
+    threads = [threading.Thread(target=intents.keep_aside, args=(state, stem, [e]))
+               for e in (first, second) * 4]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = path.read_bytes().splitlines()
+    assert lines[1].startswith(b"\xff\xfe not json")  # kept as it was
+    assert [json.loads(line) for n, line in enumerate(lines) if n != 1] == [first, second]
+    with Journal.open(state) as j:
+        assert j.violations() == []
 
 
 def test_a_file_left_half_made_is_removed_once_its_maker_is_gone(state: Path) -> None:
@@ -301,6 +323,28 @@ def test_a_file_left_half_made_is_removed_once_its_maker_is_gone(state: Path) ->
         )
     finally:
         log.close()
+
+
+def test_an_intent_file_has_no_name_until_it_is_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made with O_TMPFILE: when it is linked to its name, nothing else is in the
+    directory (no dot-name a crash could leave), and it holds every slot, zeroed."""
+    real_link = os.link
+    seen: list[list[str]] = []
+
+    def looked(*args: Any, **kwargs: Any) -> None:
+        seen.append(os.listdir(tmp_path / intents.DIR))
+        real_link(*args, **kwargs)
+
+    monkeypatch.setattr(intents.os, "link", looked)
+    log = intents.IntentLog.create(tmp_path)
+    monkeypatch.undo()
+    try:
+        assert seen == [[]]
+        assert log.path.read_bytes() == bytes(intents.SLOT * intents.SLOTS)
+    finally:
+        assert log.close()
 
 
 def test_without_o_tmpfile_the_file_is_made_under_a_dot_name_and_named_whole(
@@ -378,3 +422,68 @@ def test_a_torn_slot_is_skipped_and_the_others_folded(state: Path) -> None:
     with Journal.open(state) as j:
         [v] = j.violations("sb1")
         assert v["at"] == V.at + 10
+
+
+def test_a_resumed_freeze_is_not_thawed_where_the_intents_cannot_be_read(
+    state: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Whether an intent of the sandbox is pending can't be told: it stays frozen."""
+    with Journal.open(state) as j:
+        _, _, resumed = j.record_for_freeze("sb1", V, 2.0, V.at)
+        assert resumed is not None
+        j.record_decision("sb1", "resume", 0, V.at + 1, "a person")
+        (state / intents.DIR).write_bytes(b"not a directory")
+        thaws: list[int] = []
+        assert not j.thaw_if_resumed(resumed, "inline", lambda: thaws.append(1))
+        assert thaws == []
+    assert "sandbox sb1 stays frozen for a person to decide" in capfd.readouterr().err
+
+
+def test_a_refused_record_whose_sandbox_is_gone_from_the_journal_is_kept(
+    state: Path,
+) -> None:
+    """Pinned by a refused commit, then tried again by a journal that does not know its
+    sandbox: kept aside, and its slot freed (the file goes at close)."""
+    layer = Journal.open(state, busy_timeout_s=0.05)
+    lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+    try:
+        layer.open_intents()
+        intent = layer.write_intent("gone", V, 2.0, V.at)
+        assert intent is not None
+        lock.execute("BEGIN IMMEDIATE")
+        with pytest.raises(JournalError, match="locked"):
+            layer.record_for_freeze("gone", V, 2.0, V.at, intent)
+        lock.execute("ROLLBACK")
+        layer.commit_pinned()
+        [kept] = kept_aside(state)
+        assert kept["token"] == intent.token and "no sandbox 'gone'" in kept["why"]
+        assert Violation.from_json(kept["record"]["violation"]) == V
+    finally:
+        lock.close()
+        layer.close()
+    assert intent_files(state) == []
+
+
+def test_a_thaw_looks_again_for_an_intent_written_since_its_first_look(state: Path) -> None:
+    """An intent written after the look, whose freeze may have landed before the thaw
+    that undid it: the thawer freezes again."""
+    j = Journal.open(state)
+    other = Journal.open(state)
+    try:
+        _, _, resumed = j.record_for_freeze("sb1", V, 2.0, V.at)
+        assert resumed is not None
+        j.record_decision("sb1", "resume", 0, V.at + 1, "a person")
+        other.open_intents()
+        newer = dataclasses.replace(V, at=V.at + 60, detail="newer")
+        done: list[str] = []
+
+        def thaw() -> None:  # meanwhile, the other layer's intent, then its freeze
+            assert other.write_intent("sb1", newer, 2.0, newer.at) is not None
+            done.append("thaw")
+
+        assert j.thaw_if_resumed(resumed, "inline", thaw, lambda: done.append("again"))
+        assert done == ["thaw", "again"]
+        assert j.thaw_if_resumed(resumed, "inline", thaw, lambda: done.append("no")) is False
+    finally:
+        other.close()
+        j.close()
