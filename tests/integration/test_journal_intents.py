@@ -374,6 +374,14 @@ def test_without_o_tmpfile_the_file_is_made_under_a_dot_name_and_named_whole(
         assert not log.close()
 
 
+def resumed_freeze(j: Journal) -> int:
+    """V's freeze of sb1, which a person resumed: a late sighting of V would thaw it."""
+    _, _, resumed = j.record_for_freeze("sb1", V, 2.0, V.at)
+    assert resumed is not None
+    j.record_decision("sb1", "resume", 0, V.at + 1, "a person")
+    return resumed
+
+
 def test_a_resumed_freeze_is_not_thawed_while_a_freeze_of_its_sandbox_is_in_an_intent(
     state: Path,
 ) -> None:
@@ -385,9 +393,7 @@ def test_a_resumed_freeze_is_not_thawed_while_a_freeze_of_its_sandbox_is_in_an_i
     j = Journal.open(state)
     other = Journal.open(state)
     try:
-        _, _, resumed = j.record_for_freeze("sb1", V, 2.0, V.at)
-        assert resumed is not None
-        j.record_decision("sb1", "resume", 0, V.at + 1, "a person")
+        resumed = resumed_freeze(j)
         thaws: list[str] = []
         other.open_intents()
         newer = dataclasses.replace(V, at=V.at + 60, flow=dataclasses.replace(V.flow, dport=22),
@@ -429,9 +435,7 @@ def test_a_resumed_freeze_is_not_thawed_where_the_intents_cannot_be_read(
 ) -> None:
     """Whether an intent of the sandbox is pending can't be told: it stays frozen."""
     with Journal.open(state) as j:
-        _, _, resumed = j.record_for_freeze("sb1", V, 2.0, V.at)
-        assert resumed is not None
-        j.record_decision("sb1", "resume", 0, V.at + 1, "a person")
+        resumed = resumed_freeze(j)
         (state / intents.DIR).write_bytes(b"not a directory")
         thaws: list[int] = []
         assert not j.thaw_if_resumed(resumed, "inline", lambda: thaws.append(1))
@@ -470,9 +474,7 @@ def test_a_thaw_looks_again_for_an_intent_written_since_its_first_look(state: Pa
     j = Journal.open(state)
     other = Journal.open(state)
     try:
-        _, _, resumed = j.record_for_freeze("sb1", V, 2.0, V.at)
-        assert resumed is not None
-        j.record_decision("sb1", "resume", 0, V.at + 1, "a person")
+        resumed = resumed_freeze(j)
         other.open_intents()
         newer = dataclasses.replace(V, at=V.at + 60, detail="newer")
         done: list[str] = []
