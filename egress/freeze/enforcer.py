@@ -78,11 +78,12 @@ class Enforcer:
     def handle(self, v: Violation) -> FreezeEvent | None:
         """Journal ``v`` and act on it; returns the freeze it caused, if any. Then, if the
         journal took what this did, commit what SQLite refused before (its records
-        pinned in the intent file, Journal.commit_pinned), if anything."""
+        pinned in the intent file, Journal.commit_pinned), if anything and if the write
+        lock is free: this may run on a loop that answers DNS."""
         errors = self.journal_errors
         event = self._handle(v)
         if self.journal_errors == errors:
-            self._try(self.journal.commit_pinned)
+            self._try(lambda: self.journal.commit_pinned(wait=False))
         return event
 
     def _handle(self, v: Violation) -> FreezeEvent | None:
@@ -204,9 +205,10 @@ class Enforcer:
         return False
 
     def _freeze_again(self) -> None:
-        """A thaw undid a freeze another layer made from an intent (thaw_if_resumed)."""
+        """A thaw undid a freeze another layer made from an intent (thaw_if_resumed):
+        asked again, not waited for, as the journal's write lock is held."""
         try:
-            self.cgroup.freeze()
+            self.cgroup.ask_freeze()
         except SandboxError as exc:
             print(f"egress {self.layer}: could not freeze again after a thaw: {exc}",
                   file=sys.stderr)  # fmt: skip

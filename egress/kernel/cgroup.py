@@ -299,6 +299,14 @@ class Cgroup:
                     return None
                 os.sched_yield()  # the task to be frozen may need this CPU to get there
 
+    def ask_freeze(self) -> None:
+        """Ask every hierarchy to freeze and return, unconfirmed: for a caller that must
+        not wait (one holding the journal's write lock, undoing a thaw of its own)."""
+        self._bound()
+        _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
+        if self.freezer_path is not None:
+            _write(self._state_path(), "FROZEN")
+
     def thaw(self, timeout: float = 2.0, wait: bool = True) -> None:
         """Thaw both hierarchies and (``wait``) wait until neither reports frozen."""
         if not self.v2_path:

@@ -330,12 +330,15 @@ def keep_aside(state_dir: Path, stem: str, entries: list[dict[str, object]]) -> 
     return path
 
 
-def _token_of(line: bytes) -> object:
+def _token_of(line: bytes) -> str | None:
+    """The token a kept line names; None for one torn, not UTF-8, or not ours (kept as it
+    is), whatever it holds."""
     try:
         entry = json.loads(line)
-    except ValueError:  # torn or not UTF-8: kept as it is, named by no token
+    except (ValueError, RecursionError):
         return None
-    return entry.get("token") if isinstance(entry, dict) else None
+    token = entry.get("token") if isinstance(entry, dict) else None
+    return token if isinstance(token, str) else None
 
 
 _kept_lock = threading.Lock()

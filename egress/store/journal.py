@@ -273,21 +273,23 @@ class Journal:
                 log.done(intent, folded)
         return recorded
 
-    def commit_pinned(self) -> None:
+    def commit_pinned(self, wait: bool = True) -> None:
         """Commit the records of this process's intent file SQLite refused before (a
         full disk, a lock held past the busy timeout): durable in the file, but no one
         reads them there while this process lives. As a fold would, each opens a freeze
-        for a person. Enforcer.handle calls it after each violation the journal took; close too."""
+        for a person. Enforcer.handle calls it after each violation the journal took,
+        without ``wait``: where another holds the write lock, it is left for the next
+        time, not waited for; close calls it too."""
         log = self._intents
         if log is not None:
-            self._commit_pinned(log)
+            self._commit_pinned(log, wait)
 
-    def _commit_pinned(self, log: IntentLog) -> None:
+    def _commit_pinned(self, log: IntentLog, wait: bool = True) -> None:
         taken = log.take_pinned()
         for n, intent in enumerate(taken):
             record = intent.stored
             try:
-                with self._write("commit a freeze intent again") as conn:
+                with self._write("commit a freeze intent again", None if wait else 0.0) as conn:
                     self._fold_one(conn, intent.token, record)
             except _NotAnIntent as exc:  # its sandbox gone from the journal meanwhile
                 try:
@@ -588,9 +590,10 @@ class Journal:
         look, whose freeze this thaw may then have undone, is looked for again after the
         thaw: if there is one, ``freeze_again`` (the one it misses was written after the
         thaw, and its freeze lands after it). Its layer looks too, once its commit
-        returns or fails (Enforcer._freeze_then_fold). ``thaw`` should only write, not
-        wait, as it holds the lock. What ``thaw`` raises rolls the note back and
-        propagates.
+        returns or fails (Enforcer._freeze_then_fold). ``thaw`` and ``freeze_again``
+        should only write, not wait, as they hold the lock (and a person's resume of
+        that freeze must not come between the look and them). What they raise rolls the
+        note back and propagates.
         """
         decided = "SELECT 1 FROM freezes WHERE id = ? AND decision_id IS NOT NULL"
         if not self._select(decided, (freeze_id,)):
@@ -764,8 +767,12 @@ class Journal:
             return [schema.as_dict(r) for r in conn.execute(sql, args)]
 
     @contextlib.contextmanager
-    def _write(self, what: str) -> Iterator[sqlite3.Connection]:
-        with self._transaction(True, what) as conn:
+    def _write(
+        self, what: str, busy_timeout_s: float | None = None
+    ) -> Iterator[sqlite3.Connection]:
+        """A write transaction; the write lock waited for ``busy_timeout_s`` (None: the
+        journal's own)."""
+        with self._transaction(True, what, busy_timeout_s) as conn:
             yield conn
 
     @contextlib.contextmanager
@@ -774,13 +781,16 @@ class Journal:
             yield conn
 
     @contextlib.contextmanager
-    def _transaction(self, write: bool, what: str) -> Iterator[sqlite3.Connection]:
+    def _transaction(
+        self, write: bool, what: str, busy_timeout_s: float | None = None
+    ) -> Iterator[sqlite3.Connection]:
         with self._lock, self._errors(what):
             if self._conn is None:
                 raise JournalError(f"{self._path}: {what}: the journal is closed")
             conn = self._conn
             if write:
-                schema.begin_immediate(conn, self._busy_timeout_s)
+                wait = self._busy_timeout_s if busy_timeout_s is None else busy_timeout_s
+                schema.begin_immediate(conn, wait)
             else:
                 conn.execute("BEGIN DEFERRED")
             try:

@@ -280,13 +280,14 @@ def test_kept_records_are_appended_once_each_and_nothing_there_is_rewritten(
     state: Path,
 ) -> None:
     """The kept file only grows: a record kept again (a fold done again after a crash)
-    is there once, another is added, and a line torn by a crash or not even UTF-8
+    is there once, another is added, and a line torn by a crash, not UTF-8 or not ours
     stays as it was, while the journal still opens."""
     stem = "123-" + "ab" * 16
     first = {"token": intents.token(stem, 1), "why": "w", "record": {"sandbox_id": "x"}}
     second = {"token": intents.token(stem, 2), "why": "w", "record": {"sandbox_id": "y"}}
     path = intents.keep_aside(state, stem, [first])
     with open(path, "ab") as f:
+        f.write(b'{"token": {"not": "a string"}}\n')
         f.write(b'\xff\xfe not json {"token": "' + stem.encode() + b':2"')  # torn, no newline
     threads = [threading.Thread(target=intents.keep_aside, args=(state, stem, [e]))
                for e in (first, second) * 4]  # fmt: skip
@@ -295,8 +296,9 @@ def test_kept_records_are_appended_once_each_and_nothing_there_is_rewritten(
     for t in threads:
         t.join()
     lines = path.read_bytes().splitlines()
-    assert lines[1].startswith(b"\xff\xfe not json")  # kept as it was
-    assert [json.loads(line) for n, line in enumerate(lines) if n != 1] == [first, second]
+    assert lines[1] == b'{"token": {"not": "a string"}}'  # kept as they were
+    assert lines[2].startswith(b"\xff\xfe not json")
+    assert [json.loads(line) for line in lines[:1] + lines[3:]] == [first, second]
     with Journal.open(state) as j:
         assert j.violations() == []
 

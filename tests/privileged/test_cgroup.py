@@ -183,6 +183,22 @@ def test_freeze_stops_thaw_resumes_kill_reaps_remove_cleans(
     cg.kill()  # nothing left: no error
 
 
+def test_ask_freeze_freezes_without_waiting_for_it(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """What a thaw under the journal's lock uses to undo itself: the writes alone."""
+    cg = make_cgroup()
+    cg.add_pid(ticker.pid)
+    assert ticks_within(ticker, 2)
+    cg.ask_freeze()
+    deadline = time.monotonic() + 5
+    while not cg.is_frozen() and time.monotonic() < deadline:
+        time.sleep(0.001)  # polled to a deadline: the kernel's stop, not a guess
+    assert cg.is_frozen()
+    assert_stopped(ticker)
+    cg.thaw()
+
+
 def test_v2_freezer_alone_stops(
     make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
 ) -> None:
