@@ -122,10 +122,10 @@ def render(
     _violations(out, [])
     _sets(out, [], kernel)
     for start in range(0, len(served), CHUNK):
-        chunk = served[start : start + CHUNK]
-        _dns(out, chunk)
-        _violations(out, chunk)
-        _sets(out, chunk, kernel)
+        rows = _sandbox_labels(served[start : start + CHUNK])  # escaped once a scrape
+        _dns(out, rows)
+        _violations(out, rows)
+        _sets(out, rows, kernel)
         out.seal()
         yield
     _freezes(out, served)
@@ -162,8 +162,7 @@ def _sandbox_labels(served: Iterable[Served]) -> list[tuple[Served, str]]:
     return [(s, f'sandbox="{_label(s.id)}"') for s in served]
 
 
-def _dns(out: _Out, served: Iterable[Served]) -> None:
-    rows = _sandbox_labels(served)
+def _dns(out: _Out, rows: list[tuple[Served, str]]) -> None:
     name = "egress_dns_queries_total"
     out.family(name, "counter", "DNS queries by verdict (inline core).")
     for s, sb in rows:
@@ -189,10 +188,10 @@ def _dns(out: _Out, served: Iterable[Served]) -> None:
     out.lines([f"{name}{{{sb}}} {_value(s.resolver.sets.last_ms)}\n" for s, sb in rows])
 
 
-def _violations(out: _Out, served: Iterable[Served]) -> None:
+def _violations(out: _Out, rows: list[tuple[Served, str]]) -> None:
     name = "egress_violations_total"
     out.family(name, "counter", "Violations the inline layer saw.")
-    for s, sb in _sandbox_labels(served):
+    for s, sb in rows:
         counts = Counter(v.cls.value for v in list(s.session.state.violations))
         out.lines([f'{name}{{{sb},class="{_label(cls)}"}} {n}\n'
                    for cls, n in sorted(counts.items())])  # fmt: skip
@@ -230,13 +229,13 @@ def _le(bounds: tuple[float, ...]) -> tuple[str, ...]:
     return tuple(f'"{bound:g}"' for bound in bounds)
 
 
-def _sets(out: _Out, served: Iterable[Served], kernel: dict[str, Kernel]) -> None:
-    rows = [(s, sb, kernel[s.id]) for s, sb in _sandbox_labels(served) if s.id in kernel]
+def _sets(out: _Out, rows: list[tuple[Served, str]], kernel: dict[str, Kernel]) -> None:
+    figures = [(sb, kernel[s.id]) for s, sb in rows if s.id in kernel]
     name = "egress_set_elements"
     out.family(name, "gauge", "Elements in a sandbox's allowed sets now.")
-    for _, sb, k in rows:
+    for sb, k in figures:
         out.lines([f'{name}{{{sb},set="{_label(set_name)}"}} {n}\n'
                    for set_name, n in k.sets.items()])  # fmt: skip
     name = "egress_dropped_packets_total"
     out.family(name, "counter", "Packets the sandbox rules dropped.")
-    out.lines([f"{name}{{{sb}}} {k.dropped}\n" for _, sb, k in rows if k.dropped is not None])
+    out.lines([f"{name}{{{sb}}} {k.dropped}\n" for sb, k in figures if k.dropped is not None])
