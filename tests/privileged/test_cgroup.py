@@ -28,6 +28,7 @@ from egress.kernel import cgroup as cg_mod
 from egress.kernel.cgroup import Cgroup, find_mounts, parse_mountinfo
 from egress.model import Action, Flow, Policy, Violation, ViolationClass
 from egress.policy import parse_policy
+from egress.sandbox.lifecycle import _remove_cgroup
 from egress.store import intents
 from egress.store.journal import Journal
 from tests.support import SYSTEM_PYTHON
@@ -572,6 +573,24 @@ def test_remove_with_processes_refuses_and_keeps_everything(
         cg.remove()
     assert os.path.isdir(cg.v2_path)
     assert cg.pids() == [ticker.pid]
+
+
+@needs_v1
+def test_a_sandbox_cgroup_is_removed_when_its_task_is_not_in_its_v2_procs(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """The sandbox's removal kills by remove()'s own test (populated, or a task in the v1
+    twin), not by the v2 procs list: a task that list no longer shows (one exiting after
+    another teardown's kill: `egressctl kill` racing `gc`; or one only in the v1 twin, as
+    here) made remove() refuse, "still has processes"."""
+    cg = make_cgroup()
+    assert cg.freezer_path is not None
+    with open(os.path.join(cg.freezer_path, "cgroup.procs"), "w") as f:
+        f.write(str(ticker.pid))
+    assert cg.pids() == [] and not cg.empty()
+    _remove_cgroup(cg)
+    assert ticker.wait(timeout=5) == -9
+    assert not os.path.exists(cg.v2_path) and not os.path.exists(cg.freezer_path)
 
 
 def test_create_existing_and_bad_names_raise(make_cgroup: Callable[[], Cgroup]) -> None:
