@@ -742,9 +742,18 @@ class Journal:
         if any(d["layer"] == layer for d in seen):
             return
         seen = sorted([*seen, {"layer": layer, "at": at}], key=lambda d: d["at"])
+        # A violation is dated by its first sighting, whichever layer committed first
+        # (one freezing from its intent commits after its freeze, so the other, later to
+        # see it, may be first here), and so is the freeze latency counted from it.
         conn.execute(
-            "UPDATE violations SET detected_by = ? WHERE id = ?",
-            (schema.dumps(seen), violation_id),
+            "UPDATE violations SET detected_by = ?, at = MIN(at, ?) WHERE id = ?",
+            (schema.dumps(seen), at, violation_id),
+        )
+        conn.execute(
+            "UPDATE freezes SET latency_ms = "
+            "(confirmed_at - (SELECT at FROM violations WHERE id = ?)) * 1000 "
+            "WHERE first_violation = ? AND confirmed_at IS NOT NULL",
+            (violation_id, violation_id),
         )
 
     def _check_state(self, state: str) -> None:

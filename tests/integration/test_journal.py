@@ -397,6 +397,27 @@ def test_record_or_detect_is_one_step(journal: Journal) -> None:
 # -- freezes and decisions -------------------------------------------------------------
 
 
+def test_a_violation_is_dated_by_its_first_sighting_whichever_layer_commits_first(
+    journal: Journal,
+) -> None:
+    """The inline layer saw it first and froze from its intent; the observer, later to
+    see it, committed first, and the freeze was confirmed before the inline layer's
+    commit. The violation is dated by the first sighting, and the freeze latency counts
+    from it (it read -1.5 ms in `make demo`, confirmed "before" the observer's sighting)."""
+    first, later = _violation(T0, "inline"), _violation(T0 + 0.003, "observer")
+    vid, _, fid = journal.record_for_freeze("sb1", later, 2.0, later.at)
+    assert fid is not None
+    journal.confirm_freeze(fid, T0 + 0.002, 0.5, "observer")
+    journal.record_for_freeze("sb1", first, 2.0, first.at)
+    [v] = journal.violations("sb1")
+    assert v["id"] == vid and v["at"] == T0
+    assert [d["at"] for d in v["detected_by"]] == [T0, T0 + 0.003]
+    [f] = journal.freezes("sb1")
+    assert f["latency_ms"] == pytest.approx(2.0, abs=1e-3)
+    journal.confirm_freeze(fid, T0 + 0.001, 0.4, "inline")  # earlier still: counted from T0
+    assert journal.freezes("sb1")[0]["latency_ms"] == pytest.approx(1.0, abs=1e-3)
+
+
 def test_freeze_is_idempotent_across_layers(journal: Journal) -> None:
     vid = journal.record_violation("sb1", _violation())
     fid = journal.record_freeze_request("sb1", "observer", vid, T0 + 0.002)
