@@ -77,14 +77,32 @@ class Enforcer:
 
     def handle(self, v: Violation) -> FreezeEvent | None:
         """Journal ``v`` and act on it; returns the freeze it caused, if any. Then, if the
-        journal took what this did, commit what SQLite refused before (its records
-        pinned in the intent file, Journal.commit_pinned), if anything and if the write
-        lock is free: this may run on a loop that answers DNS."""
+        journal took what this did, ``retry_pinned``."""
         errors = self.journal_errors
         event = self._handle(v)
         if self.journal_errors == errors:
-            self._try(lambda: self.journal.commit_pinned(wait=False))
+            self.retry_pinned()
         return event
+
+    def retry_pinned(self) -> int:
+        """Commit this sandbox's records SQLite refused before (pinned in the intent file,
+        Journal.commit_pinned), if there are any and the write lock is free: this may run
+        on a loop that answers DNS. Each opens a freeze, so the cgroup is frozen again
+        if something thawed it meanwhile (a person's resume found no freeze open in
+        SQLite). Called after each violation the journal takes and on the layer's tick
+        (a frozen sandbox makes no more violations); returns how many it committed."""
+        if not self.journal.has_pinned(self.sandbox_id):  # the usual case: no lock, no read
+            return 0
+        committed = self._try(
+            lambda: self.journal.commit_pinned(False, self.sandbox_id, self._freeze_if_thawed)
+        )
+        return committed or 0
+
+    def _freeze_if_thawed(self) -> None:
+        if not self.cgroup.is_frozen():
+            print(f"egress {self.layer}: sandbox {self.sandbox_id} was thawed while its "
+                  "freeze was not yet journaled: frozen again", file=sys.stderr)  # fmt: skip
+            self._freeze_again()
 
     def _handle(self, v: Violation) -> FreezeEvent | None:
         if not self.wants_freeze(v):
@@ -205,8 +223,9 @@ class Enforcer:
         return False
 
     def _freeze_again(self) -> None:
-        """A thaw undid a freeze another layer made from an intent (thaw_if_resumed):
-        asked again, not waited for, as the journal's write lock is held."""
+        """A thaw undid a freeze another layer made from an intent (thaw_if_resumed), or
+        one whose record was pinned (retry_pinned): asked again, not waited for, as the
+        journal's write lock is held."""
         try:
             self.cgroup.ask_freeze()
         except SandboxError as exc:

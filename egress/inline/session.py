@@ -37,7 +37,13 @@ TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 FROZEN_POLL_S = 0.05
 JOURNAL_BACKLOG = 10_000  # block/log verdicts waiting for their fsync
 MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps more)
-AUDIT_FLUSH_S = 5.0  # mode: audit: what the resolver saw goes to the journal this often
+# What the resolver saw in mode: audit goes to the journal this often, and the freeze
+# records SQLite refused are tried again.
+TICK_S = 5.0
+RETRY_PINNED = "retry pinned"  # on the journal queue: Enforcer.retry_pinned
+# What the journal writer takes: a verdict, mode: audit's rows, RETRY_PINNED, or None:
+# the end.
+_Queued = Violation | AuditBatch | str | None
 
 
 @dataclass
@@ -73,8 +79,8 @@ class Session:
         # Bounded: a workload flooding denied queries must not grow egressctl without end.
         # Ordered by urgency: a freeze-worthy verdict (with freeze_off_loop) goes before
         # every block/log record still waiting for its fsync.
-        self._journal_queue: queue.PriorityQueue[tuple[int, int, Violation | AuditBatch | None]] = (
-            queue.PriorityQueue(JOURNAL_BACKLOG)
+        self._journal_queue: queue.PriorityQueue[tuple[int, int, _Queued]] = queue.PriorityQueue(
+            JOURNAL_BACKLOG
         )
         self._queued = itertools.count()
         # egressd serves every sandbox on one event loop: there a freeze (a fsync'd
@@ -126,16 +132,22 @@ class Session:
         self.core.audit_connect(address, flow.proto, flow.dport, static, blocked, at)
 
     def start_audit(self, core: ResolverCore) -> None:
-        """Flush ``core``'s AuditLog to the journal every AUDIT_FLUSH_S (it records only in
-        mode: audit; a swap may turn that on later), and once more at close."""
+        """Flush ``core``'s AuditLog to the journal every TICK_S (it records only in mode:
+        audit; a swap may turn that on later), and once more at close; and on the same
+        tick, commit the freeze records SQLite refused (Enforcer.retry_pinned: a frozen
+        sandbox makes no violation to retry them after)."""
         self.core = core
-        self._audit_timer = asyncio.get_running_loop().call_later(AUDIT_FLUSH_S, self._audit_tick)
+        self._audit_timer = asyncio.get_running_loop().call_later(TICK_S, self._tick)
 
-    def _audit_tick(self) -> None:
+    def _tick(self) -> None:
         self.flush_audit()
+        if self.enforcer.journal.has_pinned(self.sb.id):
+            if self.freeze_off_loop:  # a commit, fsync'd: on the writer thread
+                self._journal_queue.put((0, next(self._queued), RETRY_PINNED))
+            else:
+                self.enforcer.retry_pinned()
         if not self.stopping:
-            loop = asyncio.get_running_loop()
-            self._audit_timer = loop.call_later(AUDIT_FLUSH_S, self._audit_tick)
+            self._audit_timer = asyncio.get_running_loop().call_later(TICK_S, self._tick)
 
     def flush_audit(self) -> None:
         """Hand what the audit log saw since the last flush to the journal writer."""
@@ -177,6 +189,8 @@ class Session:
             while (item := self._journal_queue.get()[2]) is not None:
                 if isinstance(item, AuditBatch):
                     self._record_audit(item)
+                elif isinstance(item, str):  # RETRY_PINNED
+                    self.enforcer.retry_pinned()
                 else:
                     self._act(item)
         finally:

@@ -194,7 +194,9 @@ class Observer:
 
     def tick(self) -> None:
         """What each pass does besides reading (at least every TICK_S): the sandbox gone
-        ends the watch; the drop counter, the first-request timers, an abandoned sandbox."""
+        ends the watch; the drop counter, the first-request timers, records SQLite
+        refused (Enforcer.retry_pinned: a frozen sandbox makes no violation to retry
+        them after), an abandoned sandbox."""
         now = time.monotonic()
         if now - self._netns_seen >= NETNS_S or self._netns is None:
             seen = netns_id(self.cfg.netns)
@@ -205,6 +207,7 @@ class Observer:
         self._check_counter()
         for v in self.flows.expire(time.time()):
             self._act(v)
+        self.enforcer.retry_pinned()
         self._end_if_abandoned()
 
     def finish(self) -> None:

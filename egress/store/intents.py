@@ -188,13 +188,22 @@ class IntentLog:
             elif self._live.get(intent.slot) == intent.token:
                 del self._live[intent.slot]
 
-    def take_pinned(self) -> list[Intent]:
-        """The records SQLite refused, each handed to one caller only: it calls ``done``
-        for each, folded or (pinned again) not."""
+    def has_pinned(self, sandbox_id: str) -> bool:
+        """Whether ``take_pinned(sandbox_id)`` would hand anything out now."""
+        # Without the lock: a record pinned while this reads is seen at the next look.
+        return any(i.sandbox_id == sandbox_id for i in self._pinned)
+
+    def take_pinned(self, sandbox_id: str | None = None) -> list[Intent]:
+        """The records SQLite refused (those of ``sandbox_id``, if given), each handed to
+        one caller only: it calls ``done`` for each, folded or (pinned again) not."""
         if not self._pinned:  # the usual case, without waiting on a write for the lock
             return []
         with self._lock:
-            taken, self._pinned = self._pinned, []
+            taken: list[Intent] = []
+            kept: list[Intent] = []
+            for intent in self._pinned:
+                (taken if sandbox_id in (None, intent.sandbox_id) else kept).append(intent)
+            self._pinned = kept
             return taken
 
     def close(self) -> bool:

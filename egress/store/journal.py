@@ -273,24 +273,51 @@ class Journal:
                 log.done(intent, folded)
         return recorded
 
-    def commit_pinned(self, wait: bool = True) -> None:
+    def commit_pinned(
+        self,
+        wait: bool = True,
+        sandbox_id: str | None = None,
+        freeze_again: Callable[[], object] | None = None,
+    ) -> int:
         """Commit the records of this process's intent file SQLite refused before (a
-        full disk, a lock held past the busy timeout): durable in the file, but no one
-        reads them there while this process lives. As a fold would, each opens a freeze
-        for a person. Enforcer.handle calls it after each violation the journal took,
-        without ``wait``: where another holds the write lock, it is left for the next
-        time, not waited for; close calls it too."""
+        full disk, a lock held past the busy timeout), those of ``sandbox_id`` if given:
+        durable in the file, but no one reads them there while this process lives; how
+        many it committed. As a fold would, each opens a freeze for a person, so the
+        sandbox must be frozen: ``freeze_again`` (given with ``sandbox_id``) is called
+        after each commit, under the write lock, so that a person's resume of that
+        freeze comes after it (a resume while the record was pinned found no freeze open
+        and thawed). It should only write, not wait. Without ``wait``, where another
+        holds the write lock, they are left for the next try: Enforcer.retry_pinned,
+        after each violation the journal takes and on its layer's tick; close calls it
+        with ``wait``."""
         log = self._intents
-        if log is not None:
-            self._commit_pinned(log, wait)
+        if log is None:
+            return 0
+        return self._commit_pinned(log, wait, sandbox_id, freeze_again)
 
-    def _commit_pinned(self, log: IntentLog, wait: bool = True) -> None:
-        taken = log.take_pinned()
+    def has_pinned(self, sandbox_id: str) -> bool:
+        """Whether this process holds records of ``sandbox_id`` SQLite refused (no lock
+        taken, no read: a tick may ask it of every sandbox)."""
+        log = self._intents
+        return log is not None and log.has_pinned(sandbox_id)
+
+    def _commit_pinned(
+        self,
+        log: IntentLog,
+        wait: bool = True,
+        sandbox_id: str | None = None,
+        freeze_again: Callable[[], object] | None = None,
+    ) -> int:
+        taken = log.take_pinned(sandbox_id)
+        committed = 0
         for n, intent in enumerate(taken):
             record = intent.stored
             try:
                 with self._write("commit a freeze intent again", None if wait else 0.0) as conn:
-                    self._fold_one(conn, intent.token, record)
+                    if self._fold_one(conn, intent.token, record):
+                        committed += 1
+                        if freeze_again is not None:
+                            freeze_again()
             except _NotAnIntent as exc:  # its sandbox gone from the journal meanwhile
                 try:
                     self._keep_aside(log.stem, [exc.entry(intent.token, record)])
@@ -300,8 +327,9 @@ class Journal:
             except JournalError:
                 for left in taken[n:]:  # still refused: the next try, or the next open's fold
                     log.done(left, folded=False)
-                return
+                return committed
             log.done(intent, folded=True)
+        return committed
 
     def _record_for_freeze(
         self,

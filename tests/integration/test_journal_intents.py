@@ -160,6 +160,38 @@ def test_a_record_sqlite_refused_is_committed_when_tried_again_and_at_close(
         assert len(j.freezes("sb1")) == 1  # one open freeze: both joined it
 
 
+def test_a_sandboxs_retry_commits_its_own_pinned_records_and_no_others(state: Path) -> None:
+    """egressd's sandboxes share one journal and intent file: a retry for sb1 (its
+    Enforcer's, which freezes sb1 again after each commit) must leave sb2's record
+    pinned for sb2's own retry, whose freeze_again is sb2's cgroup."""
+    with Journal.open(state) as j:
+        j.record_sandbox("sb2", "p")
+    layer = Journal.open(state, busy_timeout_s=0.05)
+    lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+    called: list[str] = []
+    try:
+        layer.open_intents()
+        lock.execute("BEGIN IMMEDIATE")  # SQLite refuses: busy past the timeout
+        for sid in ("sb1", "sb2"):
+            intent = layer.write_intent(sid, V, 2.0, V.at)
+            assert intent is not None
+            with pytest.raises(JournalError, match="locked"):
+                layer.record_for_freeze(sid, V, 2.0, V.at, intent)
+        assert layer.has_pinned("sb1") and layer.has_pinned("sb2")
+        assert layer.commit_pinned(False, "sb1", lambda: called.append("busy")) == 0
+        assert layer.has_pinned("sb1")  # refused again, without a wait: pinned still
+        lock.execute("ROLLBACK")
+        assert layer.commit_pinned(False, "sb1", lambda: called.append("sb1")) == 1
+        assert called == ["sb1"] and not layer.has_pinned("sb1") and layer.has_pinned("sb2")
+        assert [f["sandbox_id"] for f in layer.freezes()] == ["sb1"]
+        assert layer.commit_pinned(False, "sb2", lambda: called.append("sb2")) == 1
+        assert called == ["sb1", "sb2"] and not layer.has_pinned("sb2")
+        assert {f["sandbox_id"] for f in layer.freezes()} == {"sb1", "sb2"}
+    finally:
+        lock.close()
+        layer.close()
+
+
 def test_a_slot_is_freed_once_however_often_its_record_is_said_committed(
     tmp_path: Path,
 ) -> None:

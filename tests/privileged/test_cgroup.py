@@ -534,6 +534,52 @@ def test_a_freeze_thawed_before_sqlite_refused_its_commit_is_made_again_and_kept
         observer.close()
 
 
+def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_retry(
+    race: Race, ticker: subprocess.Popen[bytes]
+) -> None:
+    """SQLite refused the observer's commit (its lock held past a 0.5 s busy timeout): the
+    record is pinned in its intent file and SQLite shows no freeze. A person's resume
+    meanwhile (`egressctl resume` journals a decision that closes nothing, then thaws)
+    must not outlast the retry the layer's tick makes: once it commits the record, its
+    freeze is open in SQLite and the workload stopped again."""
+    observer = Journal.open(race.state, busy_timeout_s=0.5)
+    holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
+    cg = race.cg
+    real_freeze = cg.freeze
+
+    def locked_after(*args: Any, **kwargs: Any) -> float:
+        took = real_freeze(*args, **kwargs)
+        holder.execute("BEGIN IMMEDIATE")  # held past the observer's busy timeout
+        return took
+
+    try:
+        cg.freeze = locked_after  # type: ignore[method-assign]
+        enforcer = Enforcer("sb1", race.policy, "observer", observer, cg)
+        event = enforcer.handle(newer_violation())
+        cg.freeze = real_freeze  # type: ignore[method-assign]
+        assert event is not None and event.violation_id is None
+        assert enforcer.journal_errors == 1
+        assert_stopped(ticker)
+        assert enforcer.retry_pinned() == 0  # the lock still held: not waited for
+        holder.execute("ROLLBACK")
+        assert observer.freezes("sb1") == []  # pinned: only the intent file has it
+        race.journal.record_decision("sb1", "resume", 0, time.time(), "a person")
+        cg.thaw()
+        assert ticks_within(ticker, 2)
+        assert enforcer.retry_pinned() == 1  # the tick's
+        deadline = time.monotonic() + 5
+        while not cg.is_frozen() and time.monotonic() < deadline:
+            time.sleep(0.001)  # asked, not waited for (under the lock): the kernel's stop
+        assert_stopped(ticker)
+        [freeze] = observer.freezes("sb1")
+        assert freeze["decision_id"] is None
+        assert observer.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+        assert enforcer.retry_pinned() == 0  # committed once
+    finally:
+        holder.close()
+        observer.close()
+
+
 def test_concurrent_freezers_both_return(
     make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
 ) -> None:

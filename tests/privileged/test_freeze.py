@@ -424,6 +424,65 @@ def test_layers_killed_between_intent_and_commit_leave_the_violation_journaled(
             assert len([x for x in j.violations(run.id) if x["class"] == "blocked_connect"]) == 1
 
 
+def test_a_freeze_sqlite_refused_is_journaled_on_the_layers_tick_and_stands(lab: Lab) -> None:
+    """The journal's write lock held here past both layers' busy timeout (10 s): SQLite
+    refuses their commits of the workload's blocked connect, and the freeze stands from
+    their intent files. The frozen workload makes no further violation; once the lock is
+    free, the layers' own ticks commit the records (this test's Journal.open folds no
+    live layer's file). The journal then shows the freeze open for a person, the
+    workload still stopped, and a resume lets it go on; nothing reached the lab."""
+    state = Path(os.environ["EGRESS_STATE_DIR"])
+    lab.clear_requests()
+    with agent_run(lab, policy(), "connect") as run:
+        observer = run.observer_pid()
+        observer_log = state / f"observer-{run.id}.log"
+        lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+        try:
+            lock.execute("BEGIN IMMEDIATE")
+            run.go()
+            end = time.monotonic() + 10
+            while not run.cgroup.is_frozen():
+                assert time.monotonic() < end, "not frozen with the journal locked"
+                time.sleep(0.005)
+            # Both layers refused: each says so (the inline layer on egressctl's stderr).
+            assert run.proc.stderr is not None
+            said, end = "", time.monotonic() + 60
+            while "egress inline: journal:" not in said or "egress observer: journal:" not in (
+                observer_log.read_text() if observer_log.exists() else ""
+            ):
+                assert time.monotonic() < end, f"no refusal said: {said!r}"
+                if select.select([run.proc.stderr], [], [], 0.05)[0]:
+                    said += os.read(run.proc.stderr.fileno(), 65536).decode(errors="replace")
+            assert "locked" in said
+            still(run)
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        end = time.monotonic() + 30  # the inline layer's tick is 5 s; the observer's 0.1
+        while True:
+            with run.journal() as j:
+                freezes = j.freezes(run.id)
+                asks = {a["layer"] for f in freezes for a in f["requested_by"]}
+            if asks == {"inline", "observer"}:
+                break
+            assert time.monotonic() < end, f"not journaled: {freezes}"
+            time.sleep(0.02)
+        assert all(f["decision_id"] is None for f in freezes)  # open, for a person
+        with run.journal() as j:
+            [v] = [v for v in j.violations(run.id) if v["class"] == "blocked_connect"]
+            assert j.sandbox(run.id)["state"] == "frozen"  # type: ignore[index]
+        assert v["evidence"]["flow"]["dst"] == "203.0.113.11"
+        still(run)
+        assert run.proc.poll() is None and os.kill(observer, 0) is None  # both layers live
+        assert run.ctl("resume", run.id).returncode == 0
+        moves(run)
+        run.ctl("kill", run.id)
+        _, report, _ = run.finish()
+        assert report["outcome"] == "killed"
+    assert lab.requests() == []
+    assert leftovers(run.id, lab.uplink_netns) == []
+
+
 def gone(pid: int, timeout: float = 10) -> None:
     """Until ``pid`` is no more (reaped by whoever its parent is now)."""
     end = time.monotonic() + timeout
