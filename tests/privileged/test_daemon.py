@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -134,6 +135,47 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
             daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
     for box in boxes:
         assert not os.path.exists(f"/run/netns/{box['netns']}")
+
+
+def test_a_freeze_sqlite_refused_is_journaled_on_egressds_tick_and_stands(
+    daemon: Egressd, lab: Lab, state_dir: Path
+) -> None:
+    """egressd freezes on its journal writer thread: there the layer's tick hands the
+    retry of a record SQLite refused (its write lock held here past the 10 s busy
+    timeout) to that thread. Once the lock is free the freeze shows in the journal, open,
+    with no further violation to prompt it, and the sandbox stays frozen until resumed."""
+    box = daemon.create(policy("pinned", "allowed.lab.test"), lab.uplink_netns)
+    cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
+    said_before = len(daemon.stderr())
+    try:
+        with sleeper(box["netns"], cgroup):
+            lock = sqlite3.connect(state_dir / "journal.db", isolation_level=None, timeout=0)
+            try:
+                lock.execute("BEGIN IMMEDIATE")
+                connect(box["netns"], "198.51.100.12")  # not in its policy
+                assert wait_frozen(cgroup)
+                refused = f"egress inline: journal: {state_dir / 'journal.db'}"
+                assert wait_until(lambda: refused in daemon.stderr()[said_before:], 60), (
+                    daemon.stderr()[said_before:]
+                )
+            finally:
+                lock.execute("ROLLBACK")
+                lock.close()
+
+            def journaled() -> list[dict[str, Any]]:
+                with Journal.open(state_dir) as journal:
+                    return journal.freezes(box["id"])
+
+            assert wait_until(journaled, 30)  # the tick is every 5 s
+            [freeze] = journaled()
+            assert freeze["decision_id"] is None and freeze["layer"] == "inline"
+            assert cgroup.is_frozen()
+            shown = daemon.client.call("GET", f"/v1/sandboxes/{box['id']}")
+            assert shown["state"] == "frozen"
+            daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
+            assert not cgroup.is_frozen()
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
 BURST = """
