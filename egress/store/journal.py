@@ -418,6 +418,12 @@ class Journal:
             try:
                 for stem, entries in kept.items():  # before their files go
                     self._keep_aside(stem, entries)
+            except OSError as exc:
+                raise JournalError(
+                    f"cannot keep aside freeze intents this journal cannot take: {exc}; "
+                    "their files stay, for the next open"
+                ) from exc
+            try:
                 intents_file.remove([path for path, _, _ in found])
             except OSError as exc:
                 raise JournalError(f"cannot remove folded intent files: {exc}") from exc

@@ -308,6 +308,29 @@ def test_an_intent_the_journal_cannot_take_is_kept_aside_and_said(
     assert by_sandbox["sb1"]["record"]["violation"] == future
 
 
+def test_an_intent_that_cannot_be_kept_aside_stays_in_its_file_and_the_fold_says_why(
+    state: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Where the kept file cannot be written (here ``kept`` is a file, not a folder), the
+    record stays in its intent file for the next open, and the error names keeping
+    aside, not the removal that never ran."""
+    layer = Journal.open(state)
+    layer.open_intents()
+    assert layer.write_intent("nosuch", V, 2.0, V.at) is not None
+    layer.close()
+    (state / intents.DIR / intents.KEPT).write_text("in the way")
+    with Journal.open(state):
+        pass
+    err = capfd.readouterr().err
+    assert "cannot keep aside freeze intents this journal cannot take" in err, err
+    assert "cannot remove" not in err
+    assert len(intent_files(state)) == 1  # the record is still there
+    (state / intents.DIR / intents.KEPT).unlink()
+    with Journal.open(state):
+        pass
+    assert intent_files(state) == [] and len(kept_aside(state)) == 1
+
+
 def test_kept_records_are_appended_once_each_and_nothing_there_is_rewritten(
     state: Path,
 ) -> None:
