@@ -29,6 +29,7 @@ from egress.store.journal_schema import violation_key
 
 _T = TypeVar("_T")
 DEDUP_WINDOW_S = 2.0  # two layers' sightings of one packet fall well within this
+RETRY_S = 1.0  # after SQLite refused a retry of the records it refused before
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Enforcer:
         self.frozen_keys: set[str] = set()
         self.journal_errors = 0
         self.intents = intents
+        self._retry_at = 0.0  # monotonic: retry_pinned waits until then after a refusal
         try:
             if intents:
                 journal.open_intents()  # a freeze then waits for no SQLite commit
@@ -86,23 +88,55 @@ class Enforcer:
 
     def retry_pinned(self) -> int:
         """Commit this sandbox's records SQLite refused before (pinned in the intent file,
-        Journal.commit_pinned), if there are any and the write lock is free: this may run
-        on a loop that answers DNS. Each opens a freeze, so the cgroup is frozen again
-        if something thawed it meanwhile (a person's resume found no freeze open in
-        SQLite). Called after each violation the journal takes and on the layer's tick
-        (a frozen sandbox makes no more violations); returns how many it committed."""
+        Journal.commit_pinned), if there are any and the write lock is free; how many it
+        committed. Called after each violation the journal takes and on the layer's tick
+        (a frozen sandbox makes no more violations), off any loop that answers DNS (the
+        journal's own lock may be held as long as SQLite's busy timeout). Each commit
+        opens a freeze, so the cgroup is frozen again if something thawed it meanwhile
+        (a person's resume found no freeze open); one that joins a freeze a person
+        resumed already is settled as the layer's own commit would have been. After a
+        refusal, the next try waits RETRY_S (one line on stderr each, not ten a second)."""
         if not self.journal.has_pinned(self.sandbox_id):  # the usual case: no lock, no read
             return 0
+        if time.monotonic() < self._retry_at:
+            return 0
+        errors = self.journal_errors
         committed = self._try(
             lambda: self.journal.commit_pinned(False, self.sandbox_id, self._freeze_if_thawed)
         )
-        return committed or 0
+        if self.journal_errors != errors:
+            self._retry_at = time.monotonic() + RETRY_S
+        for recorded in committed or []:
+            if recorded.freeze_id is None:  # it joined a freeze a person had resumed
+                self._settle_joined(recorded.violation_id)
+        return len(committed or [])
+
+    def _settle_joined(self, violation_id: int) -> None:
+        """As _freeze_then_fold does for a commit that joined a resumed freeze: thawed
+        again, if nothing else of the sandbox is open (Journal.thaw_if_resumed)."""
+        decided = self._try(lambda: self.journal.decided_freeze(violation_id))
+        if decided is not None:
+            self._resumed_before_it_landed(decided)
+
+    def release_pinned(self) -> None:
+        """The layer stops watching this sandbox (deleted, or handed on) while the process
+        goes on: commit its refused records now, without freezing again, rather than
+        leave them to the process's end, each holding a slot of its intent file."""
+        self._try(lambda: self.journal.commit_pinned(False, self.sandbox_id))
 
     def _freeze_if_thawed(self) -> None:
-        if not self.cgroup.is_frozen():
-            print(f"egress {self.layer}: sandbox {self.sandbox_id} was thawed while its "
-                  "freeze was not yet journaled: frozen again", file=sys.stderr)  # fmt: skip
-            self._freeze_again()
+        """Under the journal's write lock: asked, not waited for. A cgroup that can't be
+        read or written (its sandbox being removed) leaves the commit as it is."""
+        try:
+            if self.cgroup.is_frozen():
+                return
+        except SandboxError as exc:
+            print(f"egress {self.layer}: sandbox {self.sandbox_id}: {exc}; not frozen again",
+                  file=sys.stderr)  # fmt: skip
+            return
+        print(f"egress {self.layer}: sandbox {self.sandbox_id} was thawed while its "
+              "freeze was not yet journaled: frozen again", file=sys.stderr)  # fmt: skip
+        self._freeze_again()
 
     def _handle(self, v: Violation) -> FreezeEvent | None:
         if not self.wants_freeze(v):

@@ -98,6 +98,7 @@ class Session:
         self.flows: FlowCheck | None = None  # the first-bytes queue's reader (wiring.make)
         self.core: ResolverCore | None = None  # its AuditLog, in mode: audit (wiring.make)
         self._audit_timer: asyncio.TimerHandle | None = None
+        self._retry_queued = False  # RETRY_PINNED waits in the journal queue
         enforcer.on_freeze = self._frozen_from_any_thread
 
     # -- evidence ------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class Session:
         blocked = prefix.startswith(c.DROP_LOG_PREFIX + ViolationClass.BLOCKED_CONNECT.value)
         self.core.audit_connect(address, flow.proto, flow.dport, static, blocked, at)
 
-    def start_audit(self, core: ResolverCore) -> None:
+    def start_tick(self, core: ResolverCore) -> None:
         """Flush ``core``'s AuditLog to the journal every TICK_S (it records only in mode:
         audit; a swap may turn that on later), and once more at close; and on the same
         tick, commit the freeze records SQLite refused (Enforcer.retry_pinned: a frozen
@@ -141,11 +142,15 @@ class Session:
 
     def _tick(self) -> None:
         self.flush_audit()
-        if self.enforcer.journal.has_pinned(self.sb.id):
-            if self.freeze_off_loop:  # a commit, fsync'd: on the writer thread
-                self._journal_queue.put((0, next(self._queued), RETRY_PINNED))
-            else:
-                self.enforcer.retry_pinned()
+        # On the writer thread, never here: the journal's lock may be held by that thread
+        # for SQLite's busy timeout, which is when records get refused. One at a time, and
+        # never waiting for room in the queue.
+        if not self._retry_queued and self.enforcer.journal.has_pinned(self.sb.id):
+            self._retry_queued = True  # before: the writer may take it at once
+            try:
+                self._journal_queue.put_nowait((0, next(self._queued), RETRY_PINNED))
+            except queue.Full:
+                self._retry_queued = False  # the next tick
         if not self.stopping:
             self._audit_timer = asyncio.get_running_loop().call_later(TICK_S, self._tick)
 
@@ -190,9 +195,11 @@ class Session:
                 if isinstance(item, AuditBatch):
                     self._record_audit(item)
                 elif isinstance(item, str):  # RETRY_PINNED
+                    self._retry_queued = False
                     self.enforcer.retry_pinned()
                 else:
                     self._act(item)
+            self.enforcer.release_pinned()  # the session ends; egress may go on
         finally:
             self._writer_done.set()  # first: aclose looks at it after installing its call
             ended = self._writer_ended

@@ -84,7 +84,7 @@ def make(
         session.flows = FlowCheck(sb.netns, resolver, session.on_violation, listener=queue,
                                   frozen=sb.cgroup.is_frozen)  # fmt: skip
         session.flows.start()
-        session.start_audit(resolver.core)
+        session.start_tick(resolver.core)
     except BaseException:
         _close_session(session, False)
         raise

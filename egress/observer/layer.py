@@ -223,6 +223,7 @@ class Observer:
             self.close()
 
     def close(self) -> None:
+        self.enforcer.release_pinned()  # a shard's journal outlives this watch
         with contextlib.suppress(EgressError, OSError):
             self.listener.close()
             self.nft.close()

@@ -191,7 +191,8 @@ class IntentLog:
     def has_pinned(self, sandbox_id: str) -> bool:
         """Whether ``take_pinned(sandbox_id)`` would hand anything out now."""
         # Without the lock: a record pinned while this reads is seen at the next look.
-        return any(i.sandbox_id == sandbox_id for i in self._pinned)
+        pinned = self._pinned
+        return bool(pinned) and any(i.sandbox_id == sandbox_id for i in pinned)
 
     def take_pinned(self, sandbox_id: str | None = None) -> list[Intent]:
         """The records SQLite refused (those of ``sandbox_id``, if given), each handed to

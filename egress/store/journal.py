@@ -278,21 +278,24 @@ class Journal:
         wait: bool = True,
         sandbox_id: str | None = None,
         freeze_again: Callable[[], object] | None = None,
-    ) -> int:
+    ) -> list[FreezeRecorded]:
         """Commit the records of this process's intent file SQLite refused before (a
         full disk, a lock held past the busy timeout), those of ``sandbox_id`` if given:
-        durable in the file, but no one reads them there while this process lives; how
-        many it committed. As a fold would, each opens a freeze for a person, so the
-        sandbox must be frozen: ``freeze_again`` (given with ``sandbox_id``) is called
-        after each commit, under the write lock, so that a person's resume of that
-        freeze comes after it (a resume while the record was pinned found no freeze open
-        and thawed). It should only write, not wait. Without ``wait``, where another
-        holds the write lock, they are left for the next try: Enforcer.retry_pinned,
-        after each violation the journal takes and on its layer's tick; close calls it
-        with ``wait``."""
+        durable in the file, but no one reads them there while this process lives.
+
+        Each is committed as its layer's own commit would have been (``record_for_freeze``
+        with its intent): it opens a freeze for a person, or joins the freeze a person
+        already decided on that violation (``freeze_id`` None: the caller settles it,
+        Enforcer.retry_pinned). The sandbox must be frozen for one it opened:
+        ``freeze_again`` (given with ``sandbox_id``) is called after each such commit, in
+        its transaction, as a resume while the record was pinned found no freeze open
+        and thawed. It should only write, not wait; a commit that fails after it leaves
+        the sandbox frozen with the record pending, which counts as open. Without
+        ``wait``, where another holds SQLite's write lock, the records are left for the
+        next try (the layer's tick); close calls it with ``wait``."""
         log = self._intents
         if log is None:
-            return 0
+            return []
         return self._commit_pinned(log, wait, sandbox_id, freeze_again)
 
     def has_pinned(self, sandbox_id: str) -> bool:
@@ -307,29 +310,54 @@ class Journal:
         wait: bool = True,
         sandbox_id: str | None = None,
         freeze_again: Callable[[], object] | None = None,
-    ) -> int:
-        taken = log.take_pinned(sandbox_id)
-        committed = 0
-        for n, intent in enumerate(taken):
-            record = intent.stored
-            try:
-                with self._write("commit a freeze intent again", None if wait else 0.0) as conn:
-                    if self._fold_one(conn, intent.token, record):
-                        committed += 1
-                        if freeze_again is not None:
-                            freeze_again()
-            except _NotAnIntent as exc:  # its sandbox gone from the journal meanwhile
+    ) -> list[FreezeRecorded]:
+        left = log.take_pinned(sandbox_id)
+        committed: list[FreezeRecorded] = []
+        try:
+            while left:
+                intent = left[0]
+                record = intent.stored
+                recorded = None
                 try:
-                    self._keep_aside(log.stem, [exc.entry(intent.token, record)])
-                except OSError:
-                    log.done(intent, folded=False)  # kept in the file: the next open's fold
-                    continue
-            except JournalError:
-                for left in taken[n:]:  # still refused: the next try, or the next open's fold
-                    log.done(left, folded=False)
-                return committed
-            log.done(intent, folded=True)
+                    with self._write("commit a freeze intent again", None if wait else 0.0) as conn:
+                        recorded = self._retry_one(conn, intent.token, record)
+                        opened = recorded is not None and recorded.freeze_id is not None
+                        if opened and freeze_again is not None:
+                            freeze_again()
+                except _NotAnIntent as exc:  # its sandbox gone from the journal meanwhile
+                    try:
+                        self._keep_aside(log.stem, [exc.entry(intent.token, record)])
+                    except OSError:
+                        left.pop(0)
+                        log.done(intent, folded=False)  # kept in the file: the next open's
+                        continue
+                except JournalError:
+                    return committed  # still refused: the next try, or the next open's fold
+                left.pop(0)
+                log.done(intent, folded=True)
+                if recorded is not None:
+                    committed.append(recorded)
+        finally:
+            for intent in left:  # refused, or anything raised: pinned again, none dropped
+                log.done(intent, folded=False)
         return committed
+
+    def _retry_one(
+        self, conn: sqlite3.Connection, token: str, record: dict[str, object]
+    ) -> FreezeRecorded | None:
+        """A live layer's refused record, committed (within ``conn``'s transaction) as
+        its own commit would have been; None where SQLite holds it already."""
+        if _folded(conn, token):
+            return None
+        sandbox_id, violation, within_s, at = self._intent_of(conn, record)
+        recorded = self._record_for_freeze(conn, sandbox_id, violation, within_s, at, acted=True)
+        if recorded.freeze_id is not None:
+            conn.execute(
+                "UPDATE sandboxes SET state = 'frozen' WHERE id = ? AND state = 'running'",
+                (sandbox_id,),
+            )
+        conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))
+        return recorded
 
     def _record_for_freeze(
         self,
@@ -450,6 +478,24 @@ class Journal:
         holds it already. _NotAnIntent, before any write, where it cannot be taken."""
         if _folded(conn, token):
             return False
+        sandbox_id, violation, within_s, at = self._intent_of(conn, record)
+        # Whether the dead layer's freeze landed, and when, is unknown: a person decides
+        # it, even where a freeze of this violation was decided before (that freeze may
+        # have landed after the decision, with no layer left to thaw it again).
+        vid, _ = self._record_or_detect(conn, sandbox_id, violation, within_s)
+        self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
+        conn.execute(
+            "UPDATE sandboxes SET state = 'frozen' WHERE id = ? AND state = 'running'",
+            (sandbox_id,),
+        )
+        conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))
+        return True
+
+    def _intent_of(
+        self, conn: sqlite3.Connection, record: dict[str, object]
+    ) -> tuple[str, Violation, float, float]:
+        """An intent's sandbox, violation, dedup window and time asked; _NotAnIntent
+        where this version can't read it or this journal has no such sandbox."""
         try:
             sandbox_id = str(record["sandbox_id"])
             raw = record["violation"]
@@ -462,17 +508,7 @@ class Journal:
             raise _NotAnIntent(f"not a freeze intent this version reads: {exc}") from None
         if not schema.exists(conn, "sandboxes", sandbox_id):
             raise _NotAnIntent(f"no sandbox {sandbox_id!r} in {self._path}")
-        # Whether the dead layer's freeze landed, and when, is unknown: a person decides
-        # it, even where a freeze of this violation was decided before (that freeze may
-        # have landed after the decision, with no layer left to thaw it again).
-        vid, _ = self._record_or_detect(conn, sandbox_id, violation, within_s)
-        self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
-        conn.execute(
-            "UPDATE sandboxes SET state = 'frozen' WHERE id = ? AND state = 'running'",
-            (sandbox_id,),
-        )
-        conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))
-        return True
+        return sandbox_id, violation, within_s, at
 
     def _forget_intents(self, stems: list[str]) -> None:
         """The tokens of intent files that are gone: nothing will fold them again."""

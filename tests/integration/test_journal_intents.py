@@ -178,18 +178,84 @@ def test_a_sandboxs_retry_commits_its_own_pinned_records_and_no_others(state: Pa
             with pytest.raises(JournalError, match="locked"):
                 layer.record_for_freeze(sid, V, 2.0, V.at, intent)
         assert layer.has_pinned("sb1") and layer.has_pinned("sb2")
-        assert layer.commit_pinned(False, "sb1", lambda: called.append("busy")) == 0
+        assert layer.commit_pinned(False, "sb1", lambda: called.append("busy")) == []
         assert layer.has_pinned("sb1")  # refused again, without a wait: pinned still
         lock.execute("ROLLBACK")
-        assert layer.commit_pinned(False, "sb1", lambda: called.append("sb1")) == 1
+        [done] = layer.commit_pinned(False, "sb1", lambda: called.append("sb1"))
+        assert done.freeze_id is not None
         assert called == ["sb1"] and not layer.has_pinned("sb1") and layer.has_pinned("sb2")
         assert [f["sandbox_id"] for f in layer.freezes()] == ["sb1"]
-        assert layer.commit_pinned(False, "sb2", lambda: called.append("sb2")) == 1
+        assert len(layer.commit_pinned(False, "sb2", lambda: called.append("sb2"))) == 1
         assert called == ["sb1", "sb2"] and not layer.has_pinned("sb2")
         assert {f["sandbox_id"] for f in layer.freezes()} == {"sb1", "sb2"}
     finally:
         lock.close()
         layer.close()
+
+
+def pinned(layer: Journal, lock: sqlite3.Connection, sandbox_id: str, v: Violation) -> None:
+    """``v``'s record written to ``layer``'s intent file, its commit refused: pinned."""
+    intent = layer.write_intent(sandbox_id, v, 2.0, v.at)
+    assert intent is not None
+    lock.execute("BEGIN IMMEDIATE")  # SQLite refuses: busy past the timeout
+    try:
+        with pytest.raises(JournalError, match="locked"):
+            layer.record_for_freeze(sandbox_id, v, 2.0, v.at, intent)
+    finally:
+        lock.execute("ROLLBACK")
+    assert layer.has_pinned(sandbox_id)
+
+
+def test_a_retried_record_of_a_violation_whose_freeze_was_resumed_joins_that_freeze(
+    state: Path,
+) -> None:
+    """The inline layer's commit went through, the observer's (the same violation) was
+    refused; a person then resumed the freeze they saw. The retry commits the
+    observer's record as its own commit would have: it joins the decided freeze, opens
+    none, and asks no freeze again (its Enforcer thaws, if nothing else is open)."""
+    layer = Journal.open(state, busy_timeout_s=0.05)
+    lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+    called: list[str] = []
+    try:
+        layer.open_intents()
+        inline = dataclasses.replace(V, layer="inline")
+        vid, _, fid = layer.record_for_freeze("sb1", inline, 2.0, V.at)
+        pinned(layer, lock, "sb1", V)
+        layer.record_decision("sb1", "resume", 0, V.at + 5, "a person")
+        [done] = layer.commit_pinned(False, "sb1", lambda: called.append("again"))
+        assert done.violation_id == vid and done.freeze_id is None and called == []
+        [freeze] = layer.freezes("sb1")
+        assert freeze["id"] == fid and freeze["decision_id"] is not None
+        assert {a["layer"] for a in freeze["requested_by"]} == {"inline", "observer"}
+        assert layer.sandbox("sb1")["state"] != "frozen"  # type: ignore[index]
+        assert layer.decided_freeze(vid) == fid
+    finally:
+        lock.close()
+        layer.close()
+
+
+def test_a_retry_that_fails_in_its_freeze_again_keeps_the_record_pinned(state: Path) -> None:
+    """Whatever the freeze-again raises rolls its commit back, and the record, and those
+    after it, stay pinned for the next try: none is dropped, no slot is lost."""
+    layer = Journal.open(state, busy_timeout_s=0.05)
+    lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+
+    def fails() -> None:
+        raise RuntimeError("the cgroup went")
+
+    try:
+        layer.open_intents()
+        pinned(layer, lock, "sb1", V)
+        pinned(layer, lock, "sb1", dataclasses.replace(V, at=V.at + 60))
+        with pytest.raises(RuntimeError, match="the cgroup went"):
+            layer.commit_pinned(False, "sb1", fails)
+        assert layer.has_pinned("sb1") and layer.violations("sb1") == []
+        assert len(layer.commit_pinned(False, "sb1")) == 2
+        assert not layer.has_pinned("sb1") and len(layer.violations("sb1")) == 2
+    finally:
+        lock.close()
+        layer.close()
+    assert intent_files(state) == []  # every slot freed: the file went at close
 
 
 def test_a_slot_is_freed_once_however_often_its_record_is_said_committed(

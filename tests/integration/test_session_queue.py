@@ -33,6 +33,9 @@ class FakeEnforcer:
         if self.wants_freeze(v):
             self.on_freeze(FreezeEvent(v, 1, 1.0, {}))
 
+    def release_pinned(self) -> None:
+        pass  # no intent file here: nothing pinned
+
 
 class FakeListener:
     overruns = 0
