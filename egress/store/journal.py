@@ -351,12 +351,7 @@ class Journal:
             return None
         sandbox_id, violation, within_s, at = self._intent_of(conn, record)
         recorded = self._record_for_freeze(conn, sandbox_id, violation, within_s, at, acted=True)
-        if recorded.freeze_id is not None:
-            conn.execute(
-                "UPDATE sandboxes SET state = 'frozen' WHERE id = ? AND state = 'running'",
-                (sandbox_id,),
-            )
-        conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))
+        _folded_in(conn, token, sandbox_id if recorded.freeze_id is not None else None)
         return recorded
 
     def _record_for_freeze(
@@ -484,11 +479,7 @@ class Journal:
         # have landed after the decision, with no layer left to thaw it again).
         vid, _ = self._record_or_detect(conn, sandbox_id, violation, within_s)
         self._freeze_request(conn, sandbox_id, violation.layer, vid, at)
-        conn.execute(
-            "UPDATE sandboxes SET state = 'frozen' WHERE id = ? AND state = 'running'",
-            (sandbox_id,),
-        )
-        conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))
+        _folded_in(conn, token, sandbox_id)
         return True
 
     def _intent_of(
@@ -900,3 +891,13 @@ def _folded(conn: sqlite3.Connection, token: str) -> bool:
     """SQLite holds the intent record ``token`` names."""
     row = conn.execute("SELECT 1 FROM folded_intents WHERE token = ?", (token,)).fetchone()
     return row is not None
+
+
+def _folded_in(conn: sqlite3.Connection, token: str, frozen: str | None) -> None:
+    """An intent's record is in SQLite (its token kept, so none folds it again), and the
+    sandbox ``frozen`` (if given) shows so, as it awaits a person."""
+    if frozen is not None:
+        conn.execute(
+            "UPDATE sandboxes SET state = 'frozen' WHERE id = ? AND state = 'running'", (frozen,)
+        )
+    conn.execute("INSERT INTO folded_intents VALUES (?)", (token,))

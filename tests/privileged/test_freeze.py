@@ -380,6 +380,24 @@ def test_kill_9_of_every_egress_process_in_a_burst_keeps_the_journal(lab: Lab) -
         assert all(r["class"] == "blocked_connect" and r["evidence"]["flow"] for r in rows)
 
 
+@contextmanager
+def journal_locked(run: Run, state: Path) -> Iterator[sqlite3.Connection]:
+    """The journal's write lock held here, then the workload's go: it is frozen all the
+    same (from the layers' intent files). The lock goes on the way out."""
+    lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+    try:
+        lock.execute("BEGIN IMMEDIATE")
+        run.go()
+        end = time.monotonic() + 10
+        while not run.cgroup.is_frozen():
+            assert time.monotonic() < end, "not frozen with the journal locked"
+            time.sleep(0.005)
+        yield lock
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+
 def test_layers_killed_between_intent_and_commit_leave_the_violation_journaled(
     lab: Lab,
 ) -> None:
@@ -391,14 +409,7 @@ def test_layers_killed_between_intent_and_commit_leave_the_violation_journaled(
     state = Path(os.environ["EGRESS_STATE_DIR"])
     with agent_run(lab, policy(), "connect") as run:
         observer = run.observer_pid()
-        lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
-        try:
-            lock.execute("BEGIN IMMEDIATE")
-            run.go()
-            end = time.monotonic() + 10
-            while not run.cgroup.is_frozen():
-                assert time.monotonic() < end, "not frozen with the journal locked"
-                time.sleep(0.005)
+        with journal_locked(run, state) as lock:
             still(run)
             committed = lock.execute(  # nothing: only the intents hold it (Journal.open
                 "SELECT count(*) FROM violations WHERE sandbox_id = ?",  # would wait)
@@ -409,9 +420,6 @@ def test_layers_killed_between_intent_and_commit_leave_the_violation_journaled(
             os.kill(run.proc.pid, signal.SIGKILL)
             run.proc.wait()
             gone(observer)
-        finally:
-            lock.execute("ROLLBACK")
-            lock.close()
         with run.journal() as j:  # folds what the dead layers left
             [v] = [v for v in j.violations(run.id) if v["class"] == "blocked_connect"]
             freezes = j.freezes(run.id)
@@ -436,14 +444,7 @@ def test_a_freeze_sqlite_refused_is_journaled_on_the_layers_tick_and_stands(lab:
     with agent_run(lab, policy(), "connect") as run:
         observer = run.observer_pid()
         observer_log = state / f"observer-{run.id}.log"
-        lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
-        try:
-            lock.execute("BEGIN IMMEDIATE")
-            run.go()
-            end = time.monotonic() + 10
-            while not run.cgroup.is_frozen():
-                assert time.monotonic() < end, "not frozen with the journal locked"
-                time.sleep(0.005)
+        with journal_locked(run, state):
             # Both layers refused: each says so (the inline layer on egressctl's stderr).
             assert run.proc.stderr is not None
             said, end = "", time.monotonic() + 60
@@ -455,9 +456,6 @@ def test_a_freeze_sqlite_refused_is_journaled_on_the_layers_tick_and_stands(lab:
                     said += os.read(run.proc.stderr.fileno(), 65536).decode(errors="replace")
             assert "locked" in said
             still(run)
-        finally:
-            lock.execute("ROLLBACK")
-            lock.close()
         end = time.monotonic() + 30  # the inline layer's tick is 5 s; the observer's 0.1
         while True:
             with run.journal() as j:
