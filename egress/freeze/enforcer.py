@@ -89,9 +89,10 @@ class Enforcer:
     def retry_pinned(self) -> int:
         """Commit this sandbox's records SQLite refused before (pinned in the intent file,
         Journal.commit_pinned), if there are any and the write lock is free; how many it
-        committed. Called after each violation the journal takes and on the layer's tick
-        (a frozen sandbox makes no more violations), off any loop that answers DNS (the
-        journal's own lock may be held as long as SQLite's busy timeout). Each commit
+        committed. Called after each violation the journal takes, where that was handled,
+        and on the layer's tick (a frozen sandbox makes no more violations): the inline
+        layer's on its journal writer thread, as the journal's own lock may be held there
+        as long as SQLite's busy timeout. Each commit
         opens a freeze, so the cgroup is frozen again if something thawed it meanwhile
         (a person's resume found no freeze open); one that joins a freeze a person
         resumed already is settled as the layer's own commit would have been. After a
