@@ -32,6 +32,7 @@ from egress.sandbox.lifecycle import _remove_cgroup
 from egress.store import intents
 from egress.store.journal import Journal
 from tests.support import SYSTEM_PYTHON
+from tests.support.probes import wait_until
 
 pytestmark = [
     pytest.mark.privileged,
@@ -192,10 +193,7 @@ def test_ask_freeze_freezes_without_waiting_for_it(
     cg.add_pid(ticker.pid)
     assert ticks_within(ticker, 2)
     cg.ask_freeze()
-    deadline = time.monotonic() + 5
-    while not cg.is_frozen() and time.monotonic() < deadline:
-        time.sleep(0.001)  # polled to a deadline: the kernel's stop, not a guess
-    assert cg.is_frozen()
+    assert wait_until(cg.is_frozen, 5)  # polled to a deadline: the kernel's stop, not a guess
     assert_stopped(ticker)
     cg.thaw()
 
@@ -570,9 +568,7 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
         while enforcer.retry_pinned() == 0:
             assert time.monotonic() < deadline, "the pinned record was not committed"
             time.sleep(0.01)
-        deadline = time.monotonic() + 5
-        while not cg.is_frozen() and time.monotonic() < deadline:
-            time.sleep(0.001)  # asked, not waited for (under the lock): the kernel's stop
+        assert wait_until(cg.is_frozen, 5)  # asked, not waited for (under the lock)
         assert_stopped(ticker)
         [freeze] = observer.freezes("sb1")
         assert freeze["decision_id"] is None
