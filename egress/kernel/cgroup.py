@@ -382,12 +382,32 @@ class Cgroup:
         v1_pids, v2_pids = set(self._v1_pids()), set(self.pids())
         for pid in v1_pids - v2_pids if has_kill else v1_pids | v2_pids:
             _sigkill(pid)
-        if self.freezer_path:
-            _write(self._state_path(), "THAWED")
+        self._let_v1_go()
         self._wait_empty(time.monotonic() + timeout, resend=not has_kill)
 
     def _v1_pids(self) -> list[int]:
-        return _procs(self.freezer_path) if self.freezer_path else []
+        """The v1 twin's tasks; none where it is gone (rmdir takes only an empty cgroup,
+        and a removal may race a kill: `egressctl gc`, the other layer's teardown)."""
+        if not self.freezer_path:
+            return []
+        try:
+            return _procs(self.freezer_path)
+        except SandboxError:
+            if os.path.isdir(self.freezer_path):
+                raise
+            return []
+
+    def _let_v1_go(self) -> None:
+        """THAWED in the v1 twin, so that its tasks take their pending SIGKILL (a v1-frozen
+        task never does); nothing to do where it is gone, as above."""
+        if not self.freezer_path:
+            return
+        try:
+            if self.v1_state() != "THAWED":
+                _write(self._state_path(), "THAWED")
+        except SandboxError:
+            if os.path.isdir(self.freezer_path):
+                raise
 
     def _wait_empty(self, deadline: float, resend: bool) -> None:
         with _EventsWatch(self.v2_path) as watch:
@@ -397,10 +417,7 @@ class Cgroup:
                     raise SandboxError(f"cgroup {self.v2_path} still has tasks after kill")
                 for pid in self.pids() if resend else []:
                     _sigkill(pid)  # without cgroup.kill, forks can race the first round
-                if self.freezer_path and self.v1_state() != "THAWED":
-                    # A layer froze it again meanwhile: a v1-frozen task never takes its
-                    # pending SIGKILL, so let it go once more.
-                    _write(self._state_path(), "THAWED")
+                self._let_v1_go()  # a layer may have frozen it again meanwhile
                 watch.wait(min(remaining, _POLL_MAX))
 
     def remove(self) -> None:

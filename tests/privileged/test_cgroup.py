@@ -638,6 +638,26 @@ def test_a_sandbox_cgroup_is_removed_when_its_task_is_not_in_its_v2_procs(
     assert not os.path.exists(cg.v2_path) and not os.path.exists(cg.freezer_path)
 
 
+def test_kill_after_a_removal_took_the_v1_twin_kills_what_is_left_in_v2(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """`egressctl kill` racing `gc`: remove() takes the v1 twin first, so a kill can find
+    it gone while its v2 cgroup still holds the workload. It read the twin's procs and
+    wrote THAWED there, and failed ("No such file or directory") without waiting for the
+    workload to go."""
+    cg = make_cgroup()
+    cg.add_pid(ticker.pid)
+    freezer = find_mounts().freezer
+    assert cg.freezer_path is not None and freezer is not None
+    with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
+        f.write(str(ticker.pid))  # out of the twin, as a task that left it
+    os.rmdir(cg.freezer_path)  # what the racing removal did
+    assert cg.pids() == [ticker.pid]
+    cg.kill()
+    assert ticker.wait(timeout=5) == -9
+    assert cg.empty()
+
+
 def test_create_existing_and_bad_names_raise(make_cgroup: Callable[[], Cgroup]) -> None:
     cg = make_cgroup()
     name = os.path.basename(cg.v2_path)
