@@ -424,15 +424,34 @@ def cmd_decide(args: argparse.Namespace) -> int:
                 f"sandbox {args.sandbox} has ended; nothing to {args.action}"
             ) from None
         note = args.note or _who()
-        journal.record_decision(args.sandbox, args.action, os.getuid(), time.time(), note)
         if args.action == ReviewAction.RESUME:
-            cgroup.thaw()
+            _resume(journal, cgroup, args.sandbox, note)
             print(f"sandbox {args.sandbox} resumed")
         else:
+            journal.record_decision(args.sandbox, args.action, os.getuid(), time.time(), note)
             _kill(cgroup)
             print(f"sandbox {args.sandbox} killed")
             _report_end(journal, args.sandbox)
     return 0
+
+
+def _resume(journal: Journal, cgroup: Cgroup, sandbox_id: str, note: str) -> None:
+    """Journal the resume, thaw, and wait for it; SandboxError saying why where the
+    sandbox stays frozen (Journal.resume)."""
+    why = journal.resume(sandbox_id, os.getuid(), time.time(), lambda: cgroup.thaw(wait=False),
+                         cgroup.ask_freeze, note)  # fmt: skip
+    if why is not None:
+        raise SandboxError(f"sandbox {sandbox_id}: resume journaled, but it stays frozen: {why} "
+                           f"(egressctl journal --sandbox {sandbox_id})")  # fmt: skip
+    try:
+        cgroup.wait_thawed()
+    except SandboxError:
+        if any(f["decision_id"] is None for f in journal.freezes(sandbox_id, limit=1)):
+            raise SandboxError(
+                f"sandbox {sandbox_id}: resumed, then frozen again by a newer "
+                f"violation (egressctl journal --sandbox {sandbox_id})"
+            ) from None
+        raise
 
 
 def _kill(cgroup: Cgroup) -> None:

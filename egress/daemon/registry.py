@@ -483,12 +483,18 @@ class Registry:
         cgroup = served.sb.cgroup
         if action == ReviewAction.RESUME and not cgroup.is_frozen():
             raise Conflict(f"sandbox {sandbox_id} is not frozen; nothing to resume")
-        self.journal.record_decision(sandbox_id, action, uid, time.time(), note)
-        await _in_thread(cgroup.thaw if action == ReviewAction.RESUME else cgroup.kill)
-        _log(f"{action} {sandbox_id} by uid {uid}")
-        if action == ReviewAction.RESUME:
-            with contextlib.suppress(EgressError):
-                self.journal.set_sandbox_state(sandbox_id, SandboxState.RUNNING)
+        if action == ReviewAction.KILL:
+            self.journal.record_decision(sandbox_id, action, uid, time.time(), note)
+            await _in_thread(cgroup.kill)
+            _log(f"kill {sandbox_id} by uid {uid}")
+            return
+        why = self.journal.resume(sandbox_id, uid, time.time(), lambda: cgroup.thaw(wait=False),
+                                  cgroup.ask_freeze, note)  # fmt: skip
+        if why is not None:
+            _log(f"resume {sandbox_id} by uid {uid}: stays frozen: {why}")
+            raise Conflict(f"sandbox {sandbox_id}: resume journaled, but it stays frozen: {why}")
+        await _in_thread(cgroup.wait_thawed)
+        _log(f"resume {sandbox_id} by uid {uid}")
 
     async def delete(self, sandbox_id: str) -> None:
         """Tear down what egress made, or detach from what it didn't."""

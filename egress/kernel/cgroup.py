@@ -315,6 +315,12 @@ class Cgroup:
         if self.freezer_path:
             _write(self._state_path(), "THAWED")
         if wait:
+            self.wait_thawed(timeout)
+
+    def wait_thawed(self, timeout: float = 2.0) -> None:
+        """Wait, writing nothing, until neither hierarchy reports frozen (a thaw asked
+        under the journal's lock: writing it again here could undo a freeze made since)."""
+        if self.v2_path:
             self._wait(time.monotonic() + timeout, True, bool(self.freezer_path), False, True)
 
     def is_frozen(self) -> bool:

@@ -53,6 +53,12 @@ from egress.store.intents import Intent, IntentLog
 
 JOURNAL_FILE = "journal.db"
 BUSY_TIMEOUT_S = 10.0
+# Why a person's resume left the sandbox frozen (Journal.resume), as egressctl says it.
+_STILL_PENDING = (
+    "a layer's freeze of it is not journaled yet; it thaws once journaled if that freeze "
+    "is the one resumed, else waits for a decision"
+)
+_FROZEN_AGAIN = "a freeze of it was journaled as it was resumed, and waits for a decision"
 
 Row = schema.Row
 
@@ -698,21 +704,74 @@ class Journal:
     def record_decision(
         self, sandbox_id: str, action: str, uid: int, at: float, note: str = ""
     ) -> int:
-        """Journal a person's resume or kill (before doing it); closes the open freeze."""
+        """Journal a person's resume or kill (before doing it); closes the open freeze.
+        A person's resume goes through ``resume``, which looks again after its thaw."""
         if action not in schema.DECISION_ACTIONS:
             raise JournalError(f"{self._path}: decision must be resume or kill, not {action!r}")
         with self._write(f"record decision for sandbox {sandbox_id!r}") as conn:
-            self._require(conn, "sandboxes", sandbox_id, "sandbox")
-            decision_id = schema.insert(
-                conn,
-                "INSERT INTO decisions (sandbox_id, action, uid, at, note) VALUES (?, ?, ?, ?, ?)",
-                (sandbox_id, action, uid, at, note),
-            )
-            conn.execute(
-                "UPDATE freezes SET decision_id = ? WHERE sandbox_id = ? AND decision_id IS NULL",
-                (decision_id, sandbox_id),
-            )
-            return decision_id
+            return self._decide(conn, sandbox_id, action, uid, at, note)
+
+    def resume(
+        self,
+        sandbox_id: str,
+        uid: int,
+        at: float,
+        thaw: Callable[[], object],
+        freeze_again: Callable[[], object],
+        note: str = "",
+    ) -> str | None:
+        """Journal a person's resume of ``sandbox_id``, then ``thaw``, then look again;
+        None when it stays thawed, else why it stays frozen (for the person).
+
+        Not thawed while a freeze of the sandbox is durable in an intent file and not yet
+        here (``_intent_pending``, looked at in the decision's transaction): its layer's
+        commit settles it, joining this decision and thawing (``thaw_if_resumed``) where
+        it is the freeze resumed, or opening a new one for a person. A layer's freeze
+        request committed after the decision and before the thaw (its freeze landing
+        before the thaw, or its commit reading the cgroup frozen still) would have that
+        freeze undone, open in the journal with the workload running; so once thawed, a
+        freeze open or pending for the sandbox is looked for under the write lock, and
+        if there is one, ``freeze_again`` (a commit after that look freezes after it; a
+        layer freezing from its intent looks after its commit, Enforcer._freeze_then_fold).
+        Where none is, the sandbox's state is running again. Where that look fails,
+        ``freeze_again`` all the same (fail closed), and the error propagates. ``thaw``
+        and ``freeze_again`` should only write, not wait."""
+        with self._write(f"record resume of sandbox {sandbox_id!r}") as conn:
+            self._decide(conn, sandbox_id, "resume", uid, at, note)
+            if self._intent_pending(conn, sandbox_id):
+                return _STILL_PENDING
+        thaw()
+        try:
+            with self._write(f"look for freezes of {sandbox_id!r} after its resume") as conn:
+                if conn.execute(schema.OPEN_FREEZE_SQL, (sandbox_id,)).fetchone() or (
+                    self._intent_pending(conn, sandbox_id)
+                ):
+                    freeze_again()
+                    return _FROZEN_AGAIN
+                conn.execute(
+                    "UPDATE sandboxes SET state = 'running' WHERE id = ? AND state = 'frozen'",
+                    (sandbox_id,),
+                )
+        except JournalError:
+            freeze_again()
+            raise
+        return None
+
+    def _decide(
+        self, conn: sqlite3.Connection, sandbox_id: str, action: str, uid: int, at: float,
+        note: str,
+    ) -> int:  # fmt: skip
+        self._require(conn, "sandboxes", sandbox_id, "sandbox")
+        decision_id = schema.insert(
+            conn,
+            "INSERT INTO decisions (sandbox_id, action, uid, at, note) VALUES (?, ?, ?, ?, ?)",
+            (sandbox_id, action, uid, at, note),
+        )
+        conn.execute(
+            "UPDATE freezes SET decision_id = ? WHERE sandbox_id = ? AND decision_id IS NULL",
+            (decision_id, sandbox_id),
+        )
+        return decision_id
 
     def decided(self, violation_id: int) -> bool:
         """Has a person already resumed or killed a freeze this violation caused?

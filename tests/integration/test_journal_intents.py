@@ -612,3 +612,98 @@ def test_a_thaw_looks_again_for_an_intent_written_since_its_first_look(state: Pa
     finally:
         other.close()
         j.close()
+
+
+def test_a_persons_resume_thaws_once_and_marks_the_sandbox_running(state: Path) -> None:
+    with Journal.open(state) as j:
+        resumed_freeze(j)
+        j.set_sandbox_state("sb1", "frozen")
+        done: list[str] = []
+        why = j.resume("sb1", 1000, V.at + 2, lambda: done.append("thaw"),
+                       lambda: done.append("again"), "a person")  # fmt: skip
+        assert why is None and done == ["thaw"]
+        assert j.sandbox("sb1")["state"] == "running"  # type: ignore[index]
+        decision, _ = j.decisions("sb1")  # newest first
+        assert decision["uid"] == 1000 and decision["note"] == "a person"
+
+
+def test_a_persons_resume_does_not_thaw_while_a_freeze_of_it_is_in_an_intent(
+    state: Path,
+) -> None:
+    """A layer froze for a newer violation and has not committed it (its record in its
+    intent file): the resume closes what the journal holds, and leaves the cgroup frozen
+    for that freeze, which then opens for a person."""
+    j = Journal.open(state)
+    other = Journal.open(state)
+    try:
+        resumed_freeze(j)
+        other.open_intents()
+        newer = dataclasses.replace(V, at=V.at + 60, flow=dataclasses.replace(V.flow, dport=22),
+                                    detail="tcp to 203.0.113.9:22")  # fmt: skip
+        intent = other.write_intent("sb1", newer, 2.0, newer.at)
+        assert intent is not None
+        done: list[str] = []
+        why = j.resume("sb1", 0, newer.at + 1, lambda: done.append("thaw"),
+                       lambda: done.append("again"))  # fmt: skip
+        assert why is not None and "not journaled yet" in why and done == []
+        other.record_for_freeze("sb1", newer, 2.0, newer.at, intent)
+        opened = [f for f in j.freezes("sb1") if f["decision_id"] is None]
+        assert [f["first_violation"] for f in opened] == [j.violations("sb1")[0]["id"]]
+    finally:
+        other.close()
+        j.close()
+
+
+@pytest.mark.parametrize("through", ["sqlite", "intent"])
+def test_a_freeze_journaled_between_a_resume_and_its_thaw_is_frozen_again(
+    state: Path, through: str
+) -> None:
+    """A layer's freeze request committed after the person's decision, whose freeze
+    landed before the person's thaw (the thaw would undo it, leaving the workload running
+    with a freeze open): looked for after the thaw, under the write lock, and frozen
+    again. ``through``: the layer's commit-first path, or an intent written then (still
+    pending at the look)."""
+    j = Journal.open(state)
+    other = Journal.open(state)
+    try:
+        resumed_freeze(j)
+        newer = dataclasses.replace(V, at=V.at + 60, detail="newer")
+        other.open_intents()
+        done: list[str] = []
+
+        def thaw() -> None:  # meanwhile, the other layer journals a freeze of its own
+            if through == "sqlite":
+                other.record_for_freeze("sb1", newer, 2.0, newer.at)
+            else:
+                assert other.write_intent("sb1", newer, 2.0, newer.at) is not None
+            done.append("thaw")
+
+        j.set_sandbox_state("sb1", "frozen")
+        why = j.resume("sb1", 0, V.at + 30, thaw, lambda: done.append("again"))
+        assert why is not None and "waits for a decision" in why
+        assert done == ["thaw", "again"]
+        assert j.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+    finally:
+        other.close()
+        j.close()
+
+
+def test_a_resume_whose_look_after_the_thaw_fails_freezes_again(state: Path) -> None:
+    """Whether a freeze came in between can't be told (the write lock held past the busy
+    timeout): frozen again (fail closed), and the person is told."""
+    j = Journal.open(state, busy_timeout_s=0.05)
+    lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
+    try:
+        resumed_freeze(j)
+        done: list[str] = []
+
+        def thaw() -> None:
+            lock.execute("BEGIN IMMEDIATE")
+            done.append("thaw")
+
+        with pytest.raises(JournalError, match="locked"):
+            j.resume("sb1", 0, V.at + 30, thaw, lambda: done.append("again"))
+        assert done == ["thaw", "again"]
+    finally:
+        lock.close()
+        j.close()

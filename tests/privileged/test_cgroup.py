@@ -536,10 +536,11 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
     race: Race, ticker: subprocess.Popen[bytes]
 ) -> None:
     """SQLite refused the observer's commit (its lock held past a 0.5 s busy timeout): the
-    record is pinned in its intent file and SQLite shows no freeze. A person's resume
-    meanwhile (`egressctl resume` journals a decision that closes nothing, then thaws)
-    must not outlast the retry the layer's tick makes: once it commits the record, its
-    freeze is open in SQLite and the workload stopped again."""
+    record is pinned in its intent file and SQLite shows no freeze. A thaw meanwhile
+    that did not go through Journal.resume (a decision that closes nothing, then a
+    thaw: an egressctl from before it, a person writing cgroup.freeze) must not outlast
+    the retry the layer's tick makes: once it commits the record, its freeze is open in
+    SQLite and the workload stopped again."""
     observer = Journal.open(race.state, busy_timeout_s=0.5)
     holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
     cg = race.cg
@@ -577,6 +578,111 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
     finally:
         holder.close()
         observer.close()
+
+
+def egressctl_resume(race: Race, capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`egressctl resume sb1` in this process (its cgroup found from the journal's
+    paths): the exit status, and what it said."""
+    from egress.cli.main import main
+
+    race.journal.update_sandbox("sb1", cgroup=race.cg.v2_path, freezer=race.cg.freezer_path)
+    capfd.readouterr()
+    status = main(["resume", "sb1", "--state-dir", str(race.state), "--note", "a person"])
+    out, err = capfd.readouterr()
+    return status, out + err
+
+
+@pytest.mark.parametrize("intents", [False, True], ids=["sqlite-first", "intent"])
+def test_a_freeze_journaled_between_a_persons_resume_and_its_thaw_stands(
+    race: Race,
+    ticker: subprocess.Popen[bytes],
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    intents: bool,
+) -> None:
+    """`egressctl resume` journals the decision, then thaws. A layer's freeze for a newer
+    violation, journaled after that decision and landed before that thaw (its commit
+    reading the cgroup frozen still), would be undone by it: open in the journal, the
+    workload running. The resume looks again after its thaw, and freezes again."""
+    enforcer = Enforcer("sb1", race.policy, "observer", race.journal, race.cg, intents=intents)
+    assert enforcer.handle(race_violation("observer")) is not None
+    assert_stopped(ticker)
+    real_thaw = Cgroup.thaw
+    layered: list[object] = []
+
+    def layer_first(cg: Cgroup, *args: Any, **kwargs: Any) -> None:
+        if not layered:  # the person's thaw: the layer's whole freeze lands just before it
+            layered.append(enforcer.handle(newer_violation()))
+        real_thaw(cg, *args, **kwargs)
+
+    monkeypatch.setattr(Cgroup, "thaw", layer_first)
+    status, said = egressctl_resume(race, capfd)
+    monkeypatch.undo()
+    [event] = layered
+    assert event is not None  # the layer did freeze and journal in between
+    assert wait_until(race.cg.is_frozen, 5), "the newer freeze was undone"  # asked again
+    assert_stopped(ticker)
+    assert status == 1 and "waits for a decision" in said, said
+    newer, older = race.journal.freezes("sb1")
+    assert older["decision_id"] is not None and newer["decision_id"] is None
+    assert race.journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+
+
+def test_a_persons_resume_leaves_a_freeze_whose_record_sqlite_refused_frozen(
+    race: Race, ticker: subprocess.Popen[bytes], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The observer froze and SQLite refused its record (pinned in its intent file): the
+    journal shows no freeze open. A person's `egressctl resume` meanwhile journals its
+    decision and leaves the sandbox frozen, saying why; the layer's retry then opens the
+    freeze for a person."""
+    observer = Journal.open(race.state, busy_timeout_s=0.5)
+    holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
+    cg = race.cg
+    real_freeze = cg.freeze
+
+    def locked_after(*args: Any, **kwargs: Any) -> float:
+        took = real_freeze(*args, **kwargs)
+        holder.execute("BEGIN IMMEDIATE")  # held past the observer's busy timeout
+        return took
+
+    try:
+        cg.freeze = locked_after  # type: ignore[method-assign]
+        enforcer = Enforcer("sb1", race.policy, "observer", observer, cg)
+        event = enforcer.handle(newer_violation())
+        cg.freeze = real_freeze  # type: ignore[method-assign]
+        assert event is not None and event.violation_id is None
+        holder.execute("ROLLBACK")
+        assert observer.freezes("sb1") == []
+        status, said = egressctl_resume(race, capfd)
+        assert cg.is_frozen(), "thawed while a freeze was pending"
+        assert_stopped(ticker)
+        assert status == 1 and "not journaled yet" in said, said
+        deadline = time.monotonic() + 10  # the tick's, once its wait after a refusal is up
+        while enforcer.retry_pinned() == 0:
+            assert time.monotonic() < deadline, "the pinned record was not committed"
+            time.sleep(0.01)
+        [freeze] = observer.freezes("sb1")
+        assert freeze["decision_id"] is None and cg.is_frozen()
+        assert_stopped(ticker)
+    finally:
+        holder.close()
+        observer.close()
+
+
+def test_a_persons_resume_thaws_and_the_workload_goes_on(
+    race: Race, ticker: subprocess.Popen[bytes], capfd: pytest.CaptureFixture[str]
+) -> None:
+    enforcer = Enforcer("sb1", race.policy, "observer", race.journal, race.cg)
+    assert enforcer.handle(race_violation("observer")) is not None
+    assert_stopped(ticker)
+    status, said = egressctl_resume(race, capfd)
+    assert status == 0 and said == "sandbox sb1 resumed\n"
+    assert not race.cg.is_frozen()
+    assert ticks_within(ticker, 2)
+    [freeze] = race.journal.freezes("sb1")
+    [decision] = race.journal.decisions("sb1")
+    assert freeze["decision_id"] == decision["id"] and decision["note"] == "a person"
+    assert race.journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
 
 
 def test_concurrent_freezers_both_return(

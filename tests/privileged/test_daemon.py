@@ -117,7 +117,9 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
             assert done["uid"] == 0 and not cgroups[0].is_frozen()
         with Journal.open(state_dir) as journal:
             decision = journal.decisions(boxes[0]["id"], limit=1)[0]
+            journaled = journal.sandbox(boxes[0]["id"])
         assert decision["action"] == "resume" and decision["uid"] == 0
+        assert journaled is not None and journaled["state"] == "running"  # what ps shows
         metrics = daemon.client.request("GET", "/metrics")[1]
         assert (
             f'egress_violations_total{{sandbox="{boxes[0]["id"]}",class="blocked_connect"}}'
