@@ -195,8 +195,7 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
             run.write(b"x")
             rounds.append((bf.await_confirmed_freeze(journal, sandbox_id, before), t0))
             bf.await_two_sightings(journal, sandbox_id)  # then resume, as a person would
-            journal.record_decision(sandbox_id, "resume", 0, time.time(), "bench")
-            cgroup.thaw()
+            bf.resume(journal, sandbox_id, cgroup)
             if run.line() != "sent":
                 raise RuntimeError("the freeze client lost its round")
     except BaseException:
