@@ -24,7 +24,7 @@ from egress.freeze.attribution import attribute
 from egress.kernel.cgroup import Cgroup
 from egress.model import Action, Mode, Policy, Violation
 from egress.store.intents import Intent
-from egress.store.journal import Journal
+from egress.store.journal import Journal, Retried
 from egress.store.journal_schema import violation_key
 
 _T = TypeVar("_T")
@@ -68,6 +68,9 @@ class Enforcer:
         self.journal_errors = 0
         self.intents = intents
         self._retry_at = 0.0  # monotonic: retry_pinned waits until then after a refusal
+        # What a freeze whose record SQLite refused knew (when the kernel confirmed it,
+        # who did it), by violation key: journaled once the retry commits the record.
+        self._unjournaled: dict[str, tuple[float, FreezeEvent]] = {}
         try:
             if intents:
                 journal.open_intents()  # a freeze then waits for no SQLite commit
@@ -102,15 +105,34 @@ class Enforcer:
         if time.monotonic() < self._retry_at:
             return 0
         errors = self.journal_errors
-        committed = self._try(
-            lambda: self.journal.commit_pinned(False, self.sandbox_id, self._freeze_if_thawed)
+        committed = (
+            self._try(
+                lambda: self.journal.commit_pinned(False, self.sandbox_id, self._freeze_if_thawed)
+            )
+            or []
         )
         if self.journal_errors != errors:
             self._retry_at = time.monotonic() + RETRY_S
-        for recorded in committed or []:
-            if recorded.freeze_id is None:  # it joined a freeze a person had resumed
-                self._settle_joined(recorded.violation_id)
-        return len(committed or [])
+        for retried in committed:
+            self._journal_what_it_knew(retried)
+            if retried.freeze_id is None:  # it joined a freeze a person had resumed
+                self._settle_joined(retried.violation_id)
+        return len(committed)
+
+    def _journal_what_it_knew(self, retried: Retried) -> None:
+        """A retried record's freeze as the layer saw it when SQLite refused the record:
+        the kernel's confirmation (on the freeze it opened) and the process."""
+        known = self._unjournaled.pop(violation_key(retried.violation), None)
+        if known is None:
+            return
+        confirmed, event = known
+        fid, vid = retried.freeze_id, retried.violation_id
+        if fid is not None:
+            self._try(lambda: self.journal.confirm_freeze(fid, confirmed, event.latency_ms,
+                                                          self.layer))  # fmt: skip
+        if event.process:
+            self._try(lambda: self.journal.attach_process(vid, event.process))
+        event.violation_id = vid
 
     def _settle_joined(self, violation_id: int) -> None:
         """As _freeze_then_fold does for a commit that joined a resumed freeze: thawed
@@ -123,7 +145,8 @@ class Enforcer:
         """The layer stops watching this sandbox (deleted, or handed on) while the process
         goes on: commit its refused records now, without freezing again, rather than
         leave them to the process's end, each holding a slot of its intent file."""
-        self._try(lambda: self.journal.commit_pinned(False, self.sandbox_id))
+        for retried in self._try(lambda: self.journal.commit_pinned(False, self.sandbox_id)) or []:
+            self._journal_what_it_knew(retried)
 
     def _freeze_if_thawed(self) -> None:
         """Under the journal's write lock: asked, not waited for. A cgroup that can't be
@@ -216,7 +239,10 @@ class Enforcer:
             # the same mend from this side, for a thaw that came before this look.
             at = time.time()
             confirmed = at + self.cgroup.freeze()
-        return self._frozen(v, vid, fid, confirmed)
+        event = self._frozen(v, vid, fid, confirmed)
+        if recorded is None and event is not None and self.journal.has_pinned(self.sandbox_id):
+            self._unjournaled[key] = (confirmed, event)  # for the retry (retry_pinned)
+        return event
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:
         asked = time.time()

@@ -74,6 +74,15 @@ class FreezeRecorded(NamedTuple):
     freeze_id: int | None  # None: a person already decided on this violation's freeze
 
 
+class Retried(NamedTuple):
+    """A refused record committed again (Journal.commit_pinned), and its violation."""
+
+    violation_id: int
+    first: bool
+    freeze_id: int | None  # None: a person already decided on this violation's freeze
+    violation: Violation
+
+
 class Journal:
     """One connection to the journal. Open with ``Journal.open(state_dir)``."""
 
@@ -284,7 +293,7 @@ class Journal:
         wait: bool = True,
         sandbox_id: str | None = None,
         freeze_again: Callable[[], object] | None = None,
-    ) -> list[FreezeRecorded]:
+    ) -> list[Retried]:
         """Commit the records of this process's intent file SQLite refused before (a
         full disk, a lock held past the busy timeout), those of ``sandbox_id`` if given:
         durable in the file, but no one reads them there while this process lives.
@@ -316,9 +325,9 @@ class Journal:
         wait: bool = True,
         sandbox_id: str | None = None,
         freeze_again: Callable[[], object] | None = None,
-    ) -> list[FreezeRecorded]:
+    ) -> list[Retried]:
         left = log.take_pinned(sandbox_id)
-        committed: list[FreezeRecorded] = []
+        committed: list[Retried] = []
         try:
             while left:
                 intent = left[0]
@@ -350,7 +359,7 @@ class Journal:
 
     def _retry_one(
         self, conn: sqlite3.Connection, token: str, record: dict[str, object]
-    ) -> FreezeRecorded | None:
+    ) -> Retried | None:
         """A live layer's refused record, committed (within ``conn``'s transaction) as
         its own commit would have been; None where SQLite holds it already."""
         if _folded(conn, token):
@@ -358,7 +367,7 @@ class Journal:
         sandbox_id, violation, within_s, at = self._intent_of(conn, record)
         recorded = self._record_for_freeze(conn, sandbox_id, violation, within_s, at, acted=True)
         _folded_in(conn, token, sandbox_id if recorded.freeze_id is not None else None)
-        return recorded
+        return Retried(*recorded, violation)
 
     def _record_for_freeze(
         self,

@@ -575,6 +575,14 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
         assert freeze["decision_id"] is None
         assert observer.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
         assert enforcer.retry_pinned() == 0  # committed once
+        # What the layer knew when SQLite refused the record: the kernel's confirmation of
+        # its first freeze, and who did it.
+        [ask] = freeze["requested_by"]
+        assert freeze["confirmed_at"] == ask["confirmed_at"]
+        assert ask["at"] < freeze["confirmed_at"] <= ask["at"] + 2
+        [violation] = observer.violations("sb1")
+        assert violation["process"]["pid"] == ticker.pid
+        assert event.violation_id == violation["id"]
     finally:
         holder.close()
         observer.close()

@@ -460,8 +460,11 @@ def test_a_freeze_sqlite_refused_is_journaled_on_the_layers_tick_and_stands(lab:
         while True:
             with run.journal() as j:
                 freezes = j.freezes(run.id)
-                asks = {a["layer"] for f in freezes for a in f["requested_by"]}
-            if asks == {"inline", "observer"}:
+                asks = {a["layer"]: a for f in freezes for a in f["requested_by"]}
+            # Each retry journals what its layer knew when SQLite refused the record: the
+            # kernel's confirmation, and the process (attach_process), just after it.
+            if set(asks) == {"inline", "observer"} and all("confirmed_at" in a for a in
+                                                            asks.values()):  # fmt: skip
                 break
             assert time.monotonic() < end, f"not journaled: {freezes}"
             time.sleep(0.02)
@@ -470,6 +473,11 @@ def test_a_freeze_sqlite_refused_is_journaled_on_the_layers_tick_and_stands(lab:
             [v] = [v for v in j.violations(run.id) if v["class"] == "blocked_connect"]
             assert j.sandbox(run.id)["state"] == "frozen"  # type: ignore[index]
         assert v["evidence"]["flow"]["dst"] == "203.0.113.11"
+        [freeze] = freezes
+        assert 0 < freeze["latency_ms"] < 2000 and freeze["confirmed_at"] is not None
+        # By uid: SQLite took its 10 s busy timeout to refuse, and meanwhile the SYN's
+        # retransmit was reset (held4), so the socket was gone when the layer looked.
+        assert v["process"]["method"] == "uid" and "agent.py" in v["process"]["cmdline"]
         still(run)
         assert run.proc.poll() is None and os.kill(observer, 0) is None  # both layers live
         assert run.ctl("resume", run.id).returncode == 0
