@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from egress.errors import SandboxError
-from egress.freeze.enforcer import Enforcer
+from egress.freeze.enforcer import Enforcer, FreezeEvent
 from egress.kernel import cgroup as cg_mod
 from egress.kernel.cgroup import Cgroup, find_mounts, parse_mountinfo
 from egress.model import Action, Flow, Policy, Violation, ViolationClass
@@ -532,15 +532,19 @@ def test_a_freeze_thawed_before_sqlite_refused_its_commit_is_made_again_and_kept
         observer.close()
 
 
-def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_retry(
-    race: Race, ticker: subprocess.Popen[bytes]
-) -> None:
-    """SQLite refused the observer's commit (its lock held past a 0.5 s busy timeout): the
-    record is pinned in its intent file and SQLite shows no freeze. A thaw meanwhile
-    that did not go through Journal.resume (a decision that closes nothing, then a
-    thaw: an egressctl from before it, a person writing cgroup.freeze) must not outlast
-    the retry the layer's tick makes: once it commits the record, its freeze is open in
-    SQLite and the workload stopped again."""
+@dataclass
+class Refused:
+    """The observer's freeze of newer_violation, whose record SQLite refused: pinned in
+    its intent file (``holder`` keeps the write lock until the test rolls it back)."""
+
+    observer: Journal
+    enforcer: Enforcer
+    event: FreezeEvent
+    holder: sqlite3.Connection
+
+
+@contextlib.contextmanager
+def refused_freeze(race: Race) -> Iterator[Refused]:
     observer = Journal.open(race.state, busy_timeout_s=0.5)
     holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
     cg = race.cg
@@ -558,17 +562,33 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
         cg.freeze = real_freeze  # type: ignore[method-assign]
         assert event is not None and event.violation_id is None
         assert enforcer.journal_errors == 1
+        yield Refused(observer, enforcer, event, holder)
+    finally:
+        cg.freeze = real_freeze  # type: ignore[method-assign]
+        holder.close()
+        observer.close()
+
+
+def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_retry(
+    race: Race, ticker: subprocess.Popen[bytes]
+) -> None:
+    """SQLite refused the observer's commit (its lock held past a 0.5 s busy timeout): the
+    record is pinned in its intent file and SQLite shows no freeze. A thaw meanwhile
+    that did not go through Journal.resume (a decision that closes nothing, then a
+    thaw: an egressctl from before it, a person writing cgroup.freeze) must not outlast
+    the retry the layer's tick makes: once it commits the record, its freeze is open in
+    SQLite and the workload stopped again."""
+    cg = race.cg
+    with refused_freeze(race) as refused:
+        observer, enforcer = refused.observer, refused.enforcer
         assert_stopped(ticker)
         assert enforcer.retry_pinned() == 0  # the lock still held: not waited for
-        holder.execute("ROLLBACK")
+        refused.holder.execute("ROLLBACK")
         assert observer.freezes("sb1") == []  # pinned: only the intent file has it
         race.journal.record_decision("sb1", "resume", 0, time.time(), "a person")
         cg.thaw()
         assert ticks_within(ticker, 2)
-        deadline = time.monotonic() + 10  # the tick's, once its wait after a refusal is up
-        while enforcer.retry_pinned() == 0:
-            assert time.monotonic() < deadline, "the pinned record was not committed"
-            time.sleep(0.01)
+        retried(enforcer)
         assert wait_until(cg.is_frozen, 5)  # asked, not waited for (under the lock)
         assert_stopped(ticker)
         [freeze] = observer.freezes("sb1")
@@ -582,10 +602,16 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
         assert ask["at"] < freeze["confirmed_at"] <= ask["at"] + 2
         [violation] = observer.violations("sb1")
         assert violation["process"]["pid"] == ticker.pid
-        assert event.violation_id == violation["id"]
-    finally:
-        holder.close()
-        observer.close()
+        assert refused.event.violation_id == violation["id"]
+
+
+def retried(enforcer: Enforcer) -> None:
+    """Until the layer's tick commits its pinned record (once its wait after a refusal
+    is up)."""
+    deadline = time.monotonic() + 10
+    while enforcer.retry_pinned() == 0:
+        assert time.monotonic() < deadline, "the pinned record was not committed"
+        time.sleep(0.01)
 
 
 def egressctl_resume(race: Race, capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -643,38 +669,17 @@ def test_a_persons_resume_leaves_a_freeze_whose_record_sqlite_refused_frozen(
     journal shows no freeze open. A person's `egressctl resume` meanwhile journals its
     decision and leaves the sandbox frozen, saying why; the layer's retry then opens the
     freeze for a person."""
-    observer = Journal.open(race.state, busy_timeout_s=0.5)
-    holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
-    cg = race.cg
-    real_freeze = cg.freeze
-
-    def locked_after(*args: Any, **kwargs: Any) -> float:
-        took = real_freeze(*args, **kwargs)
-        holder.execute("BEGIN IMMEDIATE")  # held past the observer's busy timeout
-        return took
-
-    try:
-        cg.freeze = locked_after  # type: ignore[method-assign]
-        enforcer = Enforcer("sb1", race.policy, "observer", observer, cg)
-        event = enforcer.handle(newer_violation())
-        cg.freeze = real_freeze  # type: ignore[method-assign]
-        assert event is not None and event.violation_id is None
-        holder.execute("ROLLBACK")
-        assert observer.freezes("sb1") == []
+    with refused_freeze(race) as refused:
+        refused.holder.execute("ROLLBACK")
+        assert refused.observer.freezes("sb1") == []
         status, said = egressctl_resume(race, capfd)
-        assert cg.is_frozen(), "thawed while a freeze was pending"
+        assert race.cg.is_frozen(), "thawed while a freeze was pending"
         assert_stopped(ticker)
         assert status == 1 and "not journaled yet" in said, said
-        deadline = time.monotonic() + 10  # the tick's, once its wait after a refusal is up
-        while enforcer.retry_pinned() == 0:
-            assert time.monotonic() < deadline, "the pinned record was not committed"
-            time.sleep(0.01)
-        [freeze] = observer.freezes("sb1")
-        assert freeze["decision_id"] is None and cg.is_frozen()
+        retried(refused.enforcer)
+        [freeze] = refused.observer.freezes("sb1")
+        assert freeze["decision_id"] is None and race.cg.is_frozen()
         assert_stopped(ticker)
-    finally:
-        holder.close()
-        observer.close()
 
 
 def test_a_persons_resume_thaws_and_the_workload_goes_on(
