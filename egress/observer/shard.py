@@ -65,6 +65,7 @@ class Shard:
         self.watched: dict[str, Watched] = {}
         self.owner: dict[int, str] = {}  # fd -> sandbox id
         self.retry: dict[str, float] = {}  # sandbox id -> when to try it again
+        self.unnoted: set[str] = set()  # watched, its observer_pid not yet journaled
         # epoll, not poll: at 5 queries a second each, a shard of 500 sandboxes wakes a
         # few thousand times a second for a copy or two, and poll() walks every one of
         # its 1,000+ descriptors (and Python builds its list) at each wake-up.
@@ -98,7 +99,7 @@ class Shard:
             if now - looked >= SCAN_S:
                 seen = _mtime_ns(self.run_dir)
                 changed = seen != mtime
-                due = any(at <= now for at in self.retry.values())
+                due = bool(self.unnoted) or any(at <= now for at in self.retry.values())
                 # A full read at least every RESCAN_S, however often a change made one
                 # look at only what changed.
                 fresh = now - fresh_at >= RESCAN_S
@@ -142,6 +143,25 @@ class Shard:
                 watched = None
             if watched is None and self.retry.get(sid, 0.0) <= now:
                 self._start(record)
+        for sid in list(self.unnoted):
+            if sid in self.watched:
+                self._note_pid(sid)
+            else:
+                self.unnoted.discard(sid)
+
+    def _note_pid(self, sid: str) -> None:
+        """Journal this process as the sandbox's observer (`egressctl ps` shows both
+        layers' pids); where the journal refuses it (its lock held past the busy timeout
+        while egressd creates hundreds), said once and tried again at each scan."""
+        try:
+            self.journal.update_sandbox(sid, observer_pid=os.getpid())
+        except EgressError as exc:
+            if sid not in self.unnoted:
+                print(f"egressd observer: {sid}: {exc}; tried again", file=sys.stderr,
+                      flush=True)  # fmt: skip
+            self.unnoted.add(sid)
+            return
+        self.unnoted.discard(sid)
 
     def _start(self, record: rundir.Record) -> None:
         self.retry.pop(record.id, None)
@@ -164,9 +184,8 @@ class Shard:
         except Exception:
             self._failed(record.id, traceback.format_exc())
             return
-        with contextlib.suppress(EgressError):  # `egressctl ps` shows both layers' pids
-            self.journal.update_sandbox(record.id, observer_pid=os.getpid())
         self.watched[record.id] = Watched(observer, sha)
+        self._note_pid(record.id)
         for fd in observer.fds():
             self.owner[fd] = record.id
             try:
