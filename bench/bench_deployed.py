@@ -175,6 +175,7 @@ def misses(lab: object, work: Path, state: Path, n: int) -> tuple[list[float], l
 
 
 def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
+    from egress.freeze import review
     from egress.kernel.cgroup import Cgroup
     from egress.store.journal import Journal
 
@@ -195,7 +196,7 @@ def freezes(lab: object, work: Path, state: Path, n: int) -> list[float]:
             run.write(b"x")
             rounds.append((bf.await_confirmed_freeze(journal, sandbox_id, before), t0))
             bf.await_two_sightings(journal, sandbox_id)  # then resume, as a person would
-            bf.resume(journal, sandbox_id, cgroup)
+            review.resume(journal, cgroup, sandbox_id, 0, "bench")  # as egressctl resume
             if run.line() != "sent":
                 raise RuntimeError("the freeze client lost its round")
     except BaseException:

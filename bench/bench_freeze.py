@@ -27,6 +27,7 @@ from typing import Any
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.datapath.evidence import drop_class, drop_violation
+from egress.freeze import review
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nflog import NflogListener
@@ -160,7 +161,7 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
             rounds.append((await_confirmed_freeze(journal, sb.id, before), t0))
             if mode == "both":  # resume only once both layers have seen it
                 await_two_sightings(journal, sb.id)
-            resume(journal, sb.id, sb.cgroup)
+            review.resume(journal, sb.cgroup, sb.id, 0, "bench")  # as egressctl resume
             work.stdout.readline()  # it finished that round and waits for the next byte
         work.stdin.close()
         sb.cgroup.kill()
@@ -198,16 +199,6 @@ def newest_freeze(journal: Journal, sandbox_id: str) -> int:
     """The id of the sandbox's newest freeze (0: none yet): what a round waits to pass."""
     rows = journal.freezes(sandbox_id, limit=1)
     return int(rows[0]["id"]) if rows else 0
-
-
-def resume(journal: Journal, sandbox_id: str, cgroup: Cgroup) -> None:
-    """As a person's `egressctl resume` does (Journal.resume): journaled, thawed, looked
-    at again, waited for."""
-    why = journal.resume(sandbox_id, 0, time.time(), lambda: cgroup.thaw(wait=False),
-                         cgroup.ask_freeze, "bench")  # fmt: skip
-    if why is not None:
-        raise RuntimeError(f"the resume left it frozen: {why}")
-    cgroup.wait_thawed()
 
 
 def await_confirmed_freeze(journal: Journal, sandbox_id: str, before: int) -> int:

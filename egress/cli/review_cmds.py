@@ -71,7 +71,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     j.set_defaults(func=cmd_journal)
 
     for name, verb in (
-        ("resume", "thaw a frozen sandbox; it goes on where it stopped"),
+        (
+            "resume",
+            "thaw a frozen sandbox; it goes on where it stopped (exit 1, saying why, "
+            "where another freeze of it keeps it frozen)",
+        ),
         ("kill", "kill every process of a sandbox (one whose egressctl run died is removed)"),
     ):
         r = sub.add_parser(
@@ -425,7 +429,9 @@ def cmd_decide(args: argparse.Namespace) -> int:
             ) from None
         note = args.note or _who()
         if args.action == ReviewAction.RESUME:
-            _resume(journal, cgroup, args.sandbox, note)
+            from egress.freeze import review
+
+            review.resume(journal, cgroup, args.sandbox, os.getuid(), note)
             print(f"sandbox {args.sandbox} resumed")
         else:
             journal.record_decision(args.sandbox, args.action, os.getuid(), time.time(), note)
@@ -433,25 +439,6 @@ def cmd_decide(args: argparse.Namespace) -> int:
             print(f"sandbox {args.sandbox} killed")
             _report_end(journal, args.sandbox)
     return 0
-
-
-def _resume(journal: Journal, cgroup: Cgroup, sandbox_id: str, note: str) -> None:
-    """Journal the resume, thaw, and wait for it; SandboxError saying why where the
-    sandbox stays frozen (Journal.resume)."""
-    why = journal.resume(sandbox_id, os.getuid(), time.time(), lambda: cgroup.thaw(wait=False),
-                         cgroup.ask_freeze, note)  # fmt: skip
-    if why is not None:
-        raise SandboxError(f"sandbox {sandbox_id}: resume journaled, but it stays frozen: {why} "
-                           f"(egressctl journal --sandbox {sandbox_id})")  # fmt: skip
-    try:
-        cgroup.wait_thawed()
-    except SandboxError:
-        if any(f["decision_id"] is None for f in journal.freezes(sandbox_id, limit=1)):
-            raise SandboxError(
-                f"sandbox {sandbox_id}: resumed, then frozen again by a newer "
-                f"violation (egressctl journal --sandbox {sandbox_id})"
-            ) from None
-        raise
 
 
 def _kill(cgroup: Cgroup) -> None:

@@ -48,6 +48,7 @@ from egress.errors import (
     SandboxError,
     UpstreamError,
 )
+from egress.freeze import review
 from egress.inline import wiring
 from egress.inline.session import Session
 from egress.inline.swap import TrackingResolver, swap
@@ -488,12 +489,11 @@ class Registry:
             await _in_thread(cgroup.kill)
             _log(f"kill {sandbox_id} by uid {uid}")
             return
-        why = self.journal.resume(sandbox_id, uid, time.time(), lambda: cgroup.thaw(wait=False),
-                                  cgroup.ask_freeze, note)  # fmt: skip
-        if why is not None:
-            _log(f"resume {sandbox_id} by uid {uid}: stays frozen: {why}")
-            raise Conflict(f"sandbox {sandbox_id}: resume journaled, but it stays frozen: {why}")
-        await _in_thread(cgroup.wait_thawed)
+        try:  # off the loop: the journal's lock may be held for its busy timeout
+            await _in_thread(review.resume, self.journal, cgroup, sandbox_id, uid, note)
+        except review.StillFrozen as exc:
+            _log(f"resume {sandbox_id} by uid {uid}: {exc}")
+            raise
         _log(f"resume {sandbox_id} by uid {uid}")
 
     async def delete(self, sandbox_id: str) -> None:

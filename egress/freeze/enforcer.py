@@ -14,6 +14,7 @@ the cgroup after a person resumed that freeze thaws it again
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -71,6 +72,10 @@ class Enforcer:
         # What a freeze whose record SQLite refused knew (when the kernel confirmed it,
         # who did it), by violation key: journaled once the retry commits the record.
         self._unjournaled: dict[str, tuple[float, FreezeEvent]] = {}
+        self._refroze = False  # the retry froze again (_freeze_if_thawed)
+        # Held by handle and the retry: the inline layer retries on its writer thread,
+        # and a retry between a refusal and _unjournaled's entry would lose the entry.
+        self._acting = threading.RLock()
         try:
             if intents:
                 journal.open_intents()  # a freeze then waits for no SQLite commit
@@ -83,11 +88,12 @@ class Enforcer:
     def handle(self, v: Violation) -> FreezeEvent | None:
         """Journal ``v`` and act on it; returns the freeze it caused, if any. Then, if the
         journal took what this did, ``retry_pinned``."""
-        errors = self.journal_errors
-        event = self._handle(v)
-        if self.journal_errors == errors:
-            self.retry_pinned()
-        return event
+        with self._acting:
+            errors = self.journal_errors
+            event = self._handle(v)
+            if self.journal_errors == errors:
+                self.retry_pinned()
+            return event
 
     def retry_pinned(self) -> int:
         """Commit this sandbox's records SQLite refused before (pinned in the intent file,
@@ -99,40 +105,62 @@ class Enforcer:
         opens a freeze, so the cgroup is frozen again if something thawed it meanwhile
         (a person's resume found no freeze open); one that joins a freeze a person
         resumed already is settled as the layer's own commit would have been. After a
-        refusal, the next try waits RETRY_S (one line on stderr each, not ten a second)."""
+        refusal, the next try waits RETRY_S (one line on stderr each, not ten a second).
+        Not while this layer handles a violation of the sandbox in another thread (the
+        inline layer's loop): that one retries once it is done."""
         if not self.journal.has_pinned(self.sandbox_id):  # the usual case: no lock, no read
             return 0
-        if time.monotonic() < self._retry_at:
+        if time.monotonic() < self._retry_at or not self._acting.acquire(blocking=False):
             return 0
-        errors = self.journal_errors
-        committed = (
-            self._try(
-                lambda: self.journal.commit_pinned(False, self.sandbox_id, self._freeze_if_thawed)
-            )
-            or []
-        )
-        if self.journal_errors != errors:
-            self._retry_at = time.monotonic() + RETRY_S
-        for retried in committed:
-            self._journal_what_it_knew(retried)
+        try:  # held while it commits (busy timeout 0) and takes what the layer knew
+            errors = self.journal_errors
+            self._refroze = False
+            thawed = self._freeze_if_thawed
+            commit = lambda: self.journal.commit_pinned(False, self.sandbox_id, thawed)  # noqa: E731
+            committed = self._try(commit) or []
+            if self.journal_errors != errors:
+                self._retry_at = time.monotonic() + RETRY_S
+            knew = [self._unjournaled.pop(violation_key(r.violation), None) for r in committed]
+            refroze = self._refroze
+        finally:
+            self._acting.release()
+        again = self._confirm_refreeze() if refroze else None
+        for retried, known in zip(committed, knew, strict=True):
+            self._journal_what_it_knew(retried, known, again)
             if retried.freeze_id is None:  # it joined a freeze a person had resumed
                 self._settle_joined(retried.violation_id)
         return len(committed)
 
-    def _journal_what_it_knew(self, retried: Retried) -> None:
-        """A retried record's freeze as the layer saw it when SQLite refused the record:
-        the kernel's confirmation (on the freeze it opened) and the process."""
-        known = self._unjournaled.pop(violation_key(retried.violation), None)
-        if known is None:
-            return
-        confirmed, event = known
+    def _confirm_refreeze(self) -> float | None:
+        """When the kernel confirms the freeze _freeze_if_thawed asked (under the lock,
+        unconfirmed); None where it can't be told."""
+        try:
+            at = time.time()
+            return at + self.cgroup.freeze()
+        except SandboxError as exc:
+            print(f"egress {self.layer}: sandbox {self.sandbox_id}: {exc}", file=sys.stderr)
+            return None
+
+    def _journal_what_it_knew(
+        self,
+        retried: Retried,
+        known: tuple[float, FreezeEvent] | None,
+        refrozen: float | None,
+    ) -> None:
+        """A retried record's freeze as the layer saw it when SQLite refused the record
+        (``known``): the kernel's confirmation (on the freeze it opened) and the process.
+        Where the retry froze again (something had thawed it meanwhile), that freeze's
+        confirmation (``refrozen``) is the one that stands."""
         fid, vid = retried.freeze_id, retried.violation_id
-        if fid is not None:
-            self._try(lambda: self.journal.confirm_freeze(fid, confirmed, event.latency_ms,
-                                                          self.layer))  # fmt: skip
-        if event.process:
-            self._try(lambda: self.journal.attach_process(vid, event.process))
-        event.violation_id = vid
+        confirmed = refrozen if refrozen is not None else known[0] if known else None
+        if fid is not None and confirmed is not None:
+            latency_ms = (confirmed - retried.violation.at) * 1000
+            self._try(lambda: self.journal.confirm_freeze(fid, confirmed, latency_ms, self.layer))
+        if known is not None:
+            event = known[1]
+            if event.process:
+                self._try(lambda: self.journal.attach_process(vid, event.process))
+            event.violation_id = vid
 
     def _settle_joined(self, violation_id: int) -> None:
         """As _freeze_then_fold does for a commit that joined a resumed freeze: thawed
@@ -145,8 +173,13 @@ class Enforcer:
         """The layer stops watching this sandbox (deleted, or handed on) while the process
         goes on: commit its refused records now, without freezing again, rather than
         leave them to the process's end, each holding a slot of its intent file."""
-        for retried in self._try(lambda: self.journal.commit_pinned(False, self.sandbox_id)) or []:
-            self._journal_what_it_knew(retried)
+        with self._acting:
+            for retried in (
+                self._try(lambda: self.journal.commit_pinned(False, self.sandbox_id)) or []
+            ):
+                known = self._unjournaled.pop(violation_key(retried.violation), None)
+                self._journal_what_it_knew(retried, known, None)
+            self._unjournaled.clear()  # kept aside, or pinned still: no retry of ours comes
 
     def _freeze_if_thawed(self) -> None:
         """Under the journal's write lock: asked, not waited for. A cgroup that can't be
@@ -161,6 +194,7 @@ class Enforcer:
         print(f"egress {self.layer}: sandbox {self.sandbox_id} was thawed while its "
               "freeze was not yet journaled: frozen again", file=sys.stderr)  # fmt: skip
         self._freeze_again()
+        self._refroze = True
 
     def _handle(self, v: Violation) -> FreezeEvent | None:
         if not self.wants_freeze(v):

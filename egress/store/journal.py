@@ -53,12 +53,10 @@ from egress.store.intents import Intent, IntentLog
 
 JOURNAL_FILE = "journal.db"
 BUSY_TIMEOUT_S = 10.0
-# Why a person's resume left the sandbox frozen (Journal.resume), as egressctl says it.
-_STILL_PENDING = (
-    "a layer's freeze of it is not journaled yet; it thaws once journaled if that freeze "
-    "is the one resumed, else waits for a decision"
-)
-_FROZEN_AGAIN = "a freeze of it was journaled as it was resumed, and waits for a decision"
+# Why a person's resume left the sandbox frozen (Journal.resume; freeze.review says it).
+STILL_PENDING = "a layer's freeze of it is not journaled yet"
+FROZEN_AGAIN = "a freeze of it was journaled as it was resumed"
+_RUNNING_AGAIN = "UPDATE sandboxes SET state = 'running' WHERE id = ? AND state = 'frozen'"
 
 Row = schema.Row
 
@@ -682,16 +680,26 @@ class Journal:
             ).fetchone()
             if row is None or row["action"] != "resume":
                 return False  # a kill reaps it frozen or not
-            if conn.execute(schema.OPEN_FREEZE_SQL, (row["sandbox_id"],)).fetchone():
-                return False
             sandbox_id = str(row["sandbox_id"])
-            if self._intent_pending(conn, sandbox_id):
+            if self._held(conn, sandbox_id):
                 return False
             self._mark_request(conn, freeze_id, layer, "thawed_at", time.time())
             thaw()
             if freeze_again is not None and self._intent_pending(conn, sandbox_id):
                 freeze_again()
+            else:
+                conn.execute(_RUNNING_AGAIN, (sandbox_id,))  # what ps and gc read
             return True
+
+    def freeze_held(self, sandbox_id: str) -> bool:
+        """A freeze of ``sandbox_id`` open here, or pending in an intent file."""
+        with self._read(f"read freezes of sandbox {sandbox_id!r}") as conn:
+            return self._held(conn, sandbox_id)
+
+    def _held(self, conn: sqlite3.Connection, sandbox_id: str) -> bool:
+        return bool(conn.execute(schema.OPEN_FREEZE_SQL, (sandbox_id,)).fetchone()) or (
+            self._intent_pending(conn, sandbox_id)
+        )
 
     def _intent_pending(self, conn: sqlite3.Connection, sandbox_id: str) -> bool:
         """A freeze of ``sandbox_id`` is durable in an intent file and not in SQLite: a
@@ -748,19 +756,14 @@ class Journal:
         with self._write(f"record resume of sandbox {sandbox_id!r}") as conn:
             self._decide(conn, sandbox_id, "resume", uid, at, note)
             if self._intent_pending(conn, sandbox_id):
-                return _STILL_PENDING
+                return STILL_PENDING
         thaw()
         try:
             with self._write(f"look for freezes of {sandbox_id!r} after its resume") as conn:
-                if conn.execute(schema.OPEN_FREEZE_SQL, (sandbox_id,)).fetchone() or (
-                    self._intent_pending(conn, sandbox_id)
-                ):
+                if self._held(conn, sandbox_id):
                     freeze_again()
-                    return _FROZEN_AGAIN
-                conn.execute(
-                    "UPDATE sandboxes SET state = 'running' WHERE id = ? AND state = 'frozen'",
-                    (sandbox_id,),
-                )
+                    return FROZEN_AGAIN
+                conn.execute(_RUNNING_AGAIN, (sandbox_id,))
         except JournalError:
             freeze_again()
             raise

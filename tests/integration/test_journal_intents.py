@@ -21,7 +21,7 @@ import pytest
 from egress.errors import JournalError
 from egress.model import Action, Flow, Violation, ViolationClass
 from egress.store import intents
-from egress.store.journal import Journal
+from egress.store.journal import FROZEN_AGAIN, STILL_PENDING, Journal
 
 V = Violation(
     cls=ViolationClass.BLOCKED_CONNECT, layer="observer", rule="default deny",
@@ -35,7 +35,7 @@ LAYER = """
 import os, sys, time
 from egress.errors import JournalError
 from egress.model import Action, Flow, Violation, ViolationClass
-from egress.store.journal import Journal
+from egress.store.journal import FROZEN_AGAIN, STILL_PENDING, Journal
 j = Journal.open(sys.argv[1])
 j.open_intents()
 v = Violation(cls=ViolationClass.BLOCKED_CONNECT, layer="observer", rule="default deny",
@@ -614,17 +614,49 @@ def test_a_thaw_looks_again_for_an_intent_written_since_its_first_look(state: Pa
         j.close()
 
 
-def test_a_persons_resume_thaws_once_and_marks_the_sandbox_running(state: Path) -> None:
+def test_a_persons_resume_closes_the_open_freeze_thaws_once_and_marks_it_running(
+    state: Path,
+) -> None:
     with Journal.open(state) as j:
-        resumed_freeze(j)
+        _, _, fid = j.record_for_freeze("sb1", V, 2.0, V.at)
         j.set_sandbox_state("sb1", "frozen")
         done: list[str] = []
         why = j.resume("sb1", 1000, V.at + 2, lambda: done.append("thaw"),
                        lambda: done.append("again"), "a person")  # fmt: skip
         assert why is None and done == ["thaw"]
         assert j.sandbox("sb1")["state"] == "running"  # type: ignore[index]
-        decision, _ = j.decisions("sb1")  # newest first
+        [decision] = j.decisions("sb1")
         assert decision["uid"] == 1000 and decision["note"] == "a person"
+        [freeze] = j.freezes("sb1")
+        assert freeze["id"] == fid and freeze["decision_id"] == decision["id"]
+
+
+def test_a_resume_left_frozen_for_the_other_layers_record_of_it_runs_once_that_thaws(
+    state: Path,
+) -> None:
+    """The resume found the other layer's record of the same violation pending and left
+    the sandbox frozen; that layer's commit joins the decided freeze and thaws it
+    (thaw_if_resumed), and the journal says running again (what ps and gc read)."""
+    j = Journal.open(state)
+    other = Journal.open(state)
+    try:
+        _, _, fid = j.record_for_freeze("sb1", dataclasses.replace(V, layer="inline"), 2.0, V.at)
+        j.set_sandbox_state("sb1", "frozen")
+        other.open_intents()
+        intent = other.write_intent("sb1", V, 2.0, V.at)
+        assert intent is not None
+        why = j.resume("sb1", 0, V.at + 2, lambda: None, lambda: None)
+        assert why == STILL_PENDING
+        assert j.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
+        _, _, joined = other.record_for_freeze("sb1", V, 2.0, V.at, intent)
+        assert joined is None and fid is not None  # it joined the decided freeze
+        thaws: list[str] = []
+        assert other.thaw_if_resumed(fid, "observer", lambda: thaws.append("thaw"))
+        assert thaws == ["thaw"]
+        assert j.sandbox("sb1")["state"] == "running"  # type: ignore[index]
+    finally:
+        other.close()
+        j.close()
 
 
 def test_a_persons_resume_does_not_thaw_while_a_freeze_of_it_is_in_an_intent(
@@ -645,7 +677,8 @@ def test_a_persons_resume_does_not_thaw_while_a_freeze_of_it_is_in_an_intent(
         done: list[str] = []
         why = j.resume("sb1", 0, newer.at + 1, lambda: done.append("thaw"),
                        lambda: done.append("again"))  # fmt: skip
-        assert why is not None and "not journaled yet" in why and done == []
+        assert why == STILL_PENDING and done == []
+        assert all(f["decision_id"] is not None for f in j.freezes("sb1"))  # what it saw
         other.record_for_freeze("sb1", newer, 2.0, newer.at, intent)
         opened = [f for f in j.freezes("sb1") if f["decision_id"] is None]
         assert [f["first_violation"] for f in opened] == [j.violations("sb1")[0]["id"]]
@@ -680,8 +713,7 @@ def test_a_freeze_journaled_between_a_resume_and_its_thaw_is_frozen_again(
 
         j.set_sandbox_state("sb1", "frozen")
         why = j.resume("sb1", 0, V.at + 30, thaw, lambda: done.append("again"))
-        assert why is not None and "waits for a decision" in why
-        assert done == ["thaw", "again"]
+        assert why == FROZEN_AGAIN and done == ["thaw", "again"]
         assert j.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
     finally:
         other.close()

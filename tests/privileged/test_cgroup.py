@@ -587,6 +587,7 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
         assert observer.freezes("sb1") == []  # pinned: only the intent file has it
         race.journal.record_decision("sb1", "resume", 0, time.time(), "a person")
         cg.thaw()
+        thawed_at = time.time()
         assert ticks_within(ticker, 2)
         retried(enforcer)
         assert wait_until(cg.is_frozen, 5)  # asked, not waited for (under the lock)
@@ -595,11 +596,12 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
         assert freeze["decision_id"] is None
         assert observer.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
         assert enforcer.retry_pinned() == 0  # committed once
-        # What the layer knew when SQLite refused the record: the kernel's confirmation of
-        # its first freeze, and who did it.
+        # The confirmation journaled is the kernel's of the freeze made again (the workload
+        # ran after the first one), and the process is the one the layer saw at the first.
         [ask] = freeze["requested_by"]
         assert freeze["confirmed_at"] == ask["confirmed_at"]
-        assert ask["at"] < freeze["confirmed_at"] <= ask["at"] + 2
+        assert thawed_at < freeze["confirmed_at"] < time.time()
+        assert freeze["latency_ms"] > (thawed_at - ask["at"]) * 1000
         [violation] = observer.violations("sb1")
         assert violation["process"]["pid"] == ticker.pid
         assert refused.event.violation_id == violation["id"]
@@ -635,30 +637,51 @@ def test_a_freeze_journaled_between_a_persons_resume_and_its_thaw_stands(
     intents: bool,
 ) -> None:
     """`egressctl resume` journals the decision, then thaws. A layer's freeze for a newer
-    violation, journaled after that decision and landed before that thaw (its commit
-    reading the cgroup frozen still), would be undone by it: open in the journal, the
-    workload running. The resume looks again after its thaw, and freezes again."""
+    violation, landed after that decision and before that thaw, would be undone by it:
+    open in the journal (or about to be), the workload running. The resume looks again
+    after its thaw, under the journal's lock, and freezes again. The layer's record is
+    then committed (sqlite-first: before its freeze), or (intent) still in its intent
+    file, committed only once the resume has returned."""
     enforcer = Enforcer("sb1", race.policy, "observer", race.journal, race.cg, intents=intents)
     assert enforcer.handle(race_violation("observer")) is not None
     assert_stopped(ticker)
-    real_thaw = Cgroup.thaw
+    real_thaw, real_commit = Cgroup.thaw, race.journal.record_for_freeze
+    froze, go = threading.Event(), threading.Event()
     layered: list[object] = []
 
-    def layer_first(cg: Cgroup, *args: Any, **kwargs: Any) -> None:
-        if not layered:  # the person's thaw: the layer's whole freeze lands just before it
-            layered.append(enforcer.handle(newer_violation()))
+    def commit_later(*args: Any, **kwargs: Any) -> Any:  # called once the freeze landed
+        froze.set()
+        assert go.wait(30)
+        return real_commit(*args, **kwargs)
+
+    def layer(cg: Cgroup, *args: Any, **kwargs: Any) -> None:
+        if not layered:  # the person's thaw: the layer's freeze lands just before it
+            if intents:
+                race.journal.record_for_freeze = commit_later  # type: ignore[method-assign]
+                threading.Thread(
+                    target=lambda: layered.append(enforcer.handle(newer_violation()))
+                ).start()
+                assert froze.wait(30)
+            else:
+                go.set()
+                layered.append(enforcer.handle(newer_violation()))
         real_thaw(cg, *args, **kwargs)
 
-    monkeypatch.setattr(Cgroup, "thaw", layer_first)
-    status, said = egressctl_resume(race, capfd)
-    monkeypatch.undo()
+    monkeypatch.setattr(Cgroup, "thaw", layer)
+    try:
+        status, said = egressctl_resume(race, capfd)
+    finally:
+        monkeypatch.undo()
+        go.set()
+    assert wait_until(lambda: bool(layered), 30)
     [event] = layered
-    assert event is not None  # the layer did freeze and journal in between
+    assert event is not None  # the layer froze for it
     assert wait_until(race.cg.is_frozen, 5), "the newer freeze was undone"  # asked again
     assert_stopped(ticker)
     assert status == 1 and "waits for a decision" in said, said
     newer, older = race.journal.freezes("sb1")
     assert older["decision_id"] is not None and newer["decision_id"] is None
+    assert newer["confirmed_at"] is not None
     assert race.journal.sandbox("sb1")["state"] == "frozen"  # type: ignore[index]
 
 

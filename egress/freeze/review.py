@@ -1,0 +1,54 @@
+"""A person's resume of a frozen sandbox, as `egressctl resume` and egressd's API take it.
+
+Journal.resume journals the decision, thaws and looks again under the journal's write lock
+(a freeze journaled in between is made again); this module gives it the cgroup's writes,
+waits for the thaw, and says in one way, for both, why a sandbox stays frozen.
+"""
+
+from __future__ import annotations
+
+import time
+
+from egress.errors import Conflict, SandboxError
+from egress.kernel.cgroup import Cgroup
+from egress.store.journal import FROZEN_AGAIN, STILL_PENDING, Journal
+
+THAW_S = 2.0  # the kernel reports a thaw in well under a millisecond
+
+
+class StillFrozen(Conflict):
+    """The resume is journaled, and the sandbox stays frozen (egressctl exits 1; egressd
+    answers 409): another freeze of it waits for a decision, or is about to."""
+
+
+def resume(journal: Journal, cgroup: Cgroup, sandbox_id: str, uid: int, note: str) -> None:
+    """Journal ``uid``'s resume of ``sandbox_id``, thaw it and wait until the kernel says
+    so; StillFrozen, saying why and what to do, where it stays frozen."""
+    failed: list[SandboxError] = []
+
+    def freeze_again() -> None:  # under the journal's lock: asked, not waited for
+        try:
+            cgroup.ask_freeze()
+        except SandboxError as exc:
+            failed.append(exc)
+
+    why = journal.resume(sandbox_id, uid, time.time(), lambda: cgroup.thaw(wait=False),
+                         freeze_again, note)  # fmt: skip
+    see = f"egressctl journal --sandbox {sandbox_id}"
+    if failed:
+        raise SandboxError(f"sandbox {sandbox_id}: resumed, but a freeze journaled as it was "
+                           f"resumed could not be made again: {failed[0]} ({see})")  # fmt: skip
+    if why == STILL_PENDING:
+        raise StillFrozen(f"sandbox {sandbox_id}: resume journaled, but it stays frozen: {why}. "
+                          f"Once it is, `{see}` shows it; if no freeze is open there, resume "
+                          "again")  # fmt: skip
+    if why == FROZEN_AGAIN:
+        raise StillFrozen(f"sandbox {sandbox_id}: resume journaled, but it stays frozen: {why}, "
+                          f"and waits for a decision of its own ({see})")  # fmt: skip
+    try:
+        cgroup.wait_thawed(THAW_S)
+    except SandboxError:
+        if journal.freeze_held(sandbox_id):
+            raise StillFrozen(f"sandbox {sandbox_id}: resumed, then frozen again by a newer "
+                              f"violation ({see})") from None  # fmt: skip
+        raise
