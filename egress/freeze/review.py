@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from egress.errors import Conflict, SandboxError
+from egress.errors import Conflict, JournalError, SandboxError
 from egress.kernel.cgroup import Cgroup
 from egress.store.journal import FROZEN_AGAIN, STILL_PENDING, Journal
 
@@ -32,12 +32,18 @@ def resume(journal: Journal, cgroup: Cgroup, sandbox_id: str, uid: int, note: st
         except SandboxError as exc:
             failed.append(exc)
 
-    why = journal.resume(sandbox_id, uid, time.time(), lambda: cgroup.thaw(wait=False),
-                         freeze_again, note)  # fmt: skip
     see = f"egressctl journal --sandbox {sandbox_id}"
+    try:
+        why = journal.resume(sandbox_id, uid, time.time(), lambda: cgroup.thaw(wait=False),
+                             freeze_again, note)  # fmt: skip
+    except JournalError as exc:
+        if not failed:
+            raise  # nothing thawed; or the look refused, and it was frozen again (fail closed)
+        why = str(exc)  # nor could it be frozen again: both are said
     if failed:
-        raise SandboxError(f"sandbox {sandbox_id}: resumed, but a freeze journaled as it was "
-                           f"resumed could not be made again: {failed[0]} ({see})")  # fmt: skip
+        raise SandboxError(f"sandbox {sandbox_id}: resumed, but it could not be frozen again "
+                           f"for a freeze that may have come meanwhile ({why}): {failed[0]} "
+                           f"({see})")  # fmt: skip
     if why == STILL_PENDING:
         raise StillFrozen(f"sandbox {sandbox_id}: resume journaled, but it stays frozen: {why}. "
                           f"Once it is, `{see}` shows it; if no freeze is open there, resume "

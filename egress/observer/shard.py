@@ -99,7 +99,7 @@ class Shard:
             if now - looked >= SCAN_S:
                 seen = _mtime_ns(self.run_dir)
                 changed = seen != mtime
-                due = bool(self.unnoted) or any(at <= now for at in self.retry.values())
+                due = any(at <= now for at in self.retry.values())
                 # A full read at least every RESCAN_S, however often a change made one
                 # look at only what changed.
                 fresh = now - fresh_at >= RESCAN_S
@@ -143,7 +143,7 @@ class Shard:
                 watched = None
             if watched is None and self.retry.get(sid, 0.0) <= now:
                 self._start(record)
-        for sid in list(self.unnoted):
+        for sid in list(self.unnoted) if fresh else ():
             if sid in self.watched:
                 self._note_pid(sid)
             else:
@@ -152,7 +152,8 @@ class Shard:
     def _note_pid(self, sid: str) -> None:
         """Journal this process as the sandbox's observer (`egressctl ps` shows both
         layers' pids); where the journal refuses it (its lock held past the busy timeout
-        while egressd creates hundreds), said once and tried again at each scan."""
+        while egressd creates hundreds), said once and tried again at each full scan
+        (RESCAN_S: each try may wait the busy timeout on this loop)."""
         try:
             self.journal.update_sandbox(sid, observer_pid=os.getpid())
         except EgressError as exc:
