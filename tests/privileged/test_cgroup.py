@@ -95,6 +95,14 @@ def ticker() -> Iterator[subprocess.Popen[bytes]]:
         proc.stdout.close()
 
 
+@pytest.fixture
+def cg(make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]) -> Cgroup:
+    """A cgroup with the ticker in it."""
+    made = make_cgroup()
+    made.add_pid(ticker.pid)
+    return made
+
+
 def _thaw_v1(pid: int) -> None:
     freezer = find_mounts().freezer
     try:
@@ -159,10 +167,8 @@ def test_parse_mountinfo() -> None:
 
 
 def test_freeze_stops_thaw_resumes_kill_reaps_remove_cleans(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+    cg: Cgroup, ticker: subprocess.Popen[bytes]
 ) -> None:
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
     assert cg.pids() == [ticker.pid]
     assert ticks_within(ticker, 2)
     latency = cg.freeze()
@@ -186,11 +192,9 @@ def test_freeze_stops_thaw_resumes_kill_reaps_remove_cleans(
 
 
 def test_ask_freeze_freezes_without_waiting_for_it(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+    cg: Cgroup, ticker: subprocess.Popen[bytes]
 ) -> None:
     """What a thaw under the journal's lock uses to undo itself: the writes alone."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
     assert ticks_within(ticker, 2)
     cg.ask_freeze()
     assert wait_until(cg.is_frozen, 5)  # polled to a deadline: the kernel's stop, not a guess
@@ -198,11 +202,7 @@ def test_ask_freeze_freezes_without_waiting_for_it(
     cg.thaw()
 
 
-def test_v2_freezer_alone_stops(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
-) -> None:
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
+def test_v2_freezer_alone_stops(cg: Cgroup, ticker: subprocess.Popen[bytes]) -> None:
     cg.freeze(v1=False)
     assert cg.v2_frozen()
     assert cg.v1_state() in (None, "THAWED")
@@ -212,11 +212,7 @@ def test_v2_freezer_alone_stops(
 
 
 @needs_v1
-def test_v1_freezer_alone_stops(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
-) -> None:
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
+def test_v1_freezer_alone_stops(cg: Cgroup, ticker: subprocess.Popen[bytes]) -> None:
     cg.freeze(v2=False)
     assert cg.v1_state() == "FROZEN"
     assert not cg.v2_frozen()
@@ -227,12 +223,8 @@ def test_v1_freezer_alone_stops(
 
 
 @needs_v1
-def test_v1_frozen_task_never_reports_v2_frozen(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
-) -> None:
+def test_v1_frozen_task_never_reports_v2_frozen(cg: Cgroup) -> None:
     """Kernel fact the freeze order relies on; also exercises the timeout path."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
     cg.freeze(v2=False)
     with pytest.raises(SandboxError, match="did not freeze in time"):
         cg.freeze(v1=False, timeout=0.2)
@@ -242,11 +234,7 @@ def test_v1_frozen_task_never_reports_v2_frozen(
 
 
 @needs_v1
-def test_kill_reaps_a_v1_frozen_workload(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
-) -> None:
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
+def test_kill_reaps_a_v1_frozen_workload(cg: Cgroup, ticker: subprocess.Popen[bytes]) -> None:
     cg.freeze(v2=False)  # a v1-frozen task ignores SIGKILL until thawed
     cg.kill()
     assert ticker.wait(timeout=5) == -9
@@ -254,11 +242,9 @@ def test_kill_reaps_a_v1_frozen_workload(
 
 
 def test_freeze_asks_every_selected_hierarchy_before_it_returns(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+    cg: Cgroup, ticker: subprocess.Popen[bytes]
 ) -> None:
     """v2 confirms first and v1 is asked after that moment: both are asked all the same."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
     assert ticks_within(ticker, 2)
     assert 0 <= cg.freeze() < 2
     with open(os.path.join(cg.v2_path, "cgroup.freeze")) as f:
@@ -282,11 +268,7 @@ class Race:
 
 
 @pytest.fixture
-def race(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], tmp_path: Path
-) -> Iterator[Race]:
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
+def race(cg: Cgroup, tmp_path: Path) -> Iterator[Race]:
     policy, _ = parse_policy(RACE_POLICY, "<test>")
     state = tmp_path / "state"
     journal = Journal.open(state)
@@ -721,11 +703,7 @@ def test_a_persons_resume_thaws_and_the_workload_goes_on(
     assert race.journal.sandbox("sb1")["state"] == "running"  # type: ignore[index]
 
 
-def test_concurrent_freezers_both_return(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
-) -> None:
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
+def test_concurrent_freezers_both_return(cg: Cgroup, ticker: subprocess.Popen[bytes]) -> None:
     name = os.path.basename(cg.v2_path)
     code = (
         "import sys\nfrom egress.kernel.cgroup import Cgroup\n"
@@ -752,10 +730,8 @@ def test_concurrent_freezers_both_return(
 
 
 def test_remove_with_processes_refuses_and_keeps_everything(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+    cg: Cgroup, ticker: subprocess.Popen[bytes]
 ) -> None:
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
     with pytest.raises(SandboxError, match="still has processes"):
         cg.remove()
     assert os.path.isdir(cg.v2_path)
@@ -781,14 +757,12 @@ def test_a_sandbox_cgroup_is_removed_when_its_task_is_not_in_its_v2_procs(
 
 
 def test_kill_after_a_removal_took_the_v1_twin_kills_what_is_left_in_v2(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+    cg: Cgroup, ticker: subprocess.Popen[bytes]
 ) -> None:
     """`egressctl kill` racing `gc`: remove() takes the v1 twin first, so a kill can find
     it gone while its v2 cgroup still holds the workload. It read the twin's procs and
     wrote THAWED there, and failed ("No such file or directory") without waiting for the
     workload to go."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
     freezer = find_mounts().freezer
     assert cg.freezer_path is not None and freezer is not None
     with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
@@ -847,12 +821,8 @@ def test_attach_existing(ticker: subprocess.Popen[bytes]) -> None:
         Cgroup.attach_existing("/tmp")
 
 
-def test_freeze_latency_is_printed(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
-) -> None:
+def test_freeze_latency_is_printed(cg: Cgroup, ticker: subprocess.Popen[bytes]) -> None:
     """Not a timed assertion: prints freeze latency for both, v2-only and v1-only."""
-    cg = make_cgroup()
-    cg.add_pid(ticker.pid)
     modes = {"v2+v1": {}, "v2 only": {"v1": False}}
     if HAS_V1:
         modes["v1 only"] = {"v2": False}
