@@ -72,7 +72,6 @@ class Enforcer:
         # What a freeze whose record SQLite refused knew (when the kernel confirmed it,
         # who did it), by violation key: journaled once the retry commits the record.
         self._unjournaled: dict[str, tuple[float, FreezeEvent]] = {}
-        self._refroze = False  # the retry froze again (_freeze_if_thawed)
         # Held by handle and the retry: the inline layer retries on its writer thread,
         # and a retry between a refusal and _unjournaled's entry would lose the entry.
         self._acting = threading.RLock()
@@ -114,17 +113,16 @@ class Enforcer:
             return 0
         try:  # held while it commits (busy timeout 0) and takes what the layer knew
             errors = self.journal_errors
-            self._refroze = False
-            thawed = self._freeze_if_thawed
+            refroze: list[bool] = []  # what each _freeze_if_thawed did
+            thawed = lambda: refroze.append(self._freeze_if_thawed())  # noqa: E731
             commit = lambda: self.journal.commit_pinned(False, self.sandbox_id, thawed)  # noqa: E731
             committed = self._try(commit) or []
             if self.journal_errors != errors:
                 self._retry_at = time.monotonic() + RETRY_S
             knew = [self._unjournaled.pop(violation_key(r.violation), None) for r in committed]
-            refroze = self._refroze
         finally:
             self._acting.release()
-        again = self._confirm_refreeze() if refroze else None
+        again = self._confirm_refreeze() if any(refroze) else None
         for retried, known in zip(committed, knew, strict=True):
             self._journal_what_it_knew(retried, known, again)
             if retried.freeze_id is None:  # it joined a freeze a person had resumed
@@ -181,20 +179,21 @@ class Enforcer:
                 self._journal_what_it_knew(retried, known, None)
             self._unjournaled.clear()  # kept aside, or pinned still: no retry of ours comes
 
-    def _freeze_if_thawed(self) -> None:
-        """Under the journal's write lock: asked, not waited for. A cgroup that can't be
-        read or written (its sandbox being removed) leaves the commit as it is."""
+    def _freeze_if_thawed(self) -> bool:
+        """Under the journal's write lock: asked, not waited for; True when it asked. A
+        cgroup that can't be read or written (its sandbox being removed) leaves the
+        commit as it is."""
         try:
             if self.cgroup.is_frozen():
-                return
+                return False
         except SandboxError as exc:
             print(f"egress {self.layer}: sandbox {self.sandbox_id}: {exc}; not frozen again",
                   file=sys.stderr)  # fmt: skip
-            return
+            return False
         print(f"egress {self.layer}: sandbox {self.sandbox_id} was thawed while its "
               "freeze was not yet journaled: frozen again", file=sys.stderr)  # fmt: skip
         self._freeze_again()
-        self._refroze = True
+        return True
 
     def _handle(self, v: Violation) -> FreezeEvent | None:
         if not self.wants_freeze(v):
