@@ -18,9 +18,11 @@ Use::
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -116,3 +118,25 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             os.environ.pop("EGRESS_STATE_DIR", None)
         else:
             os.environ["EGRESS_STATE_DIR"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def teardown_on_sigterm() -> Iterator[None]:
+    """A cancelled run (a CI runner sends SIGTERM) tears down as an interrupted one does:
+    pytest turns KeyboardInterrupt into teardown of every fixture set up, so its labs,
+    netns, cgroups and processes go; SIGTERM's default would leave them all. A process
+    forked from this one (it inherits the handler) still ends as SIGTERM ends it."""
+    main = os.getpid()
+
+    def interrupted(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != main:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
