@@ -9,7 +9,8 @@ STAMPS := .make
 # Debian packages: the datapath (nftables, iproute2), in-process nft (python3-nftables, used
 # from a venv made with --system-site-packages), DNS tools for tests and benchmarks, and the
 # real tunnel tools the detection tests run; a C compiler and Python's headers for the
-# compiled hot modules (egress/native.py: the tunnel scorer, the NFLOG copies' walk);
+# compiled hot modules (egress/native.py: the tunnel scorer, the NFLOG copies' walk, the
+# resolver core);
 # iptables-nft, whose NFQUEUE target (through nft_compat) queues packets on kernels built
 # without nft's own queue statement; podman (CNI backend), runc, the reference CNI plugins and busybox-static for the container
 # tests' runtime and image (no registry needed).
@@ -18,7 +19,9 @@ APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils
 	git openssl gcc python3-dev iptables podman runc containernetworking-plugins busybox-static
 # What mypyc compiles (each package's native.NATIVE): rebuilt when any of them changes.
 NATIVE_SRC := egress/datapath/nflog_wire.py $(addprefix egress/tunnel/,entropy.py features.py \
-	labels.py overrides.py scorer.py verdict.py vocab.py window.py zone.py)
+	labels.py overrides.py scorer.py verdict.py vocab.py window.py zone.py) \
+	$(addprefix egress/resolver/,actions.py answer.py audit.py bindings.py cache.py core.py \
+	firstrequest.py flows.py judge.py message.py ratelimit.py rebinding.py svcb.py wire.py)
 
 .PHONY: help setup demo test test-unit lint bench image clean
 
@@ -47,7 +50,7 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 
 # The hot modules compiled by mypyc; without a fresh build the sources run (slower).
 $(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC) egress/native.py egress/tunnel/native.py \
-		egress/datapath/native.py egress/cli/native_build.py
+		egress/datapath/native.py egress/resolver/native.py egress/cli/native_build.py
 	@$(PY) -m egress.cli.native_build
 	@touch $@
 
@@ -64,7 +67,8 @@ demo: setup
 # The suite runs the compiled modules; their unit tests run once more on the Python sources.
 test: setup
 	$(PY) -m pytest -q tests
-	EGRESS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit -k "tunnel or native or nflog"
+	EGRESS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
+		-k "tunnel or native or nflog or resolver or observer_flows"
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit tests/integration
@@ -92,4 +96,5 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info egress/tunnel/_native* \
-		egress/tunnel/.native.lock egress/datapath/_native* egress/datapath/.native.lock
+		egress/tunnel/.native.lock egress/datapath/_native* egress/datapath/.native.lock \
+		egress/resolver/_native* egress/resolver/.native.lock

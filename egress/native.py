@@ -1,10 +1,11 @@
 """Hot modules compiled by mypyc, used only while a build matches their sources.
 
-Two packages have modules written for mypyc (typed, ``Final`` constants, loops over
+Three packages have modules compiled by mypyc (typed, ``Final`` constants, loops over
 bytes and ints that compile to C): the tunnel scorer (``egress.tunnel.native``: scoring a
-new name) and the NFLOG copies' walk (``egress.datapath.native``: the observer's look at
-every DNS packet). Each package names its modules in a ``Native``; the Python sources stay
-the truth:
+new name), the NFLOG copies' walk (``egress.datapath.native``: the observer's look at
+every DNS packet) and the resolver core (``egress.resolver.native``: every query's parse,
+judgement, replay, and a miss's answer). Each package names its modules in a ``Native``;
+the Python sources stay the truth:
 
 - ``python -m egress.cli.native_build`` (``make setup`` runs it) compiles each package's
   modules into ``_native/`` next to them, with ``SOURCES``: the interpreter, the sha256

@@ -19,7 +19,7 @@ trap 'rm -rf "$WORK"' EXIT
 # egress uses a build only while its stamp matches the sources and the interpreter
 # (egress/native.py): built on Debian 12 like the image, they are used; else the sources.
 mkdir -p "$WORK/native"
-for pkg in tunnel datapath; do
+for pkg in tunnel datapath resolver; do
 	if [ -f "egress/$pkg/_native/SOURCES" ]; then
 		mkdir -p "$WORK/native/$pkg" && cp -a "egress/$pkg/_native" "$WORK/native/$pkg/"
 	fi
@@ -51,5 +51,6 @@ podman run --rm --network none ${RUNC:+--runtime "$RUNC"} --ulimit nofile=1024:1
 	"$TAG" egressctl --version
 podman run --rm --network none ${RUNC:+--runtime "$RUNC"} --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
 	"$TAG" /opt/egress/bin/python -c 'from egress.datapath.native import NATIVE as d
+from egress.resolver.native import NATIVE as r
 from egress.tunnel.native import NATIVE as t
-print(f"tunnel scorer: {t.in_use()}; NFLOG walk: {d.in_use()}")'
+print(f"tunnel scorer: {t.in_use()}; NFLOG walk: {d.in_use()}; resolver: {r.in_use()}")'

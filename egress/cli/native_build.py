@@ -1,10 +1,11 @@
 """``python -m egress.cli.native_build``: compile egress's hot modules with mypyc.
 
 ``make setup`` runs it. For each package with a ``Native`` (``PACKAGES``: the tunnel
-scorer, the NFLOG copies' walk) it compiles the package's modules from a copy of egress
-(so the stamp describes exactly the bytes compiled, even if a source is edited meanwhile)
-and replaces the package's ``_native/`` in one rename, under a lock, so no import sees half
-of an old and half of a new build. Needs mypy (mypyc), setuptools, and a C compiler with
+scorer, the NFLOG copies' walk, the resolver core) it compiles the package's modules from
+a copy of egress (so the stamp describes exactly the bytes compiled, even if a source is
+edited meanwhile), with the project's mypy settings, and replaces the package's
+``_native/`` in one rename, under a lock, so no import sees half of an old and half of a
+new build. Needs mypy (mypyc), setuptools, and a C compiler with
 Python's headers (Debian: gcc, python3-dev).
 """
 
@@ -20,9 +21,10 @@ from pathlib import Path
 
 from egress.datapath.native import NATIVE as DATAPATH
 from egress.native import Native
+from egress.resolver.native import NATIVE as RESOLVER
 from egress.tunnel.native import NATIVE as TUNNEL
 
-PACKAGES = (TUNNEL, DATAPATH)
+PACKAGES = (TUNNEL, DATAPATH, RESOLVER)
 
 
 def build(native: Native) -> Path:
@@ -40,6 +42,8 @@ def build(native: Native) -> Path:
                 work / "egress",
                 ignore=shutil.ignore_patterns("_native*", "__pycache__", "*.so", ".native.lock"),
             )
+            # mypy's settings (dnslib has no stubs), as `make lint` checks the same modules
+            shutil.copy2(package.parent / "pyproject.toml", work / "pyproject.toml")
             sources = native.digests(work / "egress" / sub)
             cwd = Path.cwd()
             os.chdir(work)  # mypyc names modules by their path: egress/tunnel/x.py

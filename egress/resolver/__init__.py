@@ -11,11 +11,18 @@ Its part of the flow (DESIGN.md)::
         ▼ miss: judge.judge (matcher + tunnel scorer) ─ denied ─▶ Report + NXDOMAIN/REFUSED,
         │       never forwarded (the observer layer calls the same judge)
         ▼ allowed ─▶ Forward (our ID, lowercased name, our EDNS)
-    upstream bytes ─ message.parse (dnslib only for rare types) ─▶ answer.filter_answer
+    upstream bytes ─ message.parse (message_dnslib for rare types) ─▶ answer.filter_answer
         (CNAME chain, types, rebinding; re-decided under the policy in force now)
         ─▶ message.build ─▶ AllowThenReply (the adds planned by datapath's ExpiryBook)
     core.on_allowed(token, acked, late) ─▶ the replies (cached), or SERVFAIL (+ Revoke)
 
 The shells (egress.inline.server, egressd) perform the actions: send, forward, add
 the set elements and wait for the kernel's ack, journal the reports.
+
+The modules are also compiled by mypyc (``native``), and the compiled ones are imported
+when they were built from exactly these sources.
 """
+
+from egress.resolver.native import NATIVE
+
+NATIVE.activate(__path__)  # before any module of the package: the compiled ones, if fresh

@@ -13,19 +13,24 @@ from typing import NamedTuple
 from egress.datapath.elements import SetAdd, SetUpdate
 from egress.model import IPAddress, Violation
 
+# Whom a reply goes to: opaque here, the shell's own (a UDP address, a TCP connection).
+# An alias, not ``object`` itself, where a dataclass names it: mypyc looks the annotation's
+# name up in the module, and ``object`` is not one of its globals.
+Client = object
+
 
 @dataclass(frozen=True, slots=True)
 class Reply:
     """Send ``data`` to ``client`` (the opaque token the shell passed in)."""
 
-    client: object
+    client: Client
     data: bytes
 
 
 class Release(NamedTuple):
     """One client's answer, and what it gets instead if the kernel does not allow it."""
 
-    client: object
+    client: Client
     data: bytes
     fallback: bytes  # SERVFAIL
 

@@ -17,7 +17,7 @@ from dnslib import QTYPE
 from egress.model import DnsRule, IPAddress, Policy, Ports, ViolationClass
 from egress.policy.matcher import Matcher
 from egress.resolver import svcb
-from egress.resolver.message import AAAA, CNAME, SOA, A, Record, Response
+from egress.resolver.message import AAAA, CNAME, HTTPS, SOA, SVCB, A, Record, Response
 from egress.resolver.rebinding import rebinding_reason
 from egress.resolver.wire import NOERROR, NXDOMAIN, SERVFAIL
 from egress.tunnel.labels import under_no_real_tld
@@ -145,7 +145,7 @@ def _keep_record(rr: Record, qtype: int, rule: DnsRule, policy: Policy, out: Fil
             ))  # fmt: skip
             return
         out.ips.append((ip, rr.ttl))
-    elif rr.rtype in (svcb.SVCB, svcb.HTTPS):
+    elif rr.rtype in (SVCB, HTTPS):
         rdata = svcb.for_sandbox(rr.rdata, learned_ports(rule, policy))
         if rdata is None:
             return  # the client goes by the name's A/AAAA records (see ``svcb``)

@@ -45,7 +45,7 @@ from itertools import islice
 
 from egress.model import IPAddress, Policy, Ports
 from egress.policy.matcher import Matcher
-from egress.resolver import message
+from egress.resolver import message, message_dnslib
 from egress.resolver.answer import learned_ports, record_ip
 from egress.resolver.wire import WireError
 
@@ -233,7 +233,7 @@ def answer_binding(data: bytes, policy: Policy, matcher: Matcher) -> AnswerBindi
         try:
             response = message.parse(data)
         except message.Unsupported:
-            response = message.from_dnslib(data)
+            response = message_dnslib.from_dnslib(data)
     except WireError:
         return None
     if len(response.questions) != 1:

@@ -42,10 +42,11 @@ from egress.model import (
 )
 from egress.policy.matcher import Matcher
 from egress.resolver import cache as cache_mod
-from egress.resolver import message, wire
+from egress.resolver import message, message_dnslib, wire
 from egress.resolver.actions import (
     Action,
     AllowThenReply,
+    Client,
     Forward,
     Release,
     Reply,
@@ -64,7 +65,7 @@ LAYER = Layer.INLINE
 
 @dataclass
 class Waiter:
-    client: object
+    client: Client
     query: wire.Query
     max_size: int
 
@@ -297,7 +298,7 @@ class ResolverCore:
             return []  # late or duplicate: already answered
         try:
             response = _parse_response(data)
-        except wire.WireError:  # garbage (message.from_dnslib translates dnslib's errors)
+        except wire.WireError:  # garbage (message_dnslib translates dnslib's errors)
             return self.on_upstream_failure(token, now)
         if not _matches(response, p):
             return []  # not the answer to our question: ignore it (spoofing, stale reply)
@@ -561,7 +562,7 @@ def _parse_response(data: bytes) -> message.Response:
     try:
         return message.parse(data)
     except message.Unsupported:
-        return message.from_dnslib(data)
+        return message_dnslib.from_dnslib(data)
 
 
 def _matches(response: message.Response, p: Pending) -> bool:

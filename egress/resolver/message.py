@@ -4,7 +4,7 @@ A cache miss used to parse the upstream's response with dnslib and pack the filt
 with it again: ~90 µs of the time a sandbox waits for an answer that also waits for the
 kernel's set. Responses made of the records we understand (addresses, CNAME, SOA, NS, PTR,
 MX, TXT, SVCB/HTTPS, OPT) are read here directly; any other type in the answer or
-authority section falls back to dnslib (``from_dnslib``), which yields the same
+authority section falls back to dnslib (``message_dnslib``), which yields the same
 ``Record``s. Either way the filter sees one representation and ``build`` writes one wire
 format.
 
@@ -164,46 +164,6 @@ def _record(data: bytes, start: int, end: int, rtype: int) -> Record:
             raise wire.WireError("SOA rdata length", wire.FORMERR)
         return Record("", SOA, 0, 0, encode_labels(mname) + encode_labels(rname) + data[pos:end])
     raise Unsupported(rtype)
-
-
-# What dnslib raises on bytes it cannot read (DNSError wraps its buffer errors; rdata it
-# half-read shows up as the rest: a fuzz run of 300,000 mutated responses saw DNSError,
-# UnicodeDecodeError and AttributeError).
-# (dnslib is imported only here, on the rare path: it costs start-up time.)
-READ_ERRORS = (UnicodeError, AttributeError, ValueError, IndexError, KeyError, TypeError,
-               struct.error)  # fmt: skip
-
-
-def from_dnslib(data: bytes) -> Response:
-    """The same Response through dnslib, for record types ``parse`` does not read.
-    WireError (rcode None) if dnslib cannot read it either."""
-    from dnslib import DNSRecord
-    from dnslib.dns import DNSError
-    from dnslib.label import DNSBuffer
-
-    class Flat(DNSBuffer):  # type: ignore[misc]
-        def encode_name(self, name: object) -> None:  # positions differ once we rebuild
-            self.encode_name_nocompress(name)
-
-    def record(rr: object) -> Record:
-        buf = Flat()
-        rr.rdata.pack(buf)  # type: ignore[attr-defined]
-        rec = Record(name_text(rr.rname.label), rr.rtype, rr.rclass, rr.ttl, bytes(buf.data))  # type: ignore[attr-defined]
-        if rec.rtype == CNAME:
-            rec.target = name_text(rr.rdata.label.label)  # type: ignore[attr-defined]
-        return rec
-
-    try:
-        msg = DNSRecord.parse(data)
-        h = msg.header
-        flags = (h.qr << 15) | (h.opcode << 11) | (h.aa << 10) | (h.tc << 9) | (h.rd << 8)
-        flags |= (h.ra << 7) | h.rcode
-        questions = [(name_text(q.qname.label), q.qtype, q.qclass) for q in msg.questions]
-        answers = [record(rr) for rr in msg.rr]
-        authority = [record(rr) for rr in msg.auth if rr.rtype != NS]
-    except (DNSError, *READ_ERRORS) as exc:  # translated here, once: callers handle WireError only
-        raise wire.WireError(f"unreadable response: {type(exc).__name__}: {exc}", None) from None
-    return Response(h.id, flags, questions, answers, authority)
 
 
 def build(

@@ -22,9 +22,7 @@ from __future__ import annotations
 import struct
 
 from egress.model import Ports
-from egress.resolver import message
 
-SVCB, HTTPS = message.SVCB, message.HTTPS
 MANDATORY, PORT, IPV4HINT, ECH, IPV6HINT = 0, 3, 4, 5, 6
 REMOVED = frozenset({IPV4HINT, ECH, IPV6HINT})
 _PARAM = struct.Struct("!HH")

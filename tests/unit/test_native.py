@@ -1,5 +1,6 @@
 """egress.native: a package's compiled modules are used only while they match the
-sources, and decide exactly as the sources do (the tunnel scorer, the NFLOG walk)."""
+sources, and decide exactly as the sources do (the tunnel scorer, the NFLOG walk, the
+resolver core)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import pytest
 
 from egress.datapath.native import NATIVE as DATAPATH
 from egress.native import Native
+from egress.resolver.native import NATIVE as RESOLVER
 from egress.tunnel.native import NATIVE as TUNNEL
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=[TUNNEL, DATAPATH], ids=lambda n: n.package)
+@pytest.fixture(params=[TUNNEL, DATAPATH, RESOLVER], ids=lambda n: n.package)
 def tree(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Native:
     """A copy of a package's modules' sources, and a ``Native`` of them."""
     real: Native = request.param
@@ -143,6 +145,108 @@ print(json.dumps(out))
 """
 
 
+# Drives one resolver core through queries (allowed, denied, malformed, repeated, over
+# TCP) and upstream answers (addresses, CNAME chains, rebinding, refusals, other types,
+# bytes damaged at random, set updates refused or late), and prints every action it asks
+# for: the compiled core must ask for exactly what the sources ask for.
+RESOLVE = r"""
+import json, random, sys
+sys.path[:0] = [sys.argv[1]]
+from dnslib import AAAA, CNAME, MX, QTYPE, RR, SOA, TXT, A, DNSRecord, EDNS0
+from egress.policy import parse_policy
+from egress.resolver import native
+from egress.resolver.actions import AllowThenReply, Forward, Reply, Report, Revoke
+from egress.resolver.core import ResolverCore
+
+POLICY = '''
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: t}
+spec:
+  dns:
+    upstreams: ["192.0.2.53"]
+    ttl: {min: 5s, max: 1h}
+    allow:
+      - allowed.test
+      - {name: "*.cdn.test", types: [A, AAAA, TXT, MX]}
+      - {name: api.test, types: [A], ports: [443]}
+'''
+
+def show(a):
+    if isinstance(a, Reply):
+        return ["reply", a.client, a.data.hex()]
+    if isinstance(a, Forward):
+        return ["forward", a.token, a.upstream, a.data.hex(), a.tcp]
+    if isinstance(a, Report):
+        v = a.violation
+        return ["report", v.cls.value, v.layer, v.rule, v.detail, v.at]
+    if isinstance(a, Revoke):
+        return ["revoke", repr(a.update)]
+    return ["allow", a.token, repr(a.update), repr(a.adds), a.qname, a.qtype,
+            [str(ip) for ip in a.ips],
+            [[r.client, r.data.hex(), r.fallback.hex()] for r in a.replies]]
+
+rng = random.Random(11)
+now = 1_800_000_000.0
+policy, _ = parse_policy(POLICY, "t.yaml")
+core = ResolverCore(policy, 1, random.Random(7).getrandbits, monotonic=lambda: now)
+names = ["allowed.test", "api.test", "denied.test", "www.cdn.test", "x1.cdn.test",
+         "Mixed.CDN.test", "a.b.c.cdn.test", "k9xq2v7z3b8n.cdn.test"]
+types = ["A", "AAAA", "TXT", "MX", "CNAME", "ANY", "SRV"]
+records = [
+    lambda n: RR(n, QTYPE.A, rdata=A("198.51.100.%d" % rng.randint(1, 250)),
+                 ttl=rng.choice([0, 3, 60, 86400])),
+    lambda n: RR(n, QTYPE.AAAA, rdata=AAAA("2001:db8::%x" % rng.randint(1, 999)), ttl=60),
+    lambda n: RR(n, QTYPE.A, rdata=A("10.0.0.%d" % rng.randint(1, 250)), ttl=60),
+    lambda n: RR(n, QTYPE.CNAME, rdata=CNAME(rng.choice(names)), ttl=30),
+    lambda n: RR(n, QTYPE.TXT, rdata=TXT("v=%d" % rng.randint(0, 9)), ttl=30),
+    lambda n: RR(n, QTYPE.MX, rdata=MX("mail." + n), ttl=30),
+]
+soa = SOA("ns.cdn.test", "h.cdn.test", (1, 2, 3, 4, 5))
+out = {"in_use": native.NATIVE.in_use(), "runs": []}
+for i in range(2500):
+    now += rng.choice([0.001, 0.01, 0.5, 2.0])
+    q = DNSRecord.question(rng.choice(names), rng.choice(types))
+    q.header.id = rng.getrandbits(16)
+    if rng.random() < 0.3:
+        q.add_ar(EDNS0(udp_len=rng.choice([512, 1232, 4096])))
+    data = bytearray(q.pack())
+    if rng.random() < 0.05:
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    data = bytes(data)
+    tcp = rng.random() < 0.1
+    replayed = None if tcp else core.replay(data, now)
+    run = [["replay", None if replayed is None else replayed.hex()]]
+    for a in core.on_query(data, "c%d" % i, tcp, now):
+        run.append(show(a))
+        if not isinstance(a, Forward):
+            continue
+        up = DNSRecord.parse(a.data)
+        r = up.reply()
+        r.header.rcode = rng.choice([0, 0, 0, 0, 2, 3, 5])
+        qn = str(up.q.qname).rstrip(".")
+        for _ in range(rng.randint(0, 4)):
+            r.add_answer(rng.choice(records)(qn))
+        if rng.random() < 0.2:
+            r.add_auth(RR("cdn.test", QTYPE.SOA, rdata=soa, ttl=60))
+        raw = bytearray(r.pack())
+        for _ in range(rng.choice([0, 0, 0, 1, 3])):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        acts = core.on_upstream_reply(a.token, bytes(raw), now)
+        run += [show(b) for b in acts]
+        for b in acts:
+            if isinstance(b, AllowThenReply):
+                acked = rng.choice([len(b.adds), len(b.adds), 0])
+                late = rng.random() < 0.05
+                run += [show(c) for c in core.on_allowed(b.token, acked, now, late=late)]
+        if a.token in core.pending:
+            run += [show(b) for b in core.on_upstream_failure(a.token, now)]
+    out["runs"].append(run)
+out["stats"] = core.stats
+print(json.dumps(out))
+"""
+
+
 def replay(script: str, native_on: bool) -> dict[str, object]:
     # One hash seed for both: the tables' collisions (and so the last digits of a price)
     # follow str hashes, which are per process otherwise.
@@ -167,6 +271,12 @@ def test_the_compiled_scorer_decides_exactly_as_the_sources() -> None:
 def test_the_compiled_walk_finds_exactly_what_the_sources_find() -> None:
     runs = compare(DATAPATH, WALK)
     assert sum(map(bool, runs)) > len(runs) // 2, "most buffers hold a message still"
+
+
+def test_the_compiled_resolver_answers_exactly_as_the_sources() -> None:
+    runs = compare(RESOLVER, RESOLVE)
+    kinds = {action[0] for run in runs for action in run}  # type: ignore[union-attr]
+    assert {"reply", "forward", "report", "allow", "revoke"} <= kinds, kinds
 
 
 def compare(built: Native, script: str) -> list[object]:

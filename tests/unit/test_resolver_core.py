@@ -52,7 +52,7 @@ def query(name: str, qtype: str = "A", qid: int = 4242, edns: bool = False) -> b
     q.header.id = qid
     if edns:
         q.add_ar(EDNS0(udp_len=4096))
-    return q.pack()
+    return bytes(q.pack())
 
 
 def upstream_answer(fwd: Forward, *records: RR, rcode: int = 0, auth: tuple[RR, ...] = ()) -> bytes:
@@ -63,7 +63,7 @@ def upstream_answer(fwd: Forward, *records: RR, rcode: int = 0, auth: tuple[RR, 
         r.add_answer(rr)
     for rr in auth:
         r.add_auth(rr)
-    return r.pack()
+    return bytes(r.pack())
 
 
 def only(actions: list, kind: type) -> list:
@@ -314,7 +314,7 @@ def test_truncated_upstream_answer_is_retried_over_tcp() -> None:
     [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
     r = DNSRecord.parse(upstream_answer(fwd))
     r.header.tc = 1
-    [retry] = acked(c, fwd.token, r.pack(), 0.0)
+    [retry] = acked(c, fwd.token, bytes(r.pack()), 0.0)
     assert isinstance(retry, Forward) and retry.tcp
 
 
@@ -323,7 +323,7 @@ def test_spoofed_reply_with_another_id_is_ignored() -> None:
     [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
     r = DNSRecord.parse(upstream_answer(fwd))
     r.header.id ^= 0xFFFF
-    assert acked(c, fwd.token, r.pack(), 0.0) == []
+    assert acked(c, fwd.token, bytes(r.pack()), 0.0) == []
     assert fwd.token in c.pending
 
 
@@ -343,7 +343,7 @@ def test_udp_answer_too_big_for_the_client_is_truncated() -> None:
     [
         b"",
         b"\x00" * 5,
-        DNSRecord.question("allowed.test").reply().pack(),  # a response
+        bytes(DNSRecord.question("allowed.test").reply().pack()),  # a response
         bytes.fromhex("1234010000020000000000000774657374000001000107746573740000010001"),
         bytes.fromhex("12340100000100000000000007616c6c6f776564"),  # cut short
         bytes.fromhex("1234010000010000000000000c0c0000010001"),  # pointer in question

@@ -46,12 +46,12 @@ def policy():  # type: ignore[no-untyped-def]
 def raw(name: str, qtype: str = "A", qclass: int = 1) -> bytes:
     q = DNSRecord.question(name, qtype)
     q.q.qclass = qclass
-    return q.pack()
+    return bytes(q.pack())
 
 
 def binary(zone_label: bytes) -> bytes:
     """A query for <zone_label>.zone.test: labels a hostname cannot have."""
-    head = DNSRecord.question("x.zone.test").pack()[:12]
+    head = bytes(DNSRecord.question("x.zone.test").pack()[:12])
     name = bytes([len(zone_label)]) + zone_label + b"\x04zone\x04test\x00"
     return head + name + b"\x00\x01\x00\x01"
 
