@@ -17,11 +17,9 @@ STAMPS := .make
 APT_PKGS := nftables python3-nftables python3-venv python3-pip iproute2 dnsutils iodine \
 	dns2tcp dnsmasq-base dnsperf tcpdump procps util-linux bubblewrap tini python3-seccomp \
 	git openssl gcc python3-dev iptables podman runc containernetworking-plugins busybox-static
-# What mypyc compiles (each package's native.NATIVE): rebuilt when any of them changes.
-NATIVE_SRC := egress/datapath/nflog_wire.py $(addprefix egress/tunnel/,entropy.py features.py \
-	labels.py overrides.py scorer.py verdict.py vocab.py window.py zone.py) \
-	$(addprefix egress/resolver/,actions.py answer.py audit.py bindings.py cache.py core.py \
-	firstrequest.py flows.py judge.py message.py ratelimit.py rebinding.py svcb.py wire.py)
+# What mypyc compiles (each package's native.NATIVE) holds what it imports of egress too (a
+# build is stale once any of them changes: egress/native.py): rebuilt when any module does.
+NATIVE_SRC := $(shell find egress -name '*.py' -not -path '*/_native*')
 
 .PHONY: help setup demo test test-unit lint bench image clean
 
@@ -49,8 +47,7 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	@touch $@
 
 # The hot modules compiled by mypyc; without a fresh build the sources run (slower).
-$(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC) egress/native.py egress/tunnel/native.py \
-		egress/datapath/native.py egress/resolver/native.py egress/cli/native_build.py
+$(STAMPS)/native: $(STAMPS)/venv $(NATIVE_SRC)
 	@$(PY) -m egress.cli.native_build
 	@touch $@
 
@@ -68,7 +65,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 	EGRESS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
-		-k "tunnel or native or nflog or resolver or observer_flows"
+		-k "tunnel or native or nflog or resolver or observer_flows or ratelimit"
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit tests/integration

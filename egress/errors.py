@@ -203,7 +203,7 @@ class LabExistsError(LabError):
 
 class WireError(EgressError):
     """Bytes that are not a DNS message egress can answer (``egress.resolver.wire``, and
-    dnslib's errors translated in ``egress.resolver.message``). ``rcode`` says how to
+    dnslib's errors translated in ``egress.resolver.message_dnslib``). ``rcode`` says how to
     refuse a query (None: drop it silently, e.g. a response, which would make the resolver
     a reflector)."""
 

@@ -42,9 +42,13 @@ def build(native: Native) -> Path:
                 work / "egress",
                 ignore=shutil.ignore_patterns("_native*", "__pycache__", "*.so", ".native.lock"),
             )
-            # mypy's settings (dnslib has no stubs), as `make lint` checks the same modules
-            shutil.copy2(package.parent / "pyproject.toml", work / "pyproject.toml")
-            sources = native.digests(work / "egress" / sub)
+            # mypy's settings (dnslib has no stubs), as `make lint` checks the same modules;
+            # none beside an installed egress: the compiled modules import no dnslib
+            if (package.parent / "pyproject.toml").is_file():
+                shutil.copy2(package.parent / "pyproject.toml", work / "pyproject.toml")
+            sources = native.digests(
+                work / "egress" / sub, native.dependencies(work / "egress" / sub)
+            )
             cwd = Path.cwd()
             os.chdir(work)  # mypyc names modules by their path: egress/tunnel/x.py
             try:

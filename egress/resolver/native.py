@@ -1,13 +1,14 @@
 """The resolver core compiled by mypyc, used when a build matches the sources
 (``egress.native``: how a build is made, checked and put first on the package's path).
 
-Every query runs modules of this package: a repeat its replay, a cache miss every one
-(the query's parse and judgement, the answer's parse, filter, cache entry, set plan and
-reply). Compiled, a replay costs half what the sources cost (0.15-0.16 against 0.33 µs)
-and a miss 1.1x less (64-72 against 74-78 µs, most of the rest the tunnel scorer, which
-is compiled either way); ``bench/bench_core.py`` prints both. A module that subclasses a
-library's class inside a function cannot be compiled: dnslib's reader of the rare record
-types is ``message_dnslib``, outside this list.
+Every query runs modules of this package: a repeat its replay, a cache miss most of
+them (the query's parse and judgement, the answer's parse, filter, cache entry and
+reply; the set plan is datapath's, and Python). ``bench/bench_core.py`` prints the gain:
+a replay runs in less than half the time, a miss back to back in ~0.9 of it (the tunnel
+scorer's price of a new name, compiled either way, is most of the rest), and a miss
+after an idle wait no faster. A module that subclasses a library's class inside a
+function cannot be compiled: dnslib's reader of the rare record types is
+``message_dnslib``, outside this list.
 """
 
 from __future__ import annotations
