@@ -151,21 +151,25 @@ def _imported(path: Path, top: Path) -> set[Path]:
     named module, a name that is itself a module (``from egress.x import y``), and the
     packages' ``__init__`` on the way."""
     tree = ast.parse(path.read_bytes(), str(path))
+    package = list(path.relative_to(top.parent).parent.parts)  # ["egress", "resolver"]
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            # "from . import x" in egress/a/b.py is egress.a.x; "from ..c import y", egress.c.y
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
     out: set[Path] = set()
     for name in names:
         parts = name.split(".")
         if parts[0] != top.name:
             continue
         for depth in range(1, len(parts) + 1):
-            base = top.parent.joinpath(*parts[:depth])
-            for candidate in (base / "__init__.py", base.with_suffix(".py")):
+            where = top.parent.joinpath(*parts[:depth])
+            for candidate in (where / "__init__.py", where.with_suffix(".py")):
                 if candidate.is_file():
                     out.add(candidate)
     return out

@@ -84,7 +84,7 @@ def test_a_build_is_stale_once_a_module_it_imports_changes(tmp_path: Path) -> No
     (top / "pkg").mkdir(parents=True)
     (top / "__init__.py").write_text("")
     (top / "pkg" / "__init__.py").write_text("")
-    (top / "pkg" / "hot.py").write_text("from egress.dep import f\nimport egress.other.deeper\n")
+    (top / "pkg" / "hot.py").write_text("from egress.dep import f\nfrom ..other import deeper\n")
     (top / "dep.py").write_text("from egress import leaf\ndef f() -> bool: ...\n")
     (top / "leaf.py").write_text("import os\n")
     (top / "other").mkdir()
