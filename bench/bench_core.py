@@ -34,11 +34,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 NAMES, ROUNDS, IDLE_S = 1_000, 5, 0.0005
 
 
-def query(name: str, qid: int) -> bytes:
-    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
-    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\0\0\1\0\1"
-
-
 def answer(forwarded: bytes, ip: str) -> bytes:
     """The upstream's answer to ``forwarded``: its question, one A record (TTL 60)."""
     qid = forwarded[:2]
@@ -72,7 +67,7 @@ def measure(resolver_compiled: bool) -> dict[str, object]:
 
     def miss(core: object, name: str, i: int) -> float:
         """The core's time for one miss; the bytes in are made outside it."""
-        asked = query(name, i & 0xFFFF)
+        asked = bench_dns.dns_query(i & 0xFFFF, name)
         ip = name.split(".", 1)[0][3:].replace("-", ".")
         start = time.perf_counter()
         [fwd] = core.on_query(asked, "c", False, time.time())  # type: ignore[attr-defined]
@@ -87,7 +82,7 @@ def measure(resolver_compiled: bool) -> dict[str, object]:
         return time.perf_counter() - start
 
     core = make_core(policy, 1)
-    hit = query("allowed.lab.test", 7)
+    hit = bench_dns.dns_query(7, "allowed.lab.test")
     [fwd] = core.on_query(hit, "c", False, time.time())  # the hit's answer, cached
     acts = core.on_upstream_reply(fwd.token, answer(fwd.data, "198.19.0.1"), time.time())
     core.on_allowed(acts[0].token, len(acts[0].adds), time.time())
