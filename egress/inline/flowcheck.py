@@ -77,7 +77,6 @@ class FlowCheck:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         loop.add_reader(self.listener.fileno(), self.on_readable)
-        self._timer = loop.call_later(EXPIRE_EVERY_S, self._expire)
 
     def on_readable(self) -> None:
         try:
@@ -91,24 +90,35 @@ class FlowCheck:
         if self.listener.overruns != self._overruns:  # the kernel dropped some: which flows?
             self._overruns = self.listener.overruns
             self.requests.refuse_new_until = now + LOSS_S
-        for pkt in packets:
-            seg = segment_of(pkt.packet_id, pkt.packet)
-            if seg is None:  # not TCP as this reads it: nothing could be judged, so dropped
-                self._verdict(pkt.packet_id, accept=False)
-                continue
-            self._held[pkt.packet_id] = pkt
-            if self._probed.pop((seg.key, seg.seq), 0) is None:  # it came back: a new flow
-                self.requests.forget(seg.key)
-            for decision in self.requests.feed(seg, core.bindings, core.matcher, now):
-                self._perform(decision, now)
+        try:
+            for pkt in packets:
+                seg = segment_of(pkt.packet_id, pkt.packet)
+                if seg is None:  # not TCP as this reads it: nothing judged, so dropped
+                    self._verdict(pkt.packet_id, accept=False)
+                    continue
+                self._held[pkt.packet_id] = pkt
+                if self._probed.pop((seg.key, seg.seq), 0) is None:  # back: a new flow
+                    self.requests.forget(seg.key)
+                for decision in self.requests.feed(seg, core.bindings, core.matcher, now):
+                    self._perform(decision, now)
+        finally:  # what waits is timed, also after a failure
+            self._time_waiting()
+
+    def _time_waiting(self) -> None:
+        """Time the flows still waiting for the rest of their first request, and only
+        while there are some: egressd serves a thousand sandboxes on one loop, and a
+        timer each, twice a second, cost it 2,000 callbacks a second doing nothing."""
+        if self._timer is None and len(self.requests):
+            self._timer = asyncio.get_running_loop().call_later(EXPIRE_EVERY_S, self._expire)
 
     def _expire(self) -> None:
+        self._timer = None
         try:
             now = time.time()
             for decision in self.requests.expire(now):
                 self._perform(decision, now)
         finally:  # a failure must not leave waiting flows untimed
-            self._timer = asyncio.get_running_loop().call_later(EXPIRE_EVERY_S, self._expire)
+            self._time_waiting()
 
     def _perform(self, d: Decision, now: float) -> None:
         packets = [self._held.pop(i) for i in d.packet_ids if i in self._held]

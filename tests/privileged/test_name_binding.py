@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from egress.lab import Lab
+from egress.resolver.firstrequest import TIMEOUT_S
 from egress.store import claims
 from egress.store.journal import Journal
 from tests.support.sandboxes import cleanup
@@ -61,7 +62,8 @@ def policy(names: str = ALLOWED, action: str = "freeze", loss: str = "freeze") -
 
 
 # The workload's Python: a ClientHello made by the ssl module (SNI as given), sent over a
-# plain socket in N pieces (TCP_NODELAY: each send is its own segment), optionally with
+# plain socket in N pieces (TCP_NODELAY: each send is its own segment; 0: only its first
+# half, then up to 20 s of waiting), optionally with
 # an extension added; prints what came back: "tls" (a server's handshake record),
 # "reset", "closed" or "timeout".
 HELLO = r"""
@@ -89,10 +91,14 @@ if extra:  # append one extension: fix the extensions', handshake's and record's
     hello = hello[:3] + struct.pack("!H", len(hello) - 5) + hello[5:]
 s = socket.create_connection((ip, 443), timeout=5)
 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-step = -(-len(hello) // pieces)
-for i in range(0, len(hello), step):
-    s.sendall(hello[i:i + step])
-    time.sleep(0.05)
+if pieces:
+    step = -(-len(hello) // pieces)
+    for i in range(0, len(hello), step):
+        s.sendall(hello[i:i + step])
+        time.sleep(0.05)
+else:  # its first half only, then wait: a first request that never completes
+    s.sendall(hello[:len(hello) // 2])
+    s.settimeout(20)
 started = time.monotonic()
 try:
     got = s.recv(5)
@@ -247,6 +253,23 @@ def test_a_client_hello_in_several_segments_is_judged_whole(lab: Lab, pieces: in
         assert other.startswith("reset"), run.explain()
         [v] = mismatches(run)
         assert v["qname"] == OTHER and "[name_not_allowed]" in str(v["detail"])
+
+
+def test_a_first_request_that_never_completes_is_refused_after_the_timeout(lab: Lab) -> None:
+    """Half a ClientHello, then nothing: the flow is held for the rest until the first
+    request's timeout (TIMEOUT_S), then refused, never passed on what it has sent."""
+    script = f"""getent ahostsv4 {ALLOWED} >/dev/null
+/usr/bin/python3 hello.py {ADDRESS} {ALLOWED} 0
+"""
+    with run_tool(lab, policy(action="block"), script, files=files(lab)) as run:
+        word, *after = run.stdout.split()
+        assert word == "reset", run.explain()
+        # Not before the timeout (a slow client gets all of it); and refused by the
+        # layer's own timer, well before the client's 20 s would have run out.
+        assert TIMEOUT_S - 0.5 <= float(after[0]) < 15, run.explain()
+        assert lab_saw(run) == [], run.explain()
+        [v] = mismatches(run)
+        assert f"no complete first request in {TIMEOUT_S:g} s" in str(v["detail"]), run.explain()
 
 
 # Urgent data: a server that does not read it inline takes the urgent byte out, so it
