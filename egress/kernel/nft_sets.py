@@ -10,7 +10,6 @@ and the caller falls back to libnftables.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import struct
@@ -102,10 +101,12 @@ _PROTOS = {"tcp": 6, "udp": 17}
 
 
 def _key(element: str) -> bytes:
-    """``IP . PROTO . PORT`` as nft lays out a concatenation: each part in 4-byte words."""
+    """``IP . PROTO . PORT`` as nft lays out a concatenation: each part in 4-byte words.
+    The address by inet_pton: ipaddress parses it in Python, 1.5 µs of this function's
+    1.8 per element, three elements per answer on egressd's one loop."""
     ip, proto, port = element.split(" . ")
-    return (
-        ipaddress.ip_address(ip).packed
-        + bytes((_PROTOS[proto], 0, 0, 0))
-        + struct.pack("!HH", int(port), 0)
-    )
+    try:
+        packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+    except OSError:
+        raise ValueError(f"not an IP address: {ip!r}") from None
+    return packed + bytes((_PROTOS[proto], 0, 0, 0)) + struct.pack("!HH", int(port), 0)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
+import struct
+
+import pytest
 
 from egress.datapath.elements import ExpiryBook, plan_update
+from egress.kernel.nft_sets import _key
 from egress.model import PortRange, Ports
 
 
@@ -34,3 +38,22 @@ def test_the_book_forgets_expired_entries_when_full() -> None:
     for i in range(20):
         book.record([f"192.0.2.{i} . tcp . 443"], 1, now=float(i * 10))
     assert len(book) <= 10
+
+
+@pytest.mark.parametrize(
+    "ip", ["192.0.2.1", "0.0.0.0", "255.255.255.255", "2001:db8::1", "::ffff:192.0.2.1", "::"]
+)
+def test_the_netlink_writer_lays_an_element_out_as_nft_does(ip: str) -> None:
+    """The key of ``IP . PROTO . PORT`` (plan_update's text): the address in network
+    order, then the protocol and the port each in a 4-byte word."""
+    want = ipaddress.ip_address(ip).packed + bytes((6, 0, 0, 0)) + struct.pack("!HH", 443, 0)
+    assert _key(f"{ip} . tcp . 443") == want
+
+
+@pytest.mark.parametrize(
+    "ip", ["192.0.2", "192.0.2.256", "192.0.2.1.5", "2001:db8:::1", "example.org", ""]
+)
+def test_the_netlink_writer_refuses_what_is_not_an_address(ip: str) -> None:
+    """ValueError: the set writer then hands the element to libnftables instead."""
+    with pytest.raises(ValueError):
+        _key(f"{ip} . udp . 53")
