@@ -34,6 +34,9 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
   says the machine itself (this client, the lab's DNS, both layers on 2 vCPUs) is
   saturated, not egressd alone;
   "host busy%" says it outright: the share of all CPUs busy during the load (/proc/stat);
+  under the row, egressd's loop thread as the scheduler counts it (schedstat): time on a
+  CPU, time runnable but waiting for one (every answer queued behind it waits that too),
+  and how often its CPU was taken while it had work (involuntary context switches);
 - under the row, the median of each create step egressd timed (the sandbox JSON's
   create_ms) over that step's sequential creates.
 
@@ -155,6 +158,18 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             out[pid] = int(fields[11]) + int(fields[12])
     return out
+
+
+def loop_sched(pid: int) -> tuple[float, float, int]:
+    """``pid``'s main thread, the one that runs egressd's loop, as the scheduler counts
+    it: (seconds on a CPU, seconds runnable but waiting for one, involuntary context
+    switches: its CPU taken while it had work, e.g. by a task its answer woke)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        ran, waited, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+        status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+        [taken] = [ln for ln in status.splitlines() if ln.startswith("nonvoluntary_ctxt")]
+        return int(ran) / 1e9, int(waited) / 1e9, int(taken.split(":")[1])
+    return 0.0, 0.0, 0
 
 
 def host_ticks() -> tuple[int, int]:
@@ -407,6 +422,9 @@ class Step:
     host_busy: float = 0.0  # percent of all CPUs busy during the DNS load, everyone's work
     freeze_ms: list[float] = field(default_factory=list)  # probe sent -> frozen, confirmed
     scrape_s: list[float] = field(default_factory=list)  # each GET /metrics during the load
+    # egressd's loop thread during the DNS load, per second of it: (s on a CPU, s waiting
+    # for one, involuntary context switches)
+    sched: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 class Bench:
@@ -470,6 +488,7 @@ class Bench:
         served = [self.daemon.pid, *children(self.daemon.pid)]
         before, t0 = cpu_ticks(watched + served), time.monotonic()
         host_before = host_ticks()
+        sched_before = loop_sched(self.daemon.pid)
         k = min(a.freezes, len(self.boxes))
         probed = self.boxes[:: len(self.boxes) // k][:k] if k > 0 else []
         probes: list[socket.socket] = []
@@ -486,6 +505,9 @@ class Bench:
                 p.close()
             scrape_s = scrapes_made(scraper) if scraper is not None else []
         after, dt = cpu_ticks(watched + served), time.monotonic() - t0
+        ran, waited, taken = (b - a for a, b in zip(sched_before, loop_sched(self.daemon.pid),
+                                                    strict=True))  # fmt: skip
+        sched = (ran / dt, waited / dt, taken / dt)
         busy, total = (b - a for a, b in zip(host_before, host_ticks(), strict=True))
         host_busy = 100 * busy / total if total else 0.0
 
@@ -499,7 +521,8 @@ class Bench:
         freeze_ms = self.frozen_after([b["id"] for b in probed], load.probes_sent)
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
                     load.answered / wall, obs_cpu, obs_pss, cpu(served),
-                    self.create_steps(), host_busy, freeze_ms, scrape_s)  # fmt: skip
+                    self.create_steps(), host_busy, freeze_ms, scrape_s,
+                    sched)  # fmt: skip
 
     def frozen_after(self, ids: list[str], sent: list[float]) -> list[float]:
         """ms from each probe's send to its sandbox's freeze, as the kernel confirmed it
@@ -625,6 +648,11 @@ def show(step: Step, first: Step | None) -> None:
             f"{k} {pct(v, 0.5):.2f}/{pct(v, 0.99):.2f}" for k, v in ld.stamped.items()
         )
         print(f"      the same to each answer's arrival (kernel timestamp), p50/p99 ms: {parts}")
+    if any(step.sched):
+        ran, waited, taken = step.sched
+        print(f"      egressd's loop thread during the load, per second: {ran * 1000:.0f} ms on "
+              f"a CPU, {waited * 1000:.0f} ms runnable but waiting for one, its CPU taken "
+              f"{taken:,.0f} times while it had work")  # fmt: skip
     if ld.lost:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(ld.lost_kinds.items()))
         print(f"      lost (no answer within {TIMEOUT_S:g} s): {kinds}")
