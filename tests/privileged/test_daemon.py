@@ -23,6 +23,7 @@ import pytest
 
 from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.nft import NftHandle
+from egress.kernel.sched import AUTOGROUPS
 from egress.lab import Lab
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
@@ -511,6 +512,32 @@ def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
         finally:
             observer.send_signal(signal.SIGTERM)
             observer.communicate(timeout=20)
+
+
+@pytest.mark.skipif(
+    not AUTOGROUPS.exists() or AUTOGROUPS.read_text().strip() != "1",
+    reason="the kernel does not schedule by session (no autogroups)",
+)
+def test_egressd_raises_its_own_session_and_no_one_elses(state_dir: Path) -> None:
+    """With autogroups on, a nice of -10 weighs only against egressd's own session. As a
+    service (its session's leader) it raises the session to -10; started from a shell
+    it leaves the shell's session as it was, and everything else run there."""
+    before = _session_nice(os.getpid())
+    try:
+        with egressd(state_dir) as shared:  # the test's session
+            assert os.getsid(shared.pid) == os.getsid(0)
+            assert _session_nice(shared.pid) == before
+        with egressd(state_dir, own_session=True) as leader:
+            assert os.getsid(leader.pid) == leader.pid
+            assert _session_nice(leader.pid) == -10
+            assert os.getpriority(os.PRIO_PROCESS, leader.pid) == -10
+        assert _session_nice(os.getpid()) == before
+    finally:  # as it was, whatever a failing egressd did to it
+        Path("/proc/self/autogroup").write_text(str(before))
+
+
+def _session_nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])  # "/autogroup-9 nice 0"
 
 
 def test_sigterm_leaves_rules_and_a_new_egressd_adopts(lab: Lab, state_dir: Path) -> None:
