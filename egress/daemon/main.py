@@ -392,7 +392,7 @@ def _raise_priority() -> None:
     with contextlib.suppress(OSError):
         if os.getpriority(os.PRIO_PROCESS, 0) > NICE:
             os.setpriority(os.PRIO_PROCESS, 0, NICE)
-    raise_session_group(NICE)
+    raise_session_group("egressd", NICE)
 
 
 def _raise_open_files() -> None:

@@ -6,8 +6,8 @@ of every sandbox waited behind them; a child spawned per scrape was no better, a
 spawn (a fork of egressd) held the loop for 45-230 ms each time. So egressd starts this
 worker once, at its own start, and asks it at each scrape over a socket pair, the
 sandboxes' netns descriptors passed along (SCM_RIGHTS): a name could name another netns
-by now, a descriptor cannot. It runs at nice 10: its figures can wait, egressd's answers
-(nice -10) cannot.
+by now, a descriptor cannot. It runs at nice 10, in a session of its own: its figures can
+wait, egressd's answers (nice -10) cannot.
 
 Protocol, one datagram each way (SOCK_SEQPACKET) per request of at most CHUNK sandboxes:
 the request is JSON ``{"seq": int, "table": str, "sets": [str], "counter": str, "ids":
@@ -83,6 +83,9 @@ class FiguresWorker:
                  str(theirs.fileno())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 pass_fds=[theirs.fileno()],
+                # Not egressd's session, whose nice egressd raises (kernel/sched.py):
+                # there its own nice 10 would weigh only against egressd.
+                start_new_session=True,
             )  # fmt: skip
         except OSError as exc:
             ours.close()

@@ -66,7 +66,7 @@ AUTOGROUPS = Path("/proc/sys/kernel/sched_autogroup_enabled")
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
-def raise_session_group(nice: int) -> bool:
+def raise_session_group(who: str, nice: int) -> bool:
     """Give this process's session the same ``nice`` as the process, where the kernel
     schedules by session: with autogroups on (Debian's default) and no cgroup CPU
     controller over it, a process's nice weighs only against its own session's; against
@@ -78,12 +78,20 @@ def raise_session_group(nice: int) -> bool:
 
     Only when this process leads its session (a service, ``setsid``): started from a
     shell, the session is the shell's, and raising it would raise everything run there.
-    True when the session's nice is ``nice`` or higher now."""
+    Where a cgroup CPU controller is over it, the kernel weighs its cgroup instead (the
+    unit's CPUWeight=). True when its session is at ``nice`` now, or favoured more."""
     try:
         if AUTOGROUPS.read_text().strip() != "1" or os.getsid(0) != os.getpid():
             return False
-        if int(AUTOGROUP.read_text().split()[-1]) > nice:  # "/autogroup-12 nice 0"
-            AUTOGROUP.write_text(str(nice))
-        return True
+        if int(AUTOGROUP.read_text().split()[-1]) <= nice:  # "/autogroup-12 nice 0"
+            return True
     except (OSError, ValueError, IndexError):
-        return False  # no autogroups in this kernel, or not allowed (CAP_SYS_NICE)
+        return False  # no autogroups in this kernel
+    try:
+        AUTOGROUP.write_text(str(nice))
+    except OSError as exc:  # no CAP_SYS_NICE (a user namespace)
+        print(f"{who}: its session stays at its nice ({exc.strerror}): under load, other "
+              "sessions' tasks take its CPU as often as it gets it", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return False
+    return True

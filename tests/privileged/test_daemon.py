@@ -515,13 +515,16 @@ def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
 
 
 @pytest.mark.skipif(
-    not AUTOGROUPS.exists() or AUTOGROUPS.read_text().strip() != "1",
-    reason="the kernel does not schedule by session (no autogroups)",
+    not AUTOGROUPS.exists()
+    or AUTOGROUPS.read_text().strip() != "1"
+    or "nice" not in Path("/proc/self/autogroup").read_text(),  # empty: init's own group
+    reason="the kernel does not schedule this test's session as a group (autogroups)",
 )
 def test_egressd_raises_its_own_session_and_no_one_elses(state_dir: Path) -> None:
     """With autogroups on, a nice of -10 weighs only against egressd's own session. As a
-    service (its session's leader) it raises the session to -10; started from a shell
-    it leaves the shell's session as it was, and everything else run there."""
+    service (its session's leader) it raises the session to -10, its figures worker
+    left out; started from a shell it leaves the shell's session as it was, and
+    everything else run there."""
     before = _session_nice(os.getpid())
     try:
         with egressd(state_dir) as shared:  # the test's session
@@ -531,6 +534,9 @@ def test_egressd_raises_its_own_session_and_no_one_elses(state_dir: Path) -> Non
             assert os.getsid(leader.pid) == leader.pid
             assert _session_nice(leader.pid) == -10
             assert os.getpriority(os.PRIO_PROCESS, leader.pid) == -10
+            # Its figures worker (nice 10: its figures can wait) is not in that session.
+            [worker] = figures_workers(leader.pid)
+            assert os.getsid(worker) == worker and _session_nice(worker) == 0
         assert _session_nice(os.getpid()) == before
     finally:  # as it was, whatever a failing egressd did to it
         Path("/proc/self/autogroup").write_text(str(before))
