@@ -192,6 +192,7 @@ class FlowCheck:
         closed). With ``handed_over`` a successor serves the queue: keep it bound."""
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         with contextlib.suppress(ValueError, OSError, RuntimeError):
             asyncio.get_running_loop().remove_reader(self.listener.fileno())
         if handed_over:

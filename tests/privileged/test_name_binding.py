@@ -63,9 +63,8 @@ def policy(names: str = ALLOWED, action: str = "freeze", loss: str = "freeze") -
 
 # The workload's Python: a ClientHello made by the ssl module (SNI as given), sent over a
 # plain socket in N pieces (TCP_NODELAY: each send is its own segment; 0: only its first
-# half, then up to 20 s of waiting), optionally with
-# an extension added; prints what came back: "tls" (a server's handshake record),
-# "reset", "closed" or "timeout".
+# half, then up to 20 s of waiting), optionally with an extension added; prints what came
+# back: "tls" (a server's handshake record), "reset", "closed" or "timeout".
 HELLO = r"""
 import socket, ssl, struct, sys, time
 ip, sni, pieces = sys.argv[1], sys.argv[2], int(sys.argv[3])
