@@ -307,7 +307,8 @@ def run(args: argparse.Namespace) -> None:
                 figures.record("bench_deployed", f"the same, violation to frozen, both layers "
                                f"(n={args.n}), p50 / p99", f"{p50:.2f} / {p99:.2f} ms",
                                "p50 <= 0.5 ms, p99 <= 2 ms", met,
-                               f"no such thing; the disk's durable write before it, alone: "
+                               f"dnsmasq: no such thing; the disk's durable write before "
+                               f"it, alone: "
                                f"{d50:.2f} / {d99:.2f} ms")  # fmt: skip
         finally:
             lab.down()

@@ -160,16 +160,17 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return out
 
 
-def loop_sched(pid: int) -> tuple[float, float, int]:
+def loop_sched(pid: int) -> tuple[float, float, int] | None:
     """``pid``'s main thread, the one that runs egressd's loop, as the scheduler counts
     it: (seconds on a CPU, seconds runnable but waiting for one, involuntary context
-    switches: its CPU taken while it had work, e.g. by a task its answer woke)."""
+    switches: its CPU taken while it had work, e.g. by a task its answer woke); None if
+    the kernel did not say."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         ran, waited, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
         status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
         [taken] = [ln for ln in status.splitlines() if ln.startswith("nonvoluntary_ctxt")]
         return int(ran) / 1e9, int(waited) / 1e9, int(taken.split(":")[1])
-    return 0.0, 0.0, 0
+    return None
 
 
 def host_ticks() -> tuple[int, int]:
@@ -424,7 +425,7 @@ class Step:
     scrape_s: list[float] = field(default_factory=list)  # each GET /metrics during the load
     # egressd's loop thread during the DNS load, per second of it: (s on a CPU, s waiting
     # for one, involuntary context switches)
-    sched: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    sched: tuple[float, float, float] | None = None
 
 
 class Bench:
@@ -505,9 +506,11 @@ class Bench:
                 p.close()
             scrape_s = scrapes_made(scraper) if scraper is not None else []
         after, dt = cpu_ticks(watched + served), time.monotonic() - t0
-        ran, waited, taken = (b - a for a, b in zip(sched_before, loop_sched(self.daemon.pid),
-                                                    strict=True))  # fmt: skip
-        sched = (ran / dt, waited / dt, taken / dt)
+        sched_after = loop_sched(self.daemon.pid)
+        sched = None
+        if sched_before is not None and sched_after is not None:
+            ran, waited, taken = (b - a for a, b in zip(sched_before, sched_after, strict=True))
+            sched = (ran / dt, waited / dt, taken / dt)
         busy, total = (b - a for a, b in zip(host_before, host_ticks(), strict=True))
         host_busy = 100 * busy / total if total else 0.0
 
@@ -648,7 +651,7 @@ def show(step: Step, first: Step | None) -> None:
             f"{k} {pct(v, 0.5):.2f}/{pct(v, 0.99):.2f}" for k, v in ld.stamped.items()
         )
         print(f"      the same to each answer's arrival (kernel timestamp), p50/p99 ms: {parts}")
-    if any(step.sched):
+    if step.sched is not None:
         ran, waited, taken = step.sched
         print(f"      egressd's loop thread during the load, per second: {ran * 1000:.0f} ms on "
               f"a CPU, {waited * 1000:.0f} ms runnable but waiting for one, its CPU taken "
