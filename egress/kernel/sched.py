@@ -66,6 +66,13 @@ AUTOGROUPS = Path("/proc/sys/kernel/sched_autogroup_enabled")
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
+def session_nice(pid: int | None = None) -> int:
+    """The nice of ``pid``'s session (its autogroup), this process's by default; OSError,
+    ValueError or IndexError where the kernel keeps none for it."""
+    path = AUTOGROUP if pid is None else Path(f"/proc/{pid}/autogroup")
+    return int(path.read_text().split()[-1])  # "/autogroup-12 nice 0"
+
+
 def raise_session_group(who: str, nice: int) -> bool:
     """Give this process's session the same ``nice`` as the process, where the kernel
     schedules by session: with autogroups on (Debian's default) and no cgroup CPU
@@ -83,7 +90,7 @@ def raise_session_group(who: str, nice: int) -> bool:
     try:
         if AUTOGROUPS.read_text().strip() != "1" or os.getsid(0) != os.getpid():
             return False
-        if int(AUTOGROUP.read_text().split()[-1]) <= nice:  # "/autogroup-12 nice 0"
+        if session_nice() <= nice:
             return True
     except (OSError, ValueError, IndexError):
         return False  # no autogroups in this kernel

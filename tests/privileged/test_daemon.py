@@ -23,7 +23,7 @@ import pytest
 
 from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.nft import NftHandle
-from egress.kernel.sched import AUTOGROUPS
+from egress.kernel.sched import AUTOGROUP, AUTOGROUPS, session_nice
 from egress.lab import Lab
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
@@ -517,7 +517,7 @@ def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
 @pytest.mark.skipif(
     not AUTOGROUPS.exists()
     or AUTOGROUPS.read_text().strip() != "1"
-    or "nice" not in Path("/proc/self/autogroup").read_text(),  # empty: init's own group
+    or "nice" not in AUTOGROUP.read_text(),  # empty: init's own group
     reason="the kernel does not schedule this test's session as a group (autogroups)",
 )
 def test_egressd_raises_its_own_session_and_no_one_elses(state_dir: Path) -> None:
@@ -525,25 +525,21 @@ def test_egressd_raises_its_own_session_and_no_one_elses(state_dir: Path) -> Non
     service (its session's leader) it raises the session to -10, its figures worker
     left out; started from a shell it leaves the shell's session as it was, and
     everything else run there."""
-    before = _session_nice(os.getpid())
+    before = session_nice(os.getpid())
     try:
         with egressd(state_dir) as shared:  # the test's session
             assert os.getsid(shared.pid) == os.getsid(0)
-            assert _session_nice(shared.pid) == before
+            assert session_nice(shared.pid) == before
         with egressd(state_dir, own_session=True) as leader:
             assert os.getsid(leader.pid) == leader.pid
-            assert _session_nice(leader.pid) == -10
+            assert session_nice(leader.pid) == -10
             assert os.getpriority(os.PRIO_PROCESS, leader.pid) == -10
             # Its figures worker (nice 10: its figures can wait) is not in that session.
             [worker] = figures_workers(leader.pid)
-            assert os.getsid(worker) == worker and _session_nice(worker) == 0
-        assert _session_nice(os.getpid()) == before
+            assert os.getsid(worker) == worker and session_nice(worker) == 0
+        assert session_nice(os.getpid()) == before
     finally:  # as it was, whatever a failing egressd did to it
-        Path("/proc/self/autogroup").write_text(str(before))
-
-
-def _session_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])  # "/autogroup-9 nice 0"
+        AUTOGROUP.write_text(str(before))
 
 
 def test_sigterm_leaves_rules_and_a_new_egressd_adopts(lab: Lab, state_dir: Path) -> None:
