@@ -404,13 +404,22 @@ class ResolverServer:
         received = time.monotonic()
         try:
             actions = self.core.on_upstream_reply(token, data, time.time())
-            if token not in self.core.pending or actions:
-                self._forget(token)  # answered, or retried (the retry made a new socket)
-                sent = self._sent_at.pop(token, None)
-                if sent is not None:
-                    self.upstream_latency.observe(received - sent)
-            # else: not the answer to our question (spoofed, stale): keep listening
-            self.perform(actions)
+            retried = token in self.core.pending
+            if retried and not actions:
+                return  # not the answer to our question (spoofed, stale): keep listening
+            sent = self._sent_at.pop(token, None)
+            if sent is not None:
+                self.upstream_latency.observe(received - sent)
+            if retried:  # over TCP or at the next upstream: this exchange ends before its
+                # successor, which may take its token's place in _waiting, starts
+                self._forget(token)
+                self.perform(actions)
+            else:
+                # Answered: the set update and the reply first, then this exchange's
+                # socket closed, its reader and timer gone (~20 us of syscalls off a
+                # miss's latency). Nothing runs in between: no other callback can see it.
+                self.perform(actions)
+                self._forget(token)
         except Exception as exc:
             self._internal(exc)
             self._upstream_failed(token)  # still pending? then SERVFAIL, not a lost question

@@ -55,11 +55,13 @@ class FakeNft:
 
 
 class Stub(asyncio.DatagramProtocol):
-    """allowed.test answers; slow.test never does; spoofed.test first gets a wrong ID."""
+    """allowed.test answers; slow.test never does; spoofed.test first gets a wrong ID.
+    ``garbled``: every answer is a header cut short after its ID and flags."""
 
-    def __init__(self) -> None:
+    def __init__(self, garbled: bool = False) -> None:
         self.queries: list[bytes] = []
         self.transport: asyncio.DatagramTransport | None = None
+        self.garbled = garbled
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -67,6 +69,9 @@ class Stub(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         assert self.transport is not None
         self.queries.append(data)
+        if self.garbled:
+            self.transport.sendto(data[:2] + b"\x81\x80\x00", addr)
+            return
         q = DNSRecord.parse(data)
         name = str(q.q.qname).rstrip(".")
         if name == "slow.test" or name.endswith(".slow.test"):
@@ -104,14 +109,17 @@ def run(loop_kind: str, main: Callable[[], Awaitable[None]]) -> None:
         asyncio.run(main())  # type: ignore[arg-type]
 
 
-async def serving(nft: FakeNft) -> tuple[ResolverServer, Stub, asyncio.DatagramTransport]:
+async def serving(
+    nft: FakeNft, *, before: list[tuple[str, int]] | None = None
+) -> tuple[ResolverServer, Stub, asyncio.DatagramTransport]:
+    """A server whose upstreams are ``before`` (if any), then a new Stub."""
     loop = asyncio.get_running_loop()
     transport, stub = await loop.create_datagram_endpoint(Stub, local_addr=("127.0.0.1", 0))
     policy, _ = parse_policy(POLICY, "t.yaml")
-    core = ResolverCore(policy, 1, random.Random(3).getrandbits)
-    upstream = transport.get_extra_info("sockname")
+    upstreams = [*(before or []), transport.get_extra_info("sockname")]
+    core = ResolverCore(policy, len(upstreams), random.Random(3).getrandbits)
     server = ResolverServer(
-        core=core, upstreams=[upstream], nft=nft, on_violation=lambda v: None,  # type: ignore[arg-type]
+        core=core, upstreams=upstreams, nft=nft, on_violation=lambda v: None,  # type: ignore[arg-type]
         listen_netns=None, upstream_netns=None, listen_addr="127.0.0.1", port=0, timeout_s=0.3,
     )  # fmt: skip
     await server.start()
@@ -141,6 +149,8 @@ def test_answers_after_the_set_update_then_replays_hits(loop_kind: str) -> None:
             first = await ask(udp, "allowed.test", qid=1)
             assert [str(r.rdata) for r in first.rr] == ["203.0.113.10"]
             assert nft.added == [("allow4", ["203.0.113.10 . tcp . 443"], 60)]
+            # The exchange is over once answered: its socket, reader and timer are gone.
+            assert not server._waiting and server.upstream_latency.count == 1
             for qid in (2, 3, 4):
                 hit = await ask(udp, "allowed.test", qid=qid)
                 assert hit.header.id == qid and [str(r.rdata) for r in hit.rr] == ["203.0.113.10"]
@@ -162,10 +172,36 @@ def test_a_spoofed_reply_is_ignored_and_the_real_one_still_counts(loop_kind: str
         try:
             reply = await ask(server.addresses[0], "spoofed.test")
             assert [str(r.rdata) for r in reply.rr] == ["203.0.113.10"]
+            assert not server._waiting and server.upstream_latency.count == 1  # the real one
             assert [e for _, els, _ in nft.added for e in els] == ["203.0.113.10 . tcp . 443"]
         finally:
             await server.close()
             transport.close()
+
+    run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_garbage_from_an_upstream_fails_over_to_the_next_at_once(loop_kind: str) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        bad_transport, bad = await loop.create_datagram_endpoint(
+            lambda: Stub(garbled=True), local_addr=("127.0.0.1", 0)
+        )
+        server, good, transport = await serving(
+            FakeNft(), before=[bad_transport.get_extra_info("sockname")]
+        )
+        try:
+            start = loop.time()
+            reply = await ask(server.addresses[0], "allowed.test")
+            assert [str(r.rdata) for r in reply.rr] == ["203.0.113.10"]
+            assert loop.time() - start < server.timeout_s  # not after the first one's timeout
+            assert len(bad.queries) == 1 and len(good.queries) == 1
+            assert not server._waiting and server.internal_errors == 0
+        finally:
+            await server.close()
+            transport.close()
+            bad_transport.close()
 
     run(loop_kind, main)
 
@@ -243,6 +279,7 @@ def test_a_tcp_upstream_answer_to_another_question_fails_over_at_once(loop_kind:
             answer = await ask(udp, "truncated.test")
             assert answer.header.rcode == wire.SERVFAIL
             assert asyncio.get_running_loop().time() - start < 1.0
+            assert not server._waiting  # the UDP exchange the TCP retry replaced is over
         finally:
             tcp.close()
             await server.close()
