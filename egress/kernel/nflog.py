@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from egress.datapath.nflog_wire import walk
 from egress.datapath.packet import Packet, parse_ip_packet
 from egress.errors import DatapathError
-from egress.kernel.nfnetlink import NFGEN, NfnlListener, attr, be32, iter_attrs, open_socket
+from egress.kernel.nfnetlink import (
+    NFGEN,
+    NfnlListener,
+    attr,
+    be32,
+    iter_attrs,
+    messages,
+    open_socket,
+)
 from egress.model import Flow
 
 _NFNL_SUBSYS_ULOG = 4
@@ -38,6 +46,11 @@ _A_PACKET_HDR, _A_IFINDEX_INDEV, _A_IFINDEX_OUTDEV = 1, 4, 5
 _A_PAYLOAD, _A_PREFIX, _A_UID, _A_GID = 9, 10, 11, 14
 _PACKET_TYPE = (_NFNL_SUBSYS_ULOG << 8) | _NFULNL_MSG_PACKET
 _FAMILIES = {int(socket.AF_INET): 4, int(socket.AF_INET6): 6}
+
+# nflog_wire.walk's view of one message: (type, payload start, end, prefix as sent with
+# its NUL, the copied IP packet), prefix and packet b"" if it is no copy; and of a datagram.
+Copy = tuple[int, int, int, bytes, bytes]
+Copies = list[Copy]
 
 
 @dataclass(frozen=True)
@@ -69,11 +82,13 @@ class NflogListener(NfnlListener[NflogEvent]):
     def __init__(self, sock: socket.socket, group: int, netns: str | None) -> None:
         super().__init__(sock, group, netns)
         self.group = group
-        # Given (prefix as sent, with its NUL; the IP packet), True: the reader has dealt
-        # with this copy itself, and no event is made of it (the observer's replays).
-        # Asked only while no event of this read is ahead of the copy: a reader that
-        # acts on a copy at once must not act on it before the events that came first.
-        self.skip: Callable[[bytes, bytes], bool] | None = None
+        # Given the copies of one datagram the kernel sent, in order, as ``Copies``: how
+        # many of the first ones the reader has dealt with itself (the observer's
+        # replays); no events are made of those. Asked only while no event of this read
+        # is ahead of them, and it must stop at the first copy it does not deal with: a
+        # reader that acts on a copy at once must not act on it before the events that
+        # came first. One call a datagram (up to 64 copies), not one a copy.
+        self.sift: Callable[[Copies], int] | None = None
 
     @classmethod
     def open(
@@ -119,35 +134,24 @@ class NflogListener(NfnlListener[NflogEvent]):
     def _decode_all(self, buf: bytes, items: list[NflogEvent]) -> int:
         # nflog_wire.walk (compiled) finds each copy's prefix and payload, so a copy the
         # reader deals with itself (a repeat) is never decoded further.
-        if sys.byteorder != "little":  # walk reads netlink's host order as little-endian
-            return super()._decode_all(buf, items)
-        found = walk(buf, _PACKET_TYPE)
-        for kind, pos, end, prefix, payload in found:
-            self._take(items, kind, buf, pos, end, prefix, payload)
+        found = walk(buf, _PACKET_TYPE) if sys.byteorder == "little" else _walk_slowly(buf)
+        dealt = 0
+        if self.sift is not None and not self._ahead:
+            dealt = self.sift(found)
+        for kind, pos, end, _prefix, _payload in found[dealt:]:
+            self._take(items, kind, buf, pos, end)
         return len(found)
 
     def _decode(self, kind: int, buf: bytes, pos: int, end: int) -> list[NflogEvent]:
         # One message that came with an ack (NfnlListener._await_ack): rare, so plainly.
-        attrs = iter_attrs(buf, pos + NFGEN.size, end)
         items: list[NflogEvent] = []
-        prefix, payload = attrs.get(_A_PREFIX, b""), attrs.get(_A_PAYLOAD, b"")
-        self._take(items, kind, buf, pos, end, prefix, payload)
+        if self.sift is None or self._ahead or not self.sift([_copy(kind, buf, pos, end)]):
+            self._take(items, kind, buf, pos, end)
         return items
 
-    def _take(
-        self,
-        items: list[NflogEvent],
-        kind: int,
-        buf: bytes,
-        pos: int,
-        end: int,
-        prefix: bytes,
-        payload: bytes,
-    ) -> None:
-        """Append the event a message is, unless it is no packet copy or ``skip`` takes it."""
+    def _take(self, items: list[NflogEvent], kind: int, buf: bytes, pos: int, end: int) -> None:
+        """Append the event a message is, unless it is no packet copy."""
         if kind != _PACKET_TYPE or end - pos < NFGEN.size:
-            return
-        if self.skip is not None and not self._ahead and self.skip(prefix, payload):
             return
         family, _version, group = NFGEN.unpack_from(buf, pos)
         items.append(_event(group, family, iter_attrs(buf, pos + NFGEN.size, end)))
@@ -160,6 +164,19 @@ class NflogListener(NfnlListener[NflogEvent]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _copy(kind: int, buf: bytes, pos: int, end: int) -> Copy:
+    """walk's tuple for one message, its attributes read in the host's byte order."""
+    if kind != _PACKET_TYPE or end - pos < NFGEN.size:
+        return kind, pos, end, b"", b""
+    attrs = iter_attrs(buf, pos + NFGEN.size, end)
+    return kind, pos, end, attrs.get(_A_PREFIX, b""), attrs.get(_A_PAYLOAD, b"")
+
+
+def _walk_slowly(buf: bytes) -> Copies:
+    """walk's result, read in the host's byte order (walk reads little-endian only)."""
+    return [_copy(kind, buf, pos, end) for kind, _seq, pos, end in messages(buf)]
 
 
 def _event(group: int, nfgen_family: int, attrs: dict[int, bytes]) -> NflogEvent:

@@ -37,7 +37,7 @@ from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import netns_exists, netns_id, netns_path
 from egress.kernel.netns_cgroup import Peers
-from egress.kernel.nflog import NflogEvent, NflogListener
+from egress.kernel.nflog import Copies, NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
 from egress.observer.flows import FlowWatch
@@ -129,7 +129,7 @@ class Observer:
             cfg.netns, c.OBSERVER_GROUP, copy_range=0xFFFF, batch=BATCH
         )
         try:
-            self.listener.skip = self._replayed
+            self.listener.sift = self._sift
             self.nft = NftHandle.open(cfg.netns)
             self.flows = FlowWatch(cfg.policy, self.matcher, self.nft)
             # Drops counted before this observer bound its group were judged by whoever
@@ -249,19 +249,26 @@ class Observer:
             for v in self.flows.on_event(event):
                 self._act(v)
 
-    def _replayed(self, prefix: bytes, packet: bytes) -> bool:
-        """Deal with a copy here, without making an event of it, when its bytes say all
-        there is: a repeat of a query allowed within the last second (``QueryReplays``),
-        or an answer over UDP, whose binding ``FlowWatch.learn`` keeps by its bytes."""
-        if prefix == _DNS_PREFIX:
-            return self.queries.allowed(packet, time.monotonic())
-        if prefix == _ANSWER_PREFIX:
-            dns = udp4_payload(packet)
-            if dns is None:
-                return False
-            self.flows.learn(dns, time.time())
-            return True
-        return False
+    def _sift(self, copies: Copies) -> int:
+        """Deal here with the first of ``copies`` whose bytes say all there is, without
+        making events of them: repeats of a query allowed within the last second
+        (``QueryReplays``), and answers over UDP, whose bindings ``FlowWatch.learn``
+        keeps by their bytes. How many it dealt with: it stops at the first that must be
+        an event. The clocks are read once: the kernel sent these within one tick."""
+        allowed, learn = self.queries.allowed, self.flows.learn
+        now, wall = time.monotonic(), time.time()
+        for i, (_, _, _, prefix, packet) in enumerate(copies):
+            if prefix == _DNS_PREFIX:
+                if not allowed(packet, now):
+                    return i
+            elif prefix == _ANSWER_PREFIX:
+                dns = udp4_payload(packet)
+                if dns is None:
+                    return i
+                learn(dns, wall)
+            else:
+                return i
+        return len(copies)
 
     def _act(self, v: Violation) -> None:
         """Act on one verdict; a failure is reported and the watch goes on."""

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import ipaddress
+import time
+
+from dnslib import QTYPE, RR, A, DNSRecord
 from test_packet import ipv4, tcp, udp
 
+from egress.datapath import constants as c
+from egress.observer.flows import FlowWatch
+from egress.observer.layer import Observer
 from egress.observer.replays import REPLAY_MAX, REPLAY_S, QueryReplays
+from egress.policy import parse_policy
+from egress.policy.matcher import Matcher
 
 QUERY = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07allowed\x04test\x00\x00\x01\x00\x01"
 
@@ -44,3 +53,36 @@ def test_bounded_and_cleared() -> None:
     assert len(r) == 1  # emptied when full, then the newest kept
     r.clear()
     assert not r.allowed(packet(QUERY), 0.0)
+
+
+POLICY = """
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: t}
+spec:
+  dns: {upstreams: ["192.0.2.53"], allow: [allowed.test]}
+  connect: {ports: [443]}
+"""
+
+
+def test_the_observer_deals_with_repeats_and_answers_up_to_the_first_copy_to_judge() -> None:
+    """``Observer._sift``, given one datagram's copies: the first ones it deals with
+    itself (a repeat of an allowed query, an answer, whose names it binds); it stops at
+    the first that must be an event, here a query it has not judged: what follows waits."""
+    policy, _ = parse_policy(POLICY, "t.yaml")
+    observer = object.__new__(Observer)  # the two parts _sift uses, no netns or journal
+    observer.queries = QueryReplays()
+    observer.flows = FlowWatch(policy, Matcher(policy), None)
+    observer.queries.remember(packet(QUERY), QUERY, time.monotonic())
+    reply = DNSRecord.parse(QUERY).reply()
+    reply.add_answer(RR("allowed.test", QTYPE.A, rdata=A("203.0.113.7"), ttl=60))
+    answer = ipv4(17, udp(53, 40000, reply.pack()))
+    other = QUERY[:-3] + b"\x1c\x00\x01"  # AAAA: not judged yet
+    dns, answers = c.DNS_LOG_PREFIX.encode() + b"\0", c.ANSWER_LOG_PREFIX.encode() + b"\0"
+    copies = [(0, 0, 0, dns, packet(QUERY)), (0, 0, 0, answers, answer),
+              (0, 0, 0, dns, packet(other)), (0, 0, 0, dns, packet(QUERY))]  # fmt: skip
+    assert observer._sift(copies) == 2
+    bound = observer.flows.bindings.names(ipaddress.ip_address("203.0.113.7"), time.time())
+    assert "allowed.test" in bound
+    assert observer._sift(copies[3:]) == 1  # the repeat, in a datagram of its own
+    assert observer._sift([(0, 0, 0, b"egress blocked_connect\0", packet(QUERY))]) == 0
