@@ -404,21 +404,19 @@ class ResolverServer:
         received = time.monotonic()
         try:
             actions = self.core.on_upstream_reply(token, data, time.time())
-            retried = token in self.core.pending
-            if retried and not actions:
+            pending = token in self.core.pending
+            if pending and not actions:
                 return  # not the answer to our question (spoofed, stale): keep listening
             sent = self._sent_at.pop(token, None)
             if sent is not None:
                 self.upstream_latency.observe(received - sent)
-            if retried:  # over TCP or at the next upstream: this exchange ends before its
-                # successor, which may take its token's place in _waiting, starts
-                self._forget(token)
-                self.perform(actions)
-            else:
-                # Answered: the set update and the reply first, then this exchange's
-                # socket closed, its reader and timer gone (~20 us of syscalls off a
-                # miss's latency). Nothing runs in between: no other callback can see it.
-                self.perform(actions)
+            self.perform(actions)
+            if not pending:
+                # Answered: this exchange's socket is closed and its reader and timer go
+                # after the set update and the reply (~20 us of syscalls off a miss's
+                # latency); nothing runs in between. A retry (still pending: over TCP, or
+                # at the next upstream) was ended by _forward, before its successor took
+                # the token's place.
                 self._forget(token)
         except Exception as exc:
             self._internal(exc)

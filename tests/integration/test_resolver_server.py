@@ -15,6 +15,7 @@ from dnslib import QTYPE, RR, A, DNSRecord
 
 from egress.errors import DatapathError
 from egress.inline.server import ResolverServer
+from egress.model import Violation
 from egress.policy import parse_policy
 from egress.resolver import wire
 from egress.resolver.core import ResolverCore
@@ -29,7 +30,7 @@ metadata: {name: t}
 spec:
   dns:
     upstreams: ["192.0.2.53"]
-    allow: [allowed.test, slow.test, "*.slow.test", spoofed.test, truncated.test]
+    allow: [allowed.test, slow.test, "*.slow.test", spoofed.test, truncated.test, rebind.test]
     rate_limit: {qps: 1000000, burst: 1000000}
   connect:
     ports: [443]
@@ -55,7 +56,8 @@ class FakeNft:
 
 
 class Stub(asyncio.DatagramProtocol):
-    """allowed.test answers; slow.test never does; spoofed.test first gets a wrong ID.
+    """allowed.test answers; slow.test never does; spoofed.test first gets a wrong ID;
+    rebind.test is answered with a private address.
     ``garbled``: every answer is a header cut short after its ID and flags."""
 
     def __init__(self, garbled: bool = False) -> None:
@@ -82,7 +84,8 @@ class Stub(asyncio.DatagramProtocol):
             self.transport.sendto(r.pack(), addr)
             return
         r = q.reply()
-        r.add_answer(RR(name, QTYPE.A, rdata=A("203.0.113.10"), ttl=60))
+        inside = name == "rebind.test"  # an answer pointing inside: a rebinding finding
+        r.add_answer(RR(name, QTYPE.A, rdata=A("10.1.2.3" if inside else "203.0.113.10"), ttl=60))
         if name == "spoofed.test":
             bad = DNSRecord.parse(r.pack())
             bad.header.id ^= 0x5A5A
@@ -110,7 +113,10 @@ def run(loop_kind: str, main: Callable[[], Awaitable[None]]) -> None:
 
 
 async def serving(
-    nft: FakeNft, *, before: list[tuple[str, int]] | None = None
+    nft: FakeNft,
+    *,
+    before: list[tuple[str, int]] | None = None,
+    on_violation: Callable[[Violation], None] = lambda v: None,
 ) -> tuple[ResolverServer, Stub, asyncio.DatagramTransport]:
     """A server whose upstreams are ``before`` (if any), then a new Stub."""
     loop = asyncio.get_running_loop()
@@ -119,20 +125,20 @@ async def serving(
     upstreams = [*(before or []), transport.get_extra_info("sockname")]
     core = ResolverCore(policy, len(upstreams), random.Random(3).getrandbits)
     server = ResolverServer(
-        core=core, upstreams=upstreams, nft=nft, on_violation=lambda v: None,  # type: ignore[arg-type]
+        core=core, upstreams=upstreams, nft=nft, on_violation=on_violation,  # type: ignore[arg-type]
         listen_netns=None, upstream_netns=None, listen_addr="127.0.0.1", port=0, timeout_s=0.3,
     )  # fmt: skip
     await server.start()
     return server, stub, transport
 
 
-async def ask(addr: tuple[str, int], name: str, qid: int = 77) -> DNSRecord:
+async def ask(addr: tuple[str, int], name: str, qid: int = 77, timeout_s: float = 2.0) -> DNSRecord:
     loop = asyncio.get_running_loop()
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setblocking(False)
     try:
         s.sendto(wire.build_query(qid, name, 1), addr)  # uvloop has no sock_sendto
-        data = await asyncio.wait_for(loop.sock_recv(s, 65535), 2.0)
+        data = await asyncio.wait_for(loop.sock_recv(s, 65535), timeout_s)
     finally:
         s.close()
     return DNSRecord.parse(data)
@@ -202,6 +208,28 @@ def test_garbage_from_an_upstream_fails_over_to_the_next_at_once(loop_kind: str)
             await server.close()
             transport.close()
             bad_transport.close()
+
+    run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_an_answer_whose_actions_fail_still_ends_its_exchange(loop_kind: str) -> None:
+    """A failure while an answer's actions run (here: reporting its rebinding finding)
+    costs that answer, not the exchange's socket, reader and timer."""
+
+    def report(v: Violation) -> None:
+        raise RuntimeError("the journal is gone")
+
+    async def main() -> None:
+        server, _, transport = await serving(FakeNft(), on_violation=report)
+        try:
+            with pytest.raises(TimeoutError):  # nothing was sent: the reply came after it
+                await ask(server.addresses[0], "rebind.test", timeout_s=0.5)
+            assert server.internal_errors == 1 and "journal is gone" in server.last_internal_error
+            assert not server._waiting
+        finally:
+            await server.close()
+            transport.close()
 
     run(loop_kind, main)
 
