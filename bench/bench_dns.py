@@ -340,9 +340,14 @@ def tunnel_note() -> str:
 def throughput(sb_ns: str, qfile: Path, seconds: int, label: str) -> dict[str, float]:
     prime(sb_ns, HIT_NAMES)
     r = dnsperf(sb_ns, qfile, seconds)
+    show_run(label, r)
+    return r
+
+
+def show_run(label: str, r: dict[str, float]) -> None:
+    """One dnsperf run's line."""
     print(f"  {label:<28} {r['qps']:>10,.0f} qps   mean latency {r['latency_ms']:.3f} ms   "
           f"lost {r['lost']:.0f}")  # fmt: skip
-    return r
 
 
 def load_policy_text(text: str) -> object:
