@@ -254,7 +254,8 @@ class Observer:
         making events of them: repeats of a query allowed within the last second
         (``QueryReplays``), and answers over UDP, whose bindings ``FlowWatch.learn``
         keeps by their bytes. How many it dealt with: it stops at the first that must be
-        an event. The clocks are read once: the kernel sent these within one tick."""
+        an event. The clocks are read once: a datagram's copies take tens of
+        microseconds here, against a replay's second and an answer's 50 ms."""
         allowed, learn = self.queries.allowed, self.flows.learn
         now, wall = time.monotonic(), time.time()
         for i, (_, _, _, prefix, packet) in enumerate(copies):

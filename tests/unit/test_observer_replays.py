@@ -74,15 +74,22 @@ def test_the_observer_deals_with_repeats_and_answers_up_to_the_first_copy_to_jud
     observer.queries = QueryReplays()
     observer.flows = FlowWatch(policy, Matcher(policy), None)
     observer.queries.remember(packet(QUERY), QUERY, time.monotonic())
-    reply = DNSRecord.parse(QUERY).reply()
-    reply.add_answer(RR("allowed.test", QTYPE.A, rdata=A("203.0.113.7"), ttl=60))
-    answer = ipv4(17, udp(53, 40000, reply.pack()))
+
+    def answer(ip: str) -> bytes:
+        reply = DNSRecord.parse(QUERY).reply()
+        reply.add_answer(RR("allowed.test", QTYPE.A, rdata=A(ip), ttl=60))
+        return ipv4(17, udp(53, 40000, reply.pack()))
+
+    def bound(ip: str) -> tuple[str, ...]:
+        return observer.flows.bindings.names(ipaddress.ip_address(ip), time.time())
+
     other = QUERY[:-3] + b"\x1c\x00\x01"  # AAAA: not judged yet
     dns, answers = c.DNS_LOG_PREFIX.encode() + b"\0", c.ANSWER_LOG_PREFIX.encode() + b"\0"
-    copies = [(0, 0, 0, dns, packet(QUERY)), (0, 0, 0, answers, answer),
-              (0, 0, 0, dns, packet(other)), (0, 0, 0, dns, packet(QUERY))]  # fmt: skip
+    copies = [(0, 0, 0, dns, packet(QUERY)), (0, 0, 0, answers, answer("203.0.113.7")),
+              (0, 0, 0, dns, packet(other)), (0, 0, 0, answers, answer("203.0.113.8")),
+              (0, 0, 0, dns, packet(QUERY))]  # fmt: skip
     assert observer._sift(copies) == 2
-    bound = observer.flows.bindings.names(ipaddress.ip_address("203.0.113.7"), time.time())
-    assert "allowed.test" in bound
-    assert observer._sift(copies[3:]) == 1  # the repeat, in a datagram of its own
+    assert "allowed.test" in bound("203.0.113.7")
+    assert not bound("203.0.113.8")  # behind the unjudged query: its turn comes after it
+    assert observer._sift(copies[4:]) == 1  # the repeat, in a datagram of its own
     assert observer._sift([(0, 0, 0, b"egress blocked_connect\0", packet(QUERY))]) == 0
