@@ -43,7 +43,7 @@ def listener() -> tuple[NflogListener, socket.socket]:
     return NflogListener(ours, GROUP, None), kernel
 
 
-def test_a_read_stops_after_its_budget_of_messages_skipped_ones_included() -> None:
+def test_a_read_stops_after_its_budget_of_messages_sifted_ones_included() -> None:
     nl, kernel = listener()
     asked: list[bytes] = []
     nl.sift = sifter(asked, lambda prefix: True)
