@@ -190,11 +190,7 @@ class FlowCheck:
     def close(self, handed_over: bool = False) -> None:
         """Stop; held segments are dropped by the kernel as the socket closes (fail
         closed). With ``handed_over`` a successor serves the queue: keep it bound."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        with contextlib.suppress(ValueError, OSError, RuntimeError):
-            asyncio.get_running_loop().remove_reader(self.listener.fileno())
+        self.stop_reading()
         if handed_over:
             # The successor shares the queue: the segments held here would wait there for
             # a verdict nobody gives. Dropped, their clients send them again, and the
