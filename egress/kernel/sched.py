@@ -66,6 +66,14 @@ AUTOGROUPS = Path("/proc/sys/kernel/sched_autogroup_enabled")
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
+def autogroups_on() -> bool:
+    """Whether this kernel schedules tasks by session (autogroups)."""
+    try:
+        return AUTOGROUPS.read_text().strip() == "1"
+    except OSError:
+        return False  # built without them
+
+
 def session_nice(pid: int | None = None) -> int:
     """The nice of ``pid``'s session (its autogroup), this process's by default; OSError,
     ValueError or IndexError where the kernel keeps none for it."""
@@ -87,13 +95,13 @@ def raise_session_group(who: str, nice: int) -> bool:
     shell, the session is the shell's, and raising it would raise everything run there.
     Where a cgroup CPU controller is over it, the kernel weighs its cgroup instead (the
     unit's CPUWeight=). True when its session is at ``nice`` now, or favoured more."""
+    if not autogroups_on() or os.getsid(0) != os.getpid():
+        return False
     try:
-        if AUTOGROUPS.read_text().strip() != "1" or os.getsid(0) != os.getpid():
-            return False
         if session_nice() <= nice:
             return True
     except (OSError, ValueError, IndexError):
-        return False  # no autogroups in this kernel
+        return False  # no group of its own here (init's)
     try:
         AUTOGROUP.write_text(str(nice))
     except OSError as exc:  # no CAP_SYS_NICE (a user namespace)

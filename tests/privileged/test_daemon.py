@@ -23,7 +23,7 @@ import pytest
 
 from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.nft import NftHandle
-from egress.kernel.sched import AUTOGROUP, AUTOGROUPS, session_nice
+from egress.kernel.sched import AUTOGROUP, autogroups_on, session_nice
 from egress.lab import Lab
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
@@ -515,9 +515,7 @@ def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
 
 
 @pytest.mark.skipif(
-    not AUTOGROUPS.exists()
-    or AUTOGROUPS.read_text().strip() != "1"
-    or "nice" not in AUTOGROUP.read_text(),  # empty: init's own group
+    not autogroups_on() or "nice" not in AUTOGROUP.read_text(),  # empty: init's own group
     reason="the kernel does not schedule this test's session as a group (autogroups)",
 )
 def test_egressd_raises_its_own_session_and_no_one_elses(state_dir: Path) -> None:
