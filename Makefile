@@ -10,7 +10,7 @@ STAMPS := .make
 # from a venv made with --system-site-packages), DNS tools for tests and benchmarks, and the
 # real tunnel tools the detection tests run; a C compiler and Python's headers for the
 # compiled hot modules (egress/native.py: the tunnel scorer, the NFLOG copies' walk, the
-# resolver core);
+# resolver core, the observer's sift);
 # iptables-nft, whose NFQUEUE target (through nft_compat) queues packets on kernels built
 # without nft's own queue statement; podman (CNI backend), runc, the reference CNI plugins and busybox-static for the container
 # tests' runtime and image (no registry needed).
@@ -65,7 +65,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 	EGRESS_NATIVE=0 $(PY) -m pytest -q -p no:cacheprovider tests/unit \
-		-k "tunnel or native or nflog or resolver or observer_flows or ratelimit"
+		-k "tunnel or native or nflog or resolver or observer_flows or observer_replays or ratelimit"
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit tests/integration
@@ -94,4 +94,5 @@ bench: setup
 clean:
 	rm -rf $(VENV) $(STAMPS) .pytest_cache .mypy_cache .ruff_cache *.egg-info egress/tunnel/_native* \
 		egress/tunnel/.native.lock egress/datapath/_native* egress/datapath/.native.lock \
-		egress/resolver/_native* egress/resolver/.native.lock
+		egress/resolver/_native* egress/resolver/.native.lock egress/observer/_native* \
+		egress/observer/.native.lock

@@ -1,12 +1,13 @@
 """Hot modules compiled by mypyc, used only while a build matches their sources.
 
-Three packages have modules compiled by mypyc (typed; loops over bytes and ints, and
+Four packages have modules compiled by mypyc (typed; loops over bytes and ints, and
 the tunnel's ``Final`` constants, compile to C): the tunnel scorer
 (``egress.tunnel.native``: scoring a new name), the NFLOG copies' walk
-(``egress.datapath.native``: the observer's look at every DNS packet) and the resolver
+(``egress.datapath.native``: the observer's look at every DNS packet), the resolver
 core (``egress.resolver.native``: every query's parse, judgement, replay, and a miss's
-answer). Each package names its modules in a ``Native``; the Python sources stay
-the truth:
+answer) and the observer's sift (``egress.observer.native``: the copies of repeated
+queries and of answers it deals with before making events). Each package names its
+modules in a ``Native``; the Python sources stay the truth:
 
 - ``python -m egress.cli.native_build`` (``make setup`` runs it) compiles each package's
   modules into ``_native/`` next to them, with ``SOURCES``: the interpreter, the sha256

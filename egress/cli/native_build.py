@@ -1,11 +1,11 @@
 """``python -m egress.cli.native_build``: compile egress's hot modules with mypyc.
 
 ``make setup`` runs it. For each package with a ``Native`` (``PACKAGES``: the tunnel
-scorer, the NFLOG copies' walk, the resolver core) it compiles the package's modules from
-a copy of egress (so the stamp describes exactly the bytes compiled, even if a source is
-edited meanwhile), with the project's mypy settings, and replaces the package's
-``_native/`` in one rename, under a lock, so no import sees half of an old and half of a
-new build. Needs mypy (mypyc), setuptools, and a C compiler with
+scorer, the NFLOG copies' walk, the resolver core, the observer's sift) it compiles the
+package's modules from a copy of egress (so the stamp describes exactly the bytes
+compiled, even if a source is edited meanwhile), with the project's mypy settings, and
+replaces the package's ``_native/`` in one rename, under a lock, so no import sees half
+of an old and half of a new build. Needs mypy (mypyc), setuptools, and a C compiler with
 Python's headers (Debian: gcc, python3-dev).
 """
 
@@ -21,10 +21,11 @@ from pathlib import Path
 
 from egress.datapath.native import NATIVE as DATAPATH
 from egress.native import Native
+from egress.observer.native import NATIVE as OBSERVER
 from egress.resolver.native import NATIVE as RESOLVER
 from egress.tunnel.native import NATIVE as TUNNEL
 
-PACKAGES = (TUNNEL, DATAPATH, RESOLVER)
+PACKAGES = (TUNNEL, DATAPATH, RESOLVER, OBSERVER)
 
 
 def build(native: Native) -> Path:

@@ -9,5 +9,13 @@
                    removes the sandbox once nothing runs in it (`egressctl kill`)
     supervisor.py  `egressd observer`: one forked Observer per sandbox egressd serves
 
+    sift.py        the copies it deals with itself, before events: repeats of allowed
+                   queries (replays.py), answers by their bytes (answers.py); compiled by
+                   mypyc (native.py) when a build matches the sources
+
 It imports nothing of ``egress.inline`` (an import-linter contract checks it).
 """
+
+from egress.observer.native import NATIVE
+
+NATIVE.activate(__path__)  # before any module of the package: the compiled ones, if fresh

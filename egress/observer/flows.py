@@ -31,36 +31,11 @@ from egress.datapath.firstbytes import Outcome, judge
 from egress.kernel.nflog import NflogEvent
 from egress.kernel.nft import NftHandle
 from egress.model import Flow, IPAddress, Layer, Policy, Violation
+from egress.observer.answers import GRACE_S, Answers
 from egress.policy.matcher import Matcher
-from egress.resolver.bindings import AnswerBinding, Bindings, answer_binding
+from egress.resolver.bindings import Bindings
 from egress.resolver.firstrequest import Decision, FirstRequests, segment_of
 from egress.resolver.flows import flow_violation
-
-# The copy of an answer is read a little after the kernel's element was made, and its
-# TTLs are whole seconds: bind a little longer than the inline layer does, never shorter.
-GRACE_S = 2.0
-# Answers kept by their bytes after the ID (each parses to the same binding every time):
-# a cache hit's copy is applied again without being parsed. Bounded; cleared when full.
-ANSWERS_MAX = 4096
-ANSWER_MAX_BYTES = 1232  # larger ones (up to 64 KiB over UDP) are parsed each time
-# The same answer applied again within REAPPLY_S, with nothing in the table dropped or
-# replaced meanwhile (``Bindings.changes``), would only push its bindings' ends later by
-# that much: it is not applied. Re-applying every copy of the bench's cache hits (4
-# names, 70,000 a second) was about a third of the observer's CPU. A binding may so end
-# up to REAPPLY_S sooner, well inside GRACE_S.
-REAPPLY_S = 0.05
-
-
-class _Seen:
-    """An answer's binding (None: it binds nothing), and when it was last applied, with
-    the table's ``Bindings.changes`` before that."""
-
-    __slots__ = ("applied", "binding", "changes")
-
-    def __init__(self, binding: AnswerBinding | None) -> None:
-        self.binding = binding
-        self.applied = float("-inf")
-        self.changes = -1
 
 
 class FlowWatch:
@@ -72,7 +47,7 @@ class FlowWatch:
         self._ids = itertools.count(1)  # NFLOG copies have no packet id: one per segment
         self._uids: dict[tuple[str, int, str, int], int | None] = {}
         self.unknown: dict[IPAddress, float] = _in_sets(nft) if nft is not None else {}
-        self._answers: dict[bytes, _Seen] = {}
+        self.answers = Answers(policy, matcher, self.bindings)
 
     def on_event(self, event: NflogEvent) -> list[Violation]:
         if event.prefix == c.ANSWER_LOG_PREFIX:
@@ -98,27 +73,11 @@ class FlowWatch:
             data = data[2:]
         elif p.proto != "udp":
             return
-        self.learn(data, event.timestamp)
+        self.answers.learn(data, event.timestamp)
 
     def learn(self, data: bytes, now: float) -> None:
         """Bind what the answer ``data`` (a DNS message) names, as of ``now``."""
-        key = data[2:]
-        seen = self._answers.get(key)
-        if seen is None:
-            seen = _Seen(answer_binding(data, self.policy, self.matcher))
-            if len(data) <= ANSWER_MAX_BYTES:  # bounded: 4,096 x 1,232 bytes at most
-                if len(self._answers) >= ANSWERS_MAX:
-                    self._answers.clear()
-                self._answers[bytes(key)] = seen
-        if seen.binding is None:
-            return
-        changes = self.bindings.changes
-        if changes == seen.changes and 0.0 <= now - seen.applied < REAPPLY_S:
-            return  # every pair it binds is there, and ends at most REAPPLY_S sooner
-        seen.binding.apply(self.bindings, now, GRACE_S)
-        # The count from before: had this apply dropped or replaced some of its own
-        # pairs, the next copy applies it again.
-        seen.applied, seen.changes = now, changes
+        self.answers.learn(data, now)
 
     def _on_segment(self, event: NflogEvent) -> list[Violation]:
         seg = segment_of(next(self._ids), event.packet)

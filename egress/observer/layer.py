@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
-from egress.datapath.nflog_wire import udp4_payload
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
@@ -42,6 +41,7 @@ from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
 from egress.observer.flows import FlowWatch
 from egress.observer.replays import QueryReplays
+from egress.observer.sift import sift
 from egress.observer.tally import DropTally
 from egress.policy.matcher import Matcher
 from egress.resolver import wire
@@ -69,8 +69,6 @@ BATCH = 64
 # Copies judged per wake-up of one sandbox's socket, replays included: in a shard, one
 # sandbox's stream must leave the loop to the others' between its batches.
 DRAIN_MAX = 512
-_DNS_PREFIX = c.DNS_LOG_PREFIX.encode() + b"\0"
-_ANSWER_PREFIX = c.ANSWER_LOG_PREFIX.encode() + b"\0"
 LAYER = Layer.OBSERVER
 
 
@@ -251,25 +249,11 @@ class Observer:
 
     def _sift(self, copies: Copies) -> int:
         """Deal here with the first of ``copies`` whose bytes say all there is, without
-        making events of them: repeats of a query allowed within the last second
-        (``QueryReplays``), and answers over UDP, whose bindings ``FlowWatch.learn``
-        keeps by their bytes. How many it dealt with: it stops at the first that must be
-        an event. The clocks are read once: a datagram's copies take tens of
+        making events of them (``sift.sift``): repeats of a query allowed within the last
+        second, and answers over UDP. How many it dealt with: it stops at the first that
+        must be an event. The clocks are read once: a datagram's copies take tens of
         microseconds here, against a replay's second and an answer's 50 ms."""
-        allowed, learn = self.queries.allowed, self.flows.learn
-        now, wall = time.monotonic(), time.time()
-        for i, (_, _, _, prefix, packet) in enumerate(copies):
-            if prefix == _DNS_PREFIX:
-                if not allowed(packet, now):
-                    return i
-            elif prefix == _ANSWER_PREFIX:
-                dns = udp4_payload(packet)
-                if dns is None:
-                    return i
-                learn(dns, wall)
-            else:
-                return i
-        return len(copies)
+        return sift(copies, self.queries, self.flows.answers, time.monotonic(), time.time())
 
     def _act(self, v: Violation) -> None:
         """Act on one verdict; a failure is reported and the watch goes on."""

@@ -14,16 +14,18 @@ so any violation the observer finds empties this (``clear``).
 Keys come from ``datapath.nflog_wire.udp4_payload`` of the copied IP packet, for lookup
 and for keeping alike, and only a query that is exactly what was judged is kept: nothing
 but an unfragmented IPv4 UDP query can match one. Bounded; emptied when full. Pure: ``now``
-is passed in.
+is passed in. Compiled by mypyc (``observer.native``), as ``sift`` that asks it.
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 from egress.datapath.nflog_wire import udp4_payload
 
-REPLAY_S = 1.0
-REPLAY_MAX = 4096
-REPLAY_MAX_QUERY = 512
+REPLAY_S: Final = 1.0
+REPLAY_MAX: Final = 4096
+REPLAY_MAX_QUERY: Final = 512
 
 
 class QueryReplays:

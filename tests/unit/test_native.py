@@ -16,13 +16,14 @@ import pytest
 
 from egress.datapath.native import NATIVE as DATAPATH
 from egress.native import Native
+from egress.observer.native import NATIVE as OBSERVER
 from egress.resolver.native import NATIVE as RESOLVER
 from egress.tunnel.native import NATIVE as TUNNEL
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=[TUNNEL, DATAPATH, RESOLVER], ids=lambda n: n.package)
+@pytest.fixture(params=[TUNNEL, DATAPATH, RESOLVER, OBSERVER], ids=lambda n: n.package)
 def tree(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Native:
     """A copy of a package's modules' sources, and a ``Native`` of them."""
     real: Native = request.param
@@ -290,6 +291,95 @@ print(json.dumps(out))
 """
 
 
+# Hands the observer's sift datagrams of copies (repeats of queries judged allowed, and
+# queries not judged; answers, allowed and not, over UDP and TCP, damaged; other
+# prefixes) on clocks that advance by milliseconds to seconds, judging the copy it stops
+# at as the observer does, and prints how many it dealt with and what the bindings hold.
+SIFT = r"""
+import ipaddress, json, random, struct, sys
+sys.path[:0] = [sys.argv[1]]
+from dnslib import QTYPE, RR, A, DNSRecord
+from egress.observer import native
+from egress.observer.answers import Answers
+from egress.observer.replays import QueryReplays
+from egress.observer.sift import ANSWER_PREFIX, DNS_PREFIX, sift
+from egress.policy import parse_policy
+from egress.policy.matcher import Matcher
+from egress.resolver.bindings import Bindings
+
+POLICY = '''
+apiVersion: egress/v1
+kind: Policy
+metadata: {name: t}
+spec:
+  dns: {upstreams: ["192.0.2.53"], allow: [allowed.test, "*.cdn.test"]}
+  connect: {ports: [443]}
+'''
+
+def ip4(proto, payload):
+    return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 1, 0x4000, 64, proto, 0,
+                       bytes([10, 0, 0, 2]), bytes([127, 0, 0, 53])) + payload
+
+def udp(sport, dport, data):
+    return ip4(17, struct.pack("!HHHH", sport, dport, 8 + len(data), 0) + data)
+
+rng = random.Random(5)
+policy, _ = parse_policy(POLICY, "t.yaml")
+bindings = Bindings()
+queries, answers = QueryReplays(), Answers(policy, Matcher(policy), bindings)
+names = ["allowed.test", "www.cdn.test", "x.cdn.test", "denied.test", "a.b.cdn.test"]
+ips = ["198.51.100.%d" % i for i in range(1, 9)]
+now, wall = 100.0, 1_800_000_000.0
+out = {"in_use": native.NATIVE.in_use(), "runs": []}
+
+def question(qtype):
+    q = DNSRecord.question(rng.choice(names), qtype)
+    q.header.id = rng.getrandbits(16)
+    return q
+
+def answer():
+    r = question("A").reply()
+    for _ in range(rng.choice([0, 1, 2])):
+        r.add_answer(RR(str(r.q.qname), QTYPE.A, rdata=A(rng.choice(ips)),
+                        ttl=rng.choice([0, 5, 60])))
+    data = bytearray(r.pack())
+    if rng.random() < 0.1:
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    return bytes(data)
+
+for i in range(3000):
+    now += rng.choice([0.001, 0.02, 0.3, 1.5])
+    wall += rng.choice([0.001, 0.02, 0.3, 1.5, 30.0])
+    copies = []
+    for _ in range(rng.randint(1, 12)):
+        kind = rng.random()
+        if kind < 0.45:
+            data = bytes(question(rng.choice(["A", "AAAA", "TXT"])).pack())
+            packet = udp(rng.randint(1024, 65535), 53, data)
+            if rng.random() < 0.8:
+                queries.remember(packet, data, now - rng.choice([0.0, 0.5, 2.0]))
+            copies.append((0, 0, 0, DNS_PREFIX, packet))
+        elif kind < 0.85:
+            packet = udp(53, 40000, answer())
+            if rng.random() < 0.05:
+                packet = ip4(6, packet[20:])
+            copies.append((0, 0, 0, ANSWER_PREFIX, packet))
+        else:
+            copies.append((0, 0, 0, rng.choice([b"", b"egress first_bytes\0"]), udp(1, 2, b"x")))
+    run = []
+    while copies:
+        dealt = sift(copies, queries, answers, now, wall)
+        run.append(dealt)
+        copies = copies[dealt + 1:]  # the one it stopped at became an event
+        if rng.random() < 0.1:
+            queries.clear()
+    run.append([list(bindings.names(ipaddress.ip_address(ip), wall)) for ip in ips])
+    run += [len(queries), len(answers), bindings.changes]
+    out["runs"].append(run)
+print(json.dumps(out))
+"""
+
+
 def replay(script: str, native_on: bool) -> dict[str, object]:
     # One hash seed for both: the tables' collisions (and so the last digits of a price)
     # follow str hashes, which are per process otherwise.
@@ -325,6 +415,14 @@ def test_the_compiled_resolver_answers_exactly_as_the_sources() -> None:
     assert any(a[0] == "allow" and len(a[-1]) > 1 for a in acts), "one answer, two clients"
     assert any(a[0] == "reply" and int(a[2][4:8], 16) & 0x0200 for a in acts), "TC=1 to one"
     assert any(a[0] == "report" and a[1] == "tunnel" for a in acts), "a tunnel verdict"
+
+
+def test_the_compiled_sift_deals_with_exactly_what_the_sources_deal_with() -> None:
+    runs = compare(OBSERVER, SIFT)
+    dealt = [n for run in runs for n in run[:-4]]  # type: ignore[index]
+    assert 0 in dealt and any(n > 1 for n in dealt), "some copies dealt with, some not"
+    bound = [names for run in runs for names in run[-4]]  # type: ignore[index]
+    assert any(bound), "an answer should bind a name"
 
 
 def compare(built: Native, script: str) -> list[object]:

@@ -15,7 +15,8 @@ from egress.datapath import constants as c
 from egress.datapath.packet import Packet
 from egress.kernel.nflog import NflogEvent
 from egress.model import Flow, Layer, PortRange, Ports
-from egress.observer.flows import GRACE_S, REAPPLY_S, FlowWatch
+from egress.observer.answers import GRACE_S, REAPPLY_S
+from egress.observer.flows import FlowWatch
 from egress.resolver.actions import AllowThenReply, Reply
 from egress.resolver.core import ResolverCore
 from egress.resolver.firstrequest import FirstRequests, Segment
@@ -169,7 +170,7 @@ def test_a_repeated_answer_binds_from_its_own_time_without_being_parsed_again() 
     watch.learn(data, 0.1)
     again = b"\xbe\xef" + data[2:]
     watch.learn(again, 30.0)
-    assert len(watch._answers) == 1  # one parse kept, by the bytes after the ID
+    assert len(watch.answers) == 1  # one parse kept, by the bytes after the ID
     ip = ipaddress.ip_address(DST)
     assert watch.bindings.bound(ip, "allowed.test", 443, 30.0 + 60 + GRACE_S - 0.01)
     assert not watch.bindings.bound(ip, "allowed.test", 443, 30.0 + 60 + GRACE_S + 0.01)
@@ -177,7 +178,7 @@ def test_a_repeated_answer_binds_from_its_own_time_without_being_parsed_again() 
     watch.learn(other, 31.0)
     assert watch.bindings.names(ipaddress.ip_address("203.0.113.11"), 32.0) == ("api.test",)
     watch.learn(b"\x00\x01" + b"\xff" * 10, 31.0)  # garbage: kept as binding nothing
-    assert len(watch._answers) == 3
+    assert len(watch.answers) == 3
 
 
 def test_a_repeat_within_reapply_s_is_skipped_unless_the_table_dropped_something() -> None:
