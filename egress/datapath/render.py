@@ -145,7 +145,7 @@ def _check_defines(ports: tuple[int, ...]) -> list[Define]:
 
 
 # The observer's copy of a queued segment, batched as its DNS copies are (observer.layer
-# BATCH: 64, or the kernel's next tick). The inline layer holds the segment and judges it
+# BATCH: 256, or the kernel's next tick). The inline layer holds the segment and judges it
 # first; the observer is the second judge, and its copy is flushed at once with any drop
 # (whose log rule has queue-threshold 1, see sandbox.nft), in order. Handed over at once
 # instead, the copy woke the observer to race the inline layer, the server and the client
