@@ -94,6 +94,18 @@ elif what == "dns":
     name = b"".join(bytes([len(p)]) + p for p in b"denied.lab.test".split(b".")) + b"\0"
     q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0) + name + struct.pack("!HH", 1, 1)
     socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(q, ("127.0.0.53", 53))
+elif what == "dns-behind-repeats":
+    def query(qname, qid):
+        name = b"".join(bytes([len(p)]) + p for p in qname.split(b".")) + b"\0"
+        return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + name + struct.pack("!HH", 1, 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.sendto(query(b"allowed.lab.test", 1), ("127.0.0.53", 53))
+    # The kernel hands the observer that copy at its next tick (4-10 ms): the burst's
+    # repeats come in a later datagram, as repeats of a query it judged allowed.
+    time.sleep(0.2)
+    for i in range(int(count)):
+        s.sendto(query(b"allowed.lab.test", 2 + i), ("127.0.0.53", 53))
+    s.sendto(query(b"denied.lab.test", 9), ("127.0.0.53", 53))
 print("done", flush=True)
 while True:
     time.sleep(1)
@@ -338,6 +350,27 @@ def test_denied_query_with_the_resolver_gone_is_seen_by_the_observer(lab: Lab) -
         with run.journal() as j:
             [v] = [v for v in j.violations(run.id) if v["class"] == "denied_name"]
         assert v["layer"] == "observer" and v["evidence"]["qname"] == "denied.lab.test"
+
+
+def test_a_denied_query_behind_repeats_of_an_allowed_one_is_seen_by_the_observer(
+    lab: Lab,
+) -> None:
+    """The observer deals with repeats of a query it judged allowed without making events
+    of them (``observer.sift``), a datagram of copies at a time. A denied query behind 100
+    of them, in the same datagram, with the resolver gone: the observer alone still judges
+    it and freezes, and nothing reached the lab's DNS."""
+    lab.clear_queries()
+    with agent_run(lab, policy(name="freeze", loss="log"), "dns-behind-repeats:100") as run:
+        os.kill(run.proc.pid, signal.SIGKILL)  # the resolver dies with the inline layer
+        run.proc.wait()
+        run.go()
+        run.wait_frozen()
+        with run.journal() as j:
+            found = [v for v in j.violations(run.id) if v["class"] == "denied_name"]
+        assert [(v["layer"], v["evidence"]["qname"]) for v in found] == [
+            ("observer", "denied.lab.test")
+        ]
+    assert lab.queries() == []
 
 
 @pytest.mark.parametrize("action", ["log", "block"])
