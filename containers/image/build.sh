@@ -19,7 +19,7 @@ trap 'rm -rf "$WORK"' EXIT
 # egress uses a build only while its stamp matches the sources and the interpreter
 # (egress/native.py): built on Debian 12 like the image, they are used; else the sources.
 mkdir -p "$WORK/native"
-for pkg in tunnel datapath resolver; do
+for pkg in tunnel datapath resolver observer; do
 	if [ -f "egress/$pkg/_native/SOURCES" ]; then
 		mkdir -p "$WORK/native/$pkg" && cp -a "egress/$pkg/_native" "$WORK/native/$pkg/"
 	fi
@@ -53,4 +53,5 @@ podman run --rm --network none ${RUNC:+--runtime "$RUNC"} --ulimit nofile=1024:1
 	"$TAG" /opt/egress/bin/python -c 'from egress.datapath.native import NATIVE as d
 from egress.resolver.native import NATIVE as r
 from egress.tunnel.native import NATIVE as t
-print(f"tunnel scorer: {t.in_use()}; NFLOG walk: {d.in_use()}; resolver: {r.in_use()}")'
+from egress.observer.native import NATIVE as o
+print(f"tunnel scorer: {t.in_use()}; NFLOG walk: {d.in_use()}; resolver: {r.in_use()}; observer sift: {o.in_use()}")'

@@ -9,8 +9,3 @@ from pathlib import Path
 from egress.native import Native
 
 NATIVE = Native("egress.observer", Path(__file__).resolve().parent, ("answers", "replays", "sift"))
-
-
-def in_use() -> str:
-    """ "compiled (mypyc)" or "Python sources", as the observer's sift was imported."""
-    return NATIVE.in_use()
