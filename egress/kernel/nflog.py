@@ -87,8 +87,8 @@ class NflogListener(NfnlListener[NflogEvent]):
         # replays); no events are made of those. Asked only while no event of this read
         # is ahead of them, and it must stop at the first copy it does not deal with: a
         # reader that acts on a copy at once must not act on it before the events that
-        # came first. One call a datagram (up to 64 copies), not one a copy (but one a
-        # copy for those read while an ack is awaited: rare).
+        # came first. One call a datagram (up to the observer's BATCH copies), not one a
+        # copy (but one a copy for those read while an ack is awaited: rare).
         self.sift: Callable[[Copies], int] | None = None
 
     @classmethod

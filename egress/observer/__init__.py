@@ -4,7 +4,8 @@
         ─▶ layer.Observer: egress.resolver.judge on each query, drop evidence, the drop
            counter, the inline layer's pidfd ─▶ its own Enforcer ─▶ journal, freeze
     kernel NFLOG copies of the resolver's answers and of a checked flow's queued segments
-        ─▶ flows.FlowWatch: its own bindings, the same first-bytes judgment
+        ─▶ flows.FlowWatch: its own bindings (answers.Answers, which sift.py hands most
+           answers to directly), the same first-bytes judgment
     process.py     forks one Observer for `egressctl run`; if run dies, that Observer
                    removes the sandbox once nothing runs in it (`egressctl kill`)
     supervisor.py  `egressd observer`: one forked Observer per sandbox egressd serves

@@ -71,7 +71,8 @@ NETNS_S = 1.0
 # Its 64 KiB buffer (NLBUFSIZ) holds ~300 such copies; more gained nothing measurable.
 BATCH = 256
 # Copies judged per wake-up of one sandbox's socket, replays included: in a shard, one
-# sandbox's stream must leave the loop to the others' between its batches.
+# sandbox's stream must leave the loop to the others' between its batches. Read a
+# datagram at a time, a wake-up may take up to DRAIN_MAX + BATCH - 1.
 DRAIN_MAX = 512
 LAYER = Layer.OBSERVER
 

@@ -213,7 +213,7 @@ class AnswerBinding:
     its rule's ports, for ``ttl`` seconds (the shortest address TTL, clamped as the
     kernel's timeout is). The same answer bytes always parse to the same one, so the
     observer keeps it by those bytes and applies it again at a copy's own time
-    (``observer.flows.REAPPLY_S``)."""
+    (``observer.answers.REAPPLY_S``)."""
 
     addresses: tuple[IPAddress, ...]
     names: tuple[str, ...]  # keyed as the table keys them: lowercase, no final dot

@@ -357,8 +357,9 @@ def test_a_denied_query_behind_repeats_of_an_allowed_one_is_seen_by_the_observer
 ) -> None:
     """The observer deals with repeats of a query it judged allowed without making events
     of them (``observer.sift``), a datagram of copies at a time. A denied query behind 100
-    of them, in the same datagram, with the resolver gone: the observer alone still judges
-    it and freezes, and nothing reached the lab's DNS."""
+    of them (in their datagram, or the next if the kernel's tick split the burst), with
+    the resolver gone: the observer alone still judges it and freezes, and nothing
+    reached the lab's DNS."""
     lab.clear_queries()
     with agent_run(lab, policy(name="freeze", loss="log"), "dns-behind-repeats:100") as run:
         os.kill(run.proc.pid, signal.SIGKILL)  # the resolver dies with the inline layer

@@ -1,6 +1,6 @@
 """egress.native: a package's compiled modules are used only while they match the
 sources, and decide exactly as the sources do (the tunnel scorer, the NFLOG walk, the
-resolver core)."""
+resolver core, the observer's sift)."""
 
 from __future__ import annotations
 
@@ -293,8 +293,9 @@ print(json.dumps(out))
 
 # Hands the observer's sift datagrams of copies (repeats of queries judged allowed, and
 # queries not judged; answers, allowed and not, over UDP and TCP, damaged; other
-# prefixes) on clocks that advance by milliseconds to seconds, judging the copy it stops
-# at as the observer does, and prints how many it dealt with and what the bindings hold.
+# prefixes) on clocks that advance by milliseconds to seconds, handing it the rest after
+# each copy it stops at (which would be an event), and prints how many it dealt with
+# each time and what the bindings hold.
 SIFT = r"""
 import ipaddress, json, random, struct, sys
 sys.path[:0] = [sys.argv[1]]
