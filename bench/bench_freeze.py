@@ -249,6 +249,16 @@ def confirmed_ms(state: Path, rounds: list[tuple[int, float]]) -> list[float]:
     return [float((got[fid] - t0) * 1000) for fid, t0 in rounds]
 
 
+def own_ms(state: Path, rounds: list[tuple[int, float]]) -> list[float]:
+    """For each round's freeze, the journal's ``latency_ms``: from the moment the first
+    layer read the violation (its ``at``) to the kernel's confirmation. What the bench's
+    figure holds before it (the pipe's wake-up of the workload, its send, the kernel's
+    copy to the layers and their wake-up) is the difference."""
+    with Journal.open(state) as journal:
+        got = {int(f["id"]): f["latency_ms"] for f in journal.freezes(limit=1_000_000)}
+    return [float(got[fid]) for fid, _ in rounds]
+
+
 def await_two_sightings(journal: Journal, sandbox_id: str) -> None:
     """Until both layers have seen the newest violation and each one that asked for the
     freeze has confirmed it (a resume before the second one's freeze lands would have
