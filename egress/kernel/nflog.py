@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from egress.datapath.nflog_wire import walk
+from egress.datapath.nflog_wire import Copies, Copy, walk
 from egress.datapath.packet import Packet, parse_ip_packet
 from egress.errors import DatapathError
 from egress.kernel.nfnetlink import (
@@ -46,11 +46,6 @@ _A_PACKET_HDR, _A_IFINDEX_INDEV, _A_IFINDEX_OUTDEV = 1, 4, 5
 _A_PAYLOAD, _A_PREFIX, _A_UID, _A_GID = 9, 10, 11, 14
 _PACKET_TYPE = (_NFNL_SUBSYS_ULOG << 8) | _NFULNL_MSG_PACKET
 _FAMILIES = {int(socket.AF_INET): 4, int(socket.AF_INET6): 6}
-
-# nflog_wire.walk's view of one message: (type, payload start, end, prefix as sent with
-# its NUL, the copied IP packet), prefix and packet b"" if it is no copy; and of a datagram.
-Copy = tuple[int, int, int, bytes, bytes]
-Copies = list[Copy]
 
 
 @dataclass(frozen=True)

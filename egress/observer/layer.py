@@ -31,12 +31,13 @@ from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
+from egress.datapath.nflog_wire import Copies
 from egress.errors import EgressError
 from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import netns_exists, netns_id, netns_path
 from egress.kernel.netns_cgroup import Peers
-from egress.kernel.nflog import Copies, NflogEvent, NflogListener
+from egress.kernel.nflog import NflogEvent, NflogListener
 from egress.kernel.nft import NftHandle
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
 from egress.observer.flows import FlowWatch

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Final
 
 from egress.datapath import constants as c
-from egress.datapath.nflog_wire import udp4_payload
+from egress.datapath.nflog_wire import Copies, udp4_payload
 from egress.observer.answers import Answers
 from egress.observer.replays import QueryReplays
 
@@ -22,14 +22,14 @@ ANSWER_PREFIX: Final = c.ANSWER_LOG_PREFIX.encode() + b"\0"
 
 
 def sift(
-    copies: list[tuple[int, int, int, bytes, bytes]],
+    copies: Copies,
     queries: QueryReplays,
     answers: Answers,
     now: float,
     wall: float,
 ) -> int:
-    """How many of ``copies`` (one datagram's, in order: ``kernel.nflog.Copies``), from
-    the first, were dealt with: it stops at the first that must be an event (a query not
+    """How many of ``copies`` (one datagram's, in order, as ``nflog_wire.walk`` finds
+    them), from the first, were dealt with: it stops at the first that must be an event (a query not
     judged allowed within the last second, anything but a DNS query or a UDP answer), so
     nothing behind it is acted on first. ``now`` is the monotonic clock, ``wall`` the
     wall clock (the bindings' ends), each read once for the datagram."""

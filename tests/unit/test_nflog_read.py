@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import pytest
 
+from egress.datapath.nflog_wire import Copies
 from egress.kernel import nflog
-from egress.kernel.nflog import Copies, NflogListener
+from egress.kernel.nflog import NflogListener
 from egress.kernel.nfnetlink import HDR
 from tests.support.nflog import GROUP, copy
 

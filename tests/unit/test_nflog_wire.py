@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import struct
 
-from egress.datapath.nflog_wire import walk
+from egress.datapath.nflog_wire import Copies, walk
 from egress.kernel.nfnetlink import HDR, NFGEN, attr, iter_attrs, messages
 from tests.support.nflog import PACKET, QUERY, copy
 
@@ -18,7 +18,7 @@ CONFIG = (4 << 8) | 1
 DONE, ERROR = 3, 2
 
 
-def reference(buf: bytes, packet_type: int = PACKET) -> list[tuple[int, int, int, bytes, bytes]]:
+def reference(buf: bytes, packet_type: int = PACKET) -> Copies:
     out = []
     for kind, _seq, pos, end in messages(buf):
         attrs = iter_attrs(buf, pos + NFGEN.size, end) if kind == packet_type else {}
