@@ -291,7 +291,8 @@ def test_metrics_kernel_figures_come_from_a_worker_started_again_when_it_dies(
     gets the kernel's own figures; egressd's end ends it."""
     with egressd(tmp_path / "state") as d:
         first = figures_workers(d.pid)
-        assert len(first) == 1, first  # started with egressd, before any scrape
+        # started with egressd, before any scrape (a failed start says why on stderr)
+        assert len(first) == 1, (first, d.stderr()[-2000:])
         box = d.create(policy("worker", "allowed.lab.test"), lab.uplink_netns)
         sid = box["id"]
         try:
