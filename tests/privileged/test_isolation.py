@@ -541,6 +541,8 @@ def test_a_killed_runs_uid_is_reclaimed_by_gc_and_an_exhausted_range_refused(lab
             first.proc.kill()
             first.proc.wait(timeout=LINE_S)
             assert uids.live_uids(range(2000100000, 2000100001)) == {2000100000}
+            # A uid a claim holds is not looked for: its processes are not read.
+            assert uids.live_uids(range(2000100000, 2000100001), known={2000100000}) == set()
             code, err, left = refused([*run_argv(lab, d), "--", "true"], environ)
             assert code == 2 and "no free uid" in err and left == [], (code, err, left)
             gc = subprocess.run([*EGRESSCTL, "gc"], capture_output=True, text=True,

@@ -31,7 +31,7 @@ def test_a_range_overlapping_subordinate_ids_is_refused_with_the_line(tmp_path: 
 
 
 def test_pick_skips_held_uids_and_reports_exhaustion(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(uids, "live_uids", lambda ids: {ids.start + 1})
+    monkeypatch.setattr(uids, "live_uids", lambda ids, known: {ids.start + 1} - known)
     monkeypatch.setattr(uids, "check_range", lambda ids: None)
     ids = range(2000000000, 2000000003)
     assert uids.pick(ids, {2000000000}) == 2000000002
@@ -44,7 +44,7 @@ def test_pick_honours_another_run_dirs_ledger_entries_and_skips_only_the_known(
 ) -> None:
     monkeypatch.setenv("EGRESS_WORKLOADS_DIR", str(tmp_path / "workloads"))
     (tmp_path / "workloads").mkdir()
-    monkeypatch.setattr(uids, "live_uids", lambda ids: set())
+    monkeypatch.setattr(uids, "live_uids", lambda ids, known: set())
     monkeypatch.setattr(uids, "check_range", lambda ids: None)
     ours, theirs = tmp_path / "run" / "ours.json", tmp_path / "other-run" / "theirs.json"
     for claim in (ours, theirs):
