@@ -33,6 +33,9 @@ from egress.store import claims, uids
 from egress.store.paths import read_template, workloads_dir
 
 ETC_NETNS = Path("/etc/netns")
+# Written as the sandbox's netns is made. Let unprivileged ICMP echo sockets exist, so a
+# ping is sent, blocked and reported rather than failing before it reaches the rules.
+SANDBOX_SYSCTLS = (("net/ipv4/ping_group_range", "0 2147483647"),)
 
 
 def new_id() -> str:
@@ -162,7 +165,7 @@ def _build(
     steps: _Steps,
 ) -> Sandbox:
     name, host_if, uplink = claim.netns, claim.host_if, claim.uplink_netns
-    netns.create_netns(name)
+    netns.create_netns(name, SANDBOX_SYSCTLS)
     undo.append((f"netns {name}", lambda: netns.remove_netns(name)))
     steps.done("netns")
     with rtnl.opened(uplink) as outside, rtnl.opened(name) as inside:
@@ -196,9 +199,6 @@ def _build(
 def _addresses(
     net: SandboxNet, name: str, host_if: str, outside: rtnl.Rtnl, inside: rtnl.Rtnl
 ) -> None:
-    # Let unprivileged ICMP echo sockets exist, so a ping is sent, blocked and reported
-    # rather than failing before it reaches the rules.
-    netns.set_sysctl(name, "net.ipv4.ping_group_range", "0 2147483647")
     host_index = outside.index(host_if)
     host = rtnl.Batch()
     host.address(host_index, host_if, f"{net.gateway4}/{net.net4.prefixlen}")

@@ -122,12 +122,16 @@ def attach(uplink: str | None, host_if: str | None = None) -> None:
     if uplink_if is None:
         where = f"uplink netns {uplink!r}" if uplink else "the host"
         raise SandboxError(f"{where} has no default route: the sandbox's traffic can't leave")
+    hosts = [host_if] if host_if else _own_host_ends(uplink)
     with claims.locked():
         handle = _handle(uplink)
-        _ensure_uplink(uplink, uplink_if, handle)
-    for name in [host_if] if host_if else _own_host_ends(uplink):
-        _forward(uplink, name)
-    if not ipv6_forwards(netns.find_sysctl(uplink, V6_ALL), _has_force_forwarding(uplink)):
+        # One walk to the uplink's /proc/sys/net/ipv4 and ipv6 for all of it (Sysctls).
+        with netns.sysctls(uplink) as found:
+            _ensure_uplink(uplink, uplink_if, handle, found)
+            for name in hosts:
+                _forward(found, name)
+            v6_off = not ipv6_forwards(found.find(V6_ALL), _has_force_forwarding(found))
+    if v6_off:
         _warn_no_ipv6(uplink)
 
 
@@ -142,7 +146,8 @@ def detach(uplink: str | None, sandbox_id: str) -> None:
         elif not _another(uplink, sandbox_id):
             saved = _load(uplink)
             if saved is not None:  # first, while the guard still stands
-                _put_back(uplink, saved)
+                with netns.sysctls(uplink) as found:
+                    _put_back(found, saved)
             _handle(uplink).delete_table("inet", c.UPLINK_TABLE)
             _forget(uplink)
         claims.release(sandbox_id)
@@ -187,27 +192,29 @@ def _another(uplink: str | None, sandbox_id: str) -> bool:
     )
 
 
-def _ensure_uplink(uplink: str | None, uplink_if: str, handle: NftHandle) -> None:
+def _ensure_uplink(
+    uplink: str | None, uplink_if: str, handle: NftHandle, found: netns.Sysctls
+) -> None:
     """First in (no table, or no record of what egress changed): set the uplink up.
     Otherwise make sure what the first one turned on is still on."""
     saved = _load(uplink)
     if saved is not None and handle.table_exists("inet", c.UPLINK_TABLE):
         for key in saved.before:
-            if netns.find_sysctl(uplink, key) != ON:
-                netns.set_sysctl(uplink, key, ON)
+            if found.find(key) != ON:
+                found.set(key, ON)
         return
     if saved is not None:  # left by a crash: the host's own values first
-        _put_back(uplink, saved)
+        _put_back(found, saved)
     seen = Seen(
-        ipv4=netns.get_sysctl(uplink, v4_key(uplink_if)),
-        ipv6_all=netns.find_sysctl(uplink, V6_ALL),
-        ipv6_force=netns.find_sysctl(uplink, v6_key(uplink_if)),
+        ipv4=found.get(v4_key(uplink_if)),
+        ipv6_all=found.find(V6_ALL),
+        ipv6_force=found.find(v6_key(uplink_if)),
     )
     p = plan(seen)
     before = {v4_key(uplink_if): seen.ipv4} if p.open4 else {}
     if p.open6 and seen.ipv6_force is not None:
         before[v6_key(uplink_if)] = seen.ipv6_force
-    namespace = {key: netns.find_sysctl(uplink, key) for key in (V4_ALL, V6_ALL)}
+    namespace = {key: found.find(key) for key in (V4_ALL, V6_ALL)}
     _save(uplink, Saved(netns.netns_inode(uplink), uplink_if, before, namespace))
     # A table a crash left is replaced in the same transaction ("add; delete" makes the
     # delete valid whether or not it exists): one nft call, not two.
@@ -219,27 +226,27 @@ def _ensure_uplink(uplink: str | None, uplink_if: str, handle: NftHandle) -> Non
     undefine = "".join(f"undefine {name}\n" for name in names)
     handle.load(f"add table {table}\ndelete table {table}\n{text}\n{undefine}")
     for key in before:
-        netns.set_sysctl(uplink, key, ON)
+        found.set(key, ON)
 
 
-def _put_back(uplink: str | None, saved: Saved) -> None:
+def _put_back(found: netns.Sysctls, saved: Saved) -> None:
     keys = [*saved.before, V4_ALL, V6_ALL]
-    now = {key: netns.find_sysctl(uplink, key) for key in keys}
+    now = {key: found.find(key) for key in keys}
     for key, value in restore_plan(saved, now).items():
-        netns.set_sysctl(uplink, key, value)
+        found.set(key, value)
 
 
-def _forward(uplink: str | None, host_if: str) -> None:
+def _forward(found: netns.Sysctls, host_if: str) -> None:
     """Forwarding on for what arrives on a sandbox veth's host end (nothing if the link
     is gone). IPv6 only where the kernel has the per-interface knob."""
     for key in (v4_key(host_if), v6_key(host_if)):
-        value = netns.find_sysctl(uplink, key)
+        value = found.find(key)
         if value is not None and value != ON:
-            netns.set_sysctl(uplink, key, ON)
+            found.set(key, ON)
 
 
-def _has_force_forwarding(uplink: str | None) -> bool:
-    return netns.find_sysctl(uplink, v6_key("lo")) is not None
+def _has_force_forwarding(found: netns.Sysctls) -> bool:
+    return found.find(v6_key("lo")) is not None
 
 
 def _own_host_ends(uplink: str | None) -> list[str]:

@@ -325,6 +325,37 @@ def test_sysctl_is_per_netns_even_from_a_worker_thread(pair: Pair) -> None:
     assert netns.get_sysctl(None, "net.ipv4.ip_forward") == host_value
 
 
+def test_one_sysctls_session_reads_and_writes_its_own_netns(pair: Pair) -> None:
+    """A session opens /proc/sys/net/ipv4 and ipv6 once and the rest relative to them:
+    what it reads and writes is its netns's, key after key, and the next session in
+    another netns sees that one's."""
+    keys = ["net.ipv4.ip_forward", "net/ipv6/conf/all/forwarding",
+            f"net/ipv4/conf/{pair.uplink_if}/forwarding", "net.ipv4.ping_group_range"]  # fmt: skip
+    with netns.sysctls(pair.uplink) as found:
+        found.set(keys[0], 1)
+        found.set(keys[1], 1)
+        assert [found.find(k) for k in keys[:3]] == ["1", "1", "1"]
+        assert found.find("net/ipv4/conf/no-such-if/forwarding") is None
+        with pytest.raises(SandboxError, match="no such key"):
+            found.get("net/ipv6/conf/no-such-if/forwarding")
+    with netns.sysctls(pair.sandbox) as found:
+        assert [found.find(k) for k in keys[:2]] == ["0", "0"]
+        found.set(keys[3], "0 2147483647")
+    assert netns.get_sysctl(pair.sandbox, keys[3]).split() == ["0", "2147483647"]
+    assert netns.get_sysctl(pair.uplink, keys[3]).split() != ["0", "2147483647"]
+    assert netns.get_sysctl(pair.uplink, keys[1]) == "1"
+
+
+def test_extra_sysctls_are_written_as_the_netns_is_made(ns: str) -> None:
+    name = ns + "x"
+    netns.create_netns(name, (("net/ipv4/ping_group_range", "0 2147483647"),))
+    try:
+        assert netns.get_sysctl(name, "net.ipv4.ping_group_range").split() == ["0", "2147483647"]
+        assert netns.get_sysctl(name, "net.ipv6.conf.default.forwarding") == "0"
+    finally:
+        netns.remove_netns(name)
+
+
 @pytest.mark.parametrize("key", ["net.ipv4.no_such_knob", "net/../../etc/passwd", ""])
 def test_sysctl_unknown_or_hostile_key_raises(ns: str, key: str) -> None:
     with pytest.raises(SandboxError):

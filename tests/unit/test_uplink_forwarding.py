@@ -116,13 +116,17 @@ class FakeNetns:
         self.writes: list[tuple[str, str]] = []
         self.table: str | None = None
 
-    def find_sysctl(self, netns: str | None, key: str) -> str | None:
+    @contextmanager
+    def session(self, netns: str | None) -> Iterator[FakeNetns]:
+        yield self  # netns.sysctls(): the namespace's Sysctls
+
+    def find(self, key: str) -> str | None:
         return self.sysctls.get(key)
 
-    def get_sysctl(self, netns: str | None, key: str) -> str:
+    def get(self, key: str) -> str:
         return self.sysctls[key]
 
-    def set_sysctl(self, netns: str | None, key: str, value: str | int) -> None:
+    def set(self, key: str, value: str | int) -> None:
         assert key in self.sysctls, key
         self.sysctls[key] = str(value)
         self.writes.append((key, str(value)))
@@ -144,8 +148,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     @contextmanager
     def make(sysctls: dict[str, str]) -> Iterator[FakeNetns]:
         ns = FakeNetns(sysctls)
-        for name in ("find_sysctl", "get_sysctl", "set_sysctl"):
-            monkeypatch.setattr(uplink.netns, name, getattr(ns, name))
+        monkeypatch.setattr(uplink.netns, "sysctls", ns.session)
         monkeypatch.setattr(uplink.netns, "netns_inode", lambda netns: 42)
         monkeypatch.setattr(uplink.netns, "netns_exists", lambda netns: True)
         monkeypatch.setattr(uplink.netns, "default_route_ifname", lambda netns: UP)
