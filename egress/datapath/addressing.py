@@ -117,11 +117,18 @@ def first_free(
 Span = tuple[int, int]  # a network's first and last address, as integers
 
 
+Ranges = tuple[list[int], list[int]]  # sorted, merged [first, last] ranges: starts, ends
+
+
 def first_free_spans(pools: Pools, used4: Iterable[Span], used6: Iterable[Span]) -> SandboxNet:
     """``first_free`` of networks given as spans: a caller that keeps them as integers
     saves the conversion (ipaddress's properties), 2 µs a network, each create."""
-    taken4 = _ranges(used4)
-    taken6 = _ranges(used6)
+    return first_free_in(pools, merged(used4), merged(used6))
+
+
+def first_free_in(pools: Pools, taken4: Ranges, taken6: Ranges) -> SandboxNet:
+    """``first_free`` over the used spans as ``merged`` makes them (and ``add_range``
+    keeps them)."""
     base4, size4 = int(pools.v4.network_address), 2 ** (32 - PREFIX4)
     base6, size6 = int(pools.v6.network_address), 2 ** (128 - PREFIX6)
     # From block 0, jump past each taken range a candidate meets, in either family, until
@@ -139,7 +146,20 @@ def first_free_spans(pools: Pools, used4: Iterable[Span], used6: Iterable[Span])
     )
 
 
-def _ranges(used: Iterable[Span]) -> tuple[list[int], list[int]]:
+def add_range(taken: Ranges, span: Span) -> None:
+    """Merge one span into ``taken`` in place: a bisection and a splice, where merging
+    every span again cost a create at 1,000 sandboxes 2 ms."""
+    starts, ends = taken
+    first, last = span
+    lo = bisect.bisect_left(ends, first - 1)  # the first range that ends at or past it
+    hi = bisect.bisect_right(starts, last + 1)  # past the last that starts within reach
+    if lo < hi:  # ranges lo..hi-1 overlap or touch the span: one range now
+        first, last = min(first, starts[lo]), max(last, ends[hi - 1])
+    starts[lo:hi] = [first]
+    ends[lo:hi] = [last]
+
+
+def merged(used: Iterable[Span]) -> Ranges:
     """Sorted, merged [first, last] address ranges, as two lists (starts, ends)."""
     spans = sorted(used)
     starts: list[int] = []
@@ -153,7 +173,7 @@ def _ranges(used: Iterable[Span]) -> tuple[list[int], list[int]]:
     return starts, ends
 
 
-def _past(taken: tuple[list[int], list[int]], base: int, size: int, index: int) -> int:
+def _past(taken: Ranges, base: int, size: int, index: int) -> int:
     """The lowest block index >= ``index`` (blocks of ``size`` addresses from ``base``)
     that overlaps none of the sorted, merged ``taken`` ranges."""
     starts, ends = taken

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from egress.datapath.addressing import Pools, first_free
+from egress.datapath.addressing import Pools, add_range, first_free, merged
 from egress.errors import SandboxError
 
 
@@ -72,3 +72,18 @@ def test_first_free_agrees_with_checking_every_pair() -> None:
                 first_free(pools, used)
         else:
             assert first_free(pools, used) == pools.network(want), used
+
+
+def test_ranges_merged_one_span_at_a_time_equal_those_merged_at_once() -> None:
+    """add_range (a claim index's own claims, one per create) keeps exactly what merged
+    makes of all the spans: touching, overlapping, nested, duplicate and lone ones."""
+    rng = random.Random(11)
+    for _ in range(2000):
+        spans = []
+        for _ in range(rng.randrange(1, 25)):
+            first = rng.randrange(0, 200)
+            spans.append((first, first + rng.choice([0, 0, 1, 3, 3, 7, 30])))
+        taken = merged([])
+        for span in spans:
+            add_range(taken, span)
+        assert taken == merged(spans), spans
