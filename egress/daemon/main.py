@@ -25,7 +25,7 @@ from egress.kernel import nft
 from egress.kernel.netns_cgroup import enter_host_cgroupns
 from egress.kernel.sched import leave_realtime, raise_session_group
 from egress.observer.supervisor import Supervisor
-from egress.store import rundir, uids
+from egress.store import claims, rundir, uids
 from egress.store.follow import Follower, event_json
 from egress.store.journal import Journal
 from egress.store.paths import EGRESS_GROUP, egress_gid, private_dir, run_dir, state_dir
@@ -281,6 +281,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
     _raise_priority()
     taken = handoff.inherited()  # this process, re-executed on SIGHUP (first: its env)
     nft.use_worker().start()
+    claims.track()  # the claims directory's changes from inotify, not listed per create
     run_dir = Path(args.run_dir)
     try:
         rundir.prepare(run_dir)  # root's and group egress's only, as an older one may not be

@@ -5,7 +5,9 @@
                        templates
     trust.py           the operator's policy file: refused if the workload could change it
                        (sshd's StrictModes), else read once and hashed
-    claims.py          which sandbox holds which address block (a lock, a file each)
+    claims.py          which sandbox holds which address block (a lock, a file each);
+                       egressd learns other processes' changes from inotify (inotify.py)
+    uids.py            the workloads' uids, taken with the claim; the host-wide ledger
     journal.py         the violation journal (SQLite, WAL, fsync per record)
     intents.py         a layer's freeze intents: the violation durable in one O_DSYNC
                        block write before the freeze, committed to the journal after it

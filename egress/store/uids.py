@@ -243,7 +243,7 @@ def record(sandbox_id: str, uid: int, claim_file: Path) -> None:
         raise SandboxError(f"{base}: {exc.strerror}") from None
 
 
-def pick(ids: range, taken: set[int], known: AbstractSet[str] = frozenset()) -> int:
+def pick(ids: range, taken: AbstractSet[int], known: AbstractSet[str] = frozenset()) -> int:
     """The lowest uid of ``ids`` no claim holds, no process runs as and no account names.
 
     Call with the claims lock and ``locked`` held; ``taken`` is what this run dir's live
@@ -251,7 +251,7 @@ def pick(ids: range, taken: set[int], known: AbstractSet[str] = frozenset()) -> 
     looking at each entry cost a create at 1,000 sandboxes 10 ms).
     """
     check_range(ids)
-    busy = taken | ledger_held(known)
+    busy = ledger_held(known) | taken
     busy |= live_uids(ids, known=busy)
     for uid in ids:
         if uid not in busy and not _account_exists(uid):

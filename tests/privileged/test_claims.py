@@ -3,8 +3,12 @@ a known claim is trusted only while its netns exists, and is read again otherwis
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,10 +31,15 @@ spec: {dns: {allow: [allowed.lab.test]}}
 """
 
 
-@pytest.fixture
-def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+@pytest.fixture(params=["listed", "tracked"])
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: Any) -> Iterator[Path]:
+    """A run dir of its own, its claims looked at as ``egressctl run`` does (the
+    directory listed at each claim) or as egressd does (``track``: its inotify events)."""
     monkeypatch.setenv("EGRESS_RUN_DIR", str(tmp_path / "run"))
-    return tmp_path / "run"
+    monkeypatch.setattr(claims, "_tracked", request.param == "tracked")
+    claims._known.forget()
+    yield tmp_path / "run"
+    claims._known.forget()
 
 
 def dead_pid() -> int:
@@ -76,6 +85,67 @@ def test_a_rewritten_claim_is_read_again(run: Path) -> None:
         assert claims.claim("fourth", POOLS, None).index == 1
     finally:
         netns.remove_netns(name)
+
+
+OTHER = """
+import sys
+from egress.datapath.addressing import Pools
+from egress.store import claims
+print(claims.claim("other", Pools.parse("10.99.0.0/27,fd00:99::/60"), None).index, flush=True)
+sys.stdin.readline()
+claims.release("other")
+"""
+
+
+def test_what_another_process_claims_and_releases_is_seen_at_the_next_claim(run: Path) -> None:
+    """Another process's claim, made and given up between two of ours, is what the
+    next claim goes around, and then takes (egressd learns it from inotify's events)."""
+    assert claims.claim("a", POOLS, None).index == 0
+    with subprocess.Popen([sys.executable, "-c", OTHER], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as other:  # fmt: skip
+        try:
+            assert other.stdout is not None and other.stdin is not None
+            assert other.stdout.readline().strip() == "1"
+            assert claims.claim("b", POOLS, None).index == 2
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.wait(timeout=60) == 0
+        finally:
+            if other.poll() is None:
+                other.kill()
+    assert claims.claim("c", POOLS, None).index == 1
+    assert {c.id: c.index for c in claims.load_all()} == {"a": 0, "b": 2, "c": 1}
+
+
+def test_a_run_dir_made_again_is_read_anew(run: Path) -> None:
+    assert claims.claim("a", POOLS, None).index == 0
+    assert claims.claim("b", POOLS, None).index == 1
+    (run / "sandboxes" / "a.json").unlink()
+    (run / "sandboxes" / "b.json").rename(run / "b.json")
+    (run / "sandboxes" / ".lock").unlink()
+    (run / "sandboxes").rmdir()
+    (run / "sandboxes").mkdir()
+    (run / "b.json").rename(run / "sandboxes" / "b.json")  # b's alone, in a new directory
+    assert claims.claim("c", POOLS, None).index == 0
+    assert claims.claim("d", POOLS, None).index == 2
+
+
+def test_a_uid_is_held_while_a_claim_and_its_files_hold_it(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workloads = tmp_path / "workloads"
+    monkeypatch.setenv("EGRESS_WORKLOADS_DIR", str(workloads))
+    ids = range(2000200000, 2000200010)
+    a, b = claims.claim("a", POOLS, None, ids), claims.claim("b", POOLS, None, ids)
+    assert (a.uid, b.uid) == (ids[0], ids[1])
+    claims.save(a)  # rewritten, as a create does: it holds its uid still, and once
+    claims.release("b")
+    assert claims.claim("c", POOLS, None, ids).uid == ids[2]  # b's files hold its uid
+    shutil.rmtree(workloads / "b")
+    assert claims.claim("d", POOLS, None, ids).uid == ids[1]
+    claims.release("a")
+    shutil.rmtree(workloads / "a")
+    assert claims.claim("e", POOLS, None, ids).uid == ids[0]
 
 
 def test_a_taken_id_is_refused_and_the_claim_holding_it_kept(run: Path) -> None:
