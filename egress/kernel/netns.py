@@ -482,11 +482,17 @@ class Sysctls:
         family, _, leaf = rest.partition("/")
         if top != "net" or family not in ("ipv4", "ipv6") or not leaf:
             return os.open("/proc/sys/" + rel, flags | os.O_CLOEXEC)
-        parent = self._dirs.get(family)
-        if parent is None:
-            parent = os.open(f"/proc/sys/net/{family}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._dirs[family] = parent
-        return os.open(leaf, flags | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            parent = self._dirs.get(family)
+            if parent is None:
+                parent = os.open(
+                    f"/proc/sys/net/{family}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+                )
+                self._dirs[family] = parent
+            return os.open(leaf, flags | os.O_CLOEXEC, dir_fd=parent)
+        except OSError as exc:
+            exc.filename = "/proc/sys/" + rel  # the whole path, not the part under the fd
+            raise
 
     def close(self) -> None:
         for fd in self._dirs.values():

@@ -125,9 +125,17 @@ def attach(uplink: str | None, host_if: str | None = None) -> None:
     hosts = [host_if] if host_if else _own_host_ends(uplink)
     with claims.locked():
         handle = _handle(uplink)
-        # One walk to the uplink's /proc/sys/net/ipv4 and ipv6 for all of it (Sysctls).
+        saved = _load(uplink)
+        set_up = saved is not None and handle.table_exists("inet", c.UPLINK_TABLE)
+        if not set_up:
+            _set_up(uplink, uplink_if, handle, saved)
+        # One walk to the uplink's /proc/sys/net/ipv4 and ipv6 for the rest (Sysctls);
+        # no nft call in it: a worker started again from this thread would be in there.
         with netns.sysctls(uplink) as found:
-            _ensure_uplink(uplink, uplink_if, handle, found)
+            if set_up and saved is not None:  # what the first one turned on is still on
+                for key in saved.before:
+                    if found.find(key) != ON:
+                        found.set(key, ON)
             for name in hosts:
                 _forward(found, name)
             v6_off = not ipv6_forwards(found.find(V6_ALL), _has_force_forwarding(found))
@@ -192,29 +200,21 @@ def _another(uplink: str | None, sandbox_id: str) -> bool:
     )
 
 
-def _ensure_uplink(
-    uplink: str | None, uplink_if: str, handle: NftHandle, found: netns.Sysctls
-) -> None:
-    """First in (no table, or no record of what egress changed): set the uplink up.
-    Otherwise make sure what the first one turned on is still on."""
-    saved = _load(uplink)
-    if saved is not None and handle.table_exists("inet", c.UPLINK_TABLE):
-        for key in saved.before:
-            if found.find(key) != ON:
-                found.set(key, ON)
-        return
-    if saved is not None:  # left by a crash: the host's own values first
-        _put_back(found, saved)
-    seen = Seen(
-        ipv4=found.get(v4_key(uplink_if)),
-        ipv6_all=found.find(V6_ALL),
-        ipv6_force=found.find(v6_key(uplink_if)),
-    )
+def _set_up(uplink: str | None, uplink_if: str, handle: NftHandle, saved: Saved | None) -> None:
+    """First in (no table, or no record of what egress changed): set the uplink up."""
+    with netns.sysctls(uplink) as found:
+        if saved is not None:  # left by a crash: the host's own values first
+            _put_back(found, saved)
+        seen = Seen(
+            ipv4=found.get(v4_key(uplink_if)),
+            ipv6_all=found.find(V6_ALL),
+            ipv6_force=found.find(v6_key(uplink_if)),
+        )
+        namespace = {key: found.find(key) for key in (V4_ALL, V6_ALL)}
     p = plan(seen)
     before = {v4_key(uplink_if): seen.ipv4} if p.open4 else {}
     if p.open6 and seen.ipv6_force is not None:
         before[v6_key(uplink_if)] = seen.ipv6_force
-    namespace = {key: found.find(key) for key in (V4_ALL, V6_ALL)}
     _save(uplink, Saved(netns.netns_inode(uplink), uplink_if, before, namespace))
     # A table a crash left is replaced in the same transaction ("add; delete" makes the
     # delete valid whether or not it exists): one nft call, not two.
@@ -225,8 +225,9 @@ def _ensure_uplink(
     names = [line.split()[1] for line in text.splitlines() if line.startswith("define ")]
     undefine = "".join(f"undefine {name}\n" for name in names)
     handle.load(f"add table {table}\ndelete table {table}\n{text}\n{undefine}")
-    for key in before:
-        found.set(key, ON)
+    with netns.sysctls(uplink) as found:
+        for key in before:
+            found.set(key, ON)
 
 
 def _put_back(found: netns.Sysctls, saved: Saved) -> None:

@@ -98,13 +98,18 @@ class FakeHandle:
     def __exit__(self, *exc: object) -> None:
         pass
 
+    # No nft call while a Sysctls session has the thread in the uplink: a worker
+    # started again from there would run every later command in that netns.
     def table_exists(self, family: str, table: str) -> bool:
+        assert not self.ns.inside
         return self.ns.table is not None
 
     def load(self, text: str) -> None:
+        assert not self.ns.inside
         self.ns.table = text
 
     def delete_table(self, family: str, table: str) -> None:
+        assert not self.ns.inside
         self.ns.table = None
 
 
@@ -115,10 +120,15 @@ class FakeNetns:
         self.sysctls = sysctls
         self.writes: list[tuple[str, str]] = []
         self.table: str | None = None
+        self.inside = False
 
     @contextmanager
     def session(self, netns: str | None) -> Iterator[FakeNetns]:
-        yield self  # netns.sysctls(): the namespace's Sysctls
+        self.inside = True  # netns.sysctls(): the namespace's Sysctls
+        try:
+            yield self
+        finally:
+            self.inside = False
 
     def find(self, key: str) -> str | None:
         return self.sysctls.get(key)
