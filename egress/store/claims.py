@@ -3,7 +3,9 @@
 One JSON file per sandbox under <run dir>/sandboxes/, written under an flock so that
 concurrent ``egressctl run``s never pick the same block. Directory 0750 and files 0640,
 root's and the egress group's (``paths.private_dir``). A claim whose owner process is
-gone and whose netns no longer exists is stale and is reclaimed.
+gone and whose netns no longer exists is stale and is reclaimed. A process keeps what it
+read of the claims between its claims (``_Known``); egressd learns what changed from
+inotify (``track``).
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ class _Known:
     whose inode is another (a save replaces the file), and a claim of another process
     whose netns is gone or was made again (its owner may have died). A known claim of
     this process's own is live (its owner runs) and costs nothing. With ``track()``
-    (egressd), the directory is not even listed: its inotify events name what changed.
+    (egressd), the directory is not even listed: its inotify events name what changed
+    (listed whole again when the kernel lost some, or the watch went).
     Reading and parsing every file again made a create at 300 sandboxes spend 14 ms;
     listing 1,000 and merging their ranges cost one at 1,000 sandboxes 5 ms.
     """
@@ -144,6 +147,7 @@ class _Known:
     def __init__(self) -> None:
         self.held: dict[str, tuple[int, _Held]] = {}  # file name -> (its inode, holdings)
         self.foreign: set[str] = set()  # those of other processes' claims
+        self.unread: set[str] = set()  # files that hold no claim now (not JSON, say)
         self.uids: Counter[int] = Counter()  # the workload uids they hold
         self.ids: Counter[str] = Counter()  # their sandbox ids
         self.directory: tuple[str, int, int] | None = None  # path, st_dev, st_ino
@@ -151,7 +155,16 @@ class _Known:
         self._ranges: tuple[Ranges, Ranges] | None = None
 
     def look(self, directory: Path, tracked: bool) -> None:
-        """Bring ``held`` up to date with ``directory`` (call under the lock)."""
+        """Bring ``held`` up to date with ``directory`` (call under the lock). On an
+        error, the next look lists the directory whole: the events it had drained are
+        gone."""
+        try:
+            self._look(directory, tracked)
+        except BaseException:
+            self.forget_watch()
+            raise
+
+    def _look(self, directory: Path, tracked: bool) -> None:
         st = os.stat(directory)
         here = (str(directory), st.st_dev, st.st_ino)
         if here != self.directory:  # another run dir, or the same made again
@@ -165,7 +178,7 @@ class _Known:
         if changed is None:
             self._list(directory)
         else:
-            for name in changed:
+            for name in changed | self.unread:
                 self._read(directory, name)
         for name in list(self.foreign):
             held = self.held[name][1]
@@ -189,21 +202,29 @@ class _Known:
         if not name.endswith(".json") or name.startswith("."):
             return  # a save's temporary file, or nothing of ours
         path = directory / name
+        self.unread.discard(name)
         try:
             with open(path, "rb") as f:
                 inode = os.fstat(f.fileno()).st_ino
                 existing = Claim(**json.loads(f.read()))
-        except (OSError, ValueError, TypeError):
-            self._drop(name)  # gone, half-written or foreign: it holds no claim
+            both = bool(existing.net4 and existing.net6)  # an older claim may lack them
+            spans4 = _spans(existing.net4) if both else ()
+            spans6 = _spans(existing.net6) if both else ()
+        except FileNotFoundError:
+            self._drop(name)
+            return
+        except OSError as exc:  # it may hold a claim: no claim is made without it
+            raise SandboxError(f"{path}: {exc.strerror}") from None
+        except (ValueError, TypeError):
+            self._drop(name)  # not a claim (what else is there): read again at each look
+            self.unread.add(name)
             return
         if is_stale(existing):
             release(existing.id)
             self._drop(name)
             return
-        both = bool(existing.net4 and existing.net6)  # an older claim may lack them
         held = _Held(existing.id, existing.owner_pid, existing.netns,
-                     _netns_inode(existing.netns), _spans(existing.net4) if both else (),
-                     _spans(existing.net6) if both else (), existing.uid)  # fmt: skip
+                     _netns_inode(existing.netns), spans4, spans6, existing.uid)  # fmt: skip
         before = self.held.get(name)
         if before is not None:
             self._count(before[1], -1)
@@ -251,6 +272,7 @@ class _Known:
         self.forget_watch()
         self.held.clear()
         self.foreign.clear()
+        self.unread.clear()
         self.uids.clear()
         self.ids.clear()
         self._ranges = None
@@ -265,6 +287,7 @@ def _add(counter: Counter[K], key: K, n: int) -> None:
 
 _known = _Known()
 _tracked = False
+os.register_at_fork(after_in_child=_known.forget)  # a child shares no queue, no claims
 
 
 def track() -> None:

@@ -3,6 +3,9 @@ a known claim is trusted only while its netns exists, and is read again otherwis
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,11 +16,13 @@ from typing import Any
 import pytest
 
 from egress.datapath.addressing import Pools
+from egress.errors import SandboxError
 from egress.kernel import netns
 from egress.lab import Lab
 from egress.policy import parse_policy
 from egress.sandbox import lifecycle
 from egress.store import claims
+from egress.store.paths import netns_name
 from tests.support.netns import unique
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
@@ -91,30 +96,74 @@ OTHER = """
 import sys
 from egress.datapath.addressing import Pools
 from egress.store import claims
-print(claims.claim("other", Pools.parse("10.99.0.0/27,fd00:99::/60"), None).index, flush=True)
+print(claims.claim(sys.argv[1], Pools.parse("10.99.0.0/27,fd00:99::/60"), None).index, flush=True)
 sys.stdin.readline()
-claims.release("other")
+claims.release(sys.argv[1])
 """
 
 
 def test_what_another_process_claims_and_releases_is_seen_at_the_next_claim(run: Path) -> None:
     """Another process's claim, made and given up between two of ours, is what the
-    next claim goes around, and then takes (egressd learns it from inotify's events)."""
+    next claim goes around, and then takes (egressd learns it from inotify's events).
+    Its netns exists throughout: its claim is live, and only its release says it went."""
     assert claims.claim("a", POOLS, None).index == 0
-    with subprocess.Popen([sys.executable, "-c", OTHER], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as other:  # fmt: skip
-        try:
-            assert other.stdout is not None and other.stdin is not None
-            assert other.stdout.readline().strip() == "1"
-            assert claims.claim("b", POOLS, None).index == 2
-            other.stdin.write("\n")
-            other.stdin.flush()
-            assert other.wait(timeout=60) == 0
-        finally:
-            if other.poll() is None:
-                other.kill()
-    assert claims.claim("c", POOLS, None).index == 1
+    assert (claims._known.watch is not None) == claims._tracked
+    sid = unique("o").replace("-", "")[-12:]
+    try:
+        with subprocess.Popen([sys.executable, "-c", OTHER, sid], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) as other:  # fmt: skip
+            try:
+                assert other.stdout is not None and other.stdin is not None
+                assert other.stdout.readline().strip() == "1"
+                netns.create_netns(netns_name(sid))  # as its create would
+                assert claims.claim("b", POOLS, None).index == 2
+                other.stdin.write("\n")
+                other.stdin.flush()
+                assert other.wait(timeout=60) == 0
+            finally:
+                if other.poll() is None:
+                    other.kill()
+        assert claims.claim("c", POOLS, None).index == 1
+    finally:
+        netns.remove_netns(netns_name(sid))
     assert {c.id: c.index for c in claims.load_all()} == {"a": 0, "b": 2, "c": 1}
+
+
+def test_a_claim_that_could_not_be_read_is_read_at_the_next_claim(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim file that fails to open (not for its absence) fails the claim, which must
+    not hand out what it may hold; the next claim reads it (the events drained by the
+    failed one are not lost)."""
+    assert claims.claim("a", POOLS, None).index == 0
+    held = POOLS.network(1)
+    claims.save(claims.Claim(id="f", index=1, netns="egress-f", host_if="eg-f",
+                             uplink_netns=None, owner_pid=os.getppid(),
+                             net4=str(held.net4), net6=str(held.net6)))  # fmt: skip
+    real_open, failed = open, []
+
+    def open_once_failing(path: Any, *args: Any) -> Any:
+        if Path(path).name == "f.json" and not failed:
+            failed.append(path)
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(claims, "open", open_once_failing, raising=False)
+    with pytest.raises(SandboxError, match=r"f\.json: Too many open files"):
+        claims.claim("b", POOLS, None)
+    assert claims.claim("c", POOLS, None).index == 2
+    assert failed
+
+
+def test_a_file_that_is_no_claim_holds_nothing_and_is_read_again(run: Path) -> None:
+    assert claims.claim("a", POOLS, None).index == 0
+    (run / "sandboxes" / "x.json").write_text("[not a claim")
+    assert claims.claim("b", POOLS, None).index == 1
+    held = POOLS.network(2)
+    (run / "sandboxes" / "x.json").write_text(json.dumps(dict(
+        id="x", index=2, netns="egress-x", host_if="eg-x", uplink_netns=None,
+        owner_pid=os.getppid(), net4=str(held.net4), net6=str(held.net6))))  # fmt: skip
+    assert claims.claim("c", POOLS, None).index == 3
 
 
 def test_a_run_dir_made_again_is_read_anew(run: Path) -> None:
