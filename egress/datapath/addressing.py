@@ -121,8 +121,7 @@ Ranges = tuple[list[int], list[int]]  # sorted, merged [first, last] ranges: sta
 
 
 def first_free_spans(pools: Pools, used4: Iterable[Span], used6: Iterable[Span]) -> SandboxNet:
-    """``first_free`` of networks given as spans: a caller that keeps them as integers
-    saves the conversion (ipaddress's properties), 2 µs a network, each create."""
+    """``first_free`` of networks given as integer spans, merged first."""
     return first_free_in(pools, merged(used4), merged(used6))
 
 

@@ -92,7 +92,9 @@ def live_processes(
 ) -> dict[int, list[int]]:
     """The living processes of each uid of ``ids`` that has any: uid -> pids. A process
     whose effective uid is of ``known`` is not read further, nor counted (reading every
-    sandbox's status files cost a create at 1,000 sandboxes with a process each 30 ms).
+    sandbox's status files cost a create at 1,000 sandboxes with a process each 30 ms):
+    its real and saved uids, which only a set-uid program makes differ (refused inside
+    a sandbox, see below), go unseen.
 
     /proc/PID belongs to the task's effective uid, so one stat per process finds them;
     only those are read further, for their real and saved uids and to skip zombies (dead:
