@@ -107,10 +107,10 @@ def first_free(
     candidate with every used network made a create with 200 sandboxes alive spend
     30 ms here.
     """
-    return first_free_spans(
+    return first_free_in(
         pools,
-        [(int(u.network_address), int(u.broadcast_address)) for u in used if u.version == 4],
-        [(int(u.network_address), int(u.broadcast_address)) for u in used if u.version == 6],
+        merged((int(u.network_address), int(u.broadcast_address)) for u in used if u.version == 4),
+        merged((int(u.network_address), int(u.broadcast_address)) for u in used if u.version == 6),
     )
 
 
@@ -118,11 +118,6 @@ Span = tuple[int, int]  # a network's first and last address, as integers
 
 
 Ranges = tuple[list[int], list[int]]  # sorted, merged [first, last] ranges: starts, ends
-
-
-def first_free_spans(pools: Pools, used4: Iterable[Span], used6: Iterable[Span]) -> SandboxNet:
-    """``first_free`` of networks given as integer spans, merged first."""
-    return first_free_in(pools, merged(used4), merged(used6))
 
 
 def first_free_in(pools: Pools, taken4: Ranges, taken6: Ranges) -> SandboxNet:
