@@ -5,7 +5,12 @@ byte to its stdin; the bench then waits until the journal shows the freeze confi
 resumes the sandbox, and goes again. Latency = confirmation time - the moment the bench
 asked for the packet (so it includes a pipe wake-up of ~0.05 ms).
 
-    .venv/bin/python bench/bench_freeze.py [-n 200]
+``--spinners N``: the workload first starts N processes that each call setsid and spin,
+the attack on the layers' share of the CPUs where the kernel weighs tasks by session
+(autogroups); a sandbox's tasks join its cpu cgroup where there is one (kernel/cgroup.py),
+so all of them weigh as one.
+
+    .venv/bin/python bench/bench_freeze.py [-n 200] [--spinners 0]
 
 Also prints journal write throughput (violations committed per second).
 """
@@ -45,15 +50,20 @@ spec:
   violations: {blocked_connect: freeze}
 """
 WORKLOAD = (
-    "import socket,sys\n"
+    "import os,socket,sys,time\n"
+    "for _ in range(int(sys.argv[1])):\n"  # --spinners
+    "    if os.fork() == 0:\n"
+    "        os.setsid()\n"
+    "        while True: pass\n"
     "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
     "print('ready', flush=True)\n"
     "port=1000\n"
     "while sys.stdin.buffer.read(1):\n"
     "    port+=1\n"  # a new flow each time: a layer freezes once per flow
+    "    t=time.time()\n"  # the moment of the violation, as the workload saw it
     "    try: s.sendto(b'x',('203.0.113.99',port))\n"
     "    except OSError: pass\n"
-    "    print('sent', flush=True)\n"
+    "    print(repr(t), flush=True)\n"
 )
 
 
@@ -89,7 +99,11 @@ def inline_process(sandbox_id: str, netns: str, state: str, ready: Any, stop: An
     listener.close()
 
 
-def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
+def measure(
+    mode: str, n: int, lab: Lab, state: Path, spinners: int = 0
+) -> tuple[list[float], list[float]]:
+    """Per freeze, ms to the kernel's confirmation from the bench's byte and from the
+    workload's send (the time it read just before it)."""
     policy, _ = parse_policy(POLICY, "<bench>")
     sb = sbx.create(policy, Pools.parse(None), lab.uplink_netns)
     journal = Journal.open(state)
@@ -97,6 +111,7 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
     stops: list[tuple[Any, Any]] = []
     observer = None
     rounds: list[tuple[int, float]] = []  # (freeze id, when the violation was asked for)
+    sent: list[tuple[int, float]] = []  # (freeze id, when the workload sent it)
     try:
         if mode in ("inline", "both"):
             ctx = multiprocessing.get_context("spawn")  # no SQLite state across a fork
@@ -129,7 +144,7 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
                 text=True,
             )
             assert observer.stdout is not None and observer.stdout.readline().strip() == "ready"
-        procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
+        procs = sb.cgroup.procs_files
         work = subprocess.Popen(
             [
                 "ip",
@@ -143,6 +158,7 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
                 "/usr/bin/python3",
                 "-c",
                 WORKLOAD,
+                str(spinners),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -162,7 +178,7 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
             if mode == "both":  # resume only once both layers have seen it
                 await_two_sightings(journal, sb.id)
             review.resume(journal, sb.cgroup, sb.id, 0, "bench")  # as egressctl resume
-            work.stdout.readline()  # it finished that round and waits for the next byte
+            sent.append((rounds[-1][0], float(work.stdout.readline())))  # then the next byte
         work.stdin.close()
         sb.cgroup.kill()
         work.wait()
@@ -175,7 +191,7 @@ def measure(mode: str, n: int, lab: Lab, state: Path) -> list[float]:
             observer.wait()
         journal.close()
         sb.destroy()
-    return confirmed_ms(state, rounds)
+    return confirmed_ms(state, rounds), confirmed_ms(state, sent)
 
 
 class Paced:
@@ -305,15 +321,24 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("--modes", default="inline,observer,both", help="comma-separated layers")
+    ap.add_argument(
+        "--spinners",
+        type=int,
+        default=0,
+        help="busy processes the workload starts, each in a session of its own",
+    )
     args = ap.parse_args()
     state = Path(tempfile.mkdtemp(prefix="egress-bench-freeze-"))
     lab = Lab.up(name="egbf")
     try:
-        print(f"violation packet -> cgroup frozen (kernel confirms), n={args.n} each")
+        busy = f", the workload spinning in {args.spinners} sessions" if args.spinners else ""
+        print(f"violation packet -> cgroup frozen (kernel confirms), n={args.n} each{busy}")
         for mode in args.modes.split(","):
-            lat = measure(mode, args.n, lab, state)
+            lat, from_send = measure(mode, args.n, lab, state, args.spinners)
             p50, p99 = statistics.median(lat), pct(lat, 0.99)
-            print(f"  {mode:<9} p50 {p50:6.2f} ms   p99 {p99:6.2f} ms   max {max(lat):6.2f} ms")
+            print(f"  {mode:<9} p50 {p50:6.2f} ms   p99 {p99:6.2f} ms   max {max(lat):6.2f} ms"
+                  f"   (from the workload's send: p50 {statistics.median(from_send):.2f} ms, "
+                  f"p99 {pct(from_send, 0.99):.2f} ms)")  # fmt: skip
         disk = durable_write_ms(state, args.n)
         print(f"  the disk alone: a durable 4 KiB write (O_DSYNC), paced alike: p50 "
               f"{statistics.median(disk):.2f} ms   p99 {pct(disk, 0.99):.2f} ms")  # fmt: skip

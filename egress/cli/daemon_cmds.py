@@ -232,9 +232,8 @@ def cmd_exec(args: argparse.Namespace) -> int:
             f"sandbox {args.sandbox} has no uid of its own (an older egressd made it); "
             "give --user NAME"
         )
-    procs = [os.path.join(data["cgroup"], "cgroup.procs")]
-    if data.get("freezer"):
-        procs.append(os.path.join(data["freezer"], "cgroup.procs"))
+    procs = [os.path.join(data[key], "cgroup.procs")
+             for key in ("cgroup", "freezer", "cpu") if data.get(key)]  # fmt: skip
     # Signals are caught from here on: one that came before CMD started is passed on
     # once it has, rather than killing egressctl and leaving CMD without its parent.
     started: list[workload.Workload] = []

@@ -116,6 +116,7 @@ class Served:
             "netns": r.netns,
             "cgroup": r.cgroup,
             "freezer": r.freezer,
+            "cpu": self.sb.cgroup.cpu_path,  # the v1 cpu twin of one egress made, if any
             "uplink_netns": r.uplink_netns,
             "upstream": r.upstream,
             "uid": r.uid,  # the workload's own uid and gid (created sandboxes)

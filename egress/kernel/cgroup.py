@@ -12,7 +12,13 @@ Two kernel facts shape the code (measured on kernel 6.18, see the tests):
   frozen first.
 - A v1-frozen task ignores SIGKILL until thawed; a v2-frozen one dies at once.
 
-Mount points are read from /proc/self/mountinfo, never assumed.
+Where the v1 cpu controller is mounted (hybrid hosts), a sandbox egress made has a twin
+there too, under one parent for all of them (``cpu_path``): the workload's tasks leave
+the root task group, where the kernel weighs tasks by session (autogroups) and a
+workload that starts a session per busy process would multiply its share of the CPUs
+past the layers that must freeze it. All sandboxes' workloads weigh as one session.
+
+Mount points are read from /proc/self/mountinfo, never assumed (cgroup_mounts.py).
 """
 
 from __future__ import annotations
@@ -20,16 +26,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import select
 import signal
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from functools import cache
 
 from egress.errors import SandboxError
+from egress.kernel.cgroup_mounts import CgroupMounts, find_mounts, parse_mountinfo
+
+__all__ = ["Cgroup", "CgroupMounts", "find_mounts", "parse_mountinfo"]
 
 # The v1 freezer has no change notification, and the kernel rate-limits cgroup.events
 # notifications (one per ~10 ms, CGROUP_FILE_NOTIFY_MIN_INTV), so a freeze right after a
@@ -38,38 +44,6 @@ _POLL_FIRST = 0.0001
 _POLL_MAX = 0.001
 # How long a freeze re-reads cgroup.events (yielding the CPU) before it asks v1 too.
 _V2_SPIN = 0.0003
-
-
-@dataclass(frozen=True)
-class CgroupMounts:
-    v2: str | None  # the cgroup2 mount point
-    freezer: str | None  # the v1 freezer hierarchy's mount point, if any
-
-
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo (octal)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> CgroupMounts:
-    v2 = freezer = None
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        mount_point, fstype, options = _unescape(fields[4]), tail[0], tail[2].split(",")
-        if fstype == "cgroup2" and v2 is None:
-            v2 = mount_point
-        elif fstype == "cgroup" and "freezer" in options and freezer is None:
-            freezer = mount_point
-    return CgroupMounts(v2=v2, freezer=freezer)
-
-
-@cache
-def find_mounts() -> CgroupMounts:
-    with open("/proc/self/mountinfo") as f:
-        return parse_mountinfo(f.read())
 
 
 def _check_name(name: str) -> str:
@@ -100,11 +74,18 @@ def _events(text: str) -> dict[str, str]:
 
 
 class Cgroup:
-    """One sandbox cgroup in the v2 hierarchy, mirrored in the v1 freezer if present."""
+    """One sandbox cgroup in the v2 hierarchy, mirrored in the v1 freezer if present (and
+    in the v1 cpu controller, if present, for one egress made)."""
 
-    def __init__(self, v2_path: str, freezer_path: str | None, ours: bool = False) -> None:
+    def __init__(
+        self, v2_path: str, freezer_path: str | None, ours: bool = False,
+        cpu_path: str | None = None,
+    ) -> None:  # fmt: skip
         self.v2_path = v2_path  # "" while unbound (``in_netns``)
         self.freezer_path = freezer_path
+        # Membership only: never frozen or read. Not for a runtime's cgroups (attached):
+        # their tasks are placed, and weighed, by that runtime.
+        self.cpu_path = cpu_path
         self.ours = ours  # under egress's own parent: the last one out removes the parent
         self.netns: str | None = None  # unbound: the netns whose processes say which
         self.on_bind: Callable[[Cgroup], object] | None = None  # e.g. record it in the journal
@@ -127,25 +108,39 @@ class Cgroup:
         freezer = os.path.join(mounts.freezer, rel) if mounts.freezer else None
         return os.path.join(mounts.v2, rel), freezer
 
+    @staticmethod
+    def _cpu_path(name: str, parent: str) -> str | None:
+        root = find_mounts().cpu
+        return os.path.join(root, parent, name) if root else None
+
     @classmethod
     def create(cls, name: str, parent: str = "egress") -> Cgroup:
-        """Make <v2>/<parent>/<name> (and the v1 freezer twin); SandboxError if it exists."""
+        """Make <v2>/<parent>/<name> (and its v1 freezer and cpu twins); SandboxError if
+        it exists."""
         v2, freezer = cls._paths(name, parent)
-        _mkdir(v2)
-        if freezer is not None:
-            try:
-                _mkdir(freezer)
-            except SandboxError:
-                _rmdir(v2)
-                raise
-        return cls(v2, freezer, ours=True)
+        cpu = cls._cpu_path(name, parent)
+        made: list[str] = []
+        try:
+            for path in (v2, freezer, cpu):
+                if path is not None:
+                    _mkdir(path)
+                    made.append(path)
+        except SandboxError:
+            for path in reversed(made):
+                _rmdir(path)
+            raise
+        return cls(v2, freezer, ours=True, cpu_path=cpu)
 
     @classmethod
     def open(cls, name: str, parent: str = "egress") -> Cgroup:
         v2, freezer = cls._paths(name, parent)
         if not os.path.isdir(v2):
             raise SandboxError(f"no cgroup {v2}")
-        return cls(v2, freezer if freezer and os.path.isdir(freezer) else None, ours=True)
+        cpu = cls._cpu_path(name, parent)
+        return cls(
+            v2, freezer if freezer and os.path.isdir(freezer) else None, ours=True,
+            cpu_path=cpu if cpu and os.path.isdir(cpu) else None,
+        )  # fmt: skip
 
     @classmethod
     def attach_existing(cls, v2_path: str, freezer_path: str | None = None) -> Cgroup:
@@ -227,6 +222,11 @@ class Cgroup:
     def procs_file_v1(self) -> str | None:
         return os.path.join(self.freezer_path, "cgroup.procs") if self.freezer_path else None
 
+    @property
+    def procs_files(self) -> list[str]:
+        """Every cgroup.procs a child writes its own pid to before it execs the workload."""
+        return [os.path.join(d, "cgroup.procs") for d in self._dirs()]
+
     def add_pid(self, pid: int) -> None:
         self._bound()
         for d in self._dirs():
@@ -245,7 +245,7 @@ class Cgroup:
         return not self.populated() and not self._v1_pids()
 
     def _dirs(self) -> list[str]:
-        return [self.v2_path] + ([self.freezer_path] if self.freezer_path else [])
+        return [self.v2_path] + [d for d in (self.freezer_path, self.cpu_path) if d]
 
     # ---- freezing -----------------------------------------------------------------
 
@@ -427,7 +427,7 @@ class Cgroup:
                 watch.wait(min(remaining, _POLL_MAX))
 
     def remove(self) -> None:
-        """rmdir both directories (idempotent); SandboxError if tasks remain."""
+        """rmdir its directories (idempotent); SandboxError if tasks remain."""
         if not self.v2_path:
             return  # unbound: nothing of ours
         if os.path.isdir(self.v2_path) and not self.empty():

@@ -269,7 +269,7 @@ async def _serve(
         # waits walks only what serving makes.
         gc.freeze()
         watcher = loop.create_task(session.watch_frozen())
-        procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
+        procs = sb.cgroup.procs_files
         the_view = view.prepare(sb.id, sb.netns, who, plan.workdir, opts.binds)
         env = workload.build_env(who, plan.env, os.environ)
         started = time.monotonic()

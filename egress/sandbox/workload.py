@@ -225,8 +225,10 @@ def spawn(
     scope = confine.landlock_scoper()
 
     def in_child() -> None:
-        join_cgroups(procs_files)
+        # Normal first: a real-time task can't join a cpu cgroup that has no real-time
+        # runtime of its own (kernels with RT group scheduling refuse it, EINVAL).
         no_priority_above_normal()
+        join_cgroups(procs_files)
         if scope is not None:
             scope()
 

@@ -57,7 +57,7 @@ needs_v1 = pytest.mark.skipif(not HAS_V1, reason="no v1 freezer hierarchy on thi
 def parent_dirs() -> Iterator[None]:
     yield
     mounts = find_mounts()
-    for root in (mounts.v2, mounts.freezer):
+    for root in (mounts.v2, mounts.freezer, mounts.cpu):
         if root is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(os.path.join(root, PARENT))
@@ -162,8 +162,14 @@ def test_parse_mountinfo() -> None:
     mounts = parse_mountinfo(text)
     assert mounts.v2 == "/sys/fs/cgroup/uni fied"
     assert mounts.freezer == "/sys/fs/cgroup/freezer"
+    assert mounts.cpu is None
+    hybrid = parse_mountinfo(text + (
+        "34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset\n"
+        "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+    ))  # fmt: skip
+    assert hybrid.cpu == "/sys/fs/cgroup/cpu,cpuacct" and hybrid.freezer == mounts.freezer
     pure = parse_mountinfo("30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n")
-    assert pure.v2 == "/sys/fs/cgroup" and pure.freezer is None
+    assert pure.v2 == "/sys/fs/cgroup" and pure.freezer is None and pure.cpu is None
 
 
 def test_freeze_stops_thaw_resumes_kill_reaps_remove_cleans(
@@ -187,6 +193,7 @@ def test_freeze_stops_thaw_resumes_kill_reaps_remove_cleans(
     cg.remove()
     assert not os.path.exists(cg.v2_path)
     assert cg.freezer_path is None or not os.path.exists(cg.freezer_path)
+    assert cg.cpu_path is None or not os.path.exists(cg.cpu_path)
     cg.remove()  # idempotent
     cg.kill()  # nothing left: no error
 

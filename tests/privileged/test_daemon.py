@@ -727,7 +727,7 @@ def test_sandbox_exec_from_a_real_time_favoured_caller_starts_its_workload_norma
 def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(
     daemon: Egressd, lab: Lab
 ) -> None:
-    """`egressctl sandbox exec` puts CMD in the sandbox's netns and cgroup, unprivileged:
+    """`egressctl sandbox exec` puts CMD in the sandbox's netns and cgroups, unprivileged:
     it resolves through the sandbox's resolver, and its blocked connect freezes it and is
     attributed to it; a kill through the API ends it (exit 137)."""
     box = daemon.create(policy("exec", "allowed.lab.test"), lab.uplink_netns)
@@ -747,6 +747,11 @@ def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(
     try:
         wait_frozen(cg)
         assert cg.is_frozen(), daemon.stderr()
+        cpu = find_mounts().cpu  # where it is mounted, CMD weighs as the sandbox there
+        assert box["cpu"] == (os.path.join(cpu, "egress", box["id"]) if cpu else None)
+        if cpu:
+            with open(os.path.join(box["cpu"], "cgroup.procs")) as f:
+                assert cg.pids() and set(cg.pids()) <= {int(p) for p in f.read().split()}
 
         def blocked() -> list[dict[str, Any]]:
             with Journal.open(daemon.state) as journal:

@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from egress.kernel import netns
+from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.lab import Lab
 from egress.store import claims
 from egress.store.uids import parse_range
@@ -478,6 +479,62 @@ def test_a_workload_can_not_make_itself_real_time_or_favoured_whatever_limits_it
     seen = json.loads(done.stdout)
     assert seen == {"rtprio": [0, 0], "nice": [0, 0], "fifo": "refused", "favoured": "refused",
                     "limit": "refused", "policy": os.SCHED_OTHER}  # fmt: skip
+
+
+def test_a_workload_that_starts_a_session_per_process_still_weighs_as_one_sandbox(
+    lab: Lab,
+) -> None:
+    """The attack: where the kernel weighs tasks by session (autogroups), a workload that
+    forks busy processes, each in a session of its own (setsid), gets one more share of
+    the CPUs per session, ahead of the layers that must freeze it (measured: 128 such
+    processes took a freeze from 2.4 to 36.7 ms). Every process of it, the new sessions'
+    too, must be in the sandbox's cpu cgroup, where all of it weighs as one."""
+    if find_mounts().cpu is None:
+        pytest.skip("no v1 cpu controller here: on cgroup v2 its own tree decides")
+    code = """if 1:
+        import os, socket, sys, time
+        r, w = os.pipe()
+        for _ in range(4):
+            if os.fork() == 0:
+                os.setsid()
+                os.write(w, b"s")  # in its own session now
+                time.sleep(120)
+                os._exit(0)
+        got = b""
+        while len(got) < 4:
+            got += os.read(r, 4)
+        print(socket.gethostname(), flush=True)
+        sys.stdin.read()
+    """
+    with workdir() as d:
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env=env())  # fmt: skip
+        sandbox_id = None
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            sandbox_id = proc.stdout.readline().strip().removeprefix("egress-")
+            assert sandbox_id == _sandbox_of(proc.pid)
+            workload = Cgroup.open(sandbox_id).pids()
+            sessions = {os.getsid(pid) for pid in workload}
+            assert len(workload) >= 7 and len(sessions) >= 6  # bwrap, tini, python, 4 forks
+            for pid in workload:
+                with open(f"/proc/{pid}/cgroup") as f:  # "4:cpu:/egress/ID"
+                    where = [ln.split(":", 2)[2] for ln in f.read().splitlines()
+                             if ln.split(":")[1].split(",").count("cpu")]  # fmt: skip
+                assert where == [f"/egress/{sandbox_id}"], pid
+            proc.stdin.close()
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+            if sandbox_id:
+                cleanup(sandbox_id)
+        assert sandbox_id and leftovers(sandbox_id, lab.uplink_netns) == []
 
 
 def test_egressctl_observe_started_real_time_leaves_it_before_anything_else() -> None:

@@ -129,11 +129,11 @@ def leftovers(sandbox_id: str, uplink: str | None) -> list[str]:
     if "egress_uplink" in tables and not others:  # the last sandbox takes the table along
         found.append("nft table egress_uplink")
     mounts = find_mounts()
-    for root in (mounts.v2, mounts.freezer):
+    for root in (mounts.v2, mounts.freezer, mounts.cpu):
         if root and os.path.exists(os.path.join(root, "egress", sandbox_id)):
             found.append(f"cgroup {root}/egress/{sandbox_id}")
     if not claims.load_all():  # the last sandbox takes egress's parent cgroups along
-        for root in (mounts.v2, mounts.freezer):
+        for root in (mounts.v2, mounts.freezer, mounts.cpu):
             if root and os.path.exists(os.path.join(root, "egress")):
                 found.append(f"cgroup {root}/egress")
     if (claims.sandboxes_dir() / f"{sandbox_id}.json").exists():
