@@ -65,7 +65,7 @@ def isolated(n: int, uplink: str) -> tuple[list[float], list[float], list[float]
             who = workload.allocated_user(sb.id, sb.uid)
             the_view = view.prepare(sb.id, sb.netns, who, work, [])
             ready.append((time.perf_counter() - t0) * 1000)
-            procs = [p for p in (sb.cgroup.procs_file_v2, sb.cgroup.procs_file_v1) if p]
+            procs = sb.cgroup.procs_files
             try:
                 env = workload.build_env(who, {}, os.environ)
                 t0 = time.perf_counter()

@@ -128,6 +128,10 @@ class Cgroup:
         except SandboxError:
             for path in reversed(made):
                 _rmdir(path)
+            for path in (v2, freezer, cpu):  # the parents this one may have made
+                if path is not None:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.dirname(path))  # not while another sandbox is in
             raise
         return cls(v2, freezer, ours=True, cpu_path=cpu)
 

@@ -795,19 +795,29 @@ def test_create_existing_and_bad_names_raise(make_cgroup: Callable[[], Cgroup]) 
 
 
 @needs_v1
-def test_create_rolls_back_v2_when_the_freezer_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("failing_root", ["freezer", "cpu"])
+def test_create_rolls_back_what_it_made_when_a_twin_fails(
+    monkeypatch: pytest.MonkeyPatch, failing_root: str
+) -> None:
+    """A twin that can't be made leaves nothing: the directories made before it, and
+    the parents the first sandbox made, are removed again."""
+    mounts = find_mounts()
+    root = getattr(mounts, failing_root)
+    if root is None:
+        pytest.skip(f"no v1 {failing_root} hierarchy on this machine")
     real_mkdir = cg_mod._mkdir
 
     def failing(path: str) -> None:
-        if path.startswith(str(find_mounts().freezer)):
+        if path.startswith(root + "/"):
             raise SandboxError("injected failure")
         real_mkdir(path)
 
     monkeypatch.setattr(cg_mod, "_mkdir", failing)
-    v2_path = os.path.join(str(find_mounts().v2), PARENT, "rollback")
     with pytest.raises(SandboxError, match="injected"):
         Cgroup.create("rollback", parent=PARENT)
-    assert not os.path.exists(v2_path)
+    for made in (mounts.v2, mounts.freezer, mounts.cpu):
+        if made is not None:
+            assert not os.path.exists(os.path.join(made, PARENT)), made
 
 
 def test_attach_existing(ticker: subprocess.Popen[bytes]) -> None:

@@ -171,6 +171,11 @@ def test_a_frozen_sandbox_stays_frozen_across_a_handover(lab: Lab, daemon: Egres
                 old.wait(timeout=10)
         shown = daemon.client.call("GET", f"/v1/sandboxes/{made['id']}")
         assert shown["state"] == "frozen" and cg.is_frozen()
+        # The adopter tells a later `sandbox exec` the same cgroups to join, the cpu
+        # twin too (where the v1 cpu controller is mounted; else None in both).
+        assert [shown[k] for k in ("cgroup", "freezer", "cpu")] == [
+            made[k] for k in ("cgroup", "freezer", "cpu")
+        ]
         daemon.client.call("POST", f"/v1/sandboxes/{made['id']}/kill", {})
         assert proc.wait(timeout=10) == -signal.SIGKILL
     finally:

@@ -128,7 +128,7 @@ class Worker:
         argv = ["ip", "netns", "exec", netns, "setpriv", f"--reuid={NOBODY}",
                 f"--regid={NOBODY}", "--clear-groups", "--bounding-set=-all", "--no-new-privs",
                 "--", SYSTEM_PYTHON, "-c", WORKER]  # fmt: skip
-        files = [f for f in (cgroup.procs_file_v2, cgroup.procs_file_v1) if f]
+        files = cgroup.procs_files
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,

@@ -342,9 +342,8 @@ class Sandbox:
 
     def attacker(self, command: str, log: Path) -> subprocess.Popen[bytes]:
         """Run shell ``command`` as root inside the sandbox: its netns and its cgroup
-        (v2 and the v1 freezer twin, joined before exec), so the freeze stops it too."""
-        joins = [self.cgroup.procs_file_v2, self.cgroup.procs_file_v1]
-        join = " && ".join(f"echo $$ > {shlex.quote(p)}" for p in joins if p)
+        (v2 and its v1 twins, joined before exec), so the freeze stops it too."""
+        join = " && ".join(f"echo $$ > {shlex.quote(p)}" for p in self.cgroup.procs_files)
         inner = shlex.quote(command)
         line = f"{join} && exec nsenter --net=/run/netns/{self.netns} -- /bin/sh -c {inner}"
         with open(log, "ab") as out:
