@@ -795,6 +795,42 @@ def test_create_existing_and_bad_names_raise(make_cgroup: Callable[[], Cgroup]) 
 
 
 @needs_v1
+@needs_v1
+def test_busy_tasks_are_frozen_at_the_first_ask_in_both_hierarchies(
+    make_cgroup: Callable[[], Cgroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 busy tasks, frozen and thawed 40 times: each freeze is confirmed without asking
+    v2 again. Both asked, a task caught in v2's trap while v1 froze the others used to
+    leave neither saying frozen until the next attempt asked again (667 ms later)."""
+    cg = make_cgroup()
+    asks: list[str] = []
+    real_write = cg_mod._write
+
+    def counting(path: str, value: str) -> None:
+        if path.endswith("cgroup.freeze") and value == "1":
+            asks.append(path)
+        real_write(path, value)
+
+    code = "import os\nfor _ in range(64):\n    if os.fork() == 0:\n        while True: pass\n"
+    code += "import time\ntime.sleep(600)\n"
+    files = cg.procs_files
+    busy = subprocess.Popen([SYSTEM_PYTHON, "-c", code],
+                            preexec_fn=lambda: [Path(f).write_text(str(os.getpid()))
+                                                for f in files])  # fmt: skip
+    try:
+        assert wait_until(lambda: len(cg.pids()) == 65, 20)
+        monkeypatch.setattr(cg_mod, "_write", counting)
+        for round_ in range(40):
+            asks.clear()
+            cg.freeze(timeout=6.0)  # an attempt lasts 2 s: a busy CI host's turns fit in it
+            assert cg.is_frozen() and len(asks) == 1, (round_, asks)
+            cg.thaw()
+    finally:
+        monkeypatch.undo()
+        cg.kill()
+        busy.wait(timeout=10)
+
+
 @pytest.mark.parametrize("failing_root", ["freezer", "cpu"])
 def test_create_rolls_back_what_it_made_when_a_twin_fails(
     monkeypatch: pytest.MonkeyPatch, failing_root: str
