@@ -361,7 +361,8 @@ def run(args: argparse.Namespace) -> None:
                 figures.record("bench_deployed", f"the same, violation to frozen, both layers "
                                f"(n={args.n}), p50 / p99", f"{p50:.2f} / {p99:.2f} ms",
                                "p50 <= 0.5 ms, p99 <= 2 ms", met,
-                               f"dnsmasq: no such thing; from a layer's read of the "
+                               f"dnsmasq: no such thing; from the workload's send: "
+                               f"{s50:.2f} / {s99:.2f} ms; from a layer's read of the "
                                f"violation: {o50:.2f} / {o99:.2f} ms; "
                                f"the disk's durable write before it, alone: "
                                f"{d50:.2f} / {d99:.2f} ms")  # fmt: skip
