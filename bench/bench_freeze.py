@@ -178,7 +178,11 @@ def measure(
             if mode == "both":  # resume only once both layers have seen it
                 await_two_sightings(journal, sb.id)
             review.resume(journal, sb.cgroup, sb.id, 0, "bench")  # as egressctl resume
-            sent.append((rounds[-1][0], float(work.stdout.readline())))  # then the next byte
+            line = work.stdout.readline()  # its send's time; then it waits for the next byte
+            try:
+                sent.append((rounds[-1][0], float(line)))
+            except ValueError:
+                raise RuntimeError(f"the workload lost its round: {line!r}") from None
         work.stdin.close()
         sb.cgroup.kill()
         work.wait()

@@ -795,7 +795,6 @@ def test_create_existing_and_bad_names_raise(make_cgroup: Callable[[], Cgroup]) 
 
 
 @needs_v1
-@needs_v1
 def test_busy_tasks_are_frozen_at_the_first_ask_in_both_hierarchies(
     make_cgroup: Callable[[], Cgroup], monkeypatch: pytest.MonkeyPatch
 ) -> None:
