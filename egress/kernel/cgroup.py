@@ -374,7 +374,7 @@ class Cgroup:
                     # entry), while v1 froze others, which keeps them from v2's trap:
                     # neither would ever say frozen. Asked again, v1 freezes the sleeper
                     # in place. Measured, 40 freezes of 64 busy tasks: 4-23 took 667 ms
-                    # (the next attempt's ask) before this, none over 7 ms with it.
+                    # (the next attempt's ask) before this, none over 9 ms with it.
                     _write(self._state_path(), "FROZEN")
                     kick = min(kick * 2, _V1_KICK_MAX)
                     kick_at = time.monotonic() + kick
