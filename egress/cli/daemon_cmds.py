@@ -216,7 +216,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
             f"sandbox {args.sandbox} is attached to a netns another runtime made; "
             "start its processes through that runtime"
         )
-    cgroup = Cgroup.attach_existing(data["cgroup"], data.get("freezer"))
+    cgroup = Cgroup.attach_existing(data["cgroup"], data.get("freezer"), data.get("cpu"))
     # egressd's answer may be a moment old: the kernel's word, right before the start.
     # A child joining a frozen cgroup would stop before its first instruction.
     if data["state"] == SandboxState.FROZEN or cgroup.is_frozen():
@@ -232,8 +232,6 @@ def cmd_exec(args: argparse.Namespace) -> int:
             f"sandbox {args.sandbox} has no uid of its own (an older egressd made it); "
             "give --user NAME"
         )
-    procs = [os.path.join(data[key], "cgroup.procs")
-             for key in ("cgroup", "freezer", "cpu") if data.get(key)]  # fmt: skip
     # Signals are caught from here on: one that came before CMD started is passed on
     # once it has, rather than killing egressctl and leaving CMD without its parent.
     started: list[workload.Workload] = []
@@ -254,6 +252,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     watcher.start()
     try:
         env = workload.build_env(who, extra, os.environ)
+        procs = cgroup.procs_files
         proc = workload.spawn(data["id"], data["netns"], who, argv, the_view, env, procs)
         started.append(proc)
         for signum in pending:

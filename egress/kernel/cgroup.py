@@ -104,25 +104,21 @@ class Cgroup:
     # ---- construction -------------------------------------------------------------
 
     @classmethod
-    def _paths(cls, name: str, parent: str) -> tuple[str, str | None]:
+    def _paths(cls, name: str, parent: str) -> tuple[str, str | None, str | None]:
+        """<v2>/<parent>/<name>, and its v1 freezer and cpu twins where those are mounted."""
         mounts = find_mounts()
         if mounts.v2 is None:
             raise SandboxError("no cgroup2 filesystem is mounted")
         rel = os.path.join(_check_name(parent), _check_name(name))
         freezer = os.path.join(mounts.freezer, rel) if mounts.freezer else None
-        return os.path.join(mounts.v2, rel), freezer
-
-    @staticmethod
-    def _cpu_path(name: str, parent: str) -> str | None:
-        root = find_mounts().cpu
-        return os.path.join(root, parent, name) if root else None
+        cpu = os.path.join(mounts.cpu, rel) if mounts.cpu else None
+        return os.path.join(mounts.v2, rel), freezer, cpu
 
     @classmethod
     def create(cls, name: str, parent: str = "egress") -> Cgroup:
         """Make <v2>/<parent>/<name> (and its v1 freezer and cpu twins); SandboxError if
         it exists."""
-        v2, freezer = cls._paths(name, parent)
-        cpu = cls._cpu_path(name, parent)
+        v2, freezer, cpu = cls._paths(name, parent)
         made: list[str] = []
         try:
             for path in (v2, freezer, cpu):
@@ -141,25 +137,29 @@ class Cgroup:
 
     @classmethod
     def open(cls, name: str, parent: str = "egress") -> Cgroup:
-        v2, freezer = cls._paths(name, parent)
+        v2, freezer, cpu = cls._paths(name, parent)
         if not os.path.isdir(v2):
             raise SandboxError(f"no cgroup {v2}")
-        cpu = cls._cpu_path(name, parent)
         return cls(
             v2, freezer if freezer and os.path.isdir(freezer) else None, ours=True,
             cpu_path=cpu if cpu and os.path.isdir(cpu) else None,
         )  # fmt: skip
 
     @classmethod
-    def attach_existing(cls, v2_path: str, freezer_path: str | None = None) -> Cgroup:
-        """Wrap a cgroup someone else made (a container runtime, systemd)."""
+    def attach_existing(
+        cls, v2_path: str, freezer_path: str | None = None, cpu_path: str | None = None
+    ) -> Cgroup:
+        """Wrap a cgroup someone else made (a container runtime, systemd), or another
+        process of egress (egressd's sandbox JSON: ``cpu_path``, its cpu twin)."""
         if not os.path.isfile(os.path.join(v2_path, "cgroup.procs")):
             raise SandboxError(f"{v2_path} is not a cgroup v2 directory")
         if freezer_path is not None and not os.path.isfile(
             os.path.join(freezer_path, "freezer.state")
         ):
             raise SandboxError(f"{freezer_path} is not a v1 freezer cgroup")
-        return cls(v2_path, freezer_path)
+        if cpu_path is not None and not os.path.isfile(os.path.join(cpu_path, "cgroup.procs")):
+            raise SandboxError(f"{cpu_path} is not a v1 cpu cgroup")
+        return cls(v2_path, freezer_path, cpu_path=cpu_path)
 
     @classmethod
     def in_netns(
