@@ -48,6 +48,9 @@ _V2_SPIN = 0.0003
 # 0.5 ms, then at twice the last wait, at most every 8 ms (each ask walks every task).
 _V1_KICK_FIRST = 0.0005
 _V1_KICK_MAX = 0.008
+# Looks at a sandbox's processes while moving them into a cpu twin made at adoption:
+# each look moves what the last one missed, forks included (see _move_into).
+_MOVE_LOOKS = 16
 
 
 def _check_name(name: str) -> str:
@@ -144,6 +147,28 @@ class Cgroup:
             v2, freezer if freezer and os.path.isdir(freezer) else None, ours=True,
             cpu_path=cpu if cpu and os.path.isdir(cpu) else None,
         )  # fmt: skip
+
+    def adopt_cpu_twin(self) -> list[str]:
+        """A sandbox egress made before its cpu twins existed, now adopted by an egressd
+        that makes them: the twin made and every process moved in, as a create would
+        have placed them (see the module doc). Nothing to do for another's cgroup, where
+        the twin exists, or where no v1 cpu controller is mounted. Returns what could not
+        be done, for the caller to say: the sandbox is served all the same."""
+        if not self.ours or self.cpu_path is not None or not self.v2_path:
+            return []
+        mounts = find_mounts()
+        if mounts.cpu is None or mounts.v2 is None:
+            return []
+        twin = os.path.join(mounts.cpu, os.path.relpath(self.v2_path, mounts.v2))
+        try:
+            _mkdir(twin)
+        except SandboxError as exc:
+            return [f"no cpu twin: {exc}"]
+        self.cpu_path = twin  # from here a later exec joins it, whatever is left below
+        try:
+            return _move_into(twin, self.pids)
+        except SandboxError as exc:
+            return [f"cpu twin {twin}: {exc}"]
 
     @classmethod
     def attach_existing(
@@ -502,6 +527,32 @@ class _EventsWatch:
 
 def _procs(cgroup_dir: str) -> list[int]:
     return [int(p) for p in _read(os.path.join(cgroup_dir, "cgroup.procs")).split()]
+
+
+def _move_into(cgroup_dir: str, pids: Callable[[], list[int]]) -> list[str]:
+    """Move every process ``pids`` lists into the v1 cgroup ``cgroup_dir``, looking again
+    until none is left outside: a child forked before its parent moved shows up at the
+    next look (one forked after inherits the new cgroup; the kernel moves a process and
+    its threads atomically against forks). Returns the refusals, and processes still
+    appearing after _MOVE_LOOKS looks."""
+    procs = os.path.join(cgroup_dir, "cgroup.procs")
+    refused: dict[int, str] = {}
+    for look in range(_MOVE_LOOKS):
+        inside = set(_procs(cgroup_dir))
+        left = [pid for pid in pids() if pid not in inside and pid not in refused]
+        if not left:
+            return [f"pid {pid} not moved to {cgroup_dir}: {why}" for pid, why in refused.items()]
+        if look == _MOVE_LOOKS - 1:
+            break
+        for pid in left:
+            try:
+                with open(procs, "w") as f:
+                    f.write(str(pid))
+            except ProcessLookupError:
+                continue  # it ended meanwhile
+            except OSError as exc:  # e.g. EINVAL: a real-time task, and no RT runtime there
+                refused[pid] = exc.strerror or str(exc)
+    return [f"processes still appearing outside {cgroup_dir} after {_MOVE_LOOKS} looks"]
 
 
 def _sigkill(pid: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 
 from egress.datapath.addressing import SandboxNet
 from egress.errors import SandboxError
@@ -25,6 +26,9 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
         raise SandboxError(f"sandbox {record.id}: no address claim left; cannot adopt")
     claim = found[0]
     cgroup = Cgroup.open(record.id)
+    # Made by an egressd before cpu twins: its sessions would each weigh as one.
+    for problem in cgroup.adopt_cpu_twin():
+        print(f"egressd: sandbox {record.id}: {problem}", file=sys.stderr)
     nft = NftHandle.open(claim.netns)
     net = SandboxNet(
         claim.index, ipaddress.IPv4Network(claim.net4), ipaddress.IPv6Network(claim.net6)

@@ -855,6 +855,41 @@ def test_create_rolls_back_what_it_made_when_a_twin_fails(
             assert not os.path.exists(os.path.join(made, PARENT)), made
 
 
+def test_a_cpu_twin_made_at_adoption_takes_every_process_forks_included(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """adopt_cpu_twin on a cgroup made before cpu twins: the twin is made and every
+    process ends in it, one that appeared after the first look (a fork) at the next."""
+    made = make_cgroup()
+    twin = made.cpu_path
+    if twin is None:
+        pytest.skip("no v1 cpu controller mounted on this machine")
+    os.rmdir(twin)  # as an egressd from before the twins left it
+    made.cpu_path = None
+    made.add_pid(ticker.pid)
+    real = made.pids
+    late: list[subprocess.Popen[bytes]] = []
+
+    def pids() -> list[int]:
+        looked = real()
+        if not late:  # a process joins right after the first look
+            late.append(subprocess.Popen(["sleep", "60"], preexec_fn=lambda: made.add_pid(0)))
+            assert wait_until(lambda: late[0].pid in real())
+        return looked
+
+    made.pids = pids  # type: ignore[method-assign]
+    try:
+        assert made.adopt_cpu_twin() == []
+        assert made.cpu_path == twin
+        inside = {int(p) for p in Path(twin, "cgroup.procs").read_text().split()}
+        assert set(real()) == {ticker.pid, late[0].pid} and inside == set(real())
+        assert made.adopt_cpu_twin() == []  # has one now: nothing more to do
+    finally:
+        for proc in late:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def test_attach_existing(ticker: subprocess.Popen[bytes]) -> None:
     v2 = os.path.join(str(find_mounts().v2), PARENT, "foreign")
     os.makedirs(v2)

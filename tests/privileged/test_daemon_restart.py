@@ -184,6 +184,40 @@ def test_a_frozen_sandbox_stays_frozen_across_a_handover(lab: Lab, daemon: Egres
             proc.wait(timeout=10)
 
 
+def test_a_sandbox_made_before_cpu_twins_gets_one_when_adopted(lab: Lab, daemon: Egressd) -> None:
+    """An egressd from before the cpu twins left its sandboxes' workloads in the root cpu
+    group, where each session the workload starts weighs as much as the layers that must
+    freeze it: the adopter makes the twin and moves every process in, those in sessions
+    of their own too (forks during the move: test_cgroup's adoption test)."""
+    made = daemon.create(POLICY, lab.uplink_netns)
+    if made["cpu"] is None:
+        pytest.skip("no v1 cpu controller mounted: no cpu twins on this host")
+    # As such an egressd left it: its processes in v2 and the freezer only, no twin.
+    os.rmdir(made["cpu"])
+    cg = Cgroup.attach_existing(made["cgroup"], made.get("freezer"))
+    script = "sleep 300 & setsid sleep 300 & wait"  # three processes, two sessions
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", made["netns"], "sh", "-c", script],
+        preexec_fn=lambda: cg.add_pid(os.getpid()),
+    )
+    try:
+        assert wait_until(lambda: len(cg.pids()) == 3), cg.pids()
+        old = replace(daemon)
+        assert old.wait(timeout=10) == 0
+        shown = daemon.client.call("GET", f"/v1/sandboxes/{made['id']}")
+        assert shown["cpu"] == made["cpu"], daemon.stderr()
+        moved = {int(p) for p in Path(made["cpu"], "cgroup.procs").read_text().split()}
+        assert len(cg.pids()) == 3 and set(cg.pids()) <= moved, daemon.stderr()
+        for pid in cg.pids():
+            lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            assert any(ln.split(":")[2] == f"/egress/{made['id']}" for ln in lines
+                       if "cpu" in ln.split(":")[1].split(",")), lines  # fmt: skip
+    finally:
+        if proc.poll() is None:
+            cg.kill()
+            proc.wait(timeout=10)
+
+
 def test_a_successor_that_leaves_before_serving_changes_nothing(lab: Lab, daemon: Egressd) -> None:
     """While its sockets are in flight egressd refuses changes (503) but answers DNS; a
     successor that goes away before it serves leaves egressd serving as before."""
