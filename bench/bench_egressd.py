@@ -422,6 +422,9 @@ class Step:
     create_steps: dict[str, float] = field(default_factory=dict)
     host_busy: float = 0.0  # percent of all CPUs busy during the DNS load, everyone's work
     freeze_ms: list[float] = field(default_factory=list)  # probe sent -> frozen, confirmed
+    # Each layer's own part, ms from the probe's send: (when it decided to freeze, before
+    # its durable record; when it read the cgroup frozen), one pair per freeze
+    freeze_layers: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     scrape_s: list[float] = field(default_factory=list)  # each GET /metrics during the load
     # egressd's loop thread during the DNS load, per second of it: (s on a CPU, s waiting
     # for one, involuntary context switches)
@@ -521,18 +524,22 @@ class Bench:
         obs_cpu = obs_pss = None
         if self.observer is not None:
             obs_cpu, obs_pss = cpu(watched), pss(self.observer_pids())
-        freeze_ms = self.frozen_after([b["id"] for b in probed], load.probes_sent)
+        freeze_ms, freeze_layers = self.frozen_after([b["id"] for b in probed], load.probes_sent)
         return Step(len(self.boxes), rss, seq[0], seq[1], burst, burst_del, load,
                     load.answered / wall, obs_cpu, obs_pss, cpu(served),
-                    self.create_steps(), host_busy, freeze_ms, scrape_s,
+                    self.create_steps(), host_busy, freeze_ms, freeze_layers, scrape_s,
                     sched)  # fmt: skip
 
-    def frozen_after(self, ids: list[str], sent: list[float]) -> list[float]:
+    def frozen_after(
+        self, ids: list[str], sent: list[float]
+    ) -> tuple[list[float], dict[str, list[tuple[float, float]]]]:
         """ms from each probe's send to its sandbox's freeze, as the kernel confirmed it
-        and the journal holds it (the earlier layer's); then each is resumed through the
-        API, once both layers have confirmed (a later round may probe it again)."""
+        and the journal holds it (the earlier layer's), and each layer's own (decided,
+        confirmed); then each is resumed through the API, once both layers have
+        confirmed (a later round may probe it again)."""
         journal = Journal.open(self.daemon.state)
         out = []
+        layers: dict[str, list[tuple[float, float]]] = {}
         try:
             for sid, t0 in zip(ids, sent, strict=False):
                 deadline = time.monotonic() + 5
@@ -545,6 +552,10 @@ class Bench:
                         and all("confirmed_at" in a for a in asks)
                     ):
                         out.append((rows[0]["confirmed_at"] - t0) * 1000)
+                        for a in asks:
+                            layers.setdefault(a["layer"], []).append(
+                                ((a["at"] - t0) * 1000, (a["confirmed_at"] - t0) * 1000)
+                            )
                         break
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"sandbox {sid}: no confirmed freeze within 5 s")
@@ -552,7 +563,7 @@ class Bench:
                 self.daemon.client.call("POST", f"/v1/sandboxes/{sid}/resume", {"note": "bench"})
         finally:
             journal.close()
-        return out
+        return out, layers
 
     def create_steps(self) -> dict[str, float]:
         """Median ms of each create step egressd timed, over this step's sequential creates."""
@@ -664,6 +675,11 @@ def show(step: Step, first: Step | None) -> None:
         print(f"      a blocked datagram -> frozen (journal: kernel-confirmed), during the load, "
               f"n={len(fm)}: p50 {pct(fm, 0.5):.2f} ms, p99 {pct(fm, 0.99):.2f} ms, "
               f"max {max(fm):.2f} ms")  # fmt: skip
+        for layer, pairs in sorted(step.freeze_layers.items()):
+            decided, confirmed = [p[0] for p in pairs], [p[1] for p in pairs]
+            print(f"        {layer}: decided p50 {pct(decided, 0.5):.2f} / p99 "
+                  f"{pct(decided, 0.99):.2f} ms, read it frozen p50 {pct(confirmed, 0.5):.2f} "
+                  f"/ p99 {pct(confirmed, 0.99):.2f} ms")  # fmt: skip
     if step.scrape_s:
         ss = [s for s in step.scrape_s if s >= 0]
         failed = len(step.scrape_s) - len(ss)
