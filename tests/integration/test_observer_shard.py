@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from egress.observer.shard import Shard, Watched, shard_of
+from egress.observer.shard import RESCAN_S, SCAN_S, Shard, Watched, shard_of
+from egress.store import rundir
 
 
 class StandIn:
@@ -65,8 +66,6 @@ def test_an_observer_that_raises_ends_alone_and_is_retried(tmp_path: Path) -> No
 def test_a_scan_starts_only_this_shards_sandboxes_and_backs_off_after_a_failure(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from egress.store import rundir
-
     started: list[str] = []
     records = [rundir.Record(id=f"s{i:04x}", kind="created", netns=f"egress-s{i}", cgroup="",
                              policy="x") for i in range(40)]  # fmt: skip
@@ -84,4 +83,50 @@ def test_a_scan_starts_only_this_shards_sandboxes_and_backs_off_after_a_failure(
         sh.scan()
         assert started == mine * 2
     finally:
+        sh.journal.close()
+
+
+def test_a_swap_no_look_at_the_run_dir_can_see_restarts_its_observer_within_a_rescan(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A record replaced in place by one whose file keeps its inode, size and time (and
+    the run dir its mtime): no look sees a change, but the share of records each look
+    reads anew finds it within RESCAN_S, and its observer starts again under the new
+    policy."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for i in range(40):
+        rundir.save(run, rundir.Record(id=f"s{i:04x}", kind="created", netns=f"egress-s{i}",
+                                       cgroup="", policy="spec: {}\n"))  # fmt: skip
+    sh = Shard(run, tmp_path / "state", 0, 1)
+    started: list[tuple[str, str]] = []
+
+    def start(record: rundir.Record) -> None:
+        started.append((record.id, record.policy_sha256))
+        sh.watched[record.id] = Watched(StandIn(), record.policy_sha256)
+
+    monkeypatch.setattr(sh, "_start", start)
+    try:
+        now = 1000.0
+        sh.look(now)
+        assert len(started) == 40
+        path = run / "s0007.json"
+        old = rundir.load(run, "s0007")
+        assert old is not None
+        new = rundir.Record(**{**old.__dict__, "policy": "spec: []\n"})
+        st, dir_st = os.stat(path), os.stat(run)
+        path.write_text(path.read_text().replace(old.policy_sha256, new.policy_sha256)
+                        .replace('"spec: {}\\n"', '"spec: []\\n"'))  # fmt: skip
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (os.stat(path).st_ino, os.stat(path).st_size) == (st.st_ino, st.st_size)
+        assert os.stat(run).st_mtime_ns == dir_st.st_mtime_ns
+        started.clear()
+        looks = 0
+        while not started and looks < RESCAN_S / SCAN_S:
+            looks += 1
+            sh.look(now + looks * SCAN_S)
+        assert started == [("s0007", new.policy_sha256)], looks
+    finally:
+        for sid in list(sh.watched):
+            sh._end(sid)
         sh.journal.close()

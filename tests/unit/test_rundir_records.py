@@ -43,10 +43,50 @@ def test_a_record_is_read_once_until_its_file_is_replaced(
     assert [r.id for r in rundir.load_all(tmp_path)] == ["a"]
     rundir.save(tmp_path, record("b"))  # made again
     assert [r.id for r in records.load_all()] == ["a", "b"]
-    # ``fresh``: every one read anew, whatever its file says.
-    reads.clear()
-    assert [r.id for r in records.load_all(fresh=True)] == ["a", "b"]
-    assert reads == ["a", "b", "c"]  # c, torn, is read at every look
+
+
+def test_refresh_reads_the_kept_records_anew_a_share_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever their files say, in turn: a swap whose file matches the one read before
+    in inode, size and time (as a freed and reused inode could) is found within a turn."""
+    for sid in ("a", "b", "c", "d"):
+        rundir.save(tmp_path, record(sid))
+    records = rundir.Records(tmp_path)
+    records.load_all()
+    reads: list[str] = []
+    load = rundir.load
+    monkeypatch.setattr(rundir, "load", lambda d, sid: reads.append(sid) or load(d, sid))
+    assert records.refresh(0.5) is False and reads == ["a", "b"]
+    assert records.refresh(0.1) is False and reads == ["a", "b", "c"]  # at least one
+    # c's policy swapped, its file's inode, time and size as before: load_all can't tell.
+    path = tmp_path / "c.json"
+    before = os.stat(path)
+    swapped = record("c", "spec: []\n")
+    path.write_text(path.read_text().replace(record("c").policy_sha256, swapped.policy_sha256)
+                    .replace('"spec: {}\\n"', '"spec: []\\n"'))  # fmt: skip
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    assert [r.policy_sha256 for r in records.load_all()][2] == record("c").policy_sha256
+    assert records.refresh(0.5) is False and reads[3:] == ["d", "a"]  # wraps around
+    assert records.refresh(0.5) is True and reads[5:] == ["b", "c"]
+    assert [r.policy_sha256 for r in records.load_all()][2] == swapped.policy_sha256
+    rundir.remove(tmp_path, "d")
+    assert records.refresh(1.0) is True  # gone: the caller looks again
+
+
+def test_a_reader_keeps_only_the_records_it_wants(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for sid in ("a", "b", "c"):
+        rundir.save(tmp_path, record(sid))
+    reads: list[str] = []
+    load = rundir.load
+    monkeypatch.setattr(rundir, "load", lambda d, sid: reads.append(sid) or load(d, sid))
+    records = rundir.Records(tmp_path, lambda sid: sid != "b")
+    assert [r.id for r in records.load_all()] == ["a", "c"] and reads == ["a", "c"]
+    assert records.refresh(1.0) is False and reads == ["a", "c", "a", "c"]
 
 
 def test_no_directory_is_no_records(tmp_path: Path) -> None:
