@@ -48,9 +48,9 @@ _V2_SPIN = 0.0003
 # 0.5 ms, then at twice the last wait, at most every 8 ms (each ask walks every task).
 _V1_KICK_FIRST = 0.0005
 _V1_KICK_MAX = 0.008
-# Looks at a sandbox's processes while moving them into a cpu twin made at adoption:
-# each look moves what the last one missed, forks included (see _move_into).
-_MOVE_LOOKS = 16
+# How long a move into a cpu twin made at adoption looks again for processes the last
+# look missed (forks; see _move_into) before it says which are still outside.
+_MOVE_BUDGET_S = 0.5
 
 
 def _check_name(name: str) -> str:
@@ -159,15 +159,21 @@ class Cgroup:
         mounts = find_mounts()
         if mounts.cpu is None or mounts.v2 is None:
             return []
-        twin = os.path.join(mounts.cpu, os.path.relpath(self.v2_path, mounts.v2))
+        rel = os.path.relpath(self.v2_path, mounts.v2)
+        twin = os.path.join(mounts.cpu, rel)
         try:
             _mkdir(twin)
         except SandboxError as exc:
             return [f"no cpu twin: {exc}"]
         self.cpu_path = twin  # from here a later exec joins it, whatever is left below
         try:
-            return _move_into(twin, self.pids)
+            return _move_into(twin, self.pids, lambda pid: _in_v2(pid, "/" + rel))
         except SandboxError as exc:
+            if not os.path.isdir(self.v2_path):  # removed meanwhile (`egressctl gc`)
+                self.cpu_path = None
+                with contextlib.suppress(SandboxError, OSError):
+                    _rmdir(twin)
+                    os.rmdir(os.path.dirname(twin))  # not while another sandbox is in
             return [f"cpu twin {twin}: {exc}"]
 
     @classmethod
@@ -529,22 +535,34 @@ def _procs(cgroup_dir: str) -> list[int]:
     return [int(p) for p in _read(os.path.join(cgroup_dir, "cgroup.procs")).split()]
 
 
-def _move_into(cgroup_dir: str, pids: Callable[[], list[int]]) -> list[str]:
+def _move_into(
+    cgroup_dir: str, pids: Callable[[], list[int]], belongs: Callable[[int], bool]
+) -> list[str]:
     """Move every process ``pids`` lists into the v1 cgroup ``cgroup_dir``, looking again
     until none is left outside: a child forked before its parent moved shows up at the
     next look (one forked after inherits the new cgroup; the kernel moves a process and
-    its threads atomically against forks). Returns the refusals, and processes still
-    appearing after _MOVE_LOOKS looks."""
+    its threads atomically against forks). Each pid is checked to ``belong`` just before
+    its move, so one that ended since the look and was reused by another process is
+    left where it is (what is left is the microseconds between check and write). Returns
+    the refusals, and what is still outside after _MOVE_BUDGET_S: a workload forking
+    and exiting in a chain can outrun the looks."""
     procs = os.path.join(cgroup_dir, "cgroup.procs")
     refused: dict[int, str] = {}
-    for look in range(_MOVE_LOOKS):
+    until = time.monotonic() + _MOVE_BUDGET_S
+    while True:
         inside = set(_procs(cgroup_dir))
         left = [pid for pid in pids() if pid not in inside and pid not in refused]
+        problems = [f"pid {pid} not moved to {cgroup_dir}: {why}" for pid, why in refused.items()]
         if not left:
-            return [f"pid {pid} not moved to {cgroup_dir}: {why}" for pid, why in refused.items()]
-        if look == _MOVE_LOOKS - 1:
-            break
+            return problems
+        if time.monotonic() >= until:
+            still = ", ".join(map(str, left[:10])) + (", ..." if len(left) > 10 else "")
+            why = "a workload forking through the move"
+            return [*problems, f"pid {still} still outside {cgroup_dir} after "
+                               f"{_MOVE_BUDGET_S:g} s of looks ({why})"]  # fmt: skip
         for pid in left:
+            if not belongs(pid):
+                continue  # ended since the look (its pid maybe reused): the next look says
             try:
                 with open(procs, "w") as f:
                     f.write(str(pid))
@@ -552,7 +570,15 @@ def _move_into(cgroup_dir: str, pids: Callable[[], list[int]]) -> list[str]:
                 continue  # it ended meanwhile
             except OSError as exc:  # e.g. EINVAL: a real-time task, and no RT runtime there
                 refused[pid] = exc.strerror or str(exc)
-    return [f"processes still appearing outside {cgroup_dir} after {_MOVE_LOOKS} looks"]
+
+
+def _in_v2(pid: int, rel: str) -> bool:
+    """Process ``pid`` is in the v2 cgroup ``rel`` (a path under the mount)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return f"0::{rel}" in f.read().splitlines()
+    except OSError:
+        return False
 
 
 def _sigkill(pid: int) -> None:

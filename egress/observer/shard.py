@@ -73,12 +73,12 @@ class Shard:
         self.poll = select.epoll()
         self.stopping = False
         # What ``look`` knows between looks: the run dir's mtime at the last one, when
-        # that was, whether to look once more, when the refused observer_pids were last
-        # tried again.
+        # that was, whether to look once more, when the records were last all looked at
+        # and the refused observer_pids last tried again.
         self._mtime: int | None = None
         self._looked = 0.0
         self._again = True
-        self._noted_at = time.monotonic()
+        self._scanned = self._noted_at = time.monotonic()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
@@ -120,25 +120,28 @@ class Shard:
         """Every SCAN_S: the records are looked at again when the run dir changed (a
         record made, replaced on a swap or removed: each a rename or unlink in it), once
         more after that (a change in the same coarse timestamp tick as our look leaves
-        the mtime as it was), when a sandbox is due a retry, and when a record read anew
-        differs from the copy kept: each look reads a share of them anew, so that every
-        one is read at least every RESCAN_S (Records.refresh), a slice at a time. All at
-        once every RESCAN_S, that held this loop 35-106 ms at 1,000 sandboxes under
-        load, and this layer's freezes waited up to 110 ms behind it."""
+        the mtime as it was), when a sandbox is due a retry, when a record read anew
+        differs from the copy kept, and every RESCAN_S (an observer that stopped with
+        its record unchanged starts again). Each look reads anew the share of the
+        records that the time since the last one is of RESCAN_S (Records.refresh), a
+        slice at a time: all at once every RESCAN_S, that held this loop 35-106 ms at
+        1,000 sandboxes under load, and this layer's freezes waited up to 110 ms."""
         if now - self._looked >= SCAN_S:
             seen = _mtime_ns(self.run_dir)
             changed = seen != self._mtime
             due = any(at <= now for at in self.retry.values())
-            stale = self.records.refresh(SCAN_S / RESCAN_S)
-            if changed or self._again or due or stale:
+            stale = self.records.refresh(min(1.0, (now - self._looked) / RESCAN_S))
+            if changed or self._again or due or stale or now - self._scanned >= RESCAN_S:
                 self.scan()
+                self._scanned = now
             self._looked, self._again, self._mtime = now, changed, seen
         if now - self._noted_at >= RESCAN_S:
             self._noted_at = now
             self._note_again()
 
     def scan(self) -> None:
-        """Start and end observers as the records say."""
+        """Start and end observers as the records say (the shard test hands it every
+        sandbox's records: this filter, not only Records', keeps it to its own)."""
         wanted = {
             r.id: r for r in self.records.load_all() if shard_of(r.id, self.shards) == self.index
         }

@@ -70,7 +70,7 @@ def test_a_scan_starts_only_this_shards_sandboxes_and_backs_off_after_a_failure(
     records = [rundir.Record(id=f"s{i:04x}", kind="created", netns=f"egress-s{i}", cgroup="",
                              policy="x") for i in range(40)]  # fmt: skip
     sh = Shard(tmp_path / "run", tmp_path / "state", 1, 3)
-    monkeypatch.setattr(sh.records, "load_all", lambda fresh=False: records)
+    monkeypatch.setattr(sh.records, "load_all", lambda: records)
     monkeypatch.setattr(sh, "_start", lambda r: (started.append(r.id), sh._failed(r.id, "no")))
     try:
         sh.scan()
@@ -126,6 +126,41 @@ def test_a_swap_no_look_at_the_run_dir_can_see_restarts_its_observer_within_a_re
             looks += 1
             sh.look(now + looks * SCAN_S)
         assert started == [("s0007", new.policy_sha256)], looks
+    finally:
+        for sid in list(sh.watched):
+            sh._end(sid)
+        sh.journal.close()
+
+
+def test_an_observer_that_stopped_with_its_record_unchanged_starts_again_within_a_rescan(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """An observer can stop with nothing in the run dir changed and no retry set (its
+    netns looked gone once): a scan every RESCAN_S starts it again."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for i in range(3):
+        rundir.save(run, rundir.Record(id=f"s{i}", kind="created", netns=f"egress-s{i}",
+                                       cgroup="", policy="spec: {}\n"))  # fmt: skip
+    sh = Shard(run, tmp_path / "state", 0, 1)
+    started: list[str] = []
+
+    def start(record: rundir.Record) -> None:
+        started.append(record.id)
+        sh.watched[record.id] = Watched(StandIn(), record.policy_sha256)
+
+    monkeypatch.setattr(sh, "_start", start)
+    try:
+        now = 1000.0
+        sh.look(now)
+        sh.look(now + SCAN_S)  # the look once more after a change
+        assert started == ["s0", "s1", "s2"]
+        sh._end("s1")  # as _guard ends an observer that says it is stopping
+        looks = 1
+        while started == ["s0", "s1", "s2"] and looks * SCAN_S <= RESCAN_S:
+            looks += 1
+            sh.look(now + looks * SCAN_S)
+        assert started == ["s0", "s1", "s2", "s1"] and looks * SCAN_S >= RESCAN_S, looks
     finally:
         for sid in list(sh.watched):
             sh._end(sid)

@@ -868,26 +868,83 @@ def test_a_cpu_twin_made_at_adoption_takes_every_process_forks_included(
     made.cpu_path = None
     made.add_pid(ticker.pid)
     real = made.pids
+    # Where a fork before its parent's move lands: the v2 cgroup and the freezer, not the
+    # twin (add_pid would join the twin too, once adopt_cpu_twin has named it).
+    joins = [f for f in (made.procs_file_v2, made.procs_file_v1) if f]
     late: list[subprocess.Popen[bytes]] = []
+
+    def in_twin() -> set[int]:
+        return {int(p) for p in Path(twin, "cgroup.procs").read_text().split()}
+
+    def join() -> None:
+        for path in joins:
+            with open(path, "w") as f:
+                f.write("0")
 
     def pids() -> list[int]:
         looked = real()
         if not late:  # a process joins right after the first look
-            late.append(subprocess.Popen(["sleep", "60"], preexec_fn=lambda: made.add_pid(0)))
+            late.append(subprocess.Popen(["sleep", "60"], preexec_fn=join))
             assert wait_until(lambda: late[0].pid in real())
+            assert late[0].pid not in in_twin()  # only a later look can move it
         return looked
 
     made.pids = pids  # type: ignore[method-assign]
     try:
         assert made.adopt_cpu_twin() == []
         assert made.cpu_path == twin
-        inside = {int(p) for p in Path(twin, "cgroup.procs").read_text().split()}
-        assert set(real()) == {ticker.pid, late[0].pid} and inside == set(real())
+        assert set(real()) == {ticker.pid, late[0].pid} and in_twin() == set(real())
         assert made.adopt_cpu_twin() == []  # has one now: nothing more to do
     finally:
         for proc in late:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_a_move_into_a_twin_leaves_a_pid_no_longer_the_sandboxs_where_it_is(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """A pid listed by the look but no longer the sandbox's when its turn comes (ended,
+    and reused by a process of the host) is not moved, and is said to be outside."""
+    made = make_cgroup()
+    twin = made.cpu_path
+    if twin is None:
+        pytest.skip("no v1 cpu controller mounted on this machine")
+    os.rmdir(twin)
+    os.mkdir(twin)  # empty: the process below is in v2 and the freezer only
+    made.cpu_path = None
+    made.add_pid(ticker.pid)
+    try:
+        problems = cg_mod._move_into(twin, made.pids, lambda pid: False)
+        assert len(problems) == 1 and f"pid {ticker.pid} still outside" in problems[0], problems
+        assert Path(twin, "cgroup.procs").read_text() == ""
+    finally:
+        made.cpu_path = twin  # the fixture removes it
+
+
+def test_a_twin_made_for_a_sandbox_removed_meanwhile_goes_too(
+    make_cgroup: Callable[[], Cgroup],
+) -> None:
+    """`egressctl gc` removing the sandbox between the adopter's open and its move: the
+    twin it just made is removed again, not left for nobody to find."""
+    made = make_cgroup()
+    twin = made.cpu_path
+    if twin is None:
+        pytest.skip("no v1 cpu controller mounted on this machine")
+    os.rmdir(twin)
+    made.cpu_path = None
+    real = made.pids
+
+    def gone() -> list[int]:
+        for path in (made.v2_path, made.freezer_path):
+            if path:
+                os.rmdir(path)
+        return real()
+
+    made.pids = gone  # type: ignore[method-assign]
+    problems = made.adopt_cpu_twin()
+    assert len(problems) == 1 and "cannot read" in problems[0], problems
+    assert made.cpu_path is None and not os.path.exists(twin)
 
 
 def test_attach_existing(ticker: subprocess.Popen[bytes]) -> None:

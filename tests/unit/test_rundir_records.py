@@ -91,3 +91,28 @@ def test_a_reader_keeps_only_the_records_it_wants(
 
 def test_no_directory_is_no_records(tmp_path: Path) -> None:
     assert rundir.Records(tmp_path / "none").load_all() == []
+
+
+def test_refresh_goes_on_after_the_last_name_it_read_as_records_come_and_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its turn is a name, not a position: a record removed before it makes none skip
+    theirs, and one made before it waits for the next round."""
+    for sid in ("b", "c", "d", "e"):
+        rundir.save(tmp_path, record(sid))
+    records = rundir.Records(tmp_path)
+    records.load_all()
+    reads: list[str] = []
+    load = rundir.load
+    monkeypatch.setattr(rundir, "load", lambda d, sid: reads.append(sid) or load(d, sid))
+    records.refresh(0.5)
+    assert reads == ["b", "c"]
+    rundir.remove(tmp_path, "b")
+    records.load_all()
+    records.refresh(0.25)
+    assert reads == ["b", "c", "d"]  # by position (the third) it would be "e"
+    rundir.save(tmp_path, record("a"))
+    records.load_all()
+    reads.clear()
+    records.refresh(0.5)
+    assert reads == ["e", "a"]  # a, made before the turn, has its turn at the wrap
