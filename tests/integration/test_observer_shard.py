@@ -86,6 +86,24 @@ def test_a_scan_starts_only_this_shards_sandboxes_and_backs_off_after_a_failure(
         sh.journal.close()
 
 
+def shard_over(run: Path, ids: list[str], monkeypatch: Any) -> tuple[Shard, list[tuple[str, str]]]:
+    """A shard of one over records of ``ids`` in ``run``, whose observers are stand-ins:
+    the (id, policy hash) of each start, in order."""
+    run.mkdir()
+    for sid in ids:
+        rundir.save(run, rundir.Record(id=sid, kind="created", netns=f"egress-{sid}",
+                                       cgroup="", policy="spec: {}\n"))  # fmt: skip
+    sh = Shard(run, run.parent / "state", 0, 1)
+    started: list[tuple[str, str]] = []
+
+    def start(record: rundir.Record) -> None:
+        started.append((record.id, record.policy_sha256))
+        sh.watched[record.id] = Watched(StandIn(), record.policy_sha256)
+
+    monkeypatch.setattr(sh, "_start", start)
+    return sh, started
+
+
 def test_a_swap_no_look_at_the_run_dir_can_see_restarts_its_observer_within_a_rescan(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -94,18 +112,7 @@ def test_a_swap_no_look_at_the_run_dir_can_see_restarts_its_observer_within_a_re
     reads anew finds it within RESCAN_S, and its observer starts again under the new
     policy."""
     run = tmp_path / "run"
-    run.mkdir()
-    for i in range(40):
-        rundir.save(run, rundir.Record(id=f"s{i:04x}", kind="created", netns=f"egress-s{i}",
-                                       cgroup="", policy="spec: {}\n"))  # fmt: skip
-    sh = Shard(run, tmp_path / "state", 0, 1)
-    started: list[tuple[str, str]] = []
-
-    def start(record: rundir.Record) -> None:
-        started.append((record.id, record.policy_sha256))
-        sh.watched[record.id] = Watched(StandIn(), record.policy_sha256)
-
-    monkeypatch.setattr(sh, "_start", start)
+    sh, started = shard_over(run, [f"s{i:04x}" for i in range(40)], monkeypatch)
     try:
         now = 1000.0
         sh.look(now)
@@ -137,30 +144,18 @@ def test_an_observer_that_stopped_with_its_record_unchanged_starts_again_within_
 ) -> None:
     """An observer can stop with nothing in the run dir changed and no retry set (its
     netns looked gone once): a scan every RESCAN_S starts it again."""
-    run = tmp_path / "run"
-    run.mkdir()
-    for i in range(3):
-        rundir.save(run, rundir.Record(id=f"s{i}", kind="created", netns=f"egress-s{i}",
-                                       cgroup="", policy="spec: {}\n"))  # fmt: skip
-    sh = Shard(run, tmp_path / "state", 0, 1)
-    started: list[str] = []
-
-    def start(record: rundir.Record) -> None:
-        started.append(record.id)
-        sh.watched[record.id] = Watched(StandIn(), record.policy_sha256)
-
-    monkeypatch.setattr(sh, "_start", start)
+    sh, started = shard_over(tmp_path / "run", ["s0", "s1", "s2"], monkeypatch)
     try:
         now = 1000.0
         sh.look(now)
         sh.look(now + SCAN_S)  # the look once more after a change
-        assert started == ["s0", "s1", "s2"]
+        assert [sid for sid, _ in started] == ["s0", "s1", "s2"]
         sh._end("s1")  # as _guard ends an observer that says it is stopping
         looks = 1
-        while started == ["s0", "s1", "s2"] and looks * SCAN_S <= RESCAN_S:
+        while len(started) == 3 and looks * SCAN_S <= RESCAN_S:
             looks += 1
             sh.look(now + looks * SCAN_S)
-        assert started == ["s0", "s1", "s2", "s1"] and looks * SCAN_S >= RESCAN_S, looks
+        assert [sid for sid, _ in started[3:]] == ["s1"] and looks * SCAN_S >= RESCAN_S, looks
     finally:
         for sid in list(sh.watched):
             sh._end(sid)

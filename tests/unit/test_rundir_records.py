@@ -17,12 +17,27 @@ def record(sandbox_id: str, policy: str = "spec: {}\n") -> rundir.Record:
                          cgroup="", policy=policy)  # fmt: skip
 
 
-def test_a_record_is_read_once_until_its_file_is_replaced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids ``rundir.load`` reads from now on, in order."""
     reads: list[str] = []
     load = rundir.load
     monkeypatch.setattr(rundir, "load", lambda d, sid: reads.append(sid) or load(d, sid))
+    return reads
+
+
+def kept(directory: Path, ids: tuple[str, ...]) -> rundir.Records:
+    """A reader that has read the records of ``ids`` once."""
+    for sid in ids:
+        rundir.save(directory, record(sid))
+    records = rundir.Records(directory)
+    records.load_all()
+    return records
+
+
+def test_a_record_is_read_once_until_its_file_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = counted(monkeypatch)
     for sid in ("a", "b"):
         rundir.save(tmp_path, record(sid))
     records = rundir.Records(tmp_path)
@@ -50,13 +65,8 @@ def test_refresh_reads_the_kept_records_anew_a_share_at_a_time(
 ) -> None:
     """Whatever their files say, in turn: a swap whose file matches the one read before
     in inode, size and time (as a freed and reused inode could) is found within a turn."""
-    for sid in ("a", "b", "c", "d"):
-        rundir.save(tmp_path, record(sid))
-    records = rundir.Records(tmp_path)
-    records.load_all()
-    reads: list[str] = []
-    load = rundir.load
-    monkeypatch.setattr(rundir, "load", lambda d, sid: reads.append(sid) or load(d, sid))
+    records = kept(tmp_path, ("a", "b", "c", "d"))
+    reads = counted(monkeypatch)
     assert records.refresh(0.5) is False and reads == ["a", "b"]
     assert records.refresh(0.1) is False and reads == ["a", "b", "c"]  # at least one
     # c's policy swapped, its file's inode, time and size as before: load_all can't tell.
@@ -81,9 +91,7 @@ def test_a_reader_keeps_only_the_records_it_wants(
 ) -> None:
     for sid in ("a", "b", "c"):
         rundir.save(tmp_path, record(sid))
-    reads: list[str] = []
-    load = rundir.load
-    monkeypatch.setattr(rundir, "load", lambda d, sid: reads.append(sid) or load(d, sid))
+    reads = counted(monkeypatch)
     records = rundir.Records(tmp_path, lambda sid: sid != "b")
     assert [r.id for r in records.load_all()] == ["a", "c"] and reads == ["a", "c"]
     assert records.refresh(1.0) is False and reads == ["a", "c", "a", "c"]
@@ -98,13 +106,8 @@ def test_refresh_goes_on_after_the_last_name_it_read_as_records_come_and_go(
 ) -> None:
     """Its turn is a name, not a position: a record removed before it makes none skip
     theirs, and one made before it waits for the next round."""
-    for sid in ("b", "c", "d", "e"):
-        rundir.save(tmp_path, record(sid))
-    records = rundir.Records(tmp_path)
-    records.load_all()
-    reads: list[str] = []
-    load = rundir.load
-    monkeypatch.setattr(rundir, "load", lambda d, sid: reads.append(sid) or load(d, sid))
+    records = kept(tmp_path, ("b", "c", "d", "e"))
+    reads = counted(monkeypatch)
     records.refresh(0.5)
     assert reads == ["b", "c"]
     rundir.remove(tmp_path, "b")
