@@ -9,8 +9,8 @@
     handoff.py: --replace and SIGHUP pass every socket to the successor (SCM_RIGHTS)
     /metrics ◀─ resolver cores, sessions (metrics.py), nft counters and sets asked of
              the figures worker process (figures.py ─▶ kernel.figures_worker)
-    collect.py: what lives frozen out of the garbage collector's walks (a sandbox made,
-             every second); one full collection once the sandboxes settle
+    egress.collect: what lives frozen out of the garbage collector's walks (a sandbox
+             made, every second); one full collection once the sandboxes settle
     lag.py: how late the loop runs what is due (every 10 ms), for /metrics
     sidecar: one sandbox from inside its netns ─▶ the same inline wiring, upstream
              sockets marked (SO_MARK) for the one rule that lets them out

@@ -18,7 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 from egress import __version__
-from egress.daemon.collect import Collector
+from egress.collect import Collector
 from egress.daemon.lag import LoopLag
 from egress.errors import EgressError, SandboxError
 from egress.kernel import nft
@@ -338,7 +338,7 @@ async def serve(args: argparse.Namespace, gid: int) -> int:
         with contextlib.suppress(OSError):  # the API socket file is ours to remove at exit
             api_file = os.stat(args.socket).st_ino
         print(f"egressd: serving {len(registry.served)} sandboxes on {args.socket}", flush=True)
-        collector.start()  # start-up's objects frozen, and from now on (daemon/collect.py)
+        collector.start()  # start-up's objects frozen, and from now on (egress/collect.py)
         lag.start()
         ended = await _until_signalled(giver)
     finally:

@@ -17,10 +17,10 @@ from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from functools import cache
 
+from egress.collect import Collector
 from egress.inline.upstream import Latencies
 from egress.model import SandboxKind
 
-from .collect import Collector
 from .lag import LoopLag
 from .registry import Registry, Served
 
@@ -137,7 +137,7 @@ def render(
 
 
 def _collector(out: _Out, collector: Collector) -> None:
-    """The one pause egressd takes on purpose (daemon/collect.py), so it can be seen."""
+    """The one pause egressd takes on purpose (egress/collect.py), so it can be seen."""
     out.family("egress_gc_full_collections_total", "counter",
                "Full garbage collections egressd ran (each holds all DNS).")  # fmt: skip
     out.sample("egress_gc_full_collections_total", collector.collections)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from egress.daemon.collect import Collector
+from egress.collect import Collector
 from egress.daemon.lag import LoopLag
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools

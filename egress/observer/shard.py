@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from egress.collect import Collector, Timers
 from egress.errors import EgressError
 from egress.observer.layer import TICK_S, Observer, ObserverConfig
 from egress.policy import parse_policy
@@ -79,6 +80,10 @@ class Shard:
         self._looked = 0.0
         self._again = True
         self._scanned = self._noted_at = time.monotonic()
+        # Garbage collected as egressd collects its own (egress/collect.py): its
+        # observers' objects frozen as they start, one full collection once they settle.
+        self.timers = Timers()
+        self.collector = Collector(self.timers)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
@@ -87,8 +92,9 @@ class Shard:
         signal.set_wakeup_fd(wake_w)  # SIGTERM wakes poll() at once
         self.poll.register(wake_r, select.EPOLLIN)
         ticked = 0.0
+        self.collector.start()
         while not self.stopping:
-            for fd, _ in self.poll.poll(TICK_S):
+            for fd, _ in self.poll.poll(self.timers.wait(TICK_S)):
                 if fd == wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_r, 64)
@@ -100,8 +106,10 @@ class Shard:
                 for sid, watched in list(self.watched.items()):
                     self._guard(sid, watched, watched.observer.tick)
             self.look(now)
+            self.timers.run()
         for sid in list(self.watched):
             self._end(sid)
+        self.collector.close()
         self.journal.close()
         self.poll.close()
         return 0
@@ -150,6 +158,7 @@ class Shard:
         for sid in [s for s in self.retry if s not in wanted]:
             del self.retry[sid]
         now = time.monotonic()
+        started = False
         for sid, record in wanted.items():
             watched = self.watched.get(sid)
             if watched is not None and watched.sha != record.policy_sha256:
@@ -157,6 +166,9 @@ class Shard:
                 watched = None
             if watched is None and self.retry.get(sid, 0.0) <= now:
                 self._start(record)
+                started = started or sid in self.watched
+        if started:
+            self.collector.made()  # what the new observers hold, out of the walks
 
     def _note_again(self) -> None:
         """The observer_pids the journal refused, tried again (every RESCAN_S)."""
@@ -232,6 +244,7 @@ class Shard:
         watched = self.watched.pop(sid, None)
         if watched is None:
             return
+        self.collector.changed()  # its cycles go at the full collection, once settled
         for fd in watched.observer.fds():  # a pidfd already forgotten is no matter
             self._forget_fd(fd)
         try:

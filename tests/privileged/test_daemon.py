@@ -127,7 +127,7 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
             in metrics
         )
         assert "egress_freeze_latency_ms_count 1" in metrics
-        # The one pause egressd takes on purpose is counted and timed (daemon/collect.py).
+        # The one pause egressd takes on purpose is counted and timed (egress/collect.py).
         assert re.search(r"^egress_gc_full_collections_total \d+$", metrics, re.M)
         assert re.search(r"^egress_gc_full_collection_last_seconds [\d.e-]+$", metrics, re.M)
         # How late its loop ran what was due (daemon/lag.py): ticking since it started.

@@ -1,7 +1,8 @@
-"""egressd's garbage collection policy (daemon/collect.py) against the interpreter's real
-collector, on a loop whose clock the test moves: what it freezes the automatic
-collections leave alone; the full collection comes once the sandboxes settle, at the
-latest MAX_DELAY_S after the last one, and takes every cycle, frozen or not."""
+"""The garbage collection policy of egressd and the observer shards (egress/collect.py)
+against the interpreter's real collector, on a loop whose clock the test moves: what it
+freezes the automatic collections leave alone; the full collection comes once the
+sandboxes settle, at the latest MAX_DELAY_S after the last one, and takes every cycle,
+frozen or not."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from egress.daemon import collect
-from egress.daemon.collect import Collector
+from egress import collect
+from egress.collect import Collector
 
 
 class Node:
@@ -145,3 +146,26 @@ def test_what_lives_is_frozen_every_second_once_started() -> None:
         assert ref() is not None
     c.close()
     assert not [t for t in clock.timers if not t.cancelled]  # nothing left to fire
+
+
+def test_timers_run_what_is_due_in_order_and_say_how_long_a_loop_may_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An observer shard's poll loop drives Collector through Timers."""
+    timers = collect.Timers()
+    now = [1000.0]
+    monkeypatch.setattr(timers, "time", lambda: now[0])
+    ran: list[str] = []
+    timers.call_at(1002.0, lambda: ran.append("b"))
+    timers.call_later(1.0, lambda: ran.append("a"))
+    gone = timers.call_at(1000.5, lambda: ran.append("cancelled"))
+    gone.cancel()
+    assert timers.wait(10.0) == 1.0  # the cancelled one is no reason to wake
+    assert timers.wait(0.1) == 0.1
+    timers.call_at(1001.2, lambda: ran.append("cancelled too")).cancel()
+    now[0] = 1001.5
+    timers.run()
+    assert ran == ["a"] and timers.wait(10.0) == 0.5
+    now[0] = 1003.0
+    timers.run()
+    assert ran == ["a", "b"] and timers.wait(10.0) == 10.0
