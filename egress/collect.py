@@ -20,11 +20,16 @@ ms, one full collection each). So egressd collects on purpose instead:
 Objects freed by their reference count go at once, frozen or not; garbage cycles made
 meanwhile (pyroute2's messages, mostly) wait for the next full collection.
 
-Each observer shard of `egressd observer` does the same for its ~500 sandboxes' observers
-(~210,000 objects): its automatic full collections took 52-221 ms each, during which none
-of its sandboxes was judged or frozen (the observer decided p99 387-513 ms under
-bench_egressd's load at 1,000). It runs no asyncio loop, so the timers come from
-``Timers``, which its poll loop runs.
+Each observer shard of `egressd observer` collects on the same schedule (``freeze=False``).
+At 1,000 sandboxes on 2 CPUs a shard holds ~500 sandboxes' observers, ~210,000 objects:
+its automatic full collections took 52-221 ms each, during which none of its sandboxes
+was judged or frozen (the observer decided a freeze at p99 up to 513 ms under
+bench_egressd's load; section of issue 17's note). A shard is forked from the supervisor,
+which froze its own objects first so that no collection in the shard touches, and so
+copies, their pages; unfreezing would undo that. So a shard leaves the frozen alone:
+its automatic full collections are switched off (the third threshold) and its full
+collection is a plain ``gc.collect()``, which never walks the permanent generation. It
+runs no asyncio loop: its timers are ``Timers``, which its poll loop runs.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ import gc
 import heapq
 import itertools
 import time
+import traceback
 from collections.abc import Callable
 from typing import Protocol
 
 FREEZE_S = 1.0
 SETTLE_S = 60.0
 MAX_DELAY_S = 600.0
+_NEVER = 1 << 30  # a third threshold no count of second-generation passes reaches
 
 
 class Handle(Protocol):
@@ -96,21 +103,32 @@ class Timers:
         return max(0.0, min(longest, self._heap[0][0] - self.time()))
 
     def run(self) -> None:
-        """Call what is due (a timer a callback sets for now waits for the next call)."""
+        """Call what is due, in order (a timer a callback sets for now waits for the next
+        call). One that raises is said on stderr; the others still run, as asyncio does."""
         now = self.time()
         due = []
         while self._heap and self._heap[0][0] <= now:
             due.append(heapq.heappop(self._heap)[2])
         for timer in due:
-            if not timer.cancelled:
+            if timer.cancelled:
+                continue
+            try:
                 timer.callback()
+            except Exception:
+                traceback.print_exc()
 
 
 class Collector:
     def __init__(
-        self, loop: Clock, settle_s: float = SETTLE_S, max_delay_s: float = MAX_DELAY_S
+        self,
+        loop: Clock,
+        settle_s: float = SETTLE_S,
+        max_delay_s: float = MAX_DELAY_S,
+        freeze: bool = True,
     ) -> None:
         self.loop = loop
+        self.freeze = freeze  # False: a forked shard's way (see the module doc)
+        self._thresholds: tuple[int, int, int] | None = None  # as they were before start
         self.settle_s = settle_s
         self.max_delay_s = max_delay_s
         self._timer: Handle | None = None  # the next full collection
@@ -120,9 +138,14 @@ class Collector:
         self._last = loop.time()  # the last full collection (or the start)
 
     def start(self) -> None:
-        """Freeze every FREEZE_S from now on; a full collection is due MAX_DELAY_S on, or
-        sooner where sandboxes made before (adopted ones) had it due sooner."""
-        self._freeze_tick()
+        """Freeze every FREEZE_S from now on (without ``freeze``: no automatic full
+        collection from now on); a full collection is due MAX_DELAY_S on, or sooner
+        where sandboxes made before (adopted ones) had it due sooner."""
+        if self.freeze:
+            self._freeze_tick()
+        elif self._thresholds is None:
+            self._thresholds = gc.get_threshold()
+            gc.set_threshold(self._thresholds[0], self._thresholds[1], _NEVER)
         due = self.loop.time() + self.max_delay_s
         self._schedule(due if self._timer is None else min(self._timer.when(), due))
 
@@ -132,7 +155,8 @@ class Collector:
 
     def made(self) -> None:
         """A sandbox was made: its objects out of the automatic collections' walks."""
-        gc.freeze()
+        if self.freeze:
+            gc.freeze()
         self.changed()
 
     def changed(self) -> None:
@@ -145,11 +169,14 @@ class Collector:
         self._timer = self.loop.call_at(due, self.collect)
 
     def collect(self) -> None:
-        """One full collection of everything, then all that lives frozen again."""
+        """One full collection of everything, then all that lives frozen again (without
+        ``freeze``: of everything but what was frozen before the fork)."""
         start = time.perf_counter()
-        gc.unfreeze()
+        if self.freeze:
+            gc.unfreeze()
         gc.collect()
-        gc.freeze()
+        if self.freeze:
+            gc.freeze()
         self.last_ms = (time.perf_counter() - start) * 1000
         self.collections += 1
         self._last = self.loop.time()
@@ -160,3 +187,6 @@ class Collector:
             if timer is not None:
                 timer.cancel()
         self._timer = self._freezer = None
+        if self._thresholds is not None:
+            gc.set_threshold(*self._thresholds)
+            self._thresholds = None

@@ -80,10 +80,11 @@ class Shard:
         self._looked = 0.0
         self._again = True
         self._scanned = self._noted_at = time.monotonic()
-        # Garbage collected as egressd collects its own (egress/collect.py): its
-        # observers' objects frozen as they start, one full collection once they settle.
+        # Garbage collected on egressd's schedule (egress/collect.py): no automatic full
+        # collection, one once its sandboxes settle; what the supervisor froze before
+        # the fork left alone.
         self.timers = Timers()
-        self.collector = Collector(self.timers)
+        self.collector = Collector(self.timers, freeze=False)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
@@ -106,12 +107,16 @@ class Shard:
                 for sid, watched in list(self.watched.items()):
                     self._guard(sid, watched, watched.observer.tick)
             self.look(now)
-            self.timers.run()
+            if not self.stopping:  # a full collection must not hold up the way out
+                self.timers.run()
         for sid in list(self.watched):
             self._end(sid)
         self.collector.close()
         self.journal.close()
         self.poll.close()
+        signal.set_wakeup_fd(-1)
+        os.close(wake_r)
+        os.close(wake_w)
         return 0
 
     def _ready(self, fd: int) -> None:

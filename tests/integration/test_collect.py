@@ -76,7 +76,7 @@ def unfrozen() -> Iterator[None]:
 
 
 def collector(clock: Clock, settle_s: float = 60, max_delay_s: float = 600) -> Collector:
-    return Collector(clock, settle_s, max_delay_s)  # type: ignore[arg-type]
+    return Collector(clock, settle_s, max_delay_s)
 
 
 def frozen_cycle(c: Collector) -> weakref.ref[Any]:
@@ -167,5 +167,57 @@ def test_timers_run_what_is_due_in_order_and_say_how_long_a_loop_may_wait(
     timers.run()
     assert ran == ["a"] and timers.wait(10.0) == 0.5
     now[0] = 1003.0
+    assert timers.wait(10.0) == 0.0  # overdue: no wait (a negative one blocks epoll)
     timers.run()
     assert ran == ["a", "b"] and timers.wait(10.0) == 10.0
+
+
+def test_timers_run_all_that_is_due_in_order_whatever_one_of_them_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Due together, in their order; one that raises is said and the rest still run; one
+    a callback sets for now waits for the next run."""
+    timers = collect.Timers()
+    monkeypatch.setattr(timers, "time", lambda: 1000.0)
+    ran: list[str] = []
+
+    def fails() -> None:
+        ran.append("fails")
+        raise RuntimeError("a bug in a callback")
+
+    timers.call_at(999.0, lambda: ran.append("first"))
+    timers.call_at(999.5, fails)
+    timers.call_at(999.8, lambda: timers.call_at(1000.0, lambda: ran.append("set now")))
+    timers.call_at(999.9, lambda: ran.append("last"))
+    timers.run()
+    assert ran == ["first", "fails", "last"] and "a bug in a callback" in capsys.readouterr().err
+    timers.run()
+    assert ran == ["first", "fails", "last", "set now"]
+
+
+def test_without_freezing_the_frozen_stay_frozen_and_no_automatic_full_collection_runs() -> None:
+    """A forked shard's way: what was frozen before (the supervisor's, before the fork)
+    is never walked, even by the full collection; the automatic full collections are
+    off until close, which puts the thresholds back."""
+    clock = Clock()
+    c = Collector(clock, 60, 600, freeze=False)
+    before = gc.get_threshold()
+    inherited = Node()
+    gone = weakref.ref(inherited)
+    del inherited
+    gc.freeze()  # the supervisor's, before the fork
+    frozen = gc.get_freeze_count()
+    try:
+        c.start()
+        assert gc.get_threshold() == (before[0], before[1], collect._NEVER)
+        made = Node()
+        made_ref = weakref.ref(made)
+        del made
+        c.made()
+        assert gc.get_freeze_count() == frozen  # nothing more frozen
+        clock.advance(60)  # settled: the full collection
+        assert c.collections == 1 and made_ref() is None
+        assert gone() is not None and gc.get_freeze_count() == frozen
+    finally:
+        c.close()
+    assert gc.get_threshold() == before

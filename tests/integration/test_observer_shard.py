@@ -4,10 +4,13 @@ here (no netns needed); the shard, its journal and its poll loop's bookkeeping a
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
+from egress.observer.layer import TICK_S
 from egress.observer.shard import RESCAN_S, SCAN_S, Shard, Watched, shard_of
 from egress.store import rundir
 
@@ -195,3 +198,51 @@ def test_a_shard_freezes_its_new_observers_objects_and_collects_once_they_settle
         for sid in list(sh.watched):
             sh._end(sid)
         sh.journal.close()
+
+
+class Polls:
+    """A shard's epoll, stood in for: no descriptor is ever ready; it ends the loop after
+    ``turns`` waits and keeps how long each was."""
+
+    def __init__(self, sh: Shard, turns: int) -> None:
+        self.sh, self.turns, self.waits = sh, turns, []
+
+    def register(self, *_: object) -> None:
+        pass
+
+    def unregister(self, *_: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def poll(self, timeout: float) -> list[tuple[int, int]]:
+        self.waits.append(timeout)
+        self.sh.stopping = len(self.waits) >= self.turns
+        return []
+
+
+def test_a_shards_loop_runs_its_collectors_timers_and_waits_no_longer_than_they_allow(
+    tmp_path: Path,
+) -> None:
+    """The collector started with the loop (no automatic full collection while it runs,
+    the thresholds back at its end), a due timer run, and the poll's wait cut short
+    for it."""
+    sh = Shard(tmp_path / "run", tmp_path / "state", 0, 1)
+    sh.poll.close()
+    polls = sh.poll = Polls(sh, 3)  # type: ignore[assignment]
+    ran: list[str] = []
+    sh.timers.call_at(sh.timers.time() - 1, lambda: ran.append("due"))
+    thresholds = gc.get_threshold()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    seen: list[tuple[int, int, int]] = []
+    sh.timers.call_at(sh.timers.time() - 1, lambda: seen.append(gc.get_threshold()))
+    try:
+        assert sh.run() == 0
+        after = gc.get_threshold()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        gc.set_threshold(*thresholds)
+    assert ran == ["due"] and seen[0][2] > thresholds[2] and after == thresholds
+    assert polls.waits[0] == 0.0 and all(0 < w <= TICK_S for w in polls.waits[1:])
