@@ -14,23 +14,12 @@ from typing import Any
 import pytest
 
 from egress import collect
-from egress.collect import Collector
+from egress.collect import Collector, Timer
 
 
 class Node:
     def __init__(self) -> None:
         self.me = self  # a cycle: only the collector frees it
-
-
-class Timer:
-    def __init__(self, when: float, callback: Callable[[], object]) -> None:
-        self.at, self.callback, self.cancelled = when, callback, False
-
-    def when(self) -> float:
-        return self.at
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class Clock:
