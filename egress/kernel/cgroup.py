@@ -133,8 +133,7 @@ class Cgroup:
                 _rmdir(path)
             for path in (v2, freezer, cpu):  # the parents this one may have made
                 if path is not None:
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.dirname(path))  # not while another sandbox is in
+                    _rmdir_parent(path)
             raise
         return cls(v2, freezer, ours=True, cpu_path=cpu)
 
@@ -171,9 +170,9 @@ class Cgroup:
         except SandboxError as exc:
             if not os.path.isdir(self.v2_path):  # removed meanwhile (`egressctl gc`)
                 self.cpu_path = None
-                with contextlib.suppress(SandboxError, OSError):
+                with contextlib.suppress(SandboxError):
                     _rmdir(twin)
-                    os.rmdir(os.path.dirname(twin))  # not while another sandbox is in
+                    _rmdir_parent(twin)
             return [f"cpu twin {twin}: {exc}"]
 
     @classmethod
@@ -487,9 +486,7 @@ class Cgroup:
         for d in reversed(self._dirs()):
             _rmdir(d)
             if self.ours:
-                # Empty once the last sandbox is gone; busy or not empty while others live.
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.dirname(d))
+                _rmdir_parent(d)
 
 
 _FD_SETSIZE = 1024
@@ -552,14 +549,8 @@ def _move_into(
     while True:
         inside = set(_procs(cgroup_dir))
         left = [pid for pid in pids() if pid not in inside and pid not in refused]
-        problems = [f"pid {pid} not moved to {cgroup_dir}: {why}" for pid, why in refused.items()]
-        if not left:
-            return problems
-        if time.monotonic() >= until:
-            still = ", ".join(map(str, left[:10])) + (", ..." if len(left) > 10 else "")
-            why = "a workload forking through the move"
-            return [*problems, f"pid {still} still outside {cgroup_dir} after "
-                               f"{_MOVE_BUDGET_S:g} s of looks ({why})"]  # fmt: skip
+        if not left or time.monotonic() >= until:
+            break
         for pid in left:
             if not belongs(pid):
                 continue  # ended since the look (its pid maybe reused): the next look says
@@ -570,6 +561,13 @@ def _move_into(
                 continue  # it ended meanwhile
             except OSError as exc:  # e.g. EINVAL: a real-time task, and no RT runtime there
                 refused[pid] = exc.strerror or str(exc)
+    problems = [f"pid {pid} not moved to {cgroup_dir}: {why}" for pid, why in refused.items()]
+    if left:
+        still = ", ".join(map(str, left[:10])) + (", ..." if len(left) > 10 else "")
+        why = "a workload forking through the move"
+        problems.append(f"pid {still} still outside {cgroup_dir} after {_MOVE_BUDGET_S:g} s "
+                        f"of looks ({why})")  # fmt: skip
+    return problems
 
 
 def _in_v2(pid: int, rel: str) -> bool:
@@ -604,6 +602,13 @@ def _mkdir(path: str) -> None:
         raise SandboxError(f"cgroup {path} already exists") from exc
     except OSError as exc:
         raise SandboxError(f"cannot create cgroup {path}: {exc.strerror}") from exc
+
+
+def _rmdir_parent(path: str) -> None:
+    """The parent of ``path`` (egress's, shared by every sandbox), removed if empty now:
+    it goes with the last sandbox, and stays (busy, not empty) while others live."""
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
 
 
 def _rmdir(path: str) -> None:
