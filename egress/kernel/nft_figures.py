@@ -7,7 +7,8 @@ scrape held the worker for 2.5 s, and a create waiting for it to load its rules 
 that long too. Here one socket in the sandbox's netns asks the kernel directly: a dump
 per set, whose elements are counted, not decoded, and one GETOBJ. The kernel's dump
 leaves out expired elements, as ``nft list set`` shows them. egressd reads them in a
-process of its own (figures_worker.py), not on its loop's.
+process of its own (figures_worker.py), not on its loop's. An observer reads its sandbox's
+drop counter the same way (observer/layer.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ _COUNTER_PACKETS = 2  # NFTA_COUNTER_PACKETS
 
 
 class Reader:
-    """One netlink socket in a sandbox's netns, for its figures; close it when done."""
+    """One netlink socket in a sandbox's netns, for its figures (egressd's figures
+    worker) or its drop counter (an observer); close it when done."""
 
     def __init__(self, netns: str | None, table: str) -> None:
         try:
@@ -66,6 +68,9 @@ class Reader:
         return self
 
     def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
         self._sock.close()
 
     def set_size(self, set_name: str) -> int:
