@@ -11,11 +11,13 @@ retries over TCP.
 from __future__ import annotations
 
 import ipaddress
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 from dnslib import CLASS, EDNS0, OPCODE, QTYPE, RCODE, RR, A, DNSHeader, DNSRecord
 
+from egress.lab.dnsmsg import HEADER_LEN, RawQuestion
 from egress.lab.topology import ANY4, ANY_ZONE
 from egress.lab.zones import Node, Relay, RRSet, Zone, ZoneSet, fqdn
 
@@ -62,12 +64,73 @@ def synthesized(qname: str) -> str | None:
     return str(addr) if addr in ipaddress.IPv4Network(ANY4) else None
 
 
+# A query's flags kept in the reply (opcode, RD, CD), as _reply keeps them; QR and AA set.
+_KEPT_FLAGS, _REPLY_FLAGS = 0x7800 | 0x0100 | 0x0010, 0x8000 | 0x0400
+_OPT, _SYNTH_TTL = 41, 300
+# The answer: its owner (a pointer to the question's name), type, class, TTL, length
+_ANSWER = struct.Struct("!HHHIH")
+_OUR_OPT = b"\0" + struct.pack("!HHIH", _OPT, OUR_EDNS_UDP, 0, 0)
+
+
+def quick_answer(zones: ZoneSet, packet: bytes, question: RawQuestion) -> bytes | None:
+    """The reply to a plain UDP query for the A record of a synthesized name, built from
+    its bytes: the bytes ``encode(answer(...))`` makes of it (tests/unit/test_lab_dns.py
+    holds them to that). None for anything else, answered through dnslib.
+
+    bench_egressd asks 1,000 such names a second of the lab, each a miss of egressd's;
+    through dnslib the lab's DNS took 30% of a CPU for them, on the 2 vCPUs egressd and
+    its observer layer share with it, and with no real upstream on the node."""
+    if len(packet) < HEADER_LEN or question.qtype != QTYPE.A or question.qclass != CLASS.IN:
+        return None
+    ident, flags, qd, an, ns, ar = struct.unpack_from("!6H", packet)
+    if flags & 0xF800 or qd != 1 or an or ns or ar > 1:
+        return None  # a response, another opcode, or sections dnslib must read
+    if question.end != HEADER_LEN + sum(len(label) + 1 for label in question.labels) + 5:
+        return None  # a compression pointer in the name: dnslib re-encodes it, left to it
+    opt = b""
+    if ar:
+        # One OPT record, alone and whole: the client's buffer size says nothing here (a
+        # reply this small is never truncated), but the reply then carries ours.
+        end = question.end
+        if packet[end : end + 3] != b"\0\0\x29" or len(packet) < end + 11:
+            return None
+        if not _options_fill(
+            packet, end + 11, end + 11 + struct.unpack_from("!H", packet, end + 9)[0]
+        ):
+            return None
+        opt = _OUR_OPT
+    elif len(packet) != question.end:
+        return None
+    key = question.key
+    address = synthesized(key)
+    if address is None or not isinstance(zones.route(key), Zone):
+        return None
+    head = struct.pack("!6H", ident, (flags & _KEPT_FLAGS) | _REPLY_FLAGS, 1, 1, 0, 1 if opt else 0)
+    answer_rr = _ANSWER.pack(0xC000 | HEADER_LEN, QTYPE.A, CLASS.IN, _SYNTH_TTL, 4)
+    return (
+        head + packet[HEADER_LEN : question.end] + answer_rr
+        + ipaddress.IPv4Address(address).packed + opt
+    )  # fmt: skip
+
+
+def _options_fill(packet: bytes, start: int, end: int) -> bool:
+    """The OPT record's options (code, length, data) fill it to ``end``, and it ends the
+    packet: anything else is left to dnslib, whatever it makes of it."""
+    if end != len(packet):
+        return False
+    while start < end:
+        if start + 4 > end:
+            return False
+        start += 4 + struct.unpack_from("!H", packet, start + 2)[0]
+    return start == end
+
+
 def _resolve(zones: ZoneSet, zone: Zone, request: Any, qname: str, qtype: int) -> Answer:
     reply = _reply(request, RCODE.NOERROR, aa=True)
     synth = synthesized(qname)
     if synth is not None:
         if qtype == QTYPE.A:
-            reply.add_answer(RR(str(request.q.qname), QTYPE.A, CLASS.IN, 300, A(synth)))
+            reply.add_answer(RR(str(request.q.qname), QTYPE.A, CLASS.IN, _SYNTH_TTL, A(synth)))
         else:
             _add_soa(reply, zone)
         return Answer(reply)

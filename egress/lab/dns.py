@@ -7,9 +7,11 @@ Run inside the lab's internet netns::
 
 Per packet: log it (querylog.py, before anything else can fail), then either relay it raw
 to a tunnel server (a relay zone, matched on the hand-read question name) or parse it with
-dnslib and answer from the zones (authority.py). Nothing a client sends may stop the
-server: unparseable packets get FORMERR built from the raw header, responses (QR=1) are
-dropped, and any unexpected exception answers SERVFAIL and is printed to stderr.
+dnslib and answer from the zones (authority.py); a UDP query for a synthesized AnyIP
+name's A record is answered from its bytes, without a task or dnslib (quick_answer).
+Nothing a client sends may stop the server: unparseable packets get FORMERR built from
+the raw header, responses (QR=1) are dropped, and any unexpected exception answers
+SERVFAIL and is printed to stderr.
 
 SIGHUP re-reads the zone file (a broken file keeps the old zones); every load is reported
 in the status file, which is how the lab knows a reload has taken effect.
@@ -38,7 +40,7 @@ from dnslib import DNSRecord
 
 from egress.errors import LabError
 from egress.lab import dnsmsg
-from egress.lab.authority import answer, encode, is_relay
+from egress.lab.authority import answer, encode, is_relay, quick_answer
 from egress.lab.querylog import QueryLog, entry
 from egress.lab.zones import Relay, ZoneSet, load_zones, parse_hostport
 
@@ -202,6 +204,16 @@ class _UdpProtocol(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
         question = self.server.received(data, "udp", addr)
+        if question is not None and self.transport is not None:
+            # A synthesized name's A record: its reply's bytes at once, no task, no dnslib.
+            try:
+                quick = quick_answer(self.server.zones, data, question)
+            except Exception:  # the slow path answers it, or says SERVFAIL
+                traceback.print_exc(file=sys.stderr)
+                quick = None
+            if quick is not None:
+                self.transport.sendto(quick, addr)
+                return
         self.server.spawn(self._answer(data, addr, question))
 
     async def _answer(
