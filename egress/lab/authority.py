@@ -74,7 +74,7 @@ _OUR_OPT = b"\0" + struct.pack("!HHIH", _OPT, OUR_EDNS_UDP, 0, 0)
 
 def quick_answer(zones: ZoneSet, packet: bytes, question: RawQuestion) -> bytes | None:
     """The reply to a plain UDP query for the A record of a synthesized name, built from
-    its bytes: the bytes ``encode(answer(...))`` makes of it (tests/unit/test_lab_dns.py
+    its bytes: the bytes ``encode(answer(...))`` makes of it (test_lab_quick_answer.py
     holds them to that). None for anything else, answered through dnslib.
 
     bench_egressd asks 1,000 such names a second of the lab, each a miss of egressd's;
@@ -87,6 +87,8 @@ def quick_answer(zones: ZoneSet, packet: bytes, question: RawQuestion) -> bytes 
         return None  # a response, another opcode, or sections dnslib must read
     if question.end != HEADER_LEN + sum(len(label) + 1 for label in question.labels) + 5:
         return None  # a compression pointer in the name: dnslib re-encodes it, left to it
+    if any(b"." in label for label in question.labels):
+        return None  # its key reads as more labels than it has: dnslib's owner name differs
     opt = b""
     if ar:
         # One OPT record, alone and whole: the client's buffer size says nothing here (a
