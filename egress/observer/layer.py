@@ -134,13 +134,14 @@ class Observer:
         self.listener = NflogListener.open(
             cfg.netns, c.OBSERVER_GROUP, copy_range=0xFFFF, batch=BATCH
         )
+        counters: Reader | None = None
         try:
             self.listener.sift = self._sift
             # libnftables only to list the allow sets once; closed at once, as a shard
             # holds hundreds of observers.
             with NftHandle.open(cfg.netns) as nft:
                 self.flows = FlowWatch(cfg.policy, self.matcher, nft)
-            self.counters = Reader(cfg.netns, c.TABLE)
+            self.counters = counters = Reader(cfg.netns, c.TABLE)
             # Drops counted before this observer bound its group were judged by whoever
             # was watching then (an observer restarted on a policy swap, the inline
             # layer): not drops its log missed. Read after binding: none falls between.
@@ -149,6 +150,8 @@ class Observer:
             # Unbound now, not when a collector gets to it: a group has one listener per
             # netns, and the next observer's bind would fail until then.
             self.listener.close()
+            if counters is not None:
+                counters.close()
             if self.owns_journal:
                 self.journal.close()
             raise

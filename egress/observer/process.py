@@ -4,7 +4,7 @@ Forking (rather than exec'ing a new interpreter) starts it in milliseconds with 
 policy already parsed. It is forked first thing, before `run` opens the journal: an
 SQLite connection must never cross a fork (the library's lock bookkeeping would be shared
 with a copy that holds none of the locks). The child waits on a pipe for the sandbox to
-exist, opens its own journal, NFLOG socket and nft handle, says "ready", and from then on
+exist, opens its own journal, NFLOG socket and counter socket, says "ready", and from then on
 lives in its own session with its own log, so Ctrl-C and a dying inline layer don't take
 it along. If `run` dies, the sandbox's end is the observer's: once nothing runs in it
 any more (after `egressctl kill`), it removes it as `run` would have (``_remover``).
