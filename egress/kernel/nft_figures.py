@@ -13,6 +13,7 @@ drop counter the same way (observer/layer.py).
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -40,6 +41,8 @@ _NLM_F_DUMP = 0x300  # NLM_F_ROOT | NLM_F_MATCH
 _NFPROTO_INET = 1
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
 _LIST_ELEM = 1  # NFTA_LIST_ELEM
+_ELEM_KEY, _ELEM_EXPIRATION = 1, 5  # NFTA_SET_ELEM_*
+_DATA_VALUE = 1  # NFTA_DATA_VALUE
 _OBJ_TABLE, _OBJ_NAME, _OBJ_TYPE, _OBJ_DATA = 1, 2, 3, 4  # NFTA_OBJ_*
 _OBJECT_COUNTER = 1  # NFT_OBJECT_COUNTER
 _COUNTER_PACKETS = 2  # NFTA_COUNTER_PACKETS
@@ -84,6 +87,33 @@ class Reader:
             count += _count(elements, _LIST_ELEM)
         return count
 
+    def elements(self, set_name: str) -> list[tuple[bytes, float]]:
+        """Each live element of ``set_name`` (of the inet table): its key's bytes (the
+        fields of a concatenation each padded to 4 bytes, in the set's order) and the
+        seconds it has left (0.0 without a timeout). A set that is not there: []."""
+        body = attr(_LIST_TABLE, self._table) + attr(_LIST_SET, set_name.encode() + b"\0")
+        out: list[tuple[bytes, float]] = []
+        try:
+            answer = self._ask(_GETSETELEM, _NLM_F_DUMP, body, f"set {set_name}")
+        except DatapathError as exc:
+            if str(exc).endswith(os.strerror(errno.ENOENT)):
+                return []
+            raise
+        for kind, buf, start, end in answer:
+            if kind != _NEWSETELEM:
+                continue
+            elements = iter_attrs(buf, start + NFGEN.size, end).get(_LIST_ELEMENTS, b"")
+            for element in _each(elements, _LIST_ELEM):
+                fields = iter_attrs(element, 0, len(element))
+                nested = fields.get(_ELEM_KEY, b"")
+                value = iter_attrs(nested, 0, len(nested)).get(_DATA_VALUE)
+                if value is None:
+                    continue
+                expires = fields.get(_ELEM_EXPIRATION, b"")
+                left = struct.unpack("!Q", expires)[0] / 1000 if len(expires) == 8 else 0.0
+                out.append((value, left))
+        return out
+
     def counter_packets(self, name: str) -> int:
         """The packets of the named counter object (of the inet table)."""
         body = attr(_OBJ_TABLE, self._table) + attr(_OBJ_NAME, name.encode() + b"\0")
@@ -125,13 +155,20 @@ class Reader:
             raise DatapathError(f"{what}: {exc.strerror or exc}") from None
 
 
-def _count(buf: bytes, kind: int) -> int:
-    """How many attributes of ``kind`` lie in ``buf`` (a nested attribute's payload)."""
-    n = pos = 0
+def _each(buf: bytes, kind: int) -> list[bytes]:
+    """The payload of each attribute of ``kind`` in ``buf`` (a nested attribute's)."""
+    out = []
+    pos = 0
     while pos + 4 <= len(buf):
         length, got = struct.unpack_from("=HH", buf, pos)
-        if length < 4:
+        if length < 4 or pos + length > len(buf):
             break
-        n += (got & 0x3FFF) == kind
+        if (got & 0x3FFF) == kind:
+            out.append(buf[pos + 4 : pos + length])
         pos += (length + 3) & ~3
-    return n
+    return out
+
+
+def _count(buf: bytes, kind: int) -> int:
+    """How many attributes of ``kind`` lie in ``buf`` (a nested attribute's payload)."""
+    return len(_each(buf, kind))

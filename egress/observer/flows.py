@@ -26,10 +26,9 @@ import struct
 import time
 
 from egress.datapath import constants as c
-from egress.datapath.elements import element_parts
 from egress.datapath.firstbytes import Outcome, judge
 from egress.kernel.nflog import NflogEvent
-from egress.kernel.nft import NftHandle
+from egress.kernel.nft_figures import Reader
 from egress.model import Flow, IPAddress, Layer, Policy, Violation
 from egress.observer.answers import GRACE_S, Answers
 from egress.policy.matcher import Matcher
@@ -39,14 +38,14 @@ from egress.resolver.flows import flow_violation
 
 
 class FlowWatch:
-    def __init__(self, policy: Policy, matcher: Matcher, nft: NftHandle | None) -> None:
+    def __init__(self, policy: Policy, matcher: Matcher, sets: Reader | None) -> None:
         self.policy = policy
         self.matcher = matcher
         self.bindings = Bindings()
         self.requests = FirstRequests()
         self._ids = itertools.count(1)  # NFLOG copies have no packet id: one per segment
         self._uids: dict[tuple[str, int, str, int], int | None] = {}
-        self.unknown: dict[IPAddress, float] = _in_sets(nft) if nft is not None else {}
+        self.unknown: dict[IPAddress, float] = _in_sets(sets) if sets is not None else {}
         self.answers = Answers(policy, matcher, self.bindings)
 
     def on_event(self, event: NflogEvent) -> list[Violation]:
@@ -117,11 +116,13 @@ class FlowWatch:
         return out
 
 
-def _in_sets(nft: NftHandle) -> dict[IPAddress, float]:
+def _in_sets(sets: Reader) -> dict[IPAddress, float]:
     """The addresses in the allow sets now, each until its last element expires."""
     now, out = time.time(), dict[IPAddress, float]()
-    for key, left in nft.allowed_elements():
-        parts = element_parts(key)
-        if parts is not None:
-            out[parts[0]] = max(out.get(parts[0], 0.0), now + left + GRACE_S)
+    for set_name, size in ((c.ALLOW4, 4), (c.ALLOW6, 16)):
+        for key, left in sets.elements(set_name):
+            if len(key) < size:
+                continue
+            address = ipaddress.ip_address(key[:size])  # the first field: the address
+            out[address] = max(out.get(address, 0.0), now + left + GRACE_S)
     return out

@@ -38,7 +38,6 @@ from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import netns_exists, netns_id, netns_path
 from egress.kernel.netns_cgroup import Peers
 from egress.kernel.nflog import NflogEvent, NflogListener
-from egress.kernel.nft import NftHandle
 from egress.kernel.nft_figures import Reader
 from egress.model import Layer, Policy, SandboxState, Violation, ViolationClass
 from egress.observer.flows import FlowWatch
@@ -137,11 +136,10 @@ class Observer:
         counters: Reader | None = None
         try:
             self.listener.sift = self._sift
-            # libnftables only to list the allow sets once; closed at once, as a shard
-            # holds hundreds of observers.
-            with NftHandle.open(cfg.netns) as nft:
-                self.flows = FlowWatch(cfg.policy, self.matcher, nft)
+            # Its own nf_tables socket for what it asks of the kernel: the allow sets at
+            # start, the drop counter after (no libnftables: see COUNTER_S).
             self.counters = counters = Reader(cfg.netns, c.TABLE)
+            self.flows = FlowWatch(cfg.policy, self.matcher, counters)
             # Drops counted before this observer bound its group were judged by whoever
             # was watching then (an observer restarted on a policy swap, the inline
             # layer): not drops its log missed. Read after binding: none falls between.

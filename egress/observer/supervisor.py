@@ -101,11 +101,12 @@ class Supervisor:
 def _shard(run_dir: Path, state_dir: Path, index: int, shards: int) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Its nft handles go through a worker process of its own (kernel/nft_worker.py), as
-    # egressd's do: an in-process libnftables context keeps a cache of the ruleset after
-    # a read (1.6 MB each), which made the layer's PSS 1,978 MB at 1,000 sandboxes (182 MB
-    # this way); and a shard holds well over the 1,024 descriptors past which libnftables'
-    # select() aborts a process on a batch command.
+    # An nft handle opened here goes through a worker process of its own
+    # (kernel/nft_worker.py, started at the first), as egressd's do: an in-process
+    # libnftables context keeps a cache of the ruleset after a read (1.6 MB each), which
+    # made the layer's PSS 1,978 MB at 1,000 sandboxes; and a shard holds well over the
+    # 1,024 descriptors past which libnftables' select() aborts a process on a batch
+    # command. Its observers open none: they ask the kernel through nft_figures' sockets.
     worker = nft.use_worker()
     try:
         return Shard(run_dir, state_dir, index, shards).run()

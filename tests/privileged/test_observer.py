@@ -5,6 +5,7 @@ tick by tick from the test: what it must not take for a violation, and when it m
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import shutil
 import socket
 import tempfile
@@ -252,3 +253,34 @@ def test_queries_sent_at_once_with_udp_gso_are_not_judged_by_the_first_alone(
                 break
             time.sleep(0.02)
         assert classes == (["tunnel"] if gso else ["denied_name"])
+
+
+def test_an_observer_started_mid_flight_knows_what_the_allow_sets_hold(box: Sandbox) -> None:
+    """An observer (re)started on a sandbox already in use (a policy swap restarts
+    egressd's) reads the allow sets through its own nf_tables socket, not libnftables:
+    each address there, v4 and v6, until its element's end (and a grace after), as
+    ``nft list set`` shows them. A connection to one is not the observer's to judge."""
+    from egress.datapath.elements import element_parts
+    from egress.observer.answers import GRACE_S
+
+    with NftHandle.open(box.netns) as nft:
+        nft.add_elements("inet", "egress", "allow4", ["192.0.2.10 . tcp . 443"], timeout_s=30)
+        nft.add_elements("inet", "egress", "allow4", ["192.0.2.11 . udp . 53"], timeout_s=90)
+        nft.add_elements("inet", "egress", "allow6", ["2001:db8::10 . tcp . 443"], timeout_s=60)
+        listed = nft.allowed_elements()
+    began = time.time()
+    with observing(box) as (observer, _):
+        unknown = dict(observer.flows.unknown)
+    ends: dict[Any, float] = {}
+    for key, left in listed:
+        parts = element_parts(key)
+        assert parts is not None
+        ends[parts[0]] = max(ends.get(parts[0], 0.0), began + left + GRACE_S)
+    assert (
+        set(unknown)
+        == set(ends)
+        >= {ipaddress.ip_address(a) for a in ("192.0.2.10", "192.0.2.11", "2001:db8::10")}
+    )
+    for address, end in ends.items():
+        # nft lists whole seconds left; the socket, milliseconds
+        assert end - 1.5 <= unknown[address] <= end + 1.5, (address, unknown[address], end)

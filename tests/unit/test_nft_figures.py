@@ -73,3 +73,29 @@ def test_a_counter_objects_packets_then_its_ack() -> None:
     missing = HDR.pack(HDR.size + 4, NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -errno.ENOENT)
     with pytest.raises(DatapathError, match="counter dropped: No such file"):
         reader([missing]).counter_packets("dropped")
+
+
+def test_a_sets_elements_their_keys_and_the_seconds_they_have_left() -> None:
+    """Each element's key (its concatenation's fields, each padded to 4 bytes) and its
+    expiration (ms, big-endian), as an observer reads the allow sets at its start."""
+
+    def element(key: bytes, expires_ms: int | None) -> bytes:
+        fields = attr(nf._ELEM_KEY | 0x8000, attr(nf._DATA_VALUE, key))
+        if expires_ms is not None:
+            fields += attr(4, struct.pack("!Q", 30_000))  # its timeout, not its end
+            fields += attr(nf._ELEM_EXPIRATION, struct.pack("!Q", expires_ms))
+        return attr(nf._LIST_ELEM | 0x8000, fields)
+
+    v4 = bytes([192, 0, 2, 10]) + b"\6\0\0\0" + b"\1\xbb\0\0"
+    items = element(v4, 12_345) + element(b"\xc6\x13\0\1" + b"\0" * 8, None)
+    body = attr(nf._LIST_TABLE, b"egress\0") + attr(nf._LIST_SET, b"allow4\0")
+    body += attr(nf._LIST_ELEMENTS | 0x8000, items)
+    dump = message(nf._NEWSETELEM, 2, 1, 1, 0, body)
+    got = reader([dump + elements(1) + done()]).elements("allow4")
+    assert got == [(v4, 12.345), (b"\xc6\x13\0\1" + b"\0" * 8, 0.0), (b"\1" * 12, 0.0)]
+
+
+def test_a_set_that_is_not_there_has_no_elements_and_other_errors_say_so() -> None:
+    assert reader([done(err=-errno.ENOENT)]).elements("allow6") == []
+    with pytest.raises(DatapathError, match="set allow4: Operation not permitted"):
+        reader([done(err=-errno.EPERM)]).elements("allow4")
