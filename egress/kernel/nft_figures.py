@@ -8,7 +8,7 @@ that long too. Here one socket in the sandbox's netns asks the kernel directly: 
 per set, whose elements are counted, not decoded, and one GETOBJ. The kernel's dump
 leaves out expired elements, as ``nft list set`` shows them. egressd reads them in a
 process of its own (figures_worker.py), not on its loop's. An observer reads its sandbox's
-drop counter the same way (observer/layer.py).
+drop counter, and its allow sets' elements at its start, the same way (observer/layer.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import struct
 from egress.errors import DatapathError
 from egress.kernel.netns import in_netns
 from egress.kernel.nfnetlink import (
+    HDR,
     NETLINK_NETFILTER,
     NFGEN,
     NLM_F_ACK,
@@ -38,6 +39,8 @@ _SUBSYS = 10  # NFNL_SUBSYS_NFTABLES
 _NEWSETELEM, _GETSETELEM = (_SUBSYS << 8) | 12, (_SUBSYS << 8) | 13
 _NEWOBJ, _GETOBJ = (_SUBSYS << 8) | 18, (_SUBSYS << 8) | 19
 _NLM_F_DUMP = 0x300  # NLM_F_ROOT | NLM_F_MATCH
+_NLM_F_DUMP_INTR = 0x10  # on a dump's message: the ruleset changed while it was made
+DUMP_TRIES = 3  # then what the last dump held: the resolver adds elements all the time
 _NFPROTO_INET = 1
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
 _LIST_ELEM = 1  # NFTA_LIST_ELEM
@@ -66,6 +69,7 @@ class Reader:
             raise DatapathError(f"nf_tables socket in netns {netns}: {exc.strerror}") from None
         self._table = table.encode() + b"\0"
         self._seq = 0
+        self.interrupted = False
 
     def __enter__(self) -> Reader:
         return self
@@ -92,13 +96,11 @@ class Reader:
         fields of a concatenation each padded to 4 bytes, in the set's order) and the
         seconds it has left (0.0 without a timeout). A set that is not there: []."""
         body = attr(_LIST_TABLE, self._table) + attr(_LIST_SET, set_name.encode() + b"\0")
+        for _ in range(DUMP_TRIES):  # a dump the ruleset changed under is asked again
+            answer = self._ask(_GETSETELEM, _NLM_F_DUMP, body, f"set {set_name}", True)
+            if not self.interrupted:
+                break
         out: list[tuple[bytes, float]] = []
-        try:
-            answer = self._ask(_GETSETELEM, _NLM_F_DUMP, body, f"set {set_name}")
-        except DatapathError as exc:
-            if str(exc).endswith(os.strerror(errno.ENOENT)):
-                return []
-            raise
         for kind, buf, start, end in answer:
             if kind != _NEWSETELEM:
                 continue
@@ -127,12 +129,16 @@ class Reader:
         raise DatapathError(f"counter {name}: the kernel's answer had no packet count")
 
     def _ask(
-        self, kind: int, flags: int, body: bytes, what: str
+        self, kind: int, flags: int, body: bytes, what: str, absent_ok: bool = False
     ) -> list[tuple[int, bytes, int, int]]:
         """Send one request; every message of its answer, up to its end (a dump's DONE,
-        a request's ack), as (type, buffer, payload start, payload end)."""
+        a request's ack), as (type, buffer, payload start, payload end). With
+        ``absent_ok``, ENOENT (its table or set not there, or deleted part way) is no
+        answer, not an error. ``interrupted`` says whether the ruleset changed during a
+        dump (NLM_F_DUMP_INTR): what it holds may then be short of an element."""
         self._seq += 1
         seq = self._seq
+        self.interrupted = False
         try:
             self._sock.send(message(kind, NLM_F_REQUEST | flags, seq, _NFPROTO_INET, 0, body))
             out: list[tuple[int, bytes, int, int]] = []
@@ -141,10 +147,14 @@ class Reader:
                 for got, got_seq, start, end in messages(buf, done=True):
                     if got_seq != seq:
                         continue  # an earlier request's answer
+                    if HDR.unpack_from(buf, start - HDR.size)[2] & _NLM_F_DUMP_INTR:
+                        self.interrupted = True
                     if got in (NLMSG_DONE, NLMSG_ERROR):
                         # A dump that failed part way (its table or set deleted) ends
                         # with DONE carrying the error, not with an ERROR.
                         err = -struct.unpack_from("=i", buf, start)[0] if end - start >= 4 else 0
+                        if err == errno.ENOENT and absent_ok:
+                            return []
                         if err > 0:
                             raise DatapathError(f"{what}: {os.strerror(err)}")
                         return out  # a dump's end, or a request's ack

@@ -99,3 +99,20 @@ def test_a_set_that_is_not_there_has_no_elements_and_other_errors_say_so() -> No
     assert reader([done(err=-errno.ENOENT)]).elements("allow6") == []
     with pytest.raises(DatapathError, match="set allow4: Operation not permitted"):
         reader([done(err=-errno.EPERM)]).elements("allow4")
+
+
+def test_a_dump_the_ruleset_changed_under_is_asked_again() -> None:
+    """NLM_F_DUMP_INTR on a dump's message: an element may be missing from it (the
+    resolver adds them all the time). The set is dumped again, up to DUMP_TRIES."""
+
+    def interrupted(data: bytes) -> bytes:
+        length, kind, flags, seq, pid = HDR.unpack_from(data)
+        return HDR.pack(length, kind, flags | nf._NLM_F_DUMP_INTR, seq, pid) + data[HDR.size :]
+
+    first = interrupted(elements(1)) + done()
+    second = elements(2, seq=2) + done(seq=2)
+    r = reader([first, second])
+    assert len(r.elements("allow4")) == 2 and not r.interrupted
+    always = [interrupted(elements(1, seq=n)) + done(seq=n) for n in (1, 2, 3)]
+    r = reader(always)
+    assert len(r.elements("allow4")) == 1 and r.interrupted  # the last one's, said so

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import struct
+import time
 
 from dnslib import CNAME, QTYPE, RR, A
 from test_resolver_bindings import hello
@@ -137,6 +138,34 @@ def test_an_address_in_the_sets_before_the_observer_started_is_left_to_the_inlin
     assert watch.on_event(segment_event(b"\x00\x01 no name", 1.0, SPORT + 3)) == []
     [late] = watch.on_event(segment_event(hello("allowed.test"), 31.0, SPORT + 2))
     assert "[not_resolved_here]" in late.detail
+
+
+class FakeSets:
+    """What nft_figures.Reader.elements hands the observer at its start: each element's
+    key (address . proto . port, each field padded to 4 bytes) and seconds left."""
+
+    def __init__(self, sets: dict[str, list[tuple[bytes, float]]]) -> None:
+        self.sets = sets
+
+    def elements(self, set_name: str) -> list[tuple[bytes, float]]:
+        return self.sets.get(set_name, [])
+
+
+def test_what_the_allow_sets_hold_at_the_start_is_each_address_until_its_last_end() -> None:
+    v4 = ipaddress.ip_address("192.0.2.10")
+    v6 = ipaddress.ip_address("2001:db8::10")
+    tcp443, udp53 = b"\6\0\0\0\1\xbb\0\0", b"\x11\0\0\0\0\x35\0\0"
+    sets = FakeSets({
+        c.ALLOW4: [(v4.packed + udp53, 90.0), (v4.packed + tcp443, 30.0)],
+        c.ALLOW6: [(v6.packed + tcp443, 0.0), (b"\1\2", 50.0)],  # no timeout; too short
+    })  # fmt: skip
+    inline = core()
+    before = time.time()
+    watch = FlowWatch(inline.policy, inline.matcher, sets)  # type: ignore[arg-type]
+    after = time.time()
+    assert set(watch.unknown) == {v4, v6}
+    assert before + 90 + GRACE_S <= watch.unknown[v4] <= after + 90 + GRACE_S  # its last end
+    assert before + GRACE_S <= watch.unknown[v6] <= after + GRACE_S
 
 
 def test_a_first_request_that_never_completes_is_refused_by_the_timer() -> None:
