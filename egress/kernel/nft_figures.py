@@ -53,7 +53,8 @@ _COUNTER_PACKETS = 2  # NFTA_COUNTER_PACKETS
 
 class Reader:
     """One netlink socket in a sandbox's netns, for its figures (egressd's figures
-    worker) or its drop counter (an observer); close it when done."""
+    worker), or an observer's for its drop counter and its allow sets; close it when
+    done."""
 
     def __init__(self, netns: str | None, table: str) -> None:
         try:

@@ -133,13 +133,13 @@ class Observer:
         self.listener = NflogListener.open(
             cfg.netns, c.OBSERVER_GROUP, copy_range=0xFFFF, batch=BATCH
         )
-        counters: Reader | None = None
+        nftables: Reader | None = None
         try:
             self.listener.sift = self._sift
             # Its own nf_tables socket for what it asks of the kernel: the allow sets at
             # start, the drop counter after (no libnftables: see COUNTER_S).
-            self.counters = counters = Reader(cfg.netns, c.TABLE)
-            self.flows = FlowWatch(cfg.policy, self.matcher, counters)
+            self.nftables = nftables = Reader(cfg.netns, c.TABLE)
+            self.flows = FlowWatch(cfg.policy, self.matcher, nftables)
             # Drops counted before this observer bound its group were judged by whoever
             # was watching then (an observer restarted on a policy swap, the inline
             # layer): not drops its log missed. Read after binding: none falls between.
@@ -148,8 +148,8 @@ class Observer:
             # Unbound now, not when a collector gets to it: a group has one listener per
             # netns, and the next observer's bind would fail until then.
             self.listener.close()
-            if counters is not None:
-                counters.close()
+            if nftables is not None:
+                nftables.close()
             if self.owns_journal:
                 self.journal.close()
             raise
@@ -236,7 +236,7 @@ class Observer:
         self.enforcer.release_pinned()  # a shard's journal outlives this watch
         with contextlib.suppress(EgressError, OSError):
             self.listener.close()
-            self.counters.close()
+            self.nftables.close()
             if self.owns_journal:
                 self.journal.close()
         if self.inline_fd is not None:  # a shard restarts observers: one pidfd each
@@ -285,7 +285,7 @@ class Observer:
 
     def _dropped(self) -> int | None:
         try:
-            return self.counters.counter_packets("dropped")
+            return self.nftables.counter_packets("dropped")
         except EgressError:
             return None
 
