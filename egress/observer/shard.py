@@ -153,11 +153,9 @@ class Shard:
             self._note_again()
 
     def scan(self) -> None:
-        """Start and end observers as the records say (the shard test hands it every
-        sandbox's records: this filter, not only Records', keeps it to its own)."""
-        wanted = {
-            r.id: r for r in self.records.load_all() if shard_of(r.id, self.shards) == self.index
-        }
+        """Start and end observers as the records say (this shard's own: ``records``
+        reads no other)."""
+        wanted = {r.id: r for r in self.records.load_all()}
         for sid in [s for s in self.watched if s not in wanted]:
             self._end(sid)
         for sid in [s for s in self.retry if s not in wanted]:

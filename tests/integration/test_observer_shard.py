@@ -70,14 +70,17 @@ def test_a_scan_starts_only_this_shards_sandboxes_and_backs_off_after_a_failure(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
     started: list[str] = []
-    records = [rundir.Record(id=f"s{i:04x}", kind="created", netns=f"egress-s{i}", cgroup="",
-                             policy="x") for i in range(40)]  # fmt: skip
-    sh = Shard(tmp_path / "run", tmp_path / "state", 1, 3)
-    monkeypatch.setattr(sh.records, "load_all", lambda: records)
+    run = tmp_path / "run"
+    run.mkdir()
+    ids = [f"s{i:04x}" for i in range(40)]
+    for sid in ids:  # every shard's records, in one run dir
+        rundir.save(run, rundir.Record(id=sid, kind="created", netns=f"egress-{sid}",
+                                       cgroup="", policy="x"))  # fmt: skip
+    sh = Shard(run, tmp_path / "state", 1, 3)
     monkeypatch.setattr(sh, "_start", lambda r: (started.append(r.id), sh._failed(r.id, "no")))
     try:
         sh.scan()
-        mine = [r.id for r in records if shard_of(r.id, 3) == 1]
+        mine = [sid for sid in ids if shard_of(sid, 3) == 1]
         assert started == mine and 0 < len(mine) < 40
         sh.scan()  # within the backoff: not tried again
         assert started == mine
