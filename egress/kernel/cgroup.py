@@ -572,10 +572,11 @@ def _move_into(
 
 def _in_v2(pid: int, rel: str) -> bool:
     """Process ``pid`` is in the v2 cgroup ``rel`` (a path under the mount)."""
+    from egress.kernel.netns_cgroup import NoCgroup, cgroup_paths  # it imports this module
+
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            return f"0::{rel}" in f.read().splitlines()
-    except OSError:
+        return cgroup_paths(pid)[0] == rel
+    except (OSError, NoCgroup):
         return False
 
 
