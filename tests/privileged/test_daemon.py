@@ -266,11 +266,20 @@ def test_metrics_show_the_kernels_set_sizes_and_drop_count(daemon: Egressd, lab:
 
 
 def figures_workers(pid: int) -> list[int]:
-    """The processes under ``pid`` that are its figures worker (kernel/figures_worker.py)."""
+    """The processes under ``pid`` that are its figures worker (kernel/figures_worker.py).
+    A child still in its exec has an empty cmdline for a moment (Popen returns once the
+    exec is past its point of no return, before the new program's arguments are in
+    place): it is read again until it names its program (a zombie's stays empty)."""
     found = []
     for child in tasks_under(pid)[1]:
+        deadline = time.monotonic() + 5
         with suppress(OSError):  # ended meanwhile
-            if b"egress.kernel.figures_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+            while not (cmdline := Path(f"/proc/{child}/cmdline").read_bytes()):
+                if dead(child):
+                    break
+                assert time.monotonic() < deadline, f"pid {child}: no cmdline after 5 s"
+                time.sleep(0.001)
+            if b"egress.kernel.figures_worker" in cmdline:
                 found.append(child)
     return found
 
