@@ -5,7 +5,9 @@ Enforcer for the same sandbox. For each violation it makes the record durable fi
 (journal before act: in its process's intent file, store/intents.py, or where there is
 none, committed to SQLite), freezes the cgroup if the policy's action says so, waits for
 the kernel to report it frozen, commits the intent's record to SQLite, journals the
-confirmation, and then, with the sandbox still, reads which process did it. Two layers
+confirmation, and then, with the sandbox still, reads which process did it. The first
+three of those may run on the thread that decided (``begin``: egressd's loop, which must
+not wait behind SQLite) and the rest on another (``finish``: its journal writer). Two layers
 acting on one violation make one freeze and two detections; a layer whose freeze reaches
 the cgroup after a person resumed that freeze thaws it again
 (``Journal.thaw_if_resumed``), so no freeze stands with nothing left to decide.
@@ -31,6 +33,20 @@ from egress.store.journal_schema import violation_key
 _T = TypeVar("_T")
 DEDUP_WINDOW_S = 2.0  # two layers' sightings of one packet fall well within this
 RETRY_S = 1.0  # after SQLite refused a retry of the records it refused before
+
+
+@dataclass(frozen=True)
+class Begun:
+    """What ``Enforcer.begin`` did for a freeze-worthy violation, for ``finish`` to commit:
+    its intent durable, then the cgroup frozen and confirmed at ``confirmed``, or the
+    freeze failed with ``error`` (raised by ``finish`` once the record is committed)."""
+
+    violation: Violation
+    key: str
+    intent: Intent
+    asked: float
+    confirmed: float | None
+    error: EgressError | None = None
 
 
 @dataclass
@@ -87,9 +103,43 @@ class Enforcer:
     def handle(self, v: Violation) -> FreezeEvent | None:
         """Journal ``v`` and act on it; returns the freeze it caused, if any. Then, if the
         journal took what this did, ``retry_pinned``."""
+        return self.finish(v, self.begin(v))
+
+    def begin(self, v: Violation) -> Begun | None:
+        """The part of ``handle`` that waits for no SQLite commit: for a freeze-worthy
+        violation, with an intent slot free, its intent's write, the freeze and the
+        kernel's confirmation. None where it did nothing (no freeze wanted, this flow
+        froze it already, no cgroup to freeze, no intent written): ``finish`` does it all
+        then, SQLite first. Every violation given here must then be given to ``finish``,
+        in the order decided; between the two the journal's lock may be waited for
+        (``finish`` on a writer thread), and no other call of this waits for it."""
+        if not (self.intents and self.wants_freeze(v)):
+            return None
+        key = violation_key(v)
+        if key in self.frozen_keys or not self.cgroup.bind(refresh=True):
+            return None
+        asked = time.time()
+        intent = self._try(
+            lambda: self.journal.write_intent(self.sandbox_id, v, DEDUP_WINDOW_S, asked)
+        )
+        if intent is None:
+            return None
+        try:
+            at = time.time()
+            confirmed = at + self.cgroup.freeze()
+        except EgressError as exc:  # the intent is durable: finish commits it, then raises
+            return Begun(v, key, intent, asked, None, exc)
+        # Now, not at the commit: a repeat of this flow decided before finish ran is a
+        # sighting, journaled by finish after this one's record (the order given).
+        self.frozen_keys.add(key)
+        return Begun(v, key, intent, asked, confirmed)
+
+    def finish(self, v: Violation, begun: Begun | None) -> FreezeEvent | None:
+        """The rest of ``handle`` for ``v``, after ``begin`` returned ``begun``: the SQLite
+        commits and the attribution; all of it where ``begun`` is None."""
         with self._acting:
             errors = self.journal_errors
-            event = self._handle(v)
+            event = self._handle(v) if begun is None else self._fold(begun)
             if self.journal_errors == errors:
                 self.retry_pinned()
             return event
@@ -219,14 +269,8 @@ class Enforcer:
             )
             return None
         asked = time.time()
-        intent = None
-        if self.intents:
-            intent = self._try(
-                lambda: self.journal.write_intent(self.sandbox_id, v, DEDUP_WINDOW_S, asked)
-            )
-        if intent is not None:
-            return self._freeze_then_fold(v, key, intent, asked)
-        # Journal before act: the violation and the freeze request, in one durable commit.
+        # Journal before act (begin wrote no intent): the violation and the freeze
+        # request, in one durable commit.
         recorded = self._try(
             lambda: self.journal.record_for_freeze(self.sandbox_id, v, DEDUP_WINDOW_S, asked)
         )
@@ -238,24 +282,22 @@ class Enforcer:
         self.frozen_keys.add(key)  # only once it froze: a failed freeze is tried again
         return event
 
-    def _freeze_then_fold(
-        self, v: Violation, key: str, intent: Intent, asked: float
-    ) -> FreezeEvent | None:
-        """Journal before act through the intent file (store/intents.py): the record is
-        durable there already; freeze, then commit it to SQLite as the other path does
+    def _fold(self, begun: Begun) -> FreezeEvent | None:
+        """Journal before act through the intent file (store/intents.py): ``begin`` froze
+        once the record was durable there; now commit it to SQLite as the other path does
         before its freeze (an intent SQLite refuses is committed later, Journal). No read
-        comes before the freeze, so a late sighting of a violation whose freeze a person
+        came before the freeze, so a late sighting of a violation whose freeze a person
         has resumed freezes for the commit's length, then thaws again."""
-        try:
-            at = time.time()
-            confirmed = at + self.cgroup.freeze()
-        finally:
-            recorded = self._try(
-                lambda: self.journal.record_for_freeze(
-                    self.sandbox_id, v, DEDUP_WINDOW_S, asked, intent
-                )
+        v, key = begun.violation, begun.key
+        recorded = self._try(
+            lambda: self.journal.record_for_freeze(
+                self.sandbox_id, v, DEDUP_WINDOW_S, begun.asked, begun.intent
             )
-        self.frozen_keys.add(key)
+        )
+        if begun.error is not None:
+            raise begun.error
+        assert begun.confirmed is not None  # begin sets one of the two
+        confirmed = begun.confirmed
         vid, fid = (recorded[0], recorded[2]) if recorded is not None else (None, None)
         if recorded is not None and fid is None:
             # The other layer froze for it and a person resumed that freeze before this

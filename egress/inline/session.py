@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError
-from egress.freeze.enforcer import Enforcer, FreezeEvent
+from egress.freeze.enforcer import Begun, Enforcer, FreezeEvent
 from egress.inline.flowcheck import FlowCheck
 from egress.kernel.nflog import NflogListener
 from egress.model import Flow, Layer, ReviewAction, Violation, ViolationClass
@@ -41,9 +41,9 @@ MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps
 # records SQLite refused are tried again.
 TICK_S = 5.0
 RETRY_PINNED = "retry pinned"  # on the journal queue: Enforcer.retry_pinned
-# What the journal writer takes: a verdict, mode: audit's rows, RETRY_PINNED, or None:
-# the end.
-_Queued = Violation | AuditBatch | str | None
+# What the journal writer takes: a verdict (or a freeze begun on the loop, to finish),
+# mode: audit's rows, RETRY_PINNED, or None: the end.
+_Queued = Violation | Begun | AuditBatch | str | None
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Session:
         decision_timeout: float | None,
         review_hint: str,
         listener: NflogListener | None = None,
-        freeze_off_loop: bool = False,
+        commits_off_loop: bool = False,
     ) -> None:
         self.sb = sb
         self.enforcer = enforcer
@@ -77,19 +77,23 @@ class Session:
         self._monitor: asyncio.Task[None] | None = None
         self._released = False  # _release ran: no review starts here any more
         # Bounded: a workload flooding denied queries must not grow egressctl without end.
-        # Ordered by urgency: a freeze-worthy verdict (with freeze_off_loop) goes before
+        # Ordered by urgency: a freeze-worthy verdict (with commits_off_loop) goes before
         # every block/log record still waiting for its fsync.
         self._journal_queue: queue.PriorityQueue[tuple[int, int, _Queued]] = queue.PriorityQueue(
             JOURNAL_BACKLOG
         )
         self._queued = itertools.count()
-        # egressd serves every sandbox on one event loop: there a freeze (a fsync'd
-        # journal commit, the cgroup write and its confirmation, the attribution's /proc
-        # walk: 1-3 ms, more on a slow disk) runs on the writer thread instead, so other
-        # sandboxes' answers never wait for it. `egressctl run` serves one sandbox and
-        # acts at once.
-        self.freeze_off_loop = freeze_off_loop
-        self._loop = asyncio.get_running_loop() if freeze_off_loop else None
+        # egressd serves every sandbox on one event loop: only the part of a freeze
+        # that waits for no lock runs on it (Enforcer.begin: the intent's write, the
+        # cgroup's, its confirmation: ~0.5 ms), the rest (SQLite's commits, which queue
+        # behind the other layer's and egressd's, and the attribution's /proc walk: 1-3
+        # ms, more on a slow disk) on the writer thread, so other sandboxes' answers never
+        # wait for those. Not all of it there: a freeze queued behind a record the writer
+        # was committing waited for SQLite's write lock too (up to its busy timeout), and
+        # one handed over under load waited for the GIL (up to the loop's 5 ms switch
+        # interval). `egressctl run` serves one sandbox and acts at once.
+        self.commits_off_loop = commits_off_loop
+        self._loop = asyncio.get_running_loop() if commits_off_loop else None
         self._writer_ended: Callable[[], None] | None = None  # aclose's, told as it ends
         self._writer_done = threading.Event()
         self._writer = threading.Thread(target=self._journal_writer, name="journal", daemon=True)
@@ -165,27 +169,45 @@ class Session:
         self._journal_queue.put((1, next(self._queued), batch))
 
     def on_violation(self, v: Violation) -> None:
-        """Freeze-worthy verdicts are acted on here and now (journal, then freeze); the
-        rest are journaled by a writer thread, so a burst of denied queries never holds
-        up the DNS answers behind it on an fsync."""
+        """Freeze-worthy verdicts are acted on here and now (journal, then freeze; with
+        ``commits_off_loop`` only up to the kernel's confirmation); the rest are journaled
+        by a writer thread, so a burst of denied queries never holds up the DNS answers
+        behind it on an fsync."""
         self.state.seen += 1
         if len(self.state.violations) < MAX_KEPT:
             self.state.violations.append(v)
         urgent = self.enforcer.wants_freeze(v)
-        if urgent and not self.freeze_off_loop:
+        if urgent and not self.commits_off_loop:
             self._act(v)
             return
+        item: Violation | Begun = self._begin(v) if urgent else v
         try:
-            self._journal_queue.put_nowait((0 if urgent else 1, next(self._queued), v))
+            self._journal_queue.put_nowait((0 if urgent else 1, next(self._queued), item))
         except queue.Full:
-            if urgent:  # never dropped: acted on here, late rather than never
-                self._act(v)
+            if urgent:  # never dropped: finished here, late rather than never
+                self._finish(item)
                 return
             self.state.unjournaled += 1  # counted in the report; the kernel still blocked it
+
+    def _begin(self, v: Violation) -> Violation | Begun:
+        """Enforcer.begin, or ``v`` where it began nothing (its finish does it all)."""
+        try:
+            return self.enforcer.begin(v) or v
+        except EgressError:  # its finish tries all of it again, and reports what fails
+            return v
 
     def _act(self, v: Violation) -> None:
         try:
             self.enforcer.handle(v)
+        except EgressError as exc:  # a failed freeze is reported, never swallowed
+            print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
+
+    def _finish(self, item: Violation | Begun) -> None:
+        """What ``_act`` does, after Enforcer.begin (tried on the loop for a freeze-worthy
+        ``item``; a verdict of no freeze begins nothing)."""
+        v, begun = (item.violation, item) if isinstance(item, Begun) else (item, None)
+        try:
+            self.enforcer.finish(v, begun)
         except EgressError as exc:  # a failed freeze is reported, never swallowed
             print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
 
@@ -198,7 +220,7 @@ class Session:
                     self._retry_queued = False
                     self.enforcer.retry_pinned()
                 else:
-                    self._act(item)
+                    self._finish(item)
             self.enforcer.release_pinned()  # the session ends; egress may go on
         finally:
             self._writer_done.set()  # first: aclose looks at it after installing its call

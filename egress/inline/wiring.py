@@ -54,21 +54,23 @@ def make(
     queue: NfqueueListener | None = None,
     mark: int | None = None,
     decision_timeout: float | None = None,
-    freeze_off_loop: bool = True,
+    commits_off_loop: bool = True,
 ) -> Inline:
     """The inline layer of ``sb``, reading NFLOG already; its resolver is not started.
 
-    ``freeze_off_loop``: egressd and the sidecar (True) keep a freeze off the event loop
-    other sandboxes' answers and the API share; `egressctl run` (False) serves one sandbox
-    and acts at once. ``decision_timeout``: how long a frozen sandbox waits for a person
-    (`run`'s --decision-timeout). ``listener``: an NFLOG socket a predecessor egressd
-    handed over, already bound to the inline group; ``queue``: likewise its first-bytes
-    NFQUEUE socket (``FlowCheck``, which the session holds and closes)."""
+    ``commits_off_loop``: egressd and the sidecar (True) keep a freeze's SQLite commits
+    and attribution off the event loop other sandboxes' answers and the API share (the
+    freeze itself is made there: Session.on_violation); `egressctl run` (False) serves
+    one sandbox and does all of it at once. ``decision_timeout``: how long a frozen
+    sandbox waits for a person (`run`'s --decision-timeout). ``listener``: an NFLOG
+    socket a predecessor egressd handed over, already bound to the inline group;
+    ``queue``: likewise its first-bytes NFQUEUE socket (``FlowCheck``, which the session
+    holds and closes)."""
     loop = asyncio.get_running_loop()
     enforcer = Enforcer(sb.id, sb.policy, Layer.INLINE, journal, sb.cgroup)
     session = Session(
         sb=sb, enforcer=enforcer, decision_timeout=decision_timeout, review_hint=review_hint,
-        listener=listener, freeze_off_loop=freeze_off_loop,
+        listener=listener, commits_off_loop=commits_off_loop,
     )  # fmt: skip
     try:
         loop.add_reader(session.listener.fileno(), session.on_nflog)

@@ -250,7 +250,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     session, resolver = wiring.make(
         sb, journal, _review_hint(opts), _upstreams(sb, opts), opts.uplink_netns,
-        decision_timeout=opts.decision_timeout, freeze_off_loop=False,
+        decision_timeout=opts.decision_timeout, commits_off_loop=False,
     )  # fmt: skip
     result.session = session
     observer_fd = os.pidfd_open(observer.pid)

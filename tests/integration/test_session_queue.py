@@ -1,6 +1,7 @@
-"""The inline layer's queue in egressd (Session with freeze_off_loop): a freeze-worthy
-verdict is acted on by the writer thread, ahead of block/log records still waiting, and
-never on the event loop that answers every sandbox's DNS."""
+"""The inline layer's queue in egressd (Session with commits_off_loop): a freeze-worthy
+verdict is frozen on the event loop that answers every sandbox's DNS (Enforcer.begin,
+which waits for no lock) and committed by the writer thread, ahead of block/log records
+still waiting; the commits never run on the loop."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from egress.freeze.enforcer import FreezeEvent
+from egress.freeze.enforcer import Begun, FreezeEvent
 from egress.inline.session import Session
 from egress.model import Action, Violation, ViolationClass
+from egress.store.intents import Intent
 
 SLOW_S = 0.05  # each record's "fsync"
 
@@ -22,15 +24,24 @@ SLOW_S = 0.05  # each record's "fsync"
 @dataclass
 class FakeEnforcer:
     handled: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
+    begun: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
     on_freeze: Any = None
 
     def wants_freeze(self, v: Violation) -> bool:
         return v.action is Action.FREEZE
 
-    def handle(self, v: Violation) -> None:
+    def begin(self, v: Violation) -> Begun | None:
+        if not self.wants_freeze(v):
+            return None
+        self.begun.append((v.cls.value, threading.current_thread().name))
+        intent = Intent("intents:1", 0, "sbx1", {})
+        return Begun(v, "key", intent, v.at, time.time())
+
+    def finish(self, v: Violation, begun: Begun | None) -> None:
+        assert (begun is not None) == self.wants_freeze(v)  # begun wherever it is due
         time.sleep(SLOW_S)
         self.handled.append((v.cls.value, threading.current_thread().name))
-        if self.wants_freeze(v):
+        if begun is not None:
             self.on_freeze(FreezeEvent(v, 1, 1.0, {}))
 
     def release_pinned(self) -> None:
@@ -66,12 +77,12 @@ def violation(cls: ViolationClass, action: Action) -> Violation:
     )
 
 
-def test_a_freeze_goes_ahead_of_queued_records_and_off_the_loop() -> None:
+def test_a_freeze_begins_on_the_loop_and_its_commit_goes_ahead_of_queued_records() -> None:
     async def main() -> None:
         enforcer = FakeEnforcer()
         session = Session(
             sb=FakeSandbox(), enforcer=enforcer, decision_timeout=None, review_hint="",  # type: ignore[arg-type]
-            listener=FakeListener(), freeze_off_loop=True,  # type: ignore[arg-type]
+            listener=FakeListener(), commits_off_loop=True,  # type: ignore[arg-type]
         )  # fmt: skip
         loop_thread = threading.current_thread().name
         started = time.monotonic()
@@ -89,6 +100,8 @@ def test_a_freeze_goes_ahead_of_queued_records_and_off_the_loop() -> None:
         # The writer was busy with the first record at most; the freeze came next.
         assert order.index("blocked_connect") <= 1, order
         assert len(order) == 5 and {t for _, t in enforcer.handled} == {"journal"} != {loop_thread}
+        # Frozen from the loop, before the records queued ahead of it were committed.
+        assert enforcer.begun == [("blocked_connect", loop_thread)]
 
     asyncio.run(main())
 
@@ -104,7 +117,7 @@ def test_aclose_returns_once_everything_queued_is_journaled_and_the_loop_runs_me
             listener = ClosedCount()
             session = Session(
                 sb=FakeSandbox(), enforcer=enforcer, decision_timeout=None, review_hint="",  # type: ignore[arg-type]
-                listener=listener, freeze_off_loop=True,  # type: ignore[arg-type]
+                listener=listener, commits_off_loop=True,  # type: ignore[arg-type]
             )  # fmt: skip
             for _ in range(5):
                 session.on_violation(violation(ViolationClass.DENIED_NAME, Action.BLOCK))
@@ -152,7 +165,7 @@ def test_a_freeze_the_writer_makes_after_a_cancelled_aclose_starts_no_review() -
         listener = ClosedCount()
         session = Session(
             sb=FakeSandbox(), enforcer=enforcer, decision_timeout=1.0, review_hint="",  # type: ignore[arg-type]
-            listener=listener, freeze_off_loop=True,  # type: ignore[arg-type]
+            listener=listener, commits_off_loop=True,  # type: ignore[arg-type]
         )  # fmt: skip
         session.on_violation(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE))
         closing = asyncio.ensure_future(session.aclose())

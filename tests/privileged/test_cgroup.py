@@ -363,6 +363,61 @@ def test_the_intent_is_on_disk_before_the_freeze_and_in_sqlite_after(
         assert len(again.violations("sb1")) == 1 and len(again.freezes("sb1")) == 1
 
 
+def test_a_freeze_begun_is_made_before_any_commit_and_finished_on_another_thread(
+    race: Race, ticker: subprocess.Popen[bytes]
+) -> None:
+    """egressd's split (Enforcer.begin on its loop, finish on a writer thread): once begin
+    returns, the workload is stopped and SQLite holds nothing yet; finish, on another
+    thread, commits the violation and the kernel's confirmation begin read."""
+    journal = race.journal
+    enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg)
+    v = race_violation("observer")
+    begun = enforcer.begin(v)
+    assert begun is not None and begun.error is None and begun.confirmed is not None
+    assert race.cg.is_frozen()
+    assert_stopped(ticker)
+    assert journal.violations("sb1") == [] and journal.freezes("sb1") == []
+    events: list[FreezeEvent | None] = []
+    finisher = threading.Thread(target=lambda: events.append(enforcer.finish(v, begun)))
+    finisher.start()
+    finisher.join(timeout=30)
+    [event] = events
+    assert event is not None and race.cg.is_frozen()
+    [freeze] = journal.freezes("sb1")
+    assert freeze["confirmed_at"] == pytest.approx(begun.confirmed)
+    assert freeze["first_violation"] == event.violation_id
+
+
+def test_a_freeze_failing_after_its_intent_is_committed_and_tried_again(
+    race: Race, ticker: subprocess.Popen[bytes]
+) -> None:
+    """The cgroup write fails once the intent is durable: finish still commits the
+    violation (the evidence stands), then raises; the same flow seen again is not a mere
+    sighting of a freeze that never was: it freezes."""
+    journal = race.journal
+    real_freeze = race.cg.freeze
+    tries: list[float] = []
+
+    def fails_first(*args: Any, **kwargs: Any) -> float:
+        tries.append(time.time())
+        if len(tries) == 1:
+            raise SandboxError("cgroup.freeze: No such file or directory")
+        return real_freeze(*args, **kwargs)
+
+    race.cg.freeze = fails_first  # type: ignore[method-assign]
+    enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg)
+    v = race_violation("observer")
+    begun = enforcer.begin(v)
+    assert begun is not None and isinstance(begun.error, SandboxError)
+    with pytest.raises(SandboxError, match="No such file"):
+        enforcer.finish(v, begun)
+    [row] = journal.violations("sb1")
+    assert row["class"] == "blocked_connect" and not race.cg.is_frozen()
+    event = enforcer.handle(race_violation("observer"))  # the same flow, again
+    assert event is not None and race.cg.is_frozen() and len(tries) == 2
+    assert_stopped(ticker)
+
+
 def test_a_freeze_from_an_intent_after_a_resume_of_the_violation_is_undone(
     race: Race, ticker: subprocess.Popen[bytes]
 ) -> None:

@@ -143,10 +143,11 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
 def test_a_freeze_sqlite_refused_is_journaled_on_egressds_tick_and_stands(
     daemon: Egressd, lab: Lab, state_dir: Path
 ) -> None:
-    """egressd freezes on its journal writer thread: there the layer's tick hands the
-    retry of a record SQLite refused (its write lock held here past the 10 s busy
-    timeout) to that thread. Once the lock is free the freeze shows in the journal, open,
-    with no further violation to prompt it, and the sandbox stays frozen until resumed."""
+    """egressd commits a freeze's records on its journal writer thread: there the
+    layer's tick hands the retry of a record SQLite refused (its write lock held here
+    past the 10 s busy timeout) to that thread. Once the lock is free the freeze shows in
+    the journal, open, with no further violation to prompt it, and the sandbox stays
+    frozen until resumed."""
     box = daemon.create(policy("pinned", "allowed.lab.test"), lab.uplink_netns)
     cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
     said_before = len(daemon.stderr())
@@ -179,6 +180,69 @@ def test_a_freeze_sqlite_refused_is_journaled_on_egressds_tick_and_stands(
             assert not cgroup.is_frozen()
     finally:
         daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
+BEHIND = """
+import socket, urllib.request
+try:
+    socket.gethostbyname("denied.lab.test")  # not in its policy: a record, no freeze
+except OSError:
+    pass
+try:
+    urllib.request.urlopen("http://203.0.113.11/behind-the-writer", timeout=2)
+except OSError:
+    pass
+print("done")
+"""
+
+
+def test_egressd_freezes_on_its_loop_while_its_writer_waits_for_sqlite(
+    daemon: Egressd, lab: Lab, state_dir: Path
+) -> None:
+    """The freeze is not queued behind the journal's writer thread: with SQLite's write
+    lock held here, the workload's denied name is a record that keeps that thread
+    waiting (10 s busy timeout); its blocked request right after freezes the sandbox
+    from egressd's loop (intent, then cgroup) before that record is refused. Nothing
+    reached the lab's web server; once the lock is free, both records are journaled."""
+    box = daemon.create(policy("behind", "allowed.lab.test"), lab.uplink_netns)
+    cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
+    said_before = len(daemon.stderr())
+    refused = f"egress inline: journal: {state_dir / 'journal.db'}"
+    argv = [sys.executable, "-m", "egress.cli.main", "sandbox", "exec", "--daemon",
+            daemon.socket, "--user", str(NOBODY), box["id"], "--", SYSTEM_PYTHON, "-c",
+            BEHIND]  # fmt: skip
+    lock = sqlite3.connect(state_dir / "journal.db", isolation_level=None, timeout=0)
+    workload: subprocess.Popen[str] | None = None
+    try:
+        lock.execute("BEGIN IMMEDIATE")
+        workload = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        assert wait_frozen(cgroup)
+        # Not behind the denied name's record: the writer still waits for the lock.
+        assert refused not in daemon.stderr()[said_before:], daemon.stderr()[said_before:]
+        lock.execute("ROLLBACK")
+
+        def journaled() -> list[dict[str, Any]]:
+            with Journal.open(state_dir) as journal:
+                return journal.freezes(box["id"])
+
+        assert wait_until(journaled, 30)
+        with Journal.open(state_dir) as journal:
+            classes = {v["class"] for v in journal.violations(box["id"])}
+        assert classes == {"denied_name", "blocked_connect"}, classes
+        assert not [r for r in lab.requests() if "behind-the-writer" in str(r.get("path"))]
+        assert cgroup.is_frozen()
+        daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
+        out, _ = workload.communicate(timeout=30)
+        assert workload.returncode == 0 and out.split() == ["done"], (workload.returncode, out)
+        assert refused not in daemon.stderr()[said_before:]
+    finally:
+        with suppress(sqlite3.Error):
+            lock.execute("ROLLBACK")
+        lock.close()
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+        if workload is not None and workload.poll() is None:
+            workload.kill()
+            workload.wait(timeout=10)
 
 
 BURST = """
