@@ -5,12 +5,13 @@ Enforcer for the same sandbox. For each violation it makes the record durable fi
 (journal before act: in its process's intent file, store/intents.py, or where there is
 none, committed to SQLite), freezes the cgroup if the policy's action says so, waits for
 the kernel to report it frozen, commits the intent's record to SQLite, journals the
-confirmation, and then, with the sandbox still, reads which process did it. The first
-three of those may run on the thread that decided (``begin``: egressd's loop, which must
-not wait behind SQLite) and the rest on another (``finish``: its journal writer). Two layers
-acting on one violation make one freeze and two detections; a layer whose freeze reaches
-the cgroup after a person resumed that freeze thaws it again
-(``Journal.thaw_if_resumed``), so no freeze stands with nothing left to decide.
+confirmation, and then, with the sandbox still, reads which process did it. The intent
+and the freeze's ask may run on the thread that decided (``begin``: egressd's loop, which
+must wait neither for SQLite nor for a workload slow to stop) and the rest on another
+(``finish``: its journal writer). Two layers acting on one violation make one freeze
+and two detections; a layer whose freeze reaches the cgroup after a person resumed
+that freeze thaws it again (``Journal.thaw_if_resumed``), so no freeze stands with
+nothing left to decide.
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ RETRY_S = 1.0  # after SQLite refused a retry of the records it refused before
 @dataclass(frozen=True)
 class Begun:
     """What ``Enforcer.begin`` did for a freeze-worthy violation, for ``finish`` to commit:
-    its intent durable, then the cgroup frozen and confirmed at ``confirmed``, or the
-    freeze failed with ``error`` (raised by ``finish`` once the record is committed)."""
+    its intent durable, then the cgroup asked to freeze, and confirmed at ``confirmed``
+    (None: not yet, ``finish`` waits for it), or the ask failed with ``error`` (raised by
+    ``finish`` once the record is committed)."""
 
     violation: Violation
     key: str
     intent: Intent
     asked: float
     confirmed: float | None
-    error: EgressError | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Enforcer:
             if intents:
                 journal.open_intents()  # a freeze then waits for no SQLite commit
         except JournalError as exc:
+            self.intents = False  # begin does nothing then: finish does it all
             print(f"egress {layer}: {exc}; freezes commit to SQLite first", file=sys.stderr)
 
     def wants_freeze(self, v: Violation) -> bool:
@@ -106,17 +109,19 @@ class Enforcer:
         return self.finish(v, self.begin(v))
 
     def begin(self, v: Violation) -> Begun | None:
-        """The part of ``handle`` that waits for no SQLite commit: for a freeze-worthy
-        violation, with an intent slot free, its intent's write, the freeze and the
-        kernel's confirmation. None where it did nothing (no freeze wanted, this flow
-        froze it already, no cgroup to freeze, no intent written): ``finish`` does it all
-        then, SQLite first. Every violation given here must then be given to ``finish``,
-        in the order decided; between the two the journal's lock may be waited for
-        (``finish`` on a writer thread), and no other call of this waits for it."""
+        """The part of ``handle`` that waits for no lock and no slow workload: for a
+        freeze-worthy violation, with a cgroup bound and an intent slot free, the intent's
+        write (one O_DSYNC block), the freeze's ask, and a look for the kernel's
+        confirmation as short as ``Cgroup.freeze_soon``'s. None where it did nothing (no
+        freeze wanted, this flow froze it already, no cgroup bound yet, no intent
+        written): ``finish`` does it all then. The cgroup is not looked for again here (a
+        walk of /proc, and in the sidecar a journal commit of what it found): ``finish``
+        does, and freezes what it finds. Every violation given here must then be given
+        to ``finish``, in the order decided, on one thread."""
         if not (self.intents and self.wants_freeze(v)):
             return None
         key = violation_key(v)
-        if key in self.frozen_keys or not self.cgroup.bind(refresh=True):
+        if key in self.frozen_keys or not self.cgroup.bound:
             return None
         asked = time.time()
         intent = self._try(
@@ -126,13 +131,13 @@ class Enforcer:
             return None
         try:
             at = time.time()
-            confirmed = at + self.cgroup.freeze()
-        except EgressError as exc:  # the intent is durable: finish commits it, then raises
+            soon = self.cgroup.freeze_soon()
+        except Exception as exc:  # the intent is durable: finish commits it, then raises
             return Begun(v, key, intent, asked, None, exc)
         # Now, not at the commit: a repeat of this flow decided before finish ran is a
         # sighting, journaled by finish after this one's record (the order given).
         self.frozen_keys.add(key)
-        return Begun(v, key, intent, asked, confirmed)
+        return Begun(v, key, intent, asked, None if soon is None else at + soon)
 
     def finish(self, v: Violation, begun: Begun | None) -> FreezeEvent | None:
         """The rest of ``handle`` for ``v``, after ``begin`` returned ``begun``: the SQLite
@@ -155,8 +160,8 @@ class Enforcer:
         (a person's resume found no freeze open); one that joins a freeze a person
         resumed already is settled as the layer's own commit would have been. After a
         refusal, the next try waits RETRY_S (one line on stderr each, not ten a second).
-        Not while this layer handles a violation of the sandbox in another thread (the
-        inline layer's loop): that one retries once it is done."""
+        Not while this layer finishes a violation of the sandbox in another thread (the
+        inline layer's loop, in `egressctl run`): that one retries once it is done."""
         if not self.journal.has_pinned(self.sandbox_id):  # the usual case: no lock, no read
             return 0
         if time.monotonic() < self._retry_at or not self._acting.acquire(blocking=False):
@@ -211,8 +216,8 @@ class Enforcer:
             event.violation_id = vid
 
     def _settle_joined(self, violation_id: int) -> None:
-        """As _freeze_then_fold does for a commit that joined a resumed freeze: thawed
-        again, if nothing else of the sandbox is open (Journal.thaw_if_resumed)."""
+        """As _fold does for a commit that joined a resumed freeze: thawed again, if
+        nothing else of the sandbox is open (Journal.thaw_if_resumed)."""
         decided = self._try(lambda: self.journal.decided_freeze(violation_id))
         if decided is not None:
             self._resumed_before_it_landed(decided)
@@ -268,9 +273,12 @@ class Enforcer:
                 lambda: self.journal.record_or_detect(self.sandbox_id, unfrozen, DEDUP_WINDOW_S)
             )
             return None
+        begun = self.begin(v)  # bound now: through the intent file, if a slot is free
+        if begun is not None:
+            return self._fold(begun, looked=True)
         asked = time.time()
-        # Journal before act (begin wrote no intent): the violation and the freeze
-        # request, in one durable commit.
+        # Journal before act (no intent written): the violation and the freeze request,
+        # in one durable commit.
         recorded = self._try(
             lambda: self.journal.record_for_freeze(self.sandbox_id, v, DEDUP_WINDOW_S, asked)
         )
@@ -282,22 +290,37 @@ class Enforcer:
         self.frozen_keys.add(key)  # only once it froze: a failed freeze is tried again
         return event
 
-    def _fold(self, begun: Begun) -> FreezeEvent | None:
-        """Journal before act through the intent file (store/intents.py): ``begin`` froze
-        once the record was durable there; now commit it to SQLite as the other path does
+    def _fold(self, begun: Begun, looked: bool = False) -> FreezeEvent | None:
+        """Journal before act through the intent file (store/intents.py): ``begin`` asked
+        the freeze once the record was durable there; now (its confirmation waited for
+        first, if begin did not read it) commit it to SQLite as the other path does
         before its freeze (an intent SQLite refuses is committed later, Journal). No read
         came before the freeze, so a late sighting of a violation whose freeze a person
-        has resumed freezes for the commit's length, then thaws again."""
+        has resumed freezes for the commit's length, then thaws again. ``looked``: the
+        cgroup was just looked for (bind(refresh=True)) before ``begin``."""
         v, key = begun.violation, begun.key
+        error, confirmed = begun.error, begun.confirmed
+        if error is None:
+            try:
+                # Processes found from its netns may have spread since begin's binding
+                # (looked for again at each new freeze): what is found now is frozen too.
+                old = None if looked else self._rebind()
+                if confirmed is None or old is not None:  # confirmed, however long it takes
+                    at = time.time()
+                    confirmed = at + self.cgroup.freeze(asked=old is None)
+                if old is not None:
+                    self._let_go(*old)
+            except Exception as exc:
+                error = exc
         recorded = self._try(
             lambda: self.journal.record_for_freeze(
                 self.sandbox_id, v, DEDUP_WINDOW_S, begun.asked, begun.intent
             )
         )
-        if begun.error is not None:
-            raise begun.error
-        assert begun.confirmed is not None  # begin sets one of the two
-        confirmed = begun.confirmed
+        if error is not None:
+            self.frozen_keys.discard(key)  # not frozen: the flow seen again tries again
+            raise error
+        assert confirmed is not None  # what the freeze's ask or its wait read
         vid, fid = (recorded[0], recorded[2]) if recorded is not None else (None, None)
         if recorded is not None and fid is None:
             # The other layer froze for it and a person resumed that freeze before this
@@ -318,6 +341,25 @@ class Enforcer:
         if recorded is None and event is not None and self.journal.has_pinned(self.sandbox_id):
             self._unjournaled[key] = (confirmed, event)  # for the retry (retry_pinned)
         return event
+
+    def _rebind(self) -> tuple[str, str | None] | None:
+        """``Cgroup.bind(refresh=True)``: the paths begin froze, if the binding changed."""
+        before = (self.cgroup.v2_path, self.cgroup.freezer_path)
+        self.cgroup.bind(refresh=True)
+        return before if (self.cgroup.v2_path, self.cgroup.freezer_path) != before else None
+
+    def _let_go(self, v2_path: str, freezer_path: str | None) -> None:
+        """Thaw the binding begin froze, now that the one found since is frozen: that one
+        holds what it held (the pod's cgroup, say, and the first container's below it;
+        a parent's freeze stops its children), and a person's resume thaws only the
+        binding, which would leave this one's own freeze standing with nothing to
+        decide."""
+        try:
+            Cgroup.attach_existing(v2_path, freezer_path).thaw(wait=False)
+        except SandboxError as exc:
+            print(f"egress {self.layer}: sandbox {self.sandbox_id}: could not thaw "
+                  f"{v2_path}, bound before {self.cgroup.v2_path}: {exc}",
+                  file=sys.stderr)  # fmt: skip
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:
         asked = time.time()

@@ -76,12 +76,12 @@ class Session:
         self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
         self._released = False  # _release ran: no review starts here any more
-        # Bounded: a workload flooding denied queries must not grow egressctl without end.
-        # Ordered by urgency: a freeze-worthy verdict (with commits_off_loop) goes before
-        # every block/log record still waiting for its fsync.
-        self._journal_queue: queue.PriorityQueue[tuple[int, int, _Queued]] = queue.PriorityQueue(
-            JOURNAL_BACKLOG
-        )
+        # Bounded for verdicts (JOURNAL_BACKLOG, on_violation): a workload flooding denied
+        # queries must not grow egressctl without end; not for a freeze begun on the loop
+        # (one per intent slot at most), whose record must not wait there. Ordered by
+        # urgency: a freeze-worthy verdict (with commits_off_loop) goes before every
+        # block/log record still waiting for its fsync.
+        self._journal_queue: queue.PriorityQueue[tuple[int, int, _Queued]] = queue.PriorityQueue()
         self._queued = itertools.count()
         # egressd serves every sandbox on one event loop: only the part of a freeze
         # that waits for no lock runs on it (Enforcer.begin: the intent's write, the
@@ -147,14 +147,10 @@ class Session:
     def _tick(self) -> None:
         self.flush_audit()
         # On the writer thread, never here: the journal's lock may be held by that thread
-        # for SQLite's busy timeout, which is when records get refused. One at a time, and
-        # never waiting for room in the queue.
+        # for SQLite's busy timeout, which is when records get refused. One at a time.
         if not self._retry_queued and self.enforcer.journal.has_pinned(self.sb.id):
             self._retry_queued = True  # before: the writer may take it at once
-            try:
-                self._journal_queue.put_nowait((0, next(self._queued), RETRY_PINNED))
-            except queue.Full:
-                self._retry_queued = False  # the next tick
+            self._journal_queue.put_nowait((0, next(self._queued), RETRY_PINNED))
         if not self.stopping:
             self._audit_timer = asyncio.get_running_loop().call_later(TICK_S, self._tick)
 
@@ -165,8 +161,8 @@ class Session:
         batch = self.core.audit_log.take()
         if batch.is_empty():
             return
-        # Blocks if the writer is that far behind: audit rows are few, and never dropped.
-        self._journal_queue.put((1, next(self._queued), batch))
+        # Never dropped: one batch a tick, deduplicated and capped (resolver.audit).
+        self._journal_queue.put_nowait((1, next(self._queued), batch))
 
     def on_violation(self, v: Violation) -> None:
         """Freeze-worthy verdicts are acted on here and now (journal, then freeze; with
@@ -181,19 +177,20 @@ class Session:
             self._act(v)
             return
         item: Violation | Begun = self._begin(v) if urgent else v
-        try:
+        if isinstance(item, Begun) or self._journal_queue.qsize() < JOURNAL_BACKLOG:
             self._journal_queue.put_nowait((0 if urgent else 1, next(self._queued), item))
-        except queue.Full:
-            if urgent:  # never dropped: finished here, late rather than never
-                self._finish(item)
-                return
+        elif urgent:  # never dropped: finished here, late rather than never
+            self._finish(item)
+        else:
             self.state.unjournaled += 1  # counted in the report; the kernel still blocked it
 
     def _begin(self, v: Violation) -> Violation | Begun:
         """Enforcer.begin, or ``v`` where it began nothing (its finish does it all)."""
         try:
             return self.enforcer.begin(v) or v
-        except EgressError:  # its finish tries all of it again, and reports what fails
+        except Exception as exc:  # its finish tries all of it again, and reports what fails
+            print(f"egress inline: could not begin to act on {v.cls.value}: {exc}",
+                  file=sys.stderr)  # fmt: skip
             return v
 
     def _act(self, v: Violation) -> None:

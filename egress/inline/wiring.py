@@ -7,9 +7,10 @@ sandbox's netns. They differ only in:
 - where the resolver's upstream sockets live: `run` and egressd open them in an uplink
   netns; the sidecar, which has none, opens them in the sandbox netns itself, marked
   (``mark``) so that the sandbox's ruleset lets exactly them through;
-- whether a freeze runs off the event loop (egressd and the sidecar: other sandboxes'
-  answers, or the API, must not wait for it) and how long a frozen sandbox waits for a
-  person (``decision_timeout``, `run` only).
+- whether a freeze's SQLite commits run off the event loop (egressd and the sidecar:
+  other sandboxes' answers, or the API, must not wait for them; the freeze is asked on
+  the loop) and how long a frozen sandbox waits for a person (``decision_timeout``,
+  `run` only).
 The resolver is a TrackingResolver in all three: it remembers which question allowed
 which address, which a live policy swap needs (egressd, the sidecar's restart) and which
 costs `run` a dict update per allowed answer.

@@ -287,13 +287,17 @@ class Cgroup:
 
     # ---- freezing -----------------------------------------------------------------
 
-    def freeze(self, timeout: float = 2.0, v2: bool = True, v1: bool = True) -> float:
+    def freeze(
+        self, timeout: float = 2.0, v2: bool = True, v1: bool = True, asked: bool = False
+    ) -> float:
         """Freeze and wait until the kernel confirms; returns the latency in seconds, up
         to the moment this call first read the cgroup frozen.
 
         Safe to call concurrently from several processes: every caller returns once the
         cgroup is frozen. v2/v1 select hierarchies (v1 is skipped where absent); every
-        selected one is asked before this returns.
+        selected one is asked before this returns. ``asked``: ``freeze_soon`` asked
+        already: its confirmation is waited for, and asked again only if it does not come
+        within the first attempt's share of ``timeout``.
         """
         self._bound()
         use_v1 = v1 and self.freezer_path is not None
@@ -304,16 +308,18 @@ class Cgroup:
         # A thaw racing this freeze (a person resuming while a layer freezes again) can
         # undo the write; ask again, a few times, before giving up.
         for attempt in range(3):
-            # v2 first: a task v1 catches first never reaches the v2 trap (see module doc).
-            if v2:
-                _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
-                soon = self._v2_confirm_soon()
-                if soon is not None:
-                    if use_v1:  # asked all the same: either alone keeps it stopped
-                        _write(self._state_path(), "FROZEN")
-                    return soon - start
-            if use_v1:
-                _write(self._state_path(), "FROZEN")
+            # With ``asked``, freeze_soon wrote both and looked as a first ask does.
+            if not (asked and attempt == 0):
+                # v2 first: a task v1 catches first never reaches the v2 trap (module doc).
+                if v2:
+                    _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
+                    soon = self._v2_confirm_soon()
+                    if soon is not None:
+                        if use_v1:  # asked all the same: either alone keeps it stopped
+                            _write(self._state_path(), "FROZEN")
+                        return soon - start
+                if use_v1:
+                    _write(self._state_path(), "FROZEN")
             step = start + timeout * (attempt + 1) / 3
             try:
                 return self._wait(min(step, deadline), v2, use_v1, True, False) - start
@@ -321,6 +327,19 @@ class Cgroup:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def freeze_soon(self) -> float | None:
+        """Ask every hierarchy to freeze, as ``freeze`` first does, and look for v2's
+        confirmation only as long as that (_V2_SPIN): the latency in seconds if it came,
+        None if not yet (``freeze`` then waits for it). For a caller that serves others
+        meanwhile (egressd's loop): a workload slow to stop does not hold it."""
+        self._bound()
+        start = time.monotonic()
+        _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
+        soon = self._v2_confirm_soon()
+        if self.freezer_path is not None:  # after the look, as in freeze
+            _write(self._state_path(), "FROZEN")
+        return None if soon is None else soon - start
 
     def _v2_confirm_soon(self) -> float | None:
         """When v2 reports frozen within _V2_SPIN of its write (a sleeping workload enters

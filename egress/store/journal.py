@@ -664,7 +664,7 @@ class Journal:
         look, whose freeze this thaw may then have undone, is looked for again after the
         thaw: if there is one, ``freeze_again`` (the one it misses was written after the
         thaw, and its freeze lands after it). Its layer looks too, once its commit
-        returns or fails (Enforcer._freeze_then_fold). ``thaw`` and ``freeze_again``
+        returns or fails (Enforcer._fold). ``thaw`` and ``freeze_again``
         should only write, not wait, as they hold the lock (and a person's resume of
         that freeze must not come between the look and them). What they raise rolls the
         note back and propagates.
@@ -749,7 +749,7 @@ class Journal:
         freeze undone, open in the journal with the workload running; so once thawed, a
         freeze open or pending for the sandbox is looked for under the write lock, and
         if there is one, ``freeze_again`` (a commit after that look freezes after it; a
-        layer freezing from its intent looks after its commit, Enforcer._freeze_then_fold).
+        layer freezing from its intent looks after its commit, Enforcer._fold).
         Where none is, the sandbox's state is running again. Where that look fails,
         ``freeze_again`` all the same (fail closed), and the error propagates. ``thaw``
         and ``freeze_again`` should only write, not wait."""

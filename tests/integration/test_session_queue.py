@@ -13,7 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from egress.freeze.enforcer import Begun, FreezeEvent
+from egress.inline import session as session_mod
 from egress.inline.session import Session
 from egress.model import Action, Violation, ViolationClass
 from egress.store.intents import Intent
@@ -25,23 +28,24 @@ SLOW_S = 0.05  # each record's "fsync"
 class FakeEnforcer:
     handled: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
     begun: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
+    begins: bool = True  # False: begin does nothing (no intent slot free, say)
     on_freeze: Any = None
 
     def wants_freeze(self, v: Violation) -> bool:
         return v.action is Action.FREEZE
 
     def begin(self, v: Violation) -> Begun | None:
-        if not self.wants_freeze(v):
+        if not (self.begins and self.wants_freeze(v)):
             return None
         self.begun.append((v.cls.value, threading.current_thread().name))
         intent = Intent("intents:1", 0, "sbx1", {})
         return Begun(v, "key", intent, v.at, time.time())
 
     def finish(self, v: Violation, begun: Begun | None) -> None:
-        assert (begun is not None) == self.wants_freeze(v)  # begun wherever it is due
+        assert begun is None or begun.violation is v
         time.sleep(SLOW_S)
         self.handled.append((v.cls.value, threading.current_thread().name))
-        if begun is not None:
+        if self.wants_freeze(v):
             self.on_freeze(FreezeEvent(v, 1, 1.0, {}))
 
     def release_pinned(self) -> None:
@@ -156,9 +160,10 @@ def test_aclose_returns_once_everything_queued_is_journaled_and_the_loop_runs_me
 
 
 def test_a_freeze_the_writer_makes_after_a_cancelled_aclose_starts_no_review() -> None:
-    """aclose cancelled while the writer is still freezing: the session has let go (its
-    listener closed), so the freeze is kept as evidence but starts no review of its own,
-    which would outlive the session and could kill a sandbox nobody serves here."""
+    """aclose cancelled while the writer is still finishing a freeze: the session has let
+    go (its listener closed), so the freeze is kept as evidence but starts no review of
+    its own, which would outlive the session and could kill a sandbox nobody serves
+    here."""
 
     async def main() -> None:
         enforcer = FakeEnforcer()
@@ -181,5 +186,39 @@ def test_a_freeze_the_writer_makes_after_a_cancelled_aclose_starts_no_review() -
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         assert session._monitor is None
+
+    asyncio.run(main())
+
+
+def test_past_the_backlog_a_freeze_begun_is_queued_and_a_record_is_counted_unjournaled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer far behind (JOURNAL_BACKLOG made 3 here): a block record more is not
+    queued but counted; a freeze begun on the loop is queued all the same (its record
+    must not wait for SQLite on the loop), and committed in its turn; a freeze-worthy
+    verdict that began nothing is finished on the loop, late rather than never."""
+    monkeypatch.setattr(session_mod, "JOURNAL_BACKLOG", 3)
+
+    async def main() -> None:
+        enforcer = FakeEnforcer()
+        session = Session(
+            sb=FakeSandbox(), enforcer=enforcer, decision_timeout=None, review_hint="",  # type: ignore[arg-type]
+            listener=FakeListener(), commits_off_loop=True,  # type: ignore[arg-type]
+        )  # fmt: skip
+        loop_thread = threading.current_thread().name
+        for _ in range(8):  # the writer takes one at most meanwhile: 3 or 4 left queued
+            session.on_violation(violation(ViolationClass.DENIED_NAME, Action.BLOCK))
+        assert session.state.unjournaled >= 4
+        session.on_violation(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE))
+        assert enforcer.begun == [("blocked_connect", loop_thread)]
+        assert ("blocked_connect", loop_thread) not in enforcer.handled  # queued, not here
+        enforcer.begins = False  # no intent slot free, say: nothing begun
+        session.on_violation(violation(ViolationClass.TUNNEL, Action.FREEZE))
+        assert ("tunnel", loop_thread) in enforcer.handled  # finished here: no room
+        session.stopping = True
+        await session.aclose()
+        threads = {cls: t for cls, t in enforcer.handled}
+        assert threads["blocked_connect"] == "journal" and threads["tunnel"] == loop_thread
+        assert len(enforcer.handled) == 8 - session.state.unjournaled + 2
 
     asyncio.run(main())

@@ -209,6 +209,27 @@ def test_ask_freeze_freezes_without_waiting_for_it(
     cg.thaw()
 
 
+def test_a_freeze_already_asked_is_waited_for_not_asked_again(
+    cg: Cgroup, ticker: subprocess.Popen[bytes]
+) -> None:
+    """``freeze(asked=True)`` (after freeze_soon, whose look was too short) writes nothing
+    at first: it waits for the ask made. Given none, it asks only once the first
+    attempt's share of its timeout is up; given one, it returns once that one lands."""
+    started = time.monotonic()
+    cg.freeze(timeout=0.6, asked=True)  # nothing asked before: the second attempt asks
+    assert time.monotonic() - started >= 0.2
+    assert_stopped(ticker)
+    cg.thaw()
+    assert ticks_within(ticker, 2)
+    cg._v2_confirm_soon = lambda: None  # type: ignore[method-assign]  # never in time
+    assert cg.freeze_soon() is None
+    del cg._v2_confirm_soon
+    started = time.monotonic()
+    cg.freeze(timeout=6.0, asked=True)
+    assert time.monotonic() - started < 2.0  # its ask landed: not the second attempt's
+    assert_stopped(ticker)
+
+
 def test_v2_freezer_alone_stops(cg: Cgroup, ticker: subprocess.Popen[bytes]) -> None:
     cg.freeze(v1=False)
     assert cg.v2_frozen()
@@ -294,15 +315,26 @@ def race_violation(layer: str) -> Violation:
                      flow=flow)  # fmt: skip
 
 
+def after_each_ask(cg: Cgroup, before: Callable[[], object], after: Callable[[], object]) -> None:
+    """``before`` each freeze a layer asks of ``cg`` (``freeze``, or ``freeze_soon`` on
+    the intent path), ``after`` once the kernel confirmed it: confirmed here at once, as
+    a sleeping workload is within freeze_soon's look, so finish waits for nothing more."""
+    real_freeze = cg.freeze
+
+    def hooked(*args: Any, **kwargs: Any) -> float:
+        before()
+        took = real_freeze(*args, **kwargs)
+        after()
+        return took
+
+    cg.freeze = hooked  # type: ignore[method-assign]
+    cg.freeze_soon = hooked  # type: ignore[method-assign]
+
+
 def resume_before_each_freeze(race: Race) -> None:
     """A person resumes the sandbox's open freeze just before each cgroup write lands."""
-    real_freeze = race.cg.freeze
-
-    def resumed_first(*args: Any, **kwargs: Any) -> float:
-        race.journal.record_decision("sb1", "resume", 0, time.time(), "a person")
-        return real_freeze(*args, **kwargs)
-
-    race.cg.freeze = resumed_first  # type: ignore[method-assign]
+    resume = lambda: race.journal.record_decision("sb1", "resume", 0, time.time(), "a person")  # noqa: E731
+    after_each_ask(race.cg, resume, lambda: None)
 
 
 def test_a_layers_freeze_landing_after_a_resume_of_it_is_undone(
@@ -334,15 +366,13 @@ def test_the_intent_is_on_disk_before_the_freeze_and_in_sqlite_after(
     confirmed, and the slot is free again."""
     journal, state = race.journal, race.state
     seen: list[tuple[list[dict[str, object]], int]] = []
-    real_freeze = race.cg.freeze
 
-    def looked_first(*args: Any, **kwargs: Any) -> float:
+    def looked_first() -> None:
         [path] = (state / intents.DIR).glob("*.log")
         found = [r for _, r in intents.records(path.read_bytes())]
         seen.append((found, len(journal.violations("sb1"))))
-        return real_freeze(*args, **kwargs)
 
-    race.cg.freeze = looked_first  # type: ignore[method-assign]
+    after_each_ask(race.cg, looked_first, lambda: None)
     enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg)
     v = race_violation("observer")
     event = enforcer.handle(v)
@@ -367,14 +397,16 @@ def test_a_freeze_begun_is_made_before_any_commit_and_finished_on_another_thread
     race: Race, ticker: subprocess.Popen[bytes]
 ) -> None:
     """egressd's split (Enforcer.begin on its loop, finish on a writer thread): once begin
-    returns, the workload is stopped and SQLite holds nothing yet; finish, on another
-    thread, commits the violation and the kernel's confirmation begin read."""
+    returns, the freeze is asked and SQLite holds nothing yet; finish, on another thread,
+    commits the violation and the kernel's confirmation (begin's, if its look saw it)."""
     journal = race.journal
     enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg)
     v = race_violation("observer")
     begun = enforcer.begin(v)
-    assert begun is not None and begun.error is None and begun.confirmed is not None
-    assert race.cg.is_frozen()
+    assert begun is not None and begun.error is None
+    with open(os.path.join(race.cg.v2_path, "cgroup.freeze")) as asked:
+        assert asked.read().strip() == "1"
+    assert wait_until(race.cg.is_frozen, 5)
     assert_stopped(ticker)
     assert journal.violations("sb1") == [] and journal.freezes("sb1") == []
     events: list[FreezeEvent | None] = []
@@ -384,8 +416,30 @@ def test_a_freeze_begun_is_made_before_any_commit_and_finished_on_another_thread
     [event] = events
     assert event is not None and race.cg.is_frozen()
     [freeze] = journal.freezes("sb1")
-    assert freeze["confirmed_at"] == pytest.approx(begun.confirmed)
+    assert freeze["confirmed_at"] is not None and freeze["confirmed_at"] >= begun.asked
+    if begun.confirmed is not None:
+        assert freeze["confirmed_at"] == pytest.approx(begun.confirmed)
     assert freeze["first_violation"] == event.violation_id
+
+
+def test_a_freeze_begun_whose_confirmation_is_slow_is_waited_for_by_finish(
+    race: Race, ticker: subprocess.Popen[bytes]
+) -> None:
+    """begin asks the freeze and looks for its confirmation only briefly (a workload slow
+    to stop must not hold egressd's loop): without it, begin returns unconfirmed with the
+    freeze asked, and finish waits for the kernel's confirmation, then journals it."""
+    race.cg._v2_confirm_soon = lambda: None  # type: ignore[method-assign]  # never in time
+    enforcer = Enforcer("sb1", race.policy, "observer", race.journal, race.cg)
+    v = race_violation("observer")
+    begun = enforcer.begin(v)
+    assert begun is not None and begun.error is None and begun.confirmed is None
+    with open(os.path.join(race.cg.v2_path, "cgroup.freeze")) as asked:
+        assert asked.read().strip() == "1"
+    event = enforcer.finish(v, begun)
+    assert event is not None and race.cg.is_frozen()
+    assert_stopped(ticker)
+    [freeze] = race.journal.freezes("sb1")
+    assert freeze["confirmed_at"] is not None and freeze["confirmed_at"] >= begun.asked
 
 
 def test_a_freeze_failing_after_its_intent_is_committed_and_tried_again(
@@ -395,16 +449,14 @@ def test_a_freeze_failing_after_its_intent_is_committed_and_tried_again(
     violation (the evidence stands), then raises; the same flow seen again is not a mere
     sighting of a freeze that never was: it freezes."""
     journal = race.journal
-    real_freeze = race.cg.freeze
     tries: list[float] = []
 
-    def fails_first(*args: Any, **kwargs: Any) -> float:
+    def fails_first() -> None:
         tries.append(time.time())
         if len(tries) == 1:
             raise SandboxError("cgroup.freeze: No such file or directory")
-        return real_freeze(*args, **kwargs)
 
-    race.cg.freeze = fails_first  # type: ignore[method-assign]
+    after_each_ask(race.cg, fails_first, lambda: None)
     enforcer = Enforcer("sb1", race.policy, "observer", journal, race.cg)
     v = race_violation("observer")
     begun = enforcer.begin(v)
@@ -511,14 +563,7 @@ def test_a_freeze_from_an_intent_thawed_before_its_commit_is_made_again(
     returns the observer looks again and freezes again: the sandbox never runs with a
     freeze open and confirmed."""
     journal, cg = race.journal, race.cg
-    real_freeze = cg.freeze
-
-    def thawed_meanwhile(*args: Any, **kwargs: Any) -> float:
-        took = real_freeze(*args, **kwargs)
-        late_thaw.landed()
-        return took
-
-    cg.freeze = thawed_meanwhile  # type: ignore[method-assign]
+    after_each_ask(cg, lambda: None, late_thaw.landed)
     late_thaw.run()
     event = Enforcer("sb1", race.policy, "observer", journal, cg).handle(newer_violation())
     assert late_thaw.result == [True]  # the thaw did come between the freeze and the commit
@@ -541,17 +586,14 @@ def test_a_freeze_thawed_before_sqlite_refused_its_commit_is_made_again_and_kept
     observer = Journal.open(race.state, busy_timeout_s=0.5)
     holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
     cg = race.cg
-    real_freeze = cg.freeze
 
-    def thawed_then_locked(*args: Any, **kwargs: Any) -> float:
-        took = real_freeze(*args, **kwargs)
+    def thawed_then_locked() -> None:
         if not holder.in_transaction:  # the first freeze, not the one made again
             late_thaw.landed()
             holder.execute("BEGIN IMMEDIATE")  # held past the observer's busy timeout
-        return took
 
     try:
-        cg.freeze = thawed_then_locked  # type: ignore[method-assign]
+        after_each_ask(cg, lambda: None, thawed_then_locked)
         late_thaw.run()
         enforcer = Enforcer("sb1", race.policy, "observer", observer, cg)
         event = enforcer.handle(newer_violation())
@@ -592,23 +634,19 @@ def refused_freeze(race: Race) -> Iterator[Refused]:
     observer = Journal.open(race.state, busy_timeout_s=0.5)
     holder = sqlite3.connect(race.state / "journal.db", isolation_level=None, timeout=30)
     cg = race.cg
-    real_freeze = cg.freeze
-
-    def locked_after(*args: Any, **kwargs: Any) -> float:
-        took = real_freeze(*args, **kwargs)
-        holder.execute("BEGIN IMMEDIATE")  # held past the observer's busy timeout
-        return took
+    real_freeze, real_soon = cg.freeze, cg.freeze_soon
+    lock = lambda: holder.execute("BEGIN IMMEDIATE")  # noqa: E731  # past its busy timeout
 
     try:
-        cg.freeze = locked_after  # type: ignore[method-assign]
+        after_each_ask(cg, lambda: None, lock)
         enforcer = Enforcer("sb1", race.policy, "observer", observer, cg)
         event = enforcer.handle(newer_violation())
-        cg.freeze = real_freeze  # type: ignore[method-assign]
+        cg.freeze, cg.freeze_soon = real_freeze, real_soon  # type: ignore[method-assign]
         assert event is not None and event.violation_id is None
         assert enforcer.journal_errors == 1
         yield Refused(observer, enforcer, event, holder)
     finally:
-        cg.freeze = real_freeze  # type: ignore[method-assign]
+        cg.freeze, cg.freeze_soon = real_freeze, real_soon  # type: ignore[method-assign]
         holder.close()
         observer.close()
 

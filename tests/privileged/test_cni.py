@@ -347,6 +347,50 @@ def test_a_pods_containers_are_frozen_together_and_reading_binds_nothing(
         assert cni("DEL", conf, ns, cid="pod")[0] == 0
 
 
+def test_a_freeze_takes_in_a_container_started_since_the_cgroup_was_bound(
+    daemon: Egressd, policies: Path, lab: Lab, state_dir: Path
+) -> None:
+    """Bound to the first container's cgroup at its freeze, then resumed; a second
+    container's process joins the netns and connects where its policy does not allow.
+    egressd's loop asks the freeze of the cgroup it had bound; finishing it, egressd looks
+    again and freezes what it finds now: the pod's cgroup, both containers."""
+    conf = config(daemon, policies, lab, prevResult=PREV)
+    with netns("cniwide") as ns, pod_cgroups("cniwide") as (pod, c1, c2):
+        assert cni("ADD", conf, ns, cid="wide")[0] == 0
+        procs = [connector(ns, c1, "192.0.2.11")]
+        try:
+            assert wait_until(c1.is_frozen, 20), _violations(state_dir, "wide")
+            [box] = served(daemon, "wide")
+            assert box["cgroup"] == c1.v2_path, box
+            daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
+            assert wait_until(lambda: not c1.is_frozen(), 10)
+            procs.append(connector(ns, c2, "192.0.2.12"))
+            assert wait_until(pod.is_frozen, 20), _violations(state_dir, box["id"])
+            [box] = served(daemon, "wide")
+            assert box["cgroup"] == pod.v2_path and box["state"] == "frozen", box
+            assert procs[1].pid in c2.pids() and procs[0].pid in c1.pids()
+            # Nothing of the first ask stands on its own: the first container's cgroup
+            # is frozen by the pod's freeze only, and a resume thaws both containers.
+            with open(os.path.join(c1.v2_path, "cgroup.freeze")) as own:
+                assert own.read().strip() == "0"
+            assert c1.v1_state() in (None, "FROZEN")  # FROZEN through its parent's
+            if c1.freezer_path is not None:
+                with open(os.path.join(c1.freezer_path, "freezer.self_freezing")) as own:
+                    assert own.read().strip() == "0"
+            daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
+            assert wait_until(lambda: not (c1.is_frozen() or c2.is_frozen()), 10)
+        finally:
+            for cg in (c1, c2):  # a v1-frozen task ignores SIGKILL until thawed
+                with suppress(Exception):
+                    cg.thaw(wait=False)
+            with suppress(Exception):
+                pod.kill()
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=10)
+        assert cni("DEL", conf, ns, cid="wide")[0] == 0
+
+
 def _violations(state_dir: Path, sandbox_id: str) -> list[dict[str, Any]]:
     with Journal.open(state_dir) as journal:
         return journal.violations(sandbox_id)
