@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -39,8 +40,9 @@ RETRY_S = 1.0  # after SQLite refused a retry of the records it refused before
 @dataclass(frozen=True)
 class Begun:
     """What ``Enforcer.begin`` did for a freeze-worthy violation, for ``finish`` to commit:
-    its intent durable, then the cgroup asked to freeze, and confirmed at ``confirmed``
-    (None: not yet, ``finish`` waits for it), or the ask failed with ``error`` (raised by
+    its intent durable, then the cgroup (``paths``: the binding then) asked to freeze,
+    and confirmed at ``confirmed``; or not yet, and ``confirming`` waits for it (or,
+    without one, ``finish`` does); or the ask failed with ``error`` (raised by
     ``finish`` once the record is committed)."""
 
     violation: Violation
@@ -49,6 +51,14 @@ class Begun:
     asked: float
     confirmed: float | None
     error: Exception | None = None
+    paths: tuple[str, str | None] = ("", None)
+    confirming: Future[float] | None = None
+
+
+def _confirmed_at(cgroup: Cgroup) -> float:
+    """When the kernel confirmed the freeze ``freeze_soon`` asked of ``cgroup``."""
+    at = time.time()
+    return at + cgroup.freeze(asked=True)
 
 
 @dataclass
@@ -108,21 +118,24 @@ class Enforcer:
         journal took what this did, ``retry_pinned``."""
         return self.finish(v, self.begin(v))
 
-    def begin(self, v: Violation) -> Begun | None:
+    def begin(self, v: Violation, confirmer: Executor | None = None) -> Begun | None:
         """The part of ``handle`` that waits for no lock and no slow workload: for a
         freeze-worthy violation, with a cgroup bound and an intent slot free, the intent's
         write (one O_DSYNC block), the freeze's ask, and a look for the kernel's
-        confirmation as short as ``Cgroup.freeze_soon``'s. None where it did nothing (no
-        freeze wanted, this flow froze it already, no cgroup bound yet, no intent
-        written): ``finish`` does it all then. The cgroup is not looked for again here (a
-        walk of /proc, and in the sidecar a journal commit of what it found): ``finish``
-        does, and freezes what it finds. Every violation given here must then be given
-        to ``finish``, in the order decided, on one thread."""
+        confirmation as short as ``Cgroup.freeze_soon``'s; if that did not see it, the
+        wait for it is handed to ``confirmer`` (it starts now, whatever ``finish`` waits
+        behind), or else left to ``finish``. None where it did nothing (no freeze
+        wanted, this flow froze it already, no cgroup bound yet, no intent written):
+        ``finish`` does it all then. The cgroup is not looked for again here (a walk of
+        /proc, and in the sidecar a journal commit of what it found): ``finish`` does,
+        and freezes what it finds. Every violation given here must then be given to
+        ``finish``, in the order decided, on one thread."""
         if not (self.intents and self.wants_freeze(v)):
             return None
         key = violation_key(v)
-        if key in self.frozen_keys or not self.cgroup.bound:
+        if self.seen_before(v) or not self.cgroup.bound:
             return None
+        paths = (self.cgroup.v2_path, self.cgroup.freezer_path)
         asked = time.time()
         intent = self._try(
             lambda: self.journal.write_intent(self.sandbox_id, v, DEDUP_WINDOW_S, asked)
@@ -133,11 +146,18 @@ class Enforcer:
             at = time.time()
             soon = self.cgroup.freeze_soon()
         except Exception as exc:  # the intent is durable: finish commits it, then raises
-            return Begun(v, key, intent, asked, None, exc)
+            return Begun(v, key, intent, asked, None, exc, paths)
         # Now, not at the commit: a repeat of this flow decided before finish ran is a
         # sighting, journaled by finish after this one's record (the order given).
         self.frozen_keys.add(key)
-        return Begun(v, key, intent, asked, None if soon is None else at + soon)
+        if soon is not None:
+            return Begun(v, key, intent, asked, at + soon, None, paths)
+        confirming = None if confirmer is None else confirmer.submit(_confirmed_at, Cgroup(*paths))
+        return Begun(v, key, intent, asked, None, None, paths, confirming)
+
+    def seen_before(self, v: Violation) -> bool:
+        """``v`` repeats a flow that froze the sandbox already: a sighting to journal."""
+        return violation_key(v) in self.frozen_keys
 
     def finish(self, v: Violation, begun: Begun | None) -> FreezeEvent | None:
         """The rest of ``handle`` for ``v``, after ``begin`` returned ``begun``: the SQLite
@@ -302,23 +322,27 @@ class Enforcer:
         error, confirmed = begun.error, begun.confirmed
         if error is None:
             try:
+                if confirmed is None and begun.confirming is not None:
+                    confirmed = begun.confirming.result()
                 # Processes found from its netns may have spread since begin's binding
                 # (looked for again at each new freeze): what is found now is frozen too.
-                old = None if looked else self._rebind()
-                if confirmed is None or old is not None:  # confirmed, however long it takes
+                if not looked:
+                    self.cgroup.bind(refresh=True)
+                moved = (self.cgroup.v2_path, self.cgroup.freezer_path) != begun.paths
+                if confirmed is None or moved:  # confirmed, however long it takes
                     at = time.time()
-                    confirmed = at + self.cgroup.freeze(asked=old is None)
-                if old is not None:
-                    self._let_go(*old)
+                    confirmed = at + self.cgroup.freeze(asked=not moved)
+                if moved:
+                    self._let_go(begun.paths)
             except Exception as exc:
                 error = exc
+                self.frozen_keys.discard(key)  # not frozen: the flow seen again tries again
         recorded = self._try(
             lambda: self.journal.record_for_freeze(
                 self.sandbox_id, v, DEDUP_WINDOW_S, begun.asked, begun.intent
             )
         )
         if error is not None:
-            self.frozen_keys.discard(key)  # not frozen: the flow seen again tries again
             raise error
         assert confirmed is not None  # what the freeze's ask or its wait read
         vid, fid = (recorded[0], recorded[2]) if recorded is not None else (None, None)
@@ -342,23 +366,16 @@ class Enforcer:
             self._unjournaled[key] = (confirmed, event)  # for the retry (retry_pinned)
         return event
 
-    def _rebind(self) -> tuple[str, str | None] | None:
-        """``Cgroup.bind(refresh=True)``: the paths begin froze, if the binding changed."""
-        before = (self.cgroup.v2_path, self.cgroup.freezer_path)
-        self.cgroup.bind(refresh=True)
-        return before if (self.cgroup.v2_path, self.cgroup.freezer_path) != before else None
-
-    def _let_go(self, v2_path: str, freezer_path: str | None) -> None:
-        """Thaw the binding begin froze, now that the one found since is frozen: that one
-        holds what it held (the pod's cgroup, say, and the first container's below it;
-        a parent's freeze stops its children), and a person's resume thaws only the
-        binding, which would leave this one's own freeze standing with nothing to
-        decide."""
+    def _let_go(self, paths: tuple[str, str | None]) -> None:
+        """The binding begin froze (``paths``), now that the one found since is frozen:
+        where it lies below that one, its own freeze is thawed (Cgroup.thaw_below), as a
+        person's resume thaws only the binding and would leave it standing with nothing
+        to decide; elsewhere it stays frozen, for a person to see."""
         try:
-            Cgroup.attach_existing(v2_path, freezer_path).thaw(wait=False)
+            self.cgroup.thaw_below(*paths)
         except SandboxError as exc:
             print(f"egress {self.layer}: sandbox {self.sandbox_id}: could not thaw "
-                  f"{v2_path}, bound before {self.cgroup.v2_path}: {exc}",
+                  f"{paths[0]}, bound before {self.cgroup.v2_path}: {exc}",
                   file=sys.stderr)  # fmt: skip
 
     def freeze(self, v: Violation, vid: int | None, fid: int | None) -> FreezeEvent | None:

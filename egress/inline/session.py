@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from egress.datapath import constants as c
@@ -44,6 +45,18 @@ RETRY_PINNED = "retry pinned"  # on the journal queue: Enforcer.retry_pinned
 # What the journal writer takes: a verdict (or a freeze begun on the loop, to finish),
 # mode: audit's rows, RETRY_PINNED, or None: the end.
 _Queued = Violation | Begun | AuditBatch | str | None
+# Waits for the kernel's confirmation of freezes egressd's loop asked (Enforcer.begin),
+# for every session of the process: a workload slow to stop is then confirmed, and v1
+# asked again (Cgroup._wait), while its session's writer may still be committing.
+CONFIRMERS = 4
+_confirmer: ThreadPoolExecutor | None = None
+
+
+def confirmer() -> ThreadPoolExecutor:
+    global _confirmer
+    if _confirmer is None:
+        _confirmer = ThreadPoolExecutor(CONFIRMERS, thread_name_prefix="egress-confirm")
+    return _confirmer
 
 
 @dataclass
@@ -79,19 +92,21 @@ class Session:
         # Bounded for verdicts (JOURNAL_BACKLOG, on_violation): a workload flooding denied
         # queries must not grow egressctl without end; not for a freeze begun on the loop
         # (one per intent slot at most), whose record must not wait there. Ordered by
-        # urgency: a freeze-worthy verdict (with commits_off_loop) goes before every
-        # block/log record still waiting for its fsync.
+        # urgency: a freeze to make (with commits_off_loop) goes before every record
+        # still waiting for its fsync, a repeat of a flow frozen already among them.
         self._journal_queue: queue.PriorityQueue[tuple[int, int, _Queued]] = queue.PriorityQueue()
         self._queued = itertools.count()
         # egressd serves every sandbox on one event loop: only the part of a freeze
         # that waits for no lock runs on it (Enforcer.begin: the intent's write, the
-        # cgroup's, its confirmation: ~0.5 ms), the rest (SQLite's commits, which queue
-        # behind the other layer's and egressd's, and the attribution's /proc walk: 1-3
-        # ms, more on a slow disk) on the writer thread, so other sandboxes' answers never
-        # wait for those. Not all of it there: a freeze queued behind a record the writer
-        # was committing waited for SQLite's write lock too (up to its busy timeout), and
-        # one handed over under load waited for the GIL (up to the loop's 5 ms switch
-        # interval). `egressctl run` serves one sandbox and acts at once.
+        # freeze's ask and a look for its confirmation: ~0.5 ms, the write's fsync most
+        # of it; a longer wait for the confirmation on a confirmer thread), the rest
+        # (SQLite's commits, which queue behind the other layer's and egressd's, and the
+        # attribution's /proc walk: 1-3 ms, more on a slow disk) on the writer thread, so
+        # other sandboxes' answers never wait for those. Not all of it there: a freeze
+        # queued behind a record the writer was committing waited for SQLite's write
+        # lock too (up to its busy timeout), and one handed over under load waited for
+        # the GIL (up to the loop's 5 ms switch interval). `egressctl run` serves one
+        # sandbox and acts at once.
         self.commits_off_loop = commits_off_loop
         self._loop = asyncio.get_running_loop() if commits_off_loop else None
         self._writer_ended: Callable[[], None] | None = None  # aclose's, told as it ends
@@ -166,9 +181,9 @@ class Session:
 
     def on_violation(self, v: Violation) -> None:
         """Freeze-worthy verdicts are acted on here and now (journal, then freeze; with
-        ``commits_off_loop`` only up to the kernel's confirmation); the rest are journaled
-        by a writer thread, so a burst of denied queries never holds up the DNS answers
-        behind it on an fsync."""
+        ``commits_off_loop``, the intent and the freeze's ask only, Enforcer.begin); the
+        rest are journaled by a writer thread, so a burst of denied queries never holds
+        up the DNS answers behind it on an fsync."""
         self.state.seen += 1
         if len(self.state.violations) < MAX_KEPT:
             self.state.violations.append(v)
@@ -177,9 +192,15 @@ class Session:
             self._act(v)
             return
         item: Violation | Begun = self._begin(v) if urgent else v
-        if isinstance(item, Begun) or self._journal_queue.qsize() < JOURNAL_BACKLOG:
-            self._journal_queue.put_nowait((0 if urgent else 1, next(self._queued), item))
-        elif urgent:  # never dropped: finished here, late rather than never
+        if isinstance(item, Begun):  # its record waits for no room: one per intent slot
+            self._journal_queue.put_nowait((0, next(self._queued), item))
+            return
+        # A freeze still to make (begin made none: no intent slot free, no cgroup bound
+        # yet) goes first; a repeat of a flow frozen already is a sighting, a record.
+        first = urgent and not self.enforcer.seen_before(v)
+        if self._journal_queue.qsize() < JOURNAL_BACKLOG:
+            self._journal_queue.put_nowait((0 if first else 1, next(self._queued), item))
+        elif first:  # never dropped: finished here, late rather than never
             self._finish(item)
         else:
             self.state.unjournaled += 1  # counted in the report; the kernel still blocked it
@@ -187,7 +208,7 @@ class Session:
     def _begin(self, v: Violation) -> Violation | Begun:
         """Enforcer.begin, or ``v`` where it began nothing (its finish does it all)."""
         try:
-            return self.enforcer.begin(v) or v
+            return self.enforcer.begin(v, confirmer()) or v
         except Exception as exc:  # its finish tries all of it again, and reports what fails
             print(f"egress inline: could not begin to act on {v.cls.value}: {exc}",
                   file=sys.stderr)  # fmt: skip
@@ -201,12 +222,16 @@ class Session:
 
     def _finish(self, item: Violation | Begun) -> None:
         """What ``_act`` does, after Enforcer.begin (tried on the loop for a freeze-worthy
-        ``item``; a verdict of no freeze begins nothing)."""
+        ``item``; a verdict of no freeze begins nothing). Whatever it raises is reported,
+        and the writer goes on: the records queued behind it hold intent slots."""
         v, begun = (item.violation, item) if isinstance(item, Begun) else (item, None)
         try:
             self.enforcer.finish(v, begun)
         except EgressError as exc:  # a failed freeze is reported, never swallowed
             print(f"egress inline: could not act on {v.cls.value}: {exc}", file=sys.stderr)
+        except Exception as exc:
+            print(f"egress inline: could not act on {v.cls.value}: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)  # fmt: skip
 
     def _journal_writer(self) -> None:
         try:

@@ -295,9 +295,9 @@ class Cgroup:
 
         Safe to call concurrently from several processes: every caller returns once the
         cgroup is frozen. v2/v1 select hierarchies (v1 is skipped where absent); every
-        selected one is asked before this returns. ``asked``: ``freeze_soon`` asked
-        already: its confirmation is waited for, and asked again only if it does not come
-        within the first attempt's share of ``timeout``.
+        selected one is asked before this returns (with ``asked``, by ``freeze_soon``
+        already, on these same paths: its confirmation is waited for, and asked again
+        only if it does not come within the first attempt's share of ``timeout``).
         """
         self._bound()
         use_v1 = v1 and self.freezer_path is not None
@@ -340,6 +340,22 @@ class Cgroup:
         if self.freezer_path is not None:  # after the look, as in freeze
             _write(self._state_path(), "FROZEN")
         return None if soon is None else soon - start
+
+    def thaw_below(self, v2_path: str, freezer_path: str | None) -> list[str]:
+        """Thaw the own freeze of an earlier binding this one was found to hold (a pod's
+        cgroup, found once a second container joined the netns, and the first one's
+        below it): each hierarchy's path only where it lies strictly below this
+        binding's, whose freeze stops it all the same (a parent's freeze stops its
+        children in both); elsewhere it is left as it is. What it thawed."""
+        thawed = []
+        for old, new, name, value in (
+            (v2_path, self.v2_path, "cgroup.freeze", "0"),
+            (freezer_path, self.freezer_path, "freezer.state", "THAWED"),
+        ):
+            if old and new and old.startswith(new.rstrip("/") + "/"):
+                _write(os.path.join(old, name), value)
+                thawed.append(old)
+        return thawed
 
     def _v2_confirm_soon(self) -> float | None:
         """When v2 reports frozen within _V2_SPIN of its write (a sleeping workload enters

@@ -164,7 +164,10 @@ def _outsiders(directory: str, inside: set[int], netns_path: str) -> set[int]:
     candidate is asked on its own. One forked after ``inside`` was listed is in the netns
     (a child starts in its parent's), and one that exited meanwhile is no outsider: a
     workload forking and exiting in a loop must not make its cgroup look shared."""
-    want = os.stat(netns_path)
+    try:
+        want = os.stat(netns_path)
+    except OSError as exc:  # removed meanwhile (a pod torn down): as discover says it
+        raise NoCgroup(f"netns {netns_path}: {exc.strerror}") from None
     outside = set()
     for pid in procs_below(directory) - inside:
         where = _netns_of(pid, want)

@@ -29,17 +29,21 @@ class FakeEnforcer:
     handled: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
     begun: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
     begins: bool = True  # False: begin does nothing (no intent slot free, say)
+    sightings: set[str] = field(default_factory=set)  # classes whose flow froze it already
     on_freeze: Any = None
 
     def wants_freeze(self, v: Violation) -> bool:
         return v.action is Action.FREEZE
 
-    def begin(self, v: Violation) -> Begun | None:
-        if not (self.begins and self.wants_freeze(v)):
+    def begin(self, v: Violation, confirmer: object = None) -> Begun | None:
+        if not (self.begins and self.wants_freeze(v)) or self.seen_before(v):
             return None
         self.begun.append((v.cls.value, threading.current_thread().name))
         intent = Intent("intents:1", 0, "sbx1", {})
         return Begun(v, "key", intent, v.at, time.time())
+
+    def seen_before(self, v: Violation) -> bool:
+        return v.cls.value in self.sightings
 
     def finish(self, v: Violation, begun: Begun | None) -> None:
         assert begun is None or begun.violation is v
@@ -194,9 +198,10 @@ def test_past_the_backlog_a_freeze_begun_is_queued_and_a_record_is_counted_unjou
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The writer far behind (JOURNAL_BACKLOG made 3 here): a block record more is not
-    queued but counted; a freeze begun on the loop is queued all the same (its record
-    must not wait for SQLite on the loop), and committed in its turn; a freeze-worthy
-    verdict that began nothing is finished on the loop, late rather than never."""
+    queued but counted, and so is a repeat of a flow frozen already (a sighting); a
+    freeze begun on the loop is queued all the same (its record must not wait for
+    SQLite on the loop), and committed in its turn; a freeze-worthy verdict that began
+    nothing is finished on the loop, late rather than never."""
     monkeypatch.setattr(session_mod, "JOURNAL_BACKLOG", 3)
 
     async def main() -> None:
@@ -212,6 +217,10 @@ def test_past_the_backlog_a_freeze_begun_is_queued_and_a_record_is_counted_unjou
         session.on_violation(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE))
         assert enforcer.begun == [("blocked_connect", loop_thread)]
         assert ("blocked_connect", loop_thread) not in enforcer.handled  # queued, not here
+        enforcer.sightings.add("blocked_connect")
+        unjournaled = session.state.unjournaled
+        session.on_violation(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE))
+        assert session.state.unjournaled == unjournaled + 1  # a sighting: counted
         enforcer.begins = False  # no intent slot free, say: nothing begun
         session.on_violation(violation(ViolationClass.TUNNEL, Action.FREEZE))
         assert ("tunnel", loop_thread) in enforcer.handled  # finished here: no room
@@ -219,6 +228,6 @@ def test_past_the_backlog_a_freeze_begun_is_queued_and_a_record_is_counted_unjou
         await session.aclose()
         threads = {cls: t for cls, t in enforcer.handled}
         assert threads["blocked_connect"] == "journal" and threads["tunnel"] == loop_thread
-        assert len(enforcer.handled) == 8 - session.state.unjournaled + 2
+        assert len(enforcer.handled) == 9 - session.state.unjournaled + 2
 
     asyncio.run(main())

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -317,9 +318,9 @@ def race_violation(layer: str) -> Violation:
 
 def after_each_ask(cg: Cgroup, before: Callable[[], object], after: Callable[[], object]) -> None:
     """``before`` each freeze a layer asks of ``cg`` (``freeze``, or ``freeze_soon`` on
-    the intent path), ``after`` once the kernel confirmed it: confirmed here at once, as
-    a sleeping workload is within freeze_soon's look, so finish waits for nothing more."""
-    real_freeze = cg.freeze
+    the intent path), ``after`` once the kernel confirmed it (a freeze_soon whose look
+    missed it is waited for here, then reported as missed: finish waits again, at once)."""
+    real_freeze, real_soon = cg.freeze, cg.freeze_soon
 
     def hooked(*args: Any, **kwargs: Any) -> float:
         before()
@@ -327,8 +328,16 @@ def after_each_ask(cg: Cgroup, before: Callable[[], object], after: Callable[[],
         after()
         return took
 
+    def hooked_soon() -> float | None:
+        before()
+        soon = real_soon()
+        if soon is None:
+            real_freeze(asked=True)
+        after()
+        return soon
+
     cg.freeze = hooked  # type: ignore[method-assign]
-    cg.freeze_soon = hooked  # type: ignore[method-assign]
+    cg.freeze_soon = hooked_soon  # type: ignore[method-assign]
 
 
 def resume_before_each_freeze(race: Race) -> None:
@@ -418,7 +427,7 @@ def test_a_freeze_begun_is_made_before_any_commit_and_finished_on_another_thread
     [freeze] = journal.freezes("sb1")
     assert freeze["confirmed_at"] is not None and freeze["confirmed_at"] >= begun.asked
     if begun.confirmed is not None:
-        assert freeze["confirmed_at"] == pytest.approx(begun.confirmed)
+        assert freeze["confirmed_at"] == pytest.approx(begun.confirmed, abs=1e-6)
     assert freeze["first_violation"] == event.violation_id
 
 
@@ -433,13 +442,80 @@ def test_a_freeze_begun_whose_confirmation_is_slow_is_waited_for_by_finish(
     v = race_violation("observer")
     begun = enforcer.begin(v)
     assert begun is not None and begun.error is None and begun.confirmed is None
+    assert begun.confirming is None  # no confirmer given: finish waits
     with open(os.path.join(race.cg.v2_path, "cgroup.freeze")) as asked:
         assert asked.read().strip() == "1"
-    event = enforcer.finish(v, begun)
+    written: list[str] = []
+    real_write = cg_mod._write
+    cg_mod._write = lambda path, value: written.append(path) or real_write(path, value)  # type: ignore[assignment]
+    try:
+        event = enforcer.finish(v, begun)
+    finally:
+        cg_mod._write = real_write
+    assert not [w for w in written if w.endswith(("cgroup.freeze", "freezer.state"))], written
     assert event is not None and race.cg.is_frozen()
     assert_stopped(ticker)
     [freeze] = race.journal.freezes("sb1")
     assert freeze["confirmed_at"] is not None and freeze["confirmed_at"] >= begun.asked
+
+
+def test_a_freeze_begun_with_a_confirmer_is_confirmed_before_finish_runs(
+    race: Race, ticker: subprocess.Popen[bytes]
+) -> None:
+    """egressd's loop hands the wait begin's look did not finish to a confirmer thread:
+    the kernel's confirmation is read there while finish has not run (its writer may be
+    committing something else for seconds), and finish journals that moment."""
+    race.cg._v2_confirm_soon = lambda: None  # type: ignore[method-assign]  # never in time
+    enforcer = Enforcer("sb1", race.policy, "observer", race.journal, race.cg)
+    v = race_violation("observer")
+    with ThreadPoolExecutor(1) as confirmer:
+        begun = enforcer.begin(v, confirmer)
+        assert begun is not None and begun.confirmed is None and begun.confirming is not None
+        confirmed = begun.confirming.result(timeout=10)
+        assert race.cg.is_frozen() and race.journal.freezes("sb1") == []
+        assert_stopped(ticker)
+        time.sleep(0.05)  # finish comes later: the moment journaled is the confirmer's
+        event = enforcer.finish(v, begun)
+    assert event is not None
+    [freeze] = race.journal.freezes("sb1")
+    assert freeze["confirmed_at"] == pytest.approx(confirmed, abs=1e-6)
+    assert begun.asked < confirmed < time.time() - 0.05
+
+
+def test_thaw_below_lets_go_of_an_inner_binding_and_of_nothing_else(
+    cg: Cgroup, make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """A binding found to hold an earlier one (a pod's cgroup and a container's inside):
+    the inner one's own freeze is thawed, and the workload there stays stopped by the
+    outer one's. A cgroup elsewhere (a sibling) is left frozen."""
+    made = [os.path.join(p, "inner") for p in (cg.v2_path, cg.freezer_path) if p]
+    for path in made:
+        os.mkdir(path)
+    inner = Cgroup.attach_existing(made[0], made[1] if len(made) > 1 else None)
+    sibling = make_cgroup()
+    try:
+        inner.add_pid(ticker.pid)
+        inner.freeze()
+        cg.freeze()
+        sibling.freeze()
+        assert cg.thaw_below(inner.v2_path, inner.freezer_path) == made
+        with open(os.path.join(inner.v2_path, "cgroup.freeze")) as own:
+            assert own.read().strip() == "0"
+        if inner.freezer_path is not None:
+            with open(os.path.join(inner.freezer_path, "freezer.self_freezing")) as own:
+                assert own.read().strip() == "0"
+        assert inner.is_frozen()
+        assert_stopped(ticker)
+        assert cg.thaw_below(sibling.v2_path, sibling.freezer_path) == []
+        assert sibling.is_frozen()
+        cg.thaw()
+        assert ticks_within(ticker, 2)  # nothing of the inner freeze left standing
+    finally:
+        for frozen in (cg, inner, sibling):
+            frozen.thaw(wait=False)
+        cg.add_pid(ticker.pid)
+        for path in reversed(made):
+            os.rmdir(path)
 
 
 def test_a_freeze_failing_after_its_intent_is_committed_and_tried_again(

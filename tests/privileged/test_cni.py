@@ -369,14 +369,18 @@ def test_a_freeze_takes_in_a_container_started_since_the_cgroup_was_bound(
             [box] = served(daemon, "wide")
             assert box["cgroup"] == pod.v2_path and box["state"] == "frozen", box
             assert procs[1].pid in c2.pids() and procs[0].pid in c1.pids()
-            # Nothing of the first ask stands on its own: the first container's cgroup
-            # is frozen by the pod's freeze only, and a resume thaws both containers.
-            with open(os.path.join(c1.v2_path, "cgroup.freeze")) as own:
-                assert own.read().strip() == "0"
+
+            # Nothing of the first ask stands on its own (let go of once the pod's freeze
+            # is confirmed): the first container's cgroup is frozen by the pod's only,
+            # and a resume thaws both containers.
+            def own_freeze(path: str, name: str) -> str:
+                with open(os.path.join(path, name)) as own:
+                    return own.read().strip()
+
+            assert wait_until(lambda: own_freeze(c1.v2_path, "cgroup.freeze") == "0", 10)
             assert c1.v1_state() in (None, "FROZEN")  # FROZEN through its parent's
             if c1.freezer_path is not None:
-                with open(os.path.join(c1.freezer_path, "freezer.self_freezing")) as own:
-                    assert own.read().strip() == "0"
+                assert own_freeze(c1.freezer_path, "freezer.self_freezing") == "0"
             daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
             assert wait_until(lambda: not (c1.is_frozen() or c2.is_frozen()), 10)
         finally:

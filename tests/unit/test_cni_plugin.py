@@ -4,6 +4,7 @@ gets, and the common cgroup of a netns's processes (issue 15)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from egress.cli.cni import (
     policy_name,
     run,
 )
-from egress.kernel.netns_cgroup import common
+from egress.kernel.netns_cgroup import NoCgroup, _outsiders, common
 
 ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "abc", "CNI_NETNS": "/run/netns/x",
        "CNI_IFNAME": "eth0"}  # fmt: skip
@@ -109,6 +110,14 @@ def test_errors_carry_the_configs_version_and_the_code_as_exit_status() -> None:
 )
 def test_common_is_the_deepest_cgroup_holding_all(paths: list[str], want: str) -> None:
     assert common(paths) == want
+
+
+def test_a_netns_removed_while_its_cgroup_is_looked_for_is_no_cgroup(tmp_path: Path) -> None:
+    """A pod torn down while egress looks for its cgroup (a freeze's look again): its netns
+    gone is NoCgroup, which a bind keeps its binding through, not an OSError that would
+    end the writer that looks."""
+    with pytest.raises(NoCgroup, match=r"netns .*gone: No such file"):
+        _outsiders(str(tmp_path), set(), str(tmp_path / "gone"))
 
 
 def test_unmatched_pass_leaves_a_pod_no_rule_names_alone() -> None:
