@@ -16,6 +16,7 @@ nothing left to decide.
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import threading
 import time
@@ -103,6 +104,8 @@ class Enforcer:
         # Held by handle and the retry: the inline layer retries on its writer thread,
         # and a retry between a refusal and _unjournaled's entry would lose the entry.
         self._acting = threading.RLock()
+        # The confirmation begin handed to a confirmer, and the binding it waits on.
+        self._pending: tuple[tuple[str, str | None], Future[float]] | None = None
         try:
             if intents:
                 journal.open_intents()  # a freeze then waits for no SQLite commit
@@ -147,13 +150,33 @@ class Enforcer:
             soon = self.cgroup.freeze_soon()
         except Exception as exc:  # the intent is durable: finish commits it, then raises
             return Begun(v, key, intent, asked, None, exc, paths)
+        confirmed = None if soon is None else at + soon
+        confirming = None
+        if confirmed is None and confirmer is not None:
+            confirming = self._confirming(paths, confirmer)
         # Now, not at the commit: a repeat of this flow decided before finish ran is a
         # sighting, journaled by finish after this one's record (the order given).
         self.frozen_keys.add(key)
-        if soon is not None:
-            return Begun(v, key, intent, asked, at + soon, None, paths)
-        confirming = None if confirmer is None else confirmer.submit(_confirmed_at, Cgroup(*paths))
-        return Begun(v, key, intent, asked, None, None, paths, confirming)
+        return Begun(v, key, intent, asked, confirmed, None, paths, confirming)
+
+    def _confirming(
+        self, paths: tuple[str, str | None], confirmer: Executor
+    ) -> Future[float] | None:
+        """The wait for the kernel's confirmation of the freeze asked of ``paths``, on
+        ``confirmer``: one at a time for the sandbox (an ask of the same binding while
+        one waits is confirmed by the same moment); None where none could start (a
+        thread refused: finish waits then)."""
+        pending = self._pending
+        if pending is not None and pending[0] == paths and not pending[1].done():
+            return pending[1]
+        try:
+            future = confirmer.submit(_confirmed_at, Cgroup(*paths))
+        except RuntimeError as exc:
+            print(f"egress {self.layer}: sandbox {self.sandbox_id}: {exc}; its freeze is "
+                  "confirmed after its commit", file=sys.stderr)  # fmt: skip
+            return None
+        self._pending = (paths, future)
+        return future
 
     def seen_before(self, v: Violation) -> bool:
         """``v`` repeats a flow that froze the sandbox already: a sighting to journal."""
@@ -320,23 +343,30 @@ class Enforcer:
         cgroup was just looked for (bind(refresh=True)) before ``begin``."""
         v, key = begun.violation, begun.key
         error, confirmed = begun.error, begun.confirmed
-        if error is None:
-            try:
+        try:
+            # Processes found from its netns may have spread since begin's binding, or
+            # its cgroup gone with them (looked for again at each new freeze): what is
+            # found now is frozen, first, whatever became of begin's ask.
+            if not looked:
+                self.cgroup.bind(refresh=True)
+            if (self.cgroup.v2_path, self.cgroup.freezer_path) != begun.paths:
+                at = time.time()
+                confirmed, error = at + self.cgroup.freeze(), None
+                if begun.confirming is not None:  # settled first: it may ask again
+                    concurrent.futures.wait([begun.confirming])
+                self._let_go(begun.paths)
+            elif error is None:
                 if confirmed is None and begun.confirming is not None:
                     confirmed = begun.confirming.result()
-                # Processes found from its netns may have spread since begin's binding
-                # (looked for again at each new freeze): what is found now is frozen too.
-                if not looked:
-                    self.cgroup.bind(refresh=True)
-                moved = (self.cgroup.v2_path, self.cgroup.freezer_path) != begun.paths
-                if confirmed is None or moved:  # confirmed, however long it takes
+                if confirmed is None:  # confirmed, however long it takes
                     at = time.time()
-                    confirmed = at + self.cgroup.freeze(asked=not moved)
-                if moved:
-                    self._let_go(begun.paths)
-            except Exception as exc:
-                error = exc
-                self.frozen_keys.discard(key)  # not frozen: the flow seen again tries again
+                    confirmed = at + self.cgroup.freeze(asked=True)
+        except Exception as exc:
+            error = exc
+        if error is None:
+            self.frozen_keys.add(key)  # begin's, or the binding found since
+        elif begun.error is None:
+            self.frozen_keys.discard(key)  # not frozen: the flow seen again tries again
         recorded = self._try(
             lambda: self.journal.record_for_freeze(
                 self.sandbox_id, v, DEDUP_WINDOW_S, begun.asked, begun.intent
@@ -368,11 +398,12 @@ class Enforcer:
 
     def _let_go(self, paths: tuple[str, str | None]) -> None:
         """The binding begin froze (``paths``), now that the one found since is frozen:
-        where it lies below that one, its own freeze is thawed (Cgroup.thaw_below), as a
-        person's resume thaws only the binding and would leave it standing with nothing
-        to decide; elsewhere it stays frozen, for a person to see."""
+        where it lies below or above that one, its own freeze is thawed
+        (Cgroup.let_go_of), as a person's resume thaws only the binding and would leave
+        it standing with nothing to decide; elsewhere it stays frozen, for a person to
+        see."""
         try:
-            self.cgroup.thaw_below(*paths)
+            self.cgroup.let_go_of(*paths)
         except SandboxError as exc:
             print(f"egress {self.layer}: sandbox {self.sandbox_id}: could not thaw "
                   f"{paths[0]}, bound before {self.cgroup.v2_path}: {exc}",

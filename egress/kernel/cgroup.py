@@ -341,20 +341,26 @@ class Cgroup:
             _write(self._state_path(), "FROZEN")
         return None if soon is None else soon - start
 
-    def thaw_below(self, v2_path: str, freezer_path: str | None) -> list[str]:
-        """Thaw the own freeze of an earlier binding this one was found to hold (a pod's
-        cgroup, found once a second container joined the netns, and the first one's
-        below it): each hierarchy's path only where it lies strictly below this
-        binding's, whose freeze stops it all the same (a parent's freeze stops its
-        children in both); elsewhere it is left as it is. What it thawed."""
+    def let_go_of(self, v2_path: str, freezer_path: str | None) -> list[str]:
+        """Thaw the own freeze of an earlier binding of the same processes, now that this
+        one is frozen: one below it (a container's, within the pod's found once a second
+        container joined the netns: the pod's freeze stops it all the same, a parent's
+        stopping its children in both hierarchies) or above it (the pod's, once they
+        are all in one container: what else it holds is not the netns's). Each
+        hierarchy where it differs; nothing where the earlier binding's v2 cgroup lies
+        elsewhere (not the same processes: left frozen, for a person to see). What it
+        thawed."""
+        old, new = v2_path.rstrip("/"), self.v2_path.rstrip("/")
+        if not (old == new or old.startswith(new + "/") or new.startswith(old + "/")):
+            return []
         thawed = []
-        for old, new, name, value in (
+        for path, ours, name, value in (
             (v2_path, self.v2_path, "cgroup.freeze", "0"),
             (freezer_path, self.freezer_path, "freezer.state", "THAWED"),
         ):
-            if old and new and old.startswith(new.rstrip("/") + "/"):
-                _write(os.path.join(old, name), value)
-                thawed.append(old)
+            if path and path != ours:
+                _write(os.path.join(path, name), value)
+                thawed.append(path)
         return thawed
 
     def _v2_confirm_soon(self) -> float | None:

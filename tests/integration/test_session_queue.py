@@ -30,7 +30,13 @@ class FakeEnforcer:
     begun: list[tuple[str, str]] = field(default_factory=list)  # (class, thread)
     begins: bool = True  # False: begin does nothing (no intent slot free, say)
     sightings: set[str] = field(default_factory=set)  # classes whose flow froze it already
+    # The writer thread waits here before each record: cleared, it is held up (as by
+    # SQLite's lock held elsewhere) until the test sets it.
+    writer_may: threading.Event = field(default_factory=threading.Event)
     on_freeze: Any = None
+
+    def __post_init__(self) -> None:
+        self.writer_may.set()
 
     def wants_freeze(self, v: Violation) -> bool:
         return v.action is Action.FREEZE
@@ -47,6 +53,8 @@ class FakeEnforcer:
 
     def finish(self, v: Violation, begun: Begun | None) -> None:
         assert begun is None or begun.violation is v
+        if threading.current_thread().name == "journal":
+            assert self.writer_may.wait(10)
         time.sleep(SLOW_S)
         self.handled.append((v.cls.value, threading.current_thread().name))
         if self.wants_freeze(v):
@@ -206,12 +214,13 @@ def test_past_the_backlog_a_freeze_begun_is_queued_and_a_record_is_counted_unjou
 
     async def main() -> None:
         enforcer = FakeEnforcer()
+        enforcer.writer_may.clear()  # the writer held up at its first record
         session = Session(
             sb=FakeSandbox(), enforcer=enforcer, decision_timeout=None, review_hint="",  # type: ignore[arg-type]
             listener=FakeListener(), commits_off_loop=True,  # type: ignore[arg-type]
         )  # fmt: skip
         loop_thread = threading.current_thread().name
-        for _ in range(8):  # the writer takes one at most meanwhile: 3 or 4 left queued
+        for _ in range(8):  # the writer takes one at most meanwhile: 3 left queued
             session.on_violation(violation(ViolationClass.DENIED_NAME, Action.BLOCK))
         assert session.state.unjournaled >= 4
         session.on_violation(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE))
@@ -224,6 +233,7 @@ def test_past_the_backlog_a_freeze_begun_is_queued_and_a_record_is_counted_unjou
         enforcer.begins = False  # no intent slot free, say: nothing begun
         session.on_violation(violation(ViolationClass.TUNNEL, Action.FREEZE))
         assert ("tunnel", loop_thread) in enforcer.handled  # finished here: no room
+        enforcer.writer_may.set()
         session.stopping = True
         await session.aclose()
         threads = {cls: t for cls, t in enforcer.handled}

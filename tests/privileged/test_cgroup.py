@@ -452,7 +452,8 @@ def test_a_freeze_begun_whose_confirmation_is_slow_is_waited_for_by_finish(
         event = enforcer.finish(v, begun)
     finally:
         cg_mod._write = real_write
-    assert not [w for w in written if w.endswith(("cgroup.freeze", "freezer.state"))], written
+    # Not asked again (v1 may be: Cgroup._wait's ask of a task still FREEZING in v1).
+    assert not [w for w in written if w.endswith("cgroup.freeze")], written
     assert event is not None and race.cg.is_frozen()
     assert_stopped(ticker)
     [freeze] = race.journal.freezes("sb1")
@@ -464,30 +465,38 @@ def test_a_freeze_begun_with_a_confirmer_is_confirmed_before_finish_runs(
 ) -> None:
     """egressd's loop hands the wait begin's look did not finish to a confirmer thread:
     the kernel's confirmation is read there while finish has not run (its writer may be
-    committing something else for seconds), and finish journals that moment."""
+    committing something else for seconds), and finish journals that moment. A second
+    flow's freeze asked while that wait is pending shares it: one wait a sandbox."""
     race.cg._v2_confirm_soon = lambda: None  # type: ignore[method-assign]  # never in time
     enforcer = Enforcer("sb1", race.policy, "observer", race.journal, race.cg)
-    v = race_violation("observer")
+    v, w = race_violation("observer"), newer_violation()
+    held = threading.Event()
     with ThreadPoolExecutor(1) as confirmer:
+        confirmer.submit(held.wait, 10)  # the one thread busy: the confirmation waits
         begun = enforcer.begin(v, confirmer)
         assert begun is not None and begun.confirmed is None and begun.confirming is not None
+        second = enforcer.begin(w, confirmer)
+        assert second is not None and second.confirming is begun.confirming
+        held.set()
         confirmed = begun.confirming.result(timeout=10)
         assert race.cg.is_frozen() and race.journal.freezes("sb1") == []
         assert_stopped(ticker)
         time.sleep(0.05)  # finish comes later: the moment journaled is the confirmer's
         event = enforcer.finish(v, begun)
+        assert enforcer.finish(w, second) is not None
     assert event is not None
-    [freeze] = race.journal.freezes("sb1")
+    [freeze] = race.journal.freezes("sb1")  # one freeze, both flows' detections
     assert freeze["confirmed_at"] == pytest.approx(confirmed, abs=1e-6)
     assert begun.asked < confirmed < time.time() - 0.05
 
 
-def test_thaw_below_lets_go_of_an_inner_binding_and_of_nothing_else(
+def test_let_go_of_thaws_an_earlier_binding_above_or_below_and_nothing_else(
     cg: Cgroup, make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
 ) -> None:
     """A binding found to hold an earlier one (a pod's cgroup and a container's inside):
     the inner one's own freeze is thawed, and the workload there stays stopped by the
-    outer one's. A cgroup elsewhere (a sibling) is left frozen."""
+    outer one's; the other way (narrowed to the container), the pod's own freeze is
+    thawed and the container's holds. A cgroup elsewhere (a sibling) is left frozen."""
     made = [os.path.join(p, "inner") for p in (cg.v2_path, cg.freezer_path) if p]
     for path in made:
         os.mkdir(path)
@@ -498,7 +507,7 @@ def test_thaw_below_lets_go_of_an_inner_binding_and_of_nothing_else(
         inner.freeze()
         cg.freeze()
         sibling.freeze()
-        assert cg.thaw_below(inner.v2_path, inner.freezer_path) == made
+        assert cg.let_go_of(inner.v2_path, inner.freezer_path) == made
         with open(os.path.join(inner.v2_path, "cgroup.freeze")) as own:
             assert own.read().strip() == "0"
         if inner.freezer_path is not None:
@@ -506,16 +515,63 @@ def test_thaw_below_lets_go_of_an_inner_binding_and_of_nothing_else(
                 assert own.read().strip() == "0"
         assert inner.is_frozen()
         assert_stopped(ticker)
-        assert cg.thaw_below(sibling.v2_path, sibling.freezer_path) == []
+        assert cg.let_go_of(sibling.v2_path, sibling.freezer_path) == []
         assert sibling.is_frozen()
         cg.thaw()
         assert ticks_within(ticker, 2)  # nothing of the inner freeze left standing
+        # Narrowed: the pod's cgroup frozen before, the container's now.
+        cg.freeze()
+        inner.freeze()
+        outer = [p for p in (cg.v2_path, cg.freezer_path) if p]
+        assert inner.let_go_of(cg.v2_path, cg.freezer_path) == outer
+        assert not (cg.v2_frozen() or cg.v1_state() == "FROZEN")
+        assert_stopped(ticker)  # the container's own freeze
+        inner.thaw()
+        assert ticks_within(ticker, 2)
     finally:
         for frozen in (cg, inner, sibling):
             frozen.thaw(wait=False)
         cg.add_pid(ticker.pid)
         for path in reversed(made):
             os.rmdir(path)
+
+
+def test_a_freeze_whose_ask_failed_is_made_on_the_binding_found_since(
+    race: Race, make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+) -> None:
+    """begin's ask of its binding fails (a container's cgroup gone with a restart, the
+    workload's processes elsewhere now): finish looks for the cgroup again, as each new
+    freeze does (found here by a stand-in for the netns's discovery), and freezes the
+    one they are in: the sandbox is frozen, and the flow seen again is a sighting."""
+    now_in = make_cgroup()
+    now_in.add_pid(ticker.pid)
+    cg = race.cg
+    paths = (cg.v2_path, cg.freezer_path)
+
+    def gone() -> float | None:
+        raise SandboxError(f"{cg.v2_path}/cgroup.freeze: No such file or directory")
+
+    def found_since(refresh: bool = False) -> bool:
+        cg.v2_path, cg.freezer_path = now_in.v2_path, now_in.freezer_path
+        return True
+
+    cg.freeze_soon = gone  # type: ignore[method-assign]
+    cg.bind = found_since  # type: ignore[method-assign]
+    try:
+        enforcer = Enforcer("sb1", race.policy, "observer", race.journal, cg)
+        v = race_violation("observer")
+        begun = enforcer.begin(v)
+        assert begun is not None and isinstance(begun.error, SandboxError)
+        event = enforcer.finish(v, begun)
+        assert event is not None and now_in.is_frozen()
+        assert_stopped(ticker)
+        assert enforcer.seen_before(race_violation("observer"))
+        [freeze] = race.journal.freezes("sb1")
+        assert freeze["confirmed_at"] is not None
+    finally:
+        del cg.freeze_soon, cg.bind  # the class's again, for the fixtures' cleanup
+        now_in.thaw()
+        cg.v2_path, cg.freezer_path = paths
 
 
 def test_a_freeze_failing_after_its_intent_is_committed_and_tried_again(

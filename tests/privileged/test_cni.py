@@ -377,10 +377,14 @@ def test_a_freeze_takes_in_a_container_started_since_the_cgroup_was_bound(
                 with open(os.path.join(path, name)) as own:
                     return own.read().strip()
 
-            assert wait_until(lambda: own_freeze(c1.v2_path, "cgroup.freeze") == "0", 10)
+            def let_go() -> bool:
+                v1 = c1.freezer_path
+                return own_freeze(c1.v2_path, "cgroup.freeze") == "0" and (
+                    v1 is None or own_freeze(v1, "freezer.self_freezing") == "0"
+                )
+
+            assert wait_until(let_go, 10)
             assert c1.v1_state() in (None, "FROZEN")  # FROZEN through its parent's
-            if c1.freezer_path is not None:
-                assert own_freeze(c1.freezer_path, "freezer.self_freezing") == "0"
             daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
             assert wait_until(lambda: not (c1.is_frozen() or c2.is_frozen()), 10)
         finally:
