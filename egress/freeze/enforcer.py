@@ -16,12 +16,11 @@ nothing left to decide.
 
 from __future__ import annotations
 
-import concurrent.futures
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -353,7 +352,7 @@ class Enforcer:
                 at = time.time()
                 confirmed, error = at + self.cgroup.freeze(), None
                 if begun.confirming is not None:  # settled first: it may ask again
-                    concurrent.futures.wait([begun.confirming])
+                    wait([begun.confirming])
                 self._let_go(begun.paths)
             elif error is None:
                 if confirmed is None and begun.confirming is not None:

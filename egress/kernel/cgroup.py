@@ -308,18 +308,11 @@ class Cgroup:
         # A thaw racing this freeze (a person resuming while a layer freezes again) can
         # undo the write; ask again, a few times, before giving up.
         for attempt in range(3):
-            # With ``asked``, freeze_soon wrote both and looked as a first ask does.
+            # With ``asked``, freeze_soon made the first attempt's ask already.
             if not (asked and attempt == 0):
-                # v2 first: a task v1 catches first never reaches the v2 trap (module doc).
-                if v2:
-                    _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
-                    soon = self._v2_confirm_soon()
-                    if soon is not None:
-                        if use_v1:  # asked all the same: either alone keeps it stopped
-                            _write(self._state_path(), "FROZEN")
-                        return soon - start
-                if use_v1:
-                    _write(self._state_path(), "FROZEN")
+                soon = self._ask(v2, use_v1)
+                if soon is not None:
+                    return soon - start
             step = start + timeout * (attempt + 1) / 3
             try:
                 return self._wait(min(step, deadline), v2, use_v1, True, False) - start
@@ -335,11 +328,21 @@ class Cgroup:
         meanwhile (egressd's loop): a workload slow to stop does not hold it."""
         self._bound()
         start = time.monotonic()
-        _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
-        soon = self._v2_confirm_soon()
-        if self.freezer_path is not None:  # after the look, as in freeze
-            _write(self._state_path(), "FROZEN")
+        soon = self._ask(True, self.freezer_path is not None)
         return None if soon is None else soon - start
+
+    def _ask(self, v2: bool, v1: bool) -> float | None:
+        """Ask the selected hierarchies to freeze: v2 first (a task v1 catches first never
+        reaches the v2 trap, module doc), then a look for its confirmation
+        (_v2_confirm_soon), then v1, asked all the same (either alone keeps it stopped).
+        The moment (monotonic) v2 was seen frozen, if that look saw it."""
+        soon = None
+        if v2:
+            _write(os.path.join(self.v2_path, "cgroup.freeze"), "1")
+            soon = self._v2_confirm_soon()
+        if v1:
+            _write(self._state_path(), "FROZEN")
+        return soon
 
     def let_go_of(self, v2_path: str, freezer_path: str | None) -> list[str]:
         """Thaw the own freeze of an earlier binding of the same processes, now that this
