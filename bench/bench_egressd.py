@@ -40,7 +40,9 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
 - under the row, the median of each create step egressd timed (the sandbox JSON's
   create_ms) over that step's sequential creates.
 
-After the last step, issue 17's targets for egressd beside what that step measured.
+After the last step: --frozen-idle sandboxes (500) frozen at once with no DNS load, as a
+node's may wait hours for a person, and egressd's CPU meanwhile (what its reviews' looks
+for a thaw cost); then issue 17's targets for egressd beside what that step measured.
 If a create fails, the figures up to there are printed with the error, and the bench
 stops growing.
 Everything it made is removed on the way out, Ctrl-C included. Prints figures, asserts
@@ -81,6 +83,7 @@ import figures  # bench/, beside this file
 
 from egress.cli.client import Client
 from egress.errors import DaemonError
+from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
 from egress.store.journal import Journal
@@ -565,6 +568,43 @@ class Bench:
             journal.close()
         return out, layers
 
+    def frozen_idle(self, k: int, seconds: float) -> tuple[int, float, float | None]:
+        """``k`` sandboxes (spread over them) frozen, as a node's may wait hours for a
+        person, and no DNS load: (how many froze, egressd's CPU % over ``seconds``, its
+        loop thread's ms on a CPU a second); then each is resumed through the API. What
+        a review costs while it waits: egressd looks at each frozen cgroup for a thaw."""
+        boxes = self.boxes[:: max(1, len(self.boxes) // k)][:k]
+        cgroups = [Cgroup.attach_existing(b["cgroup"], b["freezer"]) for b in boxes]
+        for box in boxes:
+            # EPERM: dropped, as it should be.
+            with contextlib.closing(udp_in(box["netns"])) as sock, contextlib.suppress(OSError):
+                sock.sendto(b"x", BLOCKED)
+        deadline = time.monotonic() + 60
+        while not all(cg.is_frozen() for cg in cgroups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        frozen = [b for b, cg in zip(boxes, cgroups, strict=True) if cg.is_frozen()]
+        try:
+            time.sleep(2)  # the reviews' first, quicker looks
+            served = [self.daemon.pid, *children(self.daemon.pid)]
+            before, sched_before = cpu_ticks(served), loop_sched(self.daemon.pid)
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            after, sched_after, dt = (
+                cpu_ticks(served),
+                loop_sched(self.daemon.pid),
+                time.monotonic() - t0,
+            )
+        finally:
+            for box in frozen:
+                self.daemon.client.call(
+                    "POST", f"/v1/sandboxes/{box['id']}/resume", {"note": "bench"}
+                )
+        used = sum(after[p] - before[p] for p in served if p in after and p in before)
+        loop_ms = None
+        if sched_before is not None and sched_after is not None:
+            loop_ms = (sched_after[0] - sched_before[0]) / dt * 1000
+        return len(frozen), 100 * used / os.sysconf("SC_CLK_TCK") / dt, loop_ms
+
     def create_steps(self) -> dict[str, float]:
         """Median ms of each create step egressd timed, over this step's sequential creates."""
         timed = [box.get("create_ms") or {} for box in self.boxes[self.grown_from :]]
@@ -754,6 +794,15 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  stopped growing at {len(bench.boxes)} sandboxes: {bench.failed}")
                 print(f"  egressd stderr (tail): {daemon.stderr()[-600:].strip()!r}")
                 break
+        if step is not None and args.frozen_idle and not bench.failed:
+            k, cpu, loop_ms = bench.frozen_idle(min(args.frozen_idle, len(bench.boxes)), 5.0)
+            loop = (
+                f", its loop thread {loop_ms:.0f} ms on a CPU a second"
+                if loop_ms is not None
+                else ""
+            )
+            print(f"awaiting review, no DNS load: {k} of {len(bench.boxes)} sandboxes frozen, "
+                  f"egressd {cpu:.1f}% of a CPU{loop}")  # fmt: skip
         if step is not None:
             show_targets(step)
     except KeyboardInterrupt:
@@ -794,6 +843,9 @@ def main() -> int:
                     help="queries/s per sandbox (5: 5,000 in all at 1,000)")  # fmt: skip
     ap.add_argument("--miss-share", type=float, default=0.2, help="share of new names (0.2)")
     ap.add_argument("--burst", type=int, default=8, help="concurrent creates per step (8)")
+    ap.add_argument("--frozen-idle", type=int, default=500,
+                    help="after the last step, this many sandboxes frozen at once, no DNS "
+                         "load: egressd's CPU while they await review (500; 0: skip)")  # fmt: skip
     ap.add_argument(
         "--freezes",
         type=int,

@@ -50,7 +50,7 @@ from egress.errors import (
 )
 from egress.freeze import review
 from egress.inline import wiring
-from egress.inline.session import Session
+from egress.inline.session import REVIEW_POLL_MAX_S, Session
 from egress.inline.swap import TrackingResolver, swap
 from egress.inline.upstream import parse_upstream, resolve_upstreams
 from egress.kernel.nflog import NflogListener
@@ -390,7 +390,7 @@ class Registry:
                 queue.shared = True
         session, resolver = wiring.make(
             sb, self.journal, self.review_hint, upstreams, record.uplink_netns,
-            listener=listener, queue=queue,
+            listener=listener, queue=queue, review_poll_max_s=REVIEW_POLL_MAX_S,
         )  # fmt: skip
         try:
             if not fresh:
@@ -488,6 +488,7 @@ class Registry:
         if action == ReviewAction.KILL:
             self.journal.record_decision(sandbox_id, action, uid, time.time(), note)
             await _in_thread(cgroup.kill)
+            served.session.decided()
             _log(f"kill {sandbox_id} by uid {uid}")
             return
         try:  # off the loop: the journal's lock may be held for its busy timeout
@@ -495,6 +496,7 @@ class Registry:
         except review.StillFrozen as exc:
             _log(f"resume {sandbox_id} by uid {uid}: {exc}")
             raise
+        served.session.decided()
         _log(f"resume {sandbox_id} by uid {uid}")
 
     async def delete(self, sandbox_id: str) -> None:

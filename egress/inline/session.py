@@ -37,6 +37,11 @@ from egress.sandbox.lifecycle import Sandbox
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
 TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 FROZEN_POLL_S = 0.05
+# How often, at most, egressd looks at a frozen sandbox's cgroup for a thaw made outside
+# its API: a look every FROZEN_POLL_S cost ~45 us of its loop, 20 a second for each
+# sandbox awaiting review, so 1,000 of them would have filled the loop other sandboxes'
+# answers run on. A decision through its API ends the review at once (Session.decided).
+REVIEW_POLL_MAX_S = 1.0
 JOURNAL_BACKLOG = 10_000  # block/log verdicts waiting for their fsync
 MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps more)
 # What the resolver saw in mode: audit goes to the journal this often, and the freeze
@@ -94,6 +99,7 @@ class Session:
         review_hint: str,
         listener: NflogListener | None = None,
         commits_off_loop: bool = False,
+        review_poll_max_s: float = FROZEN_POLL_S,
     ) -> None:
         self.sb = sb
         self.enforcer = enforcer
@@ -103,6 +109,10 @@ class Session:
         # A listener handed over by a previous egressd is already bound to the group.
         self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
+        self._reviewed: FreezeEvent | None = None  # what the running review is about
+        # A review looks for the thaw every FROZEN_POLL_S at first (a quick resume and
+        # a new freeze are told apart), then less often, up to this (_await_decision).
+        self.review_poll_max_s = max(review_poll_max_s, FROZEN_POLL_S)
         self._released = False  # _release ran: no review starts here any more
         # Bounded for verdicts (JOURNAL_BACKLOG, on_violation): a workload flooding denied
         # queries must not grow egressctl without end; not for a freeze begun on the loop
@@ -390,12 +400,35 @@ class Session:
             # outlive the session, and could kill at its timeout a sandbox it no longer serves.
             return
         if self._monitor is None or self._monitor.done():
-            print(
-                review_block(self.sb.id, event, self.review_hint, self.decision_timeout),
-                file=sys.stderr,
-                flush=True,
-            )
-            self._monitor = asyncio.get_running_loop().create_task(self._await_decision())
+            self._review(event)
+
+    def _review(self, event: FreezeEvent) -> None:
+        print(
+            review_block(self.sb.id, event, self.review_hint, self.decision_timeout),
+            file=sys.stderr,
+            flush=True,
+        )
+        self._reviewed = event
+        self._monitor = asyncio.get_running_loop().create_task(self._await_decision())
+
+    def decided(self) -> None:
+        """A person's resume or kill went through (egressd's API): this review is over
+        now, not at its next look, so the next freeze starts its own. A freeze made
+        since the resume and journaled already (its event may have come while this
+        review still ran) starts it here; one not yet journaled starts it with its event."""
+        monitor, reviewed = self._monitor, self._reviewed
+        if monitor is None or monitor.done():
+            return
+        monitor.cancel()
+        self._monitor = None
+        try:
+            if self._released or not self.sb.cgroup.is_frozen():
+                return
+        except EgressError:  # its cgroup gone meanwhile: nothing left to review
+            return
+        event = self._latest_freeze()
+        if event is not None and (reviewed is None or event.violation_id != reviewed.violation_id):
+            self._review(event)
 
     def kill(self, note: str) -> None:
         """Kill every process of the sandbox, journaled like a person's kill; a journal
@@ -413,12 +446,16 @@ class Session:
         deadline = (
             None if self.decision_timeout is None else time.monotonic() + self.decision_timeout
         )
+        wait = FROZEN_POLL_S
         while self.sb.cgroup.is_frozen():
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 self.state.timed_out = True
                 self.kill(f"--decision-timeout {self.decision_timeout:g} s passed")
                 return
-            await asyncio.sleep(FROZEN_POLL_S)
+            # Backing off (egressd: review_poll_max_s), but never past the deadline.
+            await asyncio.sleep(wait if deadline is None else min(wait, deadline - now))
+            wait = min(2 * wait, self.review_poll_max_s)
 
 
 def printable(value: object) -> str:

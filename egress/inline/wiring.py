@@ -30,7 +30,7 @@ from typing import NamedTuple
 from egress.freeze.enforcer import Enforcer
 from egress.inline.flowcheck import FlowCheck
 from egress.inline.server import ResolverServer, make_core
-from egress.inline.session import Session
+from egress.inline.session import FROZEN_POLL_S, Session
 from egress.inline.swap import TrackingResolver
 from egress.kernel.nflog import NflogListener
 from egress.kernel.nfqueue import NfqueueListener
@@ -56,6 +56,7 @@ def make(
     mark: int | None = None,
     decision_timeout: float | None = None,
     commits_off_loop: bool = True,
+    review_poll_max_s: float = FROZEN_POLL_S,
 ) -> Inline:
     """The inline layer of ``sb``, reading NFLOG already; its resolver is not started.
 
@@ -63,7 +64,9 @@ def make(
     and attribution off the event loop other sandboxes' answers and the API share (the
     freeze itself is made there: Session.on_violation); `egressctl run` (False) serves
     one sandbox and does all of it at once. ``decision_timeout``: how long a frozen
-    sandbox waits for a person (`run`'s --decision-timeout). ``listener``: an NFLOG
+    sandbox waits for a person (`run`'s --decision-timeout); ``review_poll_max_s``: how
+    often, at most, a frozen sandbox's cgroup is looked at for a thaw once the review
+    has waited a while (egressd, serving many: REVIEW_POLL_MAX_S). ``listener``: an NFLOG
     socket a predecessor egressd handed over, already bound to the inline group;
     ``queue``: likewise its first-bytes NFQUEUE socket (``FlowCheck``, which the session
     holds and closes)."""
@@ -72,6 +75,7 @@ def make(
     session = Session(
         sb=sb, enforcer=enforcer, decision_timeout=decision_timeout, review_hint=review_hint,
         listener=listener, commits_off_loop=commits_off_loop,
+        review_poll_max_s=review_poll_max_s,
     )  # fmt: skip
     try:
         loop.add_reader(session.listener.fileno(), session.on_nflog)

@@ -140,6 +140,32 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
         assert not os.path.exists(f"/run/netns/{box['netns']}")
 
 
+def test_a_freeze_right_after_a_resume_through_the_api_gets_a_review_of_its_own(
+    daemon: Egressd, lab: Lab
+) -> None:
+    """egressd looks at a frozen sandbox's cgroup less often the longer it waits (up to
+    once a second: REVIEW_POLL_MAX_S), so that many awaiting review cost its loop
+    little. A resume through its API ends the review at once: a violation right after
+    it is a freeze with its own review block on egressd's stderr, not one taken for the
+    freeze just resumed (which the review would not have seen thawed yet)."""
+    box = daemon.create(policy("again", "allowed.lab.test"), lab.uplink_netns)
+    cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
+    block = f"egress: sandbox {box['id']} is FROZEN"
+    try:
+        with sleeper(box["netns"], cgroup):
+            connect(box["netns"], "198.51.100.12")  # not in its policy
+            assert wait_frozen(cgroup)
+            assert wait_until(lambda: daemon.stderr().count(block) == 1)
+            time.sleep(2)  # the review's looks backed off to a second apart
+            daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
+            connect(box["netns"], "198.51.100.11")  # again, at once
+            assert wait_frozen(cgroup)
+            assert wait_until(lambda: daemon.stderr().count(block) == 2), daemon.stderr()
+            assert "blocked_connect: " in daemon.stderr().split(block)[2]
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
 def test_a_freeze_sqlite_refused_is_journaled_on_egressds_tick_and_stands(
     daemon: Egressd, lab: Lab, state_dir: Path
 ) -> None:
