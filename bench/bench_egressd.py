@@ -40,9 +40,10 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
 - under the row, the median of each create step egressd timed (the sandbox JSON's
   create_ms) over that step's sequential creates.
 
-After the last step: --frozen-idle sandboxes (500) frozen at once with no DNS load, as a
-node's may wait hours for a person, and egressd's CPU meanwhile (what its reviews' looks
-for a thaw cost); then issue 17's targets for egressd beside what that step measured.
+After the last step, with no DNS load: egressd's CPU with no sandbox frozen, then with
+--frozen-idle of them (500) frozen at once, as a node's may wait hours for a person, once
+each review has started (what its looks for a thaw cost); then issue 17's targets for
+egressd beside what that step measured.
 If a create fails, the figures up to there are printed with the error, and the bench
 stops growing.
 Everything it made is removed on the way out, Ctrl-C included. Prints figures, asserts
@@ -82,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 import figures  # bench/, beside this file
 
 from egress.cli.client import Client
-from egress.errors import DaemonError
+from egress.errors import DaemonError, EgressError
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
@@ -568,42 +569,58 @@ class Bench:
             journal.close()
         return out, layers
 
-    def frozen_idle(self, k: int, seconds: float) -> tuple[int, float, float | None]:
-        """``k`` sandboxes (spread over them) frozen, as a node's may wait hours for a
-        person, and no DNS load: (how many froze, egressd's CPU % over ``seconds``, its
-        loop thread's ms on a CPU a second); then each is resumed through the API. What
-        a review costs while it waits: egressd looks at each frozen cgroup for a thaw."""
-        boxes = self.boxes[:: max(1, len(self.boxes) // k)][:k]
-        cgroups = [Cgroup.attach_existing(b["cgroup"], b["freezer"]) for b in boxes]
-        for box in boxes:
-            # EPERM: dropped, as it should be.
-            with contextlib.closing(udp_in(box["netns"])) as sock, contextlib.suppress(OSError):
-                sock.sendto(b"x", BLOCKED)
-        deadline = time.monotonic() + 60
-        while not all(cg.is_frozen() for cg in cgroups) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        frozen = [b for b, cg in zip(boxes, cgroups, strict=True) if cg.is_frozen()]
-        try:
-            time.sleep(2)  # the reviews' first, quicker looks
-            served = [self.daemon.pid, *children(self.daemon.pid)]
-            before, sched_before = cpu_ticks(served), loop_sched(self.daemon.pid)
-            t0 = time.monotonic()
-            time.sleep(seconds)
-            after, sched_after, dt = (
-                cpu_ticks(served),
-                loop_sched(self.daemon.pid),
-                time.monotonic() - t0,
-            )
-        finally:
-            for box in frozen:
-                self.daemon.client.call(
-                    "POST", f"/v1/sandboxes/{box['id']}/resume", {"note": "bench"}
-                )
+    def idle_cpu(self, seconds: float) -> tuple[float, float | None]:
+        """egressd's CPU % over ``seconds`` (its workers too), and its loop thread's ms
+        on a CPU a second (None if the kernel did not say)."""
+        served = [self.daemon.pid, *children(self.daemon.pid)]
+        before, sched_before, t0 = cpu_ticks(served), loop_sched(self.daemon.pid), time.monotonic()
+        time.sleep(seconds)
+        after, sched_after, dt = (
+            cpu_ticks(served),
+            loop_sched(self.daemon.pid),
+            time.monotonic() - t0,
+        )
         used = sum(after[p] - before[p] for p in served if p in after and p in before)
         loop_ms = None
         if sched_before is not None and sched_after is not None:
             loop_ms = (sched_after[0] - sched_before[0]) / dt * 1000
-        return len(frozen), 100 * used / os.sysconf("SC_CLK_TCK") / dt, loop_ms
+        return 100 * used / os.sysconf("SC_CLK_TCK") / dt, loop_ms
+
+    def frozen_idle(
+        self, k: int, seconds: float
+    ) -> tuple[int, tuple[float, float | None], tuple[float, float | None]]:
+        """No DNS load: egressd's CPU (``idle_cpu``) with no sandbox frozen, then with
+        ``k`` of them (spread over them) frozen, as a node's may wait hours for a person,
+        once each one's review has started and its looks for a thaw have backed off;
+        then each is resumed through the API. (How many froze, before, while frozen.)"""
+        base = self.idle_cpu(seconds)
+        boxes = self.boxes[:: max(1, len(self.boxes) // k)][:k]
+        cgroups = [Cgroup.attach_existing(b["cgroup"], b["freezer"]) for b in boxes]
+        try:
+            for box in boxes:
+                # EPERM: dropped, as it should be.
+                with contextlib.closing(udp_in(box["netns"])) as sock, contextlib.suppress(OSError):
+                    sock.sendto(b"x", BLOCKED)
+            blocks = [f"egress: sandbox {b['id']} is FROZEN" for b in boxes]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                said = self.daemon.stderr()
+                if all(cg.is_frozen() for cg in cgroups) and all(b in said for b in blocks):
+                    break
+                time.sleep(0.2)
+            frozen = sum(cg.is_frozen() for cg in cgroups)
+            time.sleep(2)  # each review's looks back off: 1.55 s to a second apart
+            busy = self.idle_cpu(seconds)
+        finally:
+            for box, cg in zip(boxes, cgroups, strict=True):
+                try:
+                    if cg.is_frozen():
+                        self.daemon.client.call(
+                            "POST", f"/v1/sandboxes/{box['id']}/resume", {"note": "bench"}
+                        )
+                except (DaemonError, EgressError) as exc:
+                    print(f"  could not resume {box['id']}: {exc}", file=sys.stderr)
+        return frozen, base, busy
 
     def create_steps(self) -> dict[str, float]:
         """Median ms of each create step egressd timed, over this step's sequential creates."""
@@ -795,14 +812,14 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  egressd stderr (tail): {daemon.stderr()[-600:].strip()!r}")
                 break
         if step is not None and args.frozen_idle and not bench.failed:
-            k, cpu, loop_ms = bench.frozen_idle(min(args.frozen_idle, len(bench.boxes)), 5.0)
-            loop = (
-                f", its loop thread {loop_ms:.0f} ms on a CPU a second"
-                if loop_ms is not None
-                else ""
-            )
-            print(f"awaiting review, no DNS load: {k} of {len(bench.boxes)} sandboxes frozen, "
-                  f"egressd {cpu:.1f}% of a CPU{loop}")  # fmt: skip
+            k, base, busy = bench.frozen_idle(min(args.frozen_idle, len(bench.boxes)), 5.0)
+
+            def loop(ms: float | None) -> str:
+                return f", its loop thread {ms:.0f} ms on a CPU a second" if ms is not None else ""
+
+            print(f"no DNS load, {len(bench.boxes)} sandboxes: none frozen: egressd "
+                  f"{base[0]:.1f}% of a CPU{loop(base[1])}; {k} frozen, awaiting review: "
+                  f"{busy[0]:.1f}%{loop(busy[1])}")  # fmt: skip
         if step is not None:
             show_targets(step)
     except KeyboardInterrupt:

@@ -488,7 +488,6 @@ class Registry:
         if action == ReviewAction.KILL:
             self.journal.record_decision(sandbox_id, action, uid, time.time(), note)
             await _in_thread(cgroup.kill)
-            served.session.decided()
             _log(f"kill {sandbox_id} by uid {uid}")
             return
         try:  # off the loop: the journal's lock may be held for its busy timeout
@@ -496,7 +495,6 @@ class Registry:
         except review.StillFrozen as exc:
             _log(f"resume {sandbox_id} by uid {uid}: {exc}")
             raise
-        served.session.decided()
         _log(f"resume {sandbox_id} by uid {uid}")
 
     async def delete(self, sandbox_id: str) -> None:

@@ -69,6 +69,9 @@ class FreezeEvent:
     violation_id: int | None
     latency_ms: float  # detection -> the kernel reports the cgroup frozen
     process: dict[str, object] = field(default_factory=dict)
+    # The journal's freeze it joined: one per freeze, every layer's request in it, until
+    # a person's decision closes it (None: not journaled, its record refused).
+    freeze_id: int | None = None
 
 
 class Enforcer:
@@ -255,7 +258,7 @@ class Enforcer:
             event = known[1]
             if event.process:
                 self._try(lambda: self.journal.attach_process(vid, event.process))
-            event.violation_id = vid
+            event.violation_id, event.freeze_id = vid, fid
 
     def _settle_joined(self, violation_id: int) -> None:
         """As _fold does for a commit that joined a resumed freeze: thawed again, if
@@ -425,7 +428,7 @@ class Enforcer:
         process = attribute(v, self.cgroup.pids())
         if vid is not None:
             self._try(lambda: self.journal.attach_process(vid, process))
-        event = FreezeEvent(v, vid, latency_ms, process)
+        event = FreezeEvent(v, vid, latency_ms, process, fid)
         self.freezes.append(event)
         if self.on_freeze is not None:
             self.on_freeze(event)

@@ -37,10 +37,11 @@ from egress.sandbox.lifecycle import Sandbox
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)
 TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 FROZEN_POLL_S = 0.05
-# How often, at most, egressd looks at a frozen sandbox's cgroup for a thaw made outside
-# its API: a look every FROZEN_POLL_S cost ~45 us of its loop, 20 a second for each
-# sandbox awaiting review, so 1,000 of them would have filled the loop other sandboxes'
-# answers run on. A decision through its API ends the review at once (Session.decided).
+# The longest egressd waits between two looks at a frozen sandbox's cgroup for the thaw
+# that ends its review: a look every FROZEN_POLL_S cost ~45 us of its loop, 20 a second
+# for each sandbox awaiting review, so 1,000 of them would have filled the loop other
+# sandboxes' answers run on. A freeze made after a thaw the review has not looked at yet
+# is told apart by its journal freeze id (Session._frozen).
 REVIEW_POLL_MAX_S = 1.0
 JOURNAL_BACKLOG = 10_000  # block/log verdicts waiting for their fsync
 MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps more)
@@ -110,8 +111,8 @@ class Session:
         self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
         self._reviewed: FreezeEvent | None = None  # what the running review is about
-        # A review looks for the thaw every FROZEN_POLL_S at first (a quick resume and
-        # a new freeze are told apart), then less often, up to this (_await_decision).
+        # A review looks for the thaw every FROZEN_POLL_S at first, then less often: at
+        # most this long between two looks (_await_decision).
         self.review_poll_max_s = max(review_poll_max_s, FROZEN_POLL_S)
         self._released = False  # _release ran: no review starts here any more
         # Bounded for verdicts (JOURNAL_BACKLOG, on_violation): a workload flooding denied
@@ -383,7 +384,7 @@ class Session:
             qtype=ev.get("qtype"),
         )  # fmt: skip
         latency = freezes[0].get("latency_ms") or 0.0
-        return FreezeEvent(v, vid, float(latency), row.get("process") or {})
+        return FreezeEvent(v, vid, float(latency), row.get("process") or {}, freezes[0]["id"])
 
     def _frozen_from_any_thread(self, event: FreezeEvent) -> None:
         if self._loop is not None and threading.current_thread() is self._writer:
@@ -401,6 +402,21 @@ class Session:
             return
         if self._monitor is None or self._monitor.done():
             self._review(event)
+        elif self._after_reviewed(event):
+            # Resumed and frozen again between two looks of the review (up to
+            # review_poll_max_s apart): a freeze of its own, with its own block and
+            # decision timeout, not one taken for the freeze that was resumed.
+            self._monitor.cancel()
+            self._review(event)
+
+    def _after_reviewed(self, event: FreezeEvent) -> bool:
+        """``event`` joined a freeze opened after the one under review was decided (the
+        journal's freeze ids grow; every layer's request joins the open one). Unknown
+        where either was not journaled: then it is not taken for a new one."""
+        reviewed = self._reviewed
+        if reviewed is None or reviewed.freeze_id is None or event.freeze_id is None:
+            return False
+        return event.freeze_id > reviewed.freeze_id
 
     def _review(self, event: FreezeEvent) -> None:
         print(
@@ -410,25 +426,6 @@ class Session:
         )
         self._reviewed = event
         self._monitor = asyncio.get_running_loop().create_task(self._await_decision())
-
-    def decided(self) -> None:
-        """A person's resume or kill went through (egressd's API): this review is over
-        now, not at its next look, so the next freeze starts its own. A freeze made
-        since the resume and journaled already (its event may have come while this
-        review still ran) starts it here; one not yet journaled starts it with its event."""
-        monitor, reviewed = self._monitor, self._reviewed
-        if monitor is None or monitor.done():
-            return
-        monitor.cancel()
-        self._monitor = None
-        try:
-            if self._released or not self.sb.cgroup.is_frozen():
-                return
-        except EgressError:  # its cgroup gone meanwhile: nothing left to review
-            return
-        event = self._latest_freeze()
-        if event is not None and (reviewed is None or event.violation_id != reviewed.violation_id):
-            self._review(event)
 
     def kill(self, note: str) -> None:
         """Kill every process of the sandbox, journaled like a person's kill; a journal

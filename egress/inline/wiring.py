@@ -64,9 +64,10 @@ def make(
     and attribution off the event loop other sandboxes' answers and the API share (the
     freeze itself is made there: Session.on_violation); `egressctl run` (False) serves
     one sandbox and does all of it at once. ``decision_timeout``: how long a frozen
-    sandbox waits for a person (`run`'s --decision-timeout); ``review_poll_max_s``: how
-    often, at most, a frozen sandbox's cgroup is looked at for a thaw once the review
-    has waited a while (egressd, serving many: REVIEW_POLL_MAX_S). ``listener``: an NFLOG
+    sandbox waits for a person (`run`'s --decision-timeout); ``review_poll_max_s``: the
+    longest wait between two looks at a frozen sandbox's cgroup for the thaw that ends
+    its review, once the review has waited a while (egressd, serving many:
+    REVIEW_POLL_MAX_S). ``listener``: an NFLOG
     socket a predecessor egressd handed over, already bound to the inline group;
     ``queue``: likewise its first-bytes NFQUEUE socket (``FlowCheck``, which the session
     holds and closes)."""

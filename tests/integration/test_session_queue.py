@@ -262,80 +262,20 @@ class FrozenSandbox:
     cgroup: LookedAt = field(default_factory=LookedAt)
 
 
-def reviewing(sb: FrozenSandbox, poll_max_s: float) -> Session:
+def reviewing(sb: FrozenSandbox, poll_max_s: float, timeout: float | None = None) -> Session:
     return Session(
-        sb=sb, enforcer=FakeEnforcer(), decision_timeout=None, review_hint="",  # type: ignore[arg-type]
+        sb=sb, enforcer=FakeEnforcer(), decision_timeout=timeout, review_hint="",  # type: ignore[arg-type]
         listener=FakeListener(), commits_off_loop=True, review_poll_max_s=poll_max_s,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
-def test_a_review_in_egressd_looks_for_the_thaw_less_often_as_it_waits() -> None:
-    """Each look at a frozen sandbox's cgroup costs egressd's loop, which answers every
-    sandbox: looks every 50 ms (as `egressctl run` does) for 1,000 sandboxes awaiting
-    review would fill it. They back off to review_poll_max_s (0.4 s here: in 1.2 s at
-    most 0.05 + 0.1 + 0.2 + 0.4 + 0.4 and a look more; a fixed 50 ms made 24), and the
-    review still ends once the sandbox is thawed."""
-
-    async def main() -> None:
-        sb = FrozenSandbox()
-        session = reviewing(sb, 0.4)
-        session._frozen(
-            FreezeEvent(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE), 1, 1.0)
-        )
-        monitor = session._monitor
-        assert monitor is not None
-        await asyncio.sleep(1.2)  # the sleeps can only be longer: never more looks
-        assert 2 <= sb.cgroup.looks <= 7, sb.cgroup.looks
-        sb.cgroup.frozen = False
-        await asyncio.wait_for(monitor, 10)  # its next look ends it
-        session.stopping = True
-        await session.aclose()
-
-    asyncio.run(main())
+def frozen(cls: ViolationClass, freeze_id: int | None) -> FreezeEvent:
+    return FreezeEvent(violation(cls, Action.FREEZE), 1, 1.0, {}, freeze_id)
 
 
-def test_a_decision_through_the_api_ends_the_review_and_a_freeze_since_gets_its_own() -> None:
-    """egressd's API resumed it (Session.decided): the review ends now, not at its next
-    look (up to review_poll_max_s away), so a freeze right after is reviewed (its block
-    printed), not taken for the one resumed. A freeze since, journaled before the
-    decision came back, is reviewed at once; the resumed one is not reviewed again."""
-
-    async def main() -> None:
-        sb = FrozenSandbox()
-        session = reviewing(sb, 3600.0)  # the review itself would not look again in time
-        first = FreezeEvent(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE), 1, 1.0)
-        session._frozen(first)
-        await asyncio.sleep(0.2)  # past its first looks
-        # Resumed and frozen again; the new freeze's event came while the review ran.
-        second = FreezeEvent(violation(ViolationClass.TUNNEL, Action.FREEZE), 2, 1.0)
-        session._frozen(second)
-        assert session._reviewed is first
-        latest = [second]
-        session._latest_freeze = lambda: latest[0]  # type: ignore[method-assign]
-        session.decided()
-        assert session._reviewed is second and session._monitor is not None
-        # The same, with nothing new journaled yet: no review of the resumed freeze; the
-        # new freeze's event, when it comes, starts one.
-        latest[0] = second
-        session.decided()
-        assert session._monitor is None
-        third = FreezeEvent(violation(ViolationClass.DENIED_NAME, Action.FREEZE), 3, 1.0)
-        session._frozen(third)
-        assert session._reviewed is third and session._monitor is not None
-        sb.cgroup.frozen = False  # thawed: a decision ends the review, and starts none
-        session.decided()
-        assert session._monitor is None and session._reviewed is third
-        session.stopping = True
-        await session.aclose()
-
-    asyncio.run(main())
-
-
-def test_a_review_backing_off_never_sleeps_past_its_decision_timeout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """However far the looks have backed off, the decision timeout's kill is not put off
-    by the wait before the next one: no sleep asked reaches past the deadline."""
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Each sleep the session's reviews ask for, in order (and slept)."""
     asked: list[float] = []
     real_sleep = asyncio.sleep
 
@@ -343,26 +283,83 @@ def test_a_review_backing_off_never_sleeps_past_its_decision_timeout(
         asked.append(seconds)
         await real_sleep(seconds)
 
-    monkeypatch.setattr(
-        session_mod, "asyncio", SimpleNamespace(**{**vars(asyncio), "sleep": sleep})
-    )
+    fake = SimpleNamespace(**{**vars(asyncio), "sleep": sleep})
+    monkeypatch.setattr(session_mod, "asyncio", fake)
+    return asked
+
+
+def test_a_review_in_egressd_looks_for_the_thaw_less_often_as_it_waits(sleeps: list[float]) -> None:
+    """Each look at a frozen sandbox's cgroup costs egressd's loop, which answers every
+    sandbox: a look every 50 ms (as `egressctl run` does) for each of 1,000 sandboxes
+    awaiting review would fill it. The waits double up to review_poll_max_s (0.4 s
+    here), and the review still ends once the sandbox is thawed."""
+
+    async def main() -> None:
+        sb = FrozenSandbox()
+        session = reviewing(sb, 0.4)
+        session._frozen(frozen(ViolationClass.BLOCKED_CONNECT, 1))
+        monitor = session._monitor
+        assert monitor is not None
+        while len(sleeps) < 6:
+            await asyncio.sleep(0.05)
+        assert sleeps[:6] == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4], sleeps
+        sb.cgroup.frozen = False
+        await asyncio.wait_for(monitor, 10)  # its next look ends it
+        assert sb.cgroup.looks == len(sleeps) + 1
+        session.stopping = True
+        await session.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_review_backing_off_never_sleeps_past_its_decision_timeout(sleeps: list[float]) -> None:
+    """However far the looks have backed off, the decision timeout's kill is not put off
+    by the wait before the next one: no sleep asked reaches past the deadline."""
     killed: list[str] = []
 
     async def main() -> None:
         sb = FrozenSandbox()
         sb.cgroup.kill = lambda: killed.append("cgroup")  # type: ignore[attr-defined]
-        session = Session(
-            sb=sb, enforcer=FakeEnforcer(), decision_timeout=0.3, review_hint="",  # type: ignore[arg-type]
-            listener=FakeListener(), commits_off_loop=True, review_poll_max_s=30.0,  # type: ignore[arg-type]
-        )  # fmt: skip
+        session = reviewing(sb, 30.0, timeout=0.3)
         session.enforcer.journal = SimpleNamespace(record_decision=lambda *a: None)  # type: ignore[attr-defined]
-        session._frozen(
-            FreezeEvent(violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE), 1, 1.0)
-        )
+        session._frozen(frozen(ViolationClass.BLOCKED_CONNECT, 1))
         assert session._monitor is not None
         await asyncio.wait_for(session._monitor, 10)
         assert killed == ["cgroup"] and session.state.timed_out
-        assert sum(asked) <= 0.3 + 1e-6, asked  # backing off alone: 0.05 + 0.1 + 0.2
+        assert sum(sleeps) <= 0.3 + 1e-6, sleeps  # backing off alone: 0.05 + 0.1 + 0.2
+        session.stopping = True
+        await session.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_freeze_opened_after_the_one_under_review_gets_a_review_of_its_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Resumed (through egressd's API or `egressctl resume`) and frozen again between
+    two of the review's looks, up to a second apart in egressd: the new freeze, a new
+    journal freeze id, gets its own review (its block printed, its decision timeout
+    from now), not taken for the one resumed. Another request of the freeze under
+    review, a freeze not journaled, or an older one, starts none."""
+
+    async def main() -> None:
+        sb = FrozenSandbox()
+        session = reviewing(sb, 3600.0, timeout=3600.0)  # it would not look again in time
+        session._frozen(frozen(ViolationClass.BLOCKED_CONNECT, 7))
+        first = session._monitor
+        assert first is not None and capsys.readouterr().err.count("is FROZEN") == 1
+        session._frozen(frozen(ViolationClass.DENIED_NAME, 7))  # the same freeze
+        session._frozen(frozen(ViolationClass.DENIED_NAME, None))  # its record refused
+        assert session._monitor is first and "is FROZEN" not in capsys.readouterr().err
+        session._frozen(frozen(ViolationClass.TUNNEL, 8))
+        second = session._monitor
+        assert second is not first and second is not None
+        await asyncio.sleep(0)
+        assert first.cancelled()
+        block = capsys.readouterr().err
+        assert block.count("is FROZEN") == 1 and "tunnel: " in block, block
+        session._frozen(frozen(ViolationClass.BLOCKED_CONNECT, 7))  # late, and older
+        assert session._monitor is second and "is FROZEN" not in capsys.readouterr().err
         session.stopping = True
         await session.aclose()
 

@@ -140,28 +140,45 @@ def test_sandboxes_resolve_only_their_own_names_and_freeze_alone(
         assert not os.path.exists(f"/run/netns/{box['netns']}")
 
 
-def test_a_freeze_right_after_a_resume_through_the_api_gets_a_review_of_its_own(
-    daemon: Egressd, lab: Lab
+def test_a_freeze_right_after_a_resume_gets_a_review_of_its_own(
+    daemon: Egressd, lab: Lab, state_dir: Path
 ) -> None:
     """egressd looks at a frozen sandbox's cgroup less often the longer it waits (up to
     once a second: REVIEW_POLL_MAX_S), so that many awaiting review cost its loop
-    little. A resume through its API ends the review at once: a violation right after
-    it is a freeze with its own review block on egressd's stderr, not one taken for the
-    freeze just resumed (which the review would not have seen thawed yet)."""
+    little. A violation right after a resume, through its API or with `egressctl
+    resume` (which never reaches egressd), is a freeze with its own review block on
+    egressd's stderr, not one taken for the freeze just resumed, which the review may
+    not have seen thawed yet."""
     box = daemon.create(policy("again", "allowed.lab.test"), lab.uplink_netns)
     cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
     block = f"egress: sandbox {box['id']} is FROZEN"
+
+    def resume_by_cli() -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "egress.cli.main", "resume", box["id"],
+             "--state-dir", str(state_dir)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+
+    def resume_by_api() -> None:
+        daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
+
     try:
         with sleeper(box["netns"], cgroup):
             connect(box["netns"], "198.51.100.12")  # not in its policy
             assert wait_frozen(cgroup)
             assert wait_until(lambda: daemon.stderr().count(block) == 1)
-            time.sleep(2)  # the review's looks backed off to a second apart
-            daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
-            connect(box["netns"], "198.51.100.11")  # again, at once
-            assert wait_frozen(cgroup)
-            assert wait_until(lambda: daemon.stderr().count(block) == 2), daemon.stderr()
-            assert "blocked_connect: " in daemon.stderr().split(block)[2]
+            for n, (resume, ip) in enumerate(
+                ((resume_by_api, "198.51.100.11"), (resume_by_cli, "198.51.100.10")), 2
+            ):
+                time.sleep(2)  # the review's looks backed off to a second apart
+                resume()
+                connect(box["netns"], ip)  # again, at once
+                assert wait_frozen(cgroup)
+                assert wait_until(lambda n=n: daemon.stderr().count(block) == n), daemon.stderr()
+                shown = daemon.stderr().split(block)[n]
+                assert f"{ip}:80" in shown, shown
     finally:
         daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
