@@ -19,13 +19,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
 
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError
+from egress.freeze.confirm import CONFIRMER
 from egress.freeze.enforcer import Begun, Enforcer, FreezeEvent
 from egress.inline.flowcheck import FlowCheck
 from egress.kernel.nflog import NflogListener
@@ -52,32 +51,6 @@ RETRY_PINNED = "retry pinned"  # on the journal queue: Enforcer.retry_pinned
 # What the journal writer takes: a verdict (or a freeze begun on the loop, to finish),
 # mode: audit's rows, RETRY_PINNED, or None: the end.
 _Queued = Violation | Begun | AuditBatch | str | None
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-class ThreadEach(Executor):
-    """Waits for the kernel's confirmation of freezes egressd's loop asked (Enforcer.begin):
-    a thread each (one a sandbox at a time, Enforcer._confirming; at most an intent slot
-    each), so that a workload slow to stop is confirmed, and v1 asked again
-    (Cgroup._wait), while its session's writer may still be committing, and no other
-    sandbox's confirmation waits behind it."""
-
-    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        future: Future[T] = Future()
-
-        def run() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # the future's reader raises it
-                    future.set_exception(exc)
-
-        threading.Thread(target=run, name="egress-confirm", daemon=True).start()
-        return future
-
-
-CONFIRMER = ThreadEach()
 
 
 @dataclass
