@@ -596,6 +596,7 @@ class Bench:
         base = self.idle_cpu(seconds)
         boxes = self.boxes[:: max(1, len(self.boxes) // k)][:k]
         cgroups = [Cgroup.attach_existing(b["cgroup"], b["freezer"]) for b in boxes]
+        said = len(self.daemon.stderr())  # the --freezes probes' blocks came before
         try:
             for box in boxes:
                 # EPERM: dropped, as it should be.
@@ -604,12 +605,12 @@ class Bench:
             blocks = [f"egress: sandbox {b['id']} is FROZEN" for b in boxes]
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                said = self.daemon.stderr()
-                if all(cg.is_frozen() for cg in cgroups) and all(b in said for b in blocks):
+                since = self.daemon.stderr()[said:]
+                if all(cg.is_frozen() for cg in cgroups) and all(b in since for b in blocks):
                     break
                 time.sleep(0.2)
             frozen = sum(cg.is_frozen() for cg in cgroups)
-            time.sleep(2)  # each review's looks back off: 1.55 s to a second apart
+            time.sleep(2)  # each review's looks back off: a second apart from 1.55 s on
             busy = self.idle_cpu(seconds)
         finally:
             for box, cg in zip(boxes, cgroups, strict=True):
@@ -783,6 +784,17 @@ def show_targets(step: Step) -> None:
                        f"{what}", got, target, met)  # fmt: skip
 
 
+def show_frozen_idle(
+    n: int, k: int, base: tuple[float, float | None], busy: tuple[float, float | None]
+) -> None:
+    def loop(ms: float | None) -> str:
+        return f", its loop thread {ms:.0f} ms on a CPU a second" if ms is not None else ""
+
+    print(f"no DNS load, {n} sandboxes: none frozen: egressd {base[0]:.1f}% of a CPU"
+          f"{loop(base[1])}; {k} frozen, awaiting review: {busy[0]:.1f}%"
+          f"{loop(busy[1])}")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="egress-bench-egressd-"))
     lab: Lab | None = None
@@ -812,14 +824,11 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  egressd stderr (tail): {daemon.stderr()[-600:].strip()!r}")
                 break
         if step is not None and args.frozen_idle and not bench.failed:
-            k, base, busy = bench.frozen_idle(min(args.frozen_idle, len(bench.boxes)), 5.0)
-
-            def loop(ms: float | None) -> str:
-                return f", its loop thread {ms:.0f} ms on a CPU a second" if ms is not None else ""
-
-            print(f"no DNS load, {len(bench.boxes)} sandboxes: none frozen: egressd "
-                  f"{base[0]:.1f}% of a CPU{loop(base[1])}; {k} frozen, awaiting review: "
-                  f"{busy[0]:.1f}%{loop(busy[1])}")  # fmt: skip
+            try:
+                show_frozen_idle(len(bench.boxes), *bench.frozen_idle(
+                    min(args.frozen_idle, len(bench.boxes)), 5.0))  # fmt: skip
+            except (EgressError, OSError) as exc:  # the targets below still print
+                print(f"no DNS load, sandboxes frozen: could not measure: {exc}")
         if step is not None:
             show_targets(step)
     except KeyboardInterrupt:

@@ -70,7 +70,8 @@ class FreezeEvent:
     latency_ms: float  # detection -> the kernel reports the cgroup frozen
     process: dict[str, object] = field(default_factory=dict)
     # The journal's freeze it joined: one per freeze, every layer's request in it, until
-    # a person's decision closes it (None: not journaled, its record refused).
+    # a decision closes it (a person's, or the decision timeout's kill). None while not
+    # journaled (SQLite refused its record): the retry fills it in on this event.
     freeze_id: int | None = None
 
 

@@ -27,6 +27,7 @@ from egress.errors import EgressError
 from egress.freeze.confirm import CONFIRMER
 from egress.freeze.enforcer import Begun, Enforcer, FreezeEvent
 from egress.inline.flowcheck import FlowCheck
+from egress.inline.review import review_block
 from egress.kernel.nflog import NflogListener
 from egress.model import Flow, Layer, ReviewAction, Violation, ViolationClass
 from egress.resolver.audit import AuditBatch
@@ -37,10 +38,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, sign
 TERMINAL = (signal.SIGINT, signal.SIGQUIT)
 FROZEN_POLL_S = 0.05
 # The longest egressd waits between two looks at a frozen sandbox's cgroup for the thaw
-# that ends its review: a look every FROZEN_POLL_S cost ~45 us of its loop, 20 a second
-# for each sandbox awaiting review, so 1,000 of them would have filled the loop other
-# sandboxes' answers run on. A freeze made after a thaw the review has not looked at yet
-# is told apart by its journal freeze id (Session._frozen).
+# that ends its review: a look every FROZEN_POLL_S, 20 a second for each sandbox awaiting
+# review, cost its loop 271 ms a second at 500 of them (bench_egressd --frozen-idle), so
+# 1,000 would have taken more than half of the loop other sandboxes' answers run on. A
+# freeze made after a thaw the review has not looked at yet is told apart by its journal
+# freeze id (Session._frozen).
 REVIEW_POLL_MAX_S = 1.0
 JOURNAL_BACKLOG = 10_000  # block/log verdicts waiting for their fsync
 MAX_KEPT = 10_000  # violations kept in memory for the report (the journal keeps more)
@@ -334,20 +336,24 @@ class Session:
         the decision timeout: watch the cgroup, not only the inline layer's freezes."""
         while not self.stopping:
             if self.sb.cgroup.is_frozen() and (self._monitor is None or self._monitor.done()):
-                event = self._latest_freeze()
+                event = self._open_freeze()
                 if event is not None:
                     self._frozen(event)
             await asyncio.sleep(FROZEN_POLL_S)
 
-    def _latest_freeze(self) -> FreezeEvent | None:
+    def _open_freeze(self) -> FreezeEvent | None:
         journal = self.enforcer.journal
         try:
-            freezes = journal.freezes(self.sb.id, limit=1)
-            vid = freezes[0]["first_violation"] if freezes else None
+            # The one still open, not the newest: that may be one decided already (a
+            # kill leaves the cgroup frozen; a freeze made from a layer's intent is not
+            # committed yet), and reviewed it would show the wrong violation, or review
+            # a sandbox killed.
+            freeze = journal.open_freeze(self.sb.id)
+            vid = freeze["first_violation"] if freeze is not None else None
             row = journal.violation(vid) if vid is not None else None
         except EgressError:
             return None
-        if row is None:
+        if freeze is None or row is None:
             return None
         ev = row.get("evidence") or {}
         cls = ViolationClass(row["class"])
@@ -356,8 +362,8 @@ class Session:
             action=self.sb.policy.action(cls), uid=ev.get("uid"), qname=ev.get("qname"),
             qtype=ev.get("qtype"),
         )  # fmt: skip
-        latency = freezes[0].get("latency_ms") or 0.0
-        return FreezeEvent(v, vid, float(latency), row.get("process") or {}, freezes[0]["id"])
+        latency = freeze.get("latency_ms") or 0.0
+        return FreezeEvent(v, vid, float(latency), row.get("process") or {}, freeze["id"])
 
     def _frozen_from_any_thread(self, event: FreezeEvent) -> None:
         if self._loop is not None and threading.current_thread() is self._writer:
@@ -376,16 +382,20 @@ class Session:
         if self._monitor is None or self._monitor.done():
             self._review(event)
         elif self._after_reviewed(event):
-            # Resumed and frozen again between two looks of the review (up to
-            # review_poll_max_s apart): a freeze of its own, with its own block and
-            # decision timeout, not one taken for the freeze that was resumed.
-            self._monitor.cancel()
+            # A person decided the freeze under review and it was frozen again (between
+            # two of the review's looks, up to review_poll_max_s apart, or by a resume
+            # that found another freeze pending): a freeze of its own, with its own
+            # block and decision timeout, not one taken for the freeze decided.
+            decided = self._monitor
             self._review(event)
+            decided.cancel()  # after: a review stands whatever printing the block raised
 
     def _after_reviewed(self, event: FreezeEvent) -> bool:
         """``event`` joined a freeze opened after the one under review was decided (the
         journal's freeze ids grow; every layer's request joins the open one). Unknown
-        where either was not journaled: then it is not taken for a new one."""
+        where either was not journaled (SQLite refused its record: its retry fills the
+        id in later, and tells no one): then it is not taken for a new one, and the
+        review goes on until a look sees the sandbox thawed."""
         reviewed = self._reviewed
         if reviewed is None or reviewed.freeze_id is None or event.freeze_id is None:
             return False
@@ -426,42 +436,6 @@ class Session:
             # Backing off (egressd: review_poll_max_s), but never past the deadline.
             await asyncio.sleep(wait if deadline is None else min(wait, deadline - now))
             wait = min(2 * wait, self.review_poll_max_s)
-
-
-def printable(value: object) -> str:
-    """The workload chose this text (its cmdline, its cwd): show it, never let it steer
-    the terminal (escape sequences, carriage returns)."""
-    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in str(value))
-
-
-def review_block(sandbox_id: str, event: FreezeEvent, hint: str, timeout: float | None) -> str:
-    v, p = event.violation, event.process
-    process = "not found"
-    if p.get("pid"):
-        process = f"pid {p['pid']} {printable(p.get('cmdline', ''))}"[:200]
-        if p.get("cwd"):
-            process += f" (cwd {printable(p['cwd'])})"
-        if p.get("method") == "uid":
-            process += " [by uid: its socket was already closed]"
-    elif p.get("note"):
-        process = str(p["note"])
-    wait = (
-        f"kills it in {timeout:g} s unless resumed"
-        if timeout is not None
-        else "waiting for a decision"
-    )
-    return "\n".join(
-        [
-            f"egress: sandbox {sandbox_id} is FROZEN "
-            f"(the {v.layer} layer saw it; frozen {event.latency_ms:.1f} ms later)",
-            f"  what:    {v.cls.value}: {printable(v.detail)}",
-            f"  rule:    {v.rule}",
-            f"  process: {process}",
-            f"  resume:  egressctl resume{hint} {sandbox_id}",
-            f"  kill:    egressctl kill{hint} {sandbox_id}",
-            f"  ({wait})",
-        ]
-    )
 
 
 # -- the command's life ------------------------------------------------------------------

@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -362,5 +363,44 @@ def test_a_freeze_opened_after_the_one_under_review_gets_a_review_of_its_own(
         assert session._monitor is second and "is FROZEN" not in capsys.readouterr().err
         session.stopping = True
         await session.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_review_from_the_journal_is_of_the_open_freeze_or_none(tmp_path: Path) -> None:
+    """`egressctl run`'s watch of the cgroup (a freeze by the observer alone) starts a
+    review from the journal: of the newest freeze still open. A killed sandbox's cgroup
+    stays frozen with its freeze decided: no review of that one again; and a freeze
+    opened since is the one reviewed, whatever its request's time says."""
+    from egress.store.journal import Journal
+
+    async def main() -> None:
+        with Journal.open(tmp_path) as journal:
+            journal.record_sandbox("sbx1", "p")
+            enforcer = FakeEnforcer()
+            enforcer.journal = journal  # type: ignore[attr-defined]
+            sb = FrozenSandbox()
+            sb.policy = SimpleNamespace(action=lambda cls: Action.FREEZE)  # type: ignore[attr-defined]
+            session = Session(
+                sb=sb, enforcer=enforcer, decision_timeout=None, review_hint="",  # type: ignore[arg-type]
+                listener=FakeListener(), commits_off_loop=True,  # type: ignore[arg-type]
+            )  # fmt: skip
+            try:
+                now = time.time()
+                first = journal.record_violation(
+                    "sbx1", violation(ViolationClass.TUNNEL, Action.FREEZE)
+                )
+                journal.record_freeze_request("sbx1", "inline", first, now)
+                journal.record_decision("sbx1", "kill", 0, now + 1, "a person")
+                assert session._open_freeze() is None  # decided: nothing to review
+                v = violation(ViolationClass.BLOCKED_CONNECT, Action.FREEZE)
+                second = journal.record_violation("sbx1", v)
+                fid = journal.record_freeze_request("sbx1", "observer", second, now - 60)
+                event = session._open_freeze()
+                assert event is not None and event.freeze_id == fid, event
+                assert event.violation_id == second and event.violation.cls is v.cls
+            finally:
+                session.stopping = True
+                await session.aclose()
 
     asyncio.run(main())
