@@ -96,6 +96,9 @@ class Enforcer:
         self.journal = journal
         self.cgroup = cgroup
         self.on_freeze = on_freeze
+        # Told when a freeze's record SQLite had refused is committed by the retry, its
+        # event's ids filled in (the inline layer's review compares freeze ids).
+        self.on_journaled: Callable[[FreezeEvent], None] | None = None
         self.freezes: list[FreezeEvent] = []
         self.frozen_keys: set[str] = set()
         self.journal_errors = 0
@@ -260,6 +263,8 @@ class Enforcer:
             if event.process:
                 self._try(lambda: self.journal.attach_process(vid, event.process))
             event.violation_id, event.freeze_id = vid, fid
+            if self.on_journaled is not None:
+                self.on_journaled(event)
 
     def _settle_joined(self, violation_id: int) -> None:
         """As _fold does for a commit that joined a resumed freeze: thawed again, if

@@ -120,6 +120,7 @@ class Session:
         self._audit_timer: asyncio.TimerHandle | None = None
         self._retry_queued = False  # RETRY_PINNED waits in the journal queue
         enforcer.on_freeze = self._frozen_from_any_thread
+        enforcer.on_journaled = self._journaled_from_any_thread
 
     # -- evidence ------------------------------------------------------------------------
 
@@ -366,10 +367,16 @@ class Session:
         return FreezeEvent(v, vid, float(latency), row.get("process") or {}, freeze["id"])
 
     def _frozen_from_any_thread(self, event: FreezeEvent) -> None:
+        self._on_loop(self._frozen, event)
+
+    def _journaled_from_any_thread(self, event: FreezeEvent) -> None:
+        self._on_loop(self._journaled, event)
+
+    def _on_loop(self, told: Callable[[FreezeEvent], None], event: FreezeEvent) -> None:
         if self._loop is not None and threading.current_thread() is self._writer:
-            self._loop.call_soon_threadsafe(self._frozen, event)
+            self._loop.call_soon_threadsafe(told, event)
         else:
-            self._frozen(event)
+            told(event)
 
     def _frozen(self, event: FreezeEvent) -> None:
         self.state.freezes.append(event)
@@ -381,7 +388,15 @@ class Session:
             return
         if self._monitor is None or self._monitor.done():
             self._review(event)
-        elif self._after_reviewed(event):
+        else:
+            self._journaled(event)
+
+    def _journaled(self, event: FreezeEvent) -> None:
+        """``event``'s freeze id known (at once, or once the retry committed the record
+        SQLite had refused): a freeze after the one under review gets its own."""
+        if self._released or self._monitor is None or self._monitor.done():
+            return
+        if self._after_reviewed(event):
             # A person decided the freeze under review and it was frozen again (between
             # two of the review's looks, up to review_poll_max_s apart, or by a resume
             # that found another freeze pending): a freeze of its own, with its own
@@ -393,9 +408,8 @@ class Session:
     def _after_reviewed(self, event: FreezeEvent) -> bool:
         """``event`` joined a freeze opened after the one under review was decided (the
         journal's freeze ids grow; every layer's request joins the open one). Unknown
-        where either was not journaled (SQLite refused its record: its retry fills the
-        id in later, and tells no one): then it is not taken for a new one, and the
-        review goes on until a look sees the sandbox thawed."""
+        where either was not journaled (SQLite refused its record): not yet, then; the
+        retry that commits it fills the id in and tells the session (_journaled)."""
         reviewed = self._reviewed
         if reviewed is None or reviewed.freeze_id is None or event.freeze_id is None:
             return False

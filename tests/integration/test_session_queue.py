@@ -404,3 +404,30 @@ def test_a_review_from_the_journal_is_of_the_open_freeze_or_none(tmp_path: Path)
                 await session.aclose()
 
     asyncio.run(main())
+
+
+def test_a_freeze_whose_record_sqlite_refused_gets_its_review_once_committed() -> None:
+    """A freeze after a resume whose record SQLite refused has no freeze id yet: nothing
+    tells it from the one under review. Once the layer's retry commits it (its id filled
+    in, Enforcer.on_journaled), it gets its own review; the review's own freeze, its id
+    filled in later, does not."""
+
+    async def main() -> None:
+        session = reviewing(FrozenSandbox(), 3600.0)
+        reviewed = frozen(ViolationClass.BLOCKED_CONNECT, None)  # refused, too
+        session._frozen(reviewed)
+        first = session._monitor
+        refused = frozen(ViolationClass.TUNNEL, None)
+        session._frozen(refused)
+        assert session._monitor is first
+        told = session.enforcer.on_journaled  # type: ignore[attr-defined]
+        reviewed.freeze_id = 7
+        told(reviewed)
+        assert session._monitor is first
+        refused.freeze_id = 8
+        told(refused)
+        assert session._reviewed is refused and session._monitor is not first
+        session.stopping = True
+        await session.aclose()
+
+    asyncio.run(main())

@@ -795,6 +795,9 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
     cg = race.cg
     with refused_freeze(race) as refused:
         observer, enforcer = refused.observer, refused.enforcer
+        told: list[FreezeEvent] = []
+        enforcer.on_journaled = told.append
+        assert refused.event.freeze_id is None  # not journaled: no freeze id yet
         assert_stopped(ticker)
         assert enforcer.retry_pinned() == 0  # the lock still held: not waited for
         refused.holder.execute("ROLLBACK")
@@ -819,6 +822,8 @@ def test_a_freeze_resumed_while_sqlite_refused_its_record_is_made_again_by_the_r
         [violation] = observer.violations("sb1")
         assert violation["process"]["pid"] == ticker.pid
         assert refused.event.violation_id == violation["id"]
+        # The event's ids filled in, and the layer told (its review compares freeze ids).
+        assert refused.event.freeze_id == freeze["id"] and told == [refused.event]
 
 
 def retried(enforcer: Enforcer) -> None:
