@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
 from egress.errors import EgressError
-from egress.freeze.confirm import CONFIRMER
 from egress.freeze.enforcer import Begun, Enforcer, FreezeEvent
+from egress.inline.confirm import CONFIRMER
 from egress.inline.flowcheck import FlowCheck
 from egress.inline.review import review_block
 from egress.kernel.nflog import NflogListener

@@ -25,18 +25,15 @@ import os
 import select
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class, drop_violation
 from egress.datapath.nflog_wire import Copies
 from egress.errors import EgressError
-from egress.freeze.confirm import CONFIRMER
-from egress.freeze.enforcer import Begun, Enforcer
+from egress.freeze.enforcer import Enforcer
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import netns_exists, netns_id, netns_path
 from egress.kernel.netns_cgroup import Peers
@@ -79,46 +76,7 @@ BATCH = 256
 # sandbox's stream must leave the loop to the others' between its batches. Read a
 # datagram at a time, a wake-up may take up to DRAIN_MAX + BATCH - 1.
 DRAIN_MAX = 512
-# Verdicts waiting for a shard's journal writer, past which a record is counted, not
-# journaled (a freeze begun is queued all the same, one per intent slot; one still to
-# make is made on the loop, late rather than never): sandboxes flooding denied queries
-# while SQLite's lock is held elsewhere must not grow a shard without end.
-JOURNAL_BACKLOG = 10_000
 LAYER = Layer.OBSERVER
-
-
-class Writer:
-    """A shard's one journal writer thread, and how many verdicts wait for it."""
-
-    def __init__(self, backlog: int = JOURNAL_BACKLOG) -> None:
-        self.backlog = backlog
-        self.waiting = 0
-        self._count = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
-
-    def full(self) -> bool:
-        return self.waiting >= self.backlog
-
-    def submit(self, work: Callable[[], None]) -> Future[None]:
-        """``work`` after everything submitted before it; RuntimeError once shut down."""
-        with self._count:
-            self.waiting += 1
-        try:
-            return self._pool.submit(self._run, work)
-        except RuntimeError:
-            with self._count:
-                self.waiting -= 1
-            raise
-
-    def _run(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        finally:
-            with self._count:
-                self.waiting -= 1
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 @dataclass
@@ -159,24 +117,10 @@ class ObserverConfig:
 class Observer:
     """One sandbox's observer. ``run`` is its own loop (`egressctl run`, `egressctl
     observe`); a shard of `egressd observer` drives many through ``fds``, ``on_ready``
-    and ``tick`` in one loop instead, with one ``journal`` for them all (not closed here)
-    and one journal ``writer`` thread for them all.
+    and ``tick`` in one loop instead, with one ``journal`` for them all (not closed here)."""
 
-    With a ``writer``, a freeze-worthy verdict is frozen on the loop (Enforcer.begin:
-    the intent's write, the freeze's ask, a short look for its confirmation, a longer
-    wait on a confirmer thread) and the rest (SQLite's commits, which queue behind
-    egressd's and the inline layer's for up to the busy timeout, and the attribution's
-    /proc walk: 13-25 ms a freeze in a shard at 1,000 sandboxes under load) goes to the
-    writer, with every other verdict's record, in the order decided: the shard's other
-    sandboxes are judged meanwhile. Alone, it does all of it at once."""
-
-    def __init__(
-        self, cfg: ObserverConfig, journal: Journal | None = None, writer: Writer | None = None
-    ) -> None:
+    def __init__(self, cfg: ObserverConfig, journal: Journal | None = None) -> None:
         self.cfg = cfg
-        self.writer = writer
-        self._queued: list[Future[None]] = []  # this sandbox's, on the writer
-        self.unjournaled = 0  # records counted past the writer's backlog
         self.policy = cfg.policy
         self.matcher = Matcher(cfg.policy)
         self.scorer = scorer_for(cfg.policy.tunnel, time.time)
@@ -273,8 +217,6 @@ class Observer:
         self._check_counter()
         for v in self.flows.expire(time.time()):
             self._act(v)
-        # Waits for no lock (SQLite's busy timeout 0; not while the writer finishes one
-        # of this sandbox's): fine on a shard's loop too.
         self.enforcer.retry_pinned()
         self._end_if_abandoned()
 
@@ -291,8 +233,6 @@ class Observer:
             self.close()
 
     def close(self) -> None:
-        # What is queued on the writer first: each holds an intent slot until committed.
-        wait(self._queued)
         self.enforcer.release_pinned()  # a shard's journal outlives this watch
         with contextlib.suppress(EgressError, OSError):
             self.listener.close()
@@ -332,50 +272,10 @@ class Observer:
         if self.cfg.current is not None and not self.cfg.current():
             self.stopping = True  # superseded: the next observer judges by the new policy
             return
-        if self.writer is None:
-            try:
-                self.enforcer.handle(v)
-            except EgressError as exc:
-                print(f"egress observer: could not act on {v.cls.value}: {exc}", file=sys.stderr)
-            return
-        self._queued = [f for f in self._queued if not f.done()]
-        begun = self._begin(v) if self.enforcer.wants_freeze(v) else None
-        if begun is not None or not self.writer.full():
-            self._queue(lambda: self._finish(v, begun))  # a Begun holds a slot: never dropped
-        elif self.enforcer.wants_freeze(v) and not self.enforcer.seen_before(v):
-            self._finish(v, None)  # a freeze begin could not make: here, late not never
-        else:
-            if not self.unjournaled:
-                print(f"egress observer: sandbox {self.cfg.sandbox_id}: "
-                      f"{self.writer.waiting} records wait for the journal; further ones "
-                      "are counted, not journaled", file=sys.stderr)  # fmt: skip
-            self.unjournaled += 1
-
-    def _begin(self, v: Violation) -> Begun | None:
         try:
-            return self.enforcer.begin(v, CONFIRMER)
-        except Exception as exc:  # its finish tries all of it again, and reports what fails
-            print(f"egress observer: could not begin to act on {v.cls.value}: {exc}",
-                  file=sys.stderr)  # fmt: skip
-            return None
-
-    def _queue(self, work: Callable[[], None]) -> None:
-        assert self.writer is not None
-        try:
-            self._queued.append(self.writer.submit(work))
-        except RuntimeError:  # the writer was shut down (the shard ending): here, then
-            work()
-
-    def _finish(self, v: Violation, begun: Begun | None) -> None:
-        """Enforcer.finish (all of handle where ``begun`` is None); whatever it raises
-        is reported, and the writer goes on: the records queued behind hold slots."""
-        try:
-            self.enforcer.finish(v, begun)
+            self.enforcer.handle(v)
         except EgressError as exc:
             print(f"egress observer: could not act on {v.cls.value}: {exc}", file=sys.stderr)
-        except Exception as exc:
-            print(f"egress observer: could not act on {v.cls.value}: "
-                  f"{type(exc).__name__}: {exc}", file=sys.stderr)  # fmt: skip
 
     def judge(self, event: NflogEvent) -> Violation | None:
         """The observer's own verdict on one copied packet."""

@@ -14,11 +14,9 @@ again after a backoff. An exception in one observer's work ends that observer on
 is logged and the observer started again, the others go on.
 
 What the sandboxes of a shard do share is its time: each readable socket gets at most
-``layer.DRAIN_MAX`` copies per turn. A verdict's journal commits (a freeze's after its
-intent and its ask, made on the loop) go to the shard's one writer thread, in order, so
-a sandbox producing violations fast, or SQLite's lock held elsewhere, does not hold up
-the judging of the others (``layer.Writer``); past ``layer.JOURNAL_BACKLOG`` records
-waiting there, further ones are counted, not journaled.
+``layer.DRAIN_MAX`` copies per turn, but a sandbox producing violations fast (in audit
+mode, or with actions that do not freeze) costs a journal commit each, and the others in
+its shard wait meanwhile, as they do in egressd's inline layer.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from pathlib import Path
 
 from egress.collect import Collector, Timers
 from egress.errors import EgressError
-from egress.observer.layer import TICK_S, Observer, ObserverConfig, Writer
+from egress.observer.layer import TICK_S, Observer, ObserverConfig
 from egress.policy import parse_policy
 from egress.store import rundir
 from egress.store.journal import Journal
@@ -64,9 +62,6 @@ class Shard:
         self.index = index
         self.shards = shards
         self.journal = Journal.open(state_dir)
-        # Its observers' commits and attributions, in the order they decided: their loop
-        # judges the shard's other sandboxes meanwhile (Observer's ``writer``).
-        self.writer = Writer()
         # Only this shard's records are read: the other shards' files are theirs.
         self.records = rundir.Records(run_dir, lambda sid: shard_of(sid, shards) == index)
         self.watched: dict[str, Watched] = {}
@@ -115,8 +110,7 @@ class Shard:
             if not self.stopping:  # a full collection must not hold up the way out
                 self.timers.run()
         for sid in list(self.watched):
-            self._end(sid)  # each waits for what it queued on the writer
-        self.writer.shutdown()
+            self._end(sid)
         self.collector.close()
         self.journal.close()
         self.poll.close()
@@ -216,7 +210,7 @@ class Shard:
                 record.id, record.netns, policy, str(self.state_dir), None, record.cgroup,
                 record.freezer, current, cgroup_found=record.cgroup_found,
             )  # fmt: skip
-            observer = Observer(cfg, journal=self.journal, writer=self.writer)
+            observer = Observer(cfg, journal=self.journal)
         except EgressError as exc:
             self._failed(record.id, str(exc))
             return

@@ -8,9 +8,7 @@ import contextlib
 import ipaddress
 import shutil
 import socket
-import sqlite3
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +24,6 @@ from egress.observer.layer import COUNTER_S
 from egress.policy import parse_policy
 from egress.sandbox import lifecycle as sandbox
 from egress.sandbox.lifecycle import Sandbox
-from tests.support.netns import run_as_nobody
-from tests.support.probes import wait_until
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -288,129 +284,3 @@ def test_an_observer_started_mid_flight_knows_what_the_allow_sets_hold(box: Sand
     for address, end in ends.items():
         # nft lists whole seconds left; the socket, milliseconds
         assert end - 1.5 <= unknown[address] <= end + 1.5, (address, unknown[address], end)
-
-
-def test_a_shards_observers_freeze_while_its_journal_writer_waits_for_sqlite(
-    box: Sandbox, lab: Lab
-) -> None:
-    """In a shard of `egressd observer` a verdict's journal commits go to one writer
-    thread (Observer's ``writer``), its freeze made on the loop (Enforcer.begin). With
-    SQLite's write lock held elsewhere, longer than the test waits (the journal's busy
-    timeout made 120 s here), a workload's blocked datagram freezes its sandbox, and
-    another sandbox's of the same shard is judged and frozen too, instead of waiting for
-    the first one's commit. Once the lock is free, both are journaled, in full."""
-    from egress.observer.layer import Observer, ObserverConfig, Writer
-    from egress.store.journal import Journal
-
-    policy, _ = parse_policy(POLICY.format(dns=lab.dns4), "observed.yaml")
-    other = sandbox.create(policy, Pools.parse(None), lab.uplink_netns)
-    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
-    writer = Writer()
-    boxes = (box, other)
-    try:
-        with Journal.open(state, busy_timeout_s=120) as journal:
-            for sb in boxes:
-                journal.record_sandbox(sb.id, sb.policy.name, netns=sb.netns)
-            observers = [
-                Observer(
-                    ObserverConfig(sb.id, sb.netns, sb.policy, str(state), None),
-                    journal=journal,
-                    writer=writer,
-                )
-                for sb in boxes
-            ]
-            lock = sqlite3.connect(state / "journal.db", isolation_level=None, timeout=0)
-            judged = threading.Event()
-            try:
-                lock.execute("BEGIN IMMEDIATE")
-                for sb in boxes:  # the workload, as nobody without capabilities
-                    done = run_as_nobody(sb.netns, SEND_BLOCKED)
-                    assert done.returncode == 0 and done.stdout.split() == ["EPERM"], done
-
-                def shard_loop() -> None:  # what a shard's loop does with their copies
-                    deadline = time.monotonic() + 150
-                    for o in observers:
-                        while not o.enforcer.frozen_keys and time.monotonic() < deadline:
-                            o._drain()
-                            time.sleep(0.01)
-                    judged.set()
-
-                loop = threading.Thread(target=shard_loop)
-                loop.start()
-                assert wait_until(lambda: all(sb.cgroup.is_frozen() for sb in boxes), 60)
-                assert judged.wait(10)
-            finally:
-                if lock.in_transaction:
-                    lock.execute("ROLLBACK")
-                lock.close()
-            loop.join(150)
-            for o in observers:
-                o.close()  # waits for what it queued on the writer
-            for sb in boxes:
-                [v] = journal.violations(sb.id)
-                [f] = journal.freezes(sb.id)
-                assert v["class"] == "blocked_connect" and "192.0.2.7" in v["detail"], v
-                assert f["confirmed_at"] is not None and f["first_violation"] == v["id"], f
-    finally:
-        writer.shutdown()
-        for sb in boxes:
-            sb.cgroup.thaw()
-        other.destroy()
-        shutil.rmtree(state)
-
-
-SEND_BLOCKED = """
-import socket
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-try:
-    s.sendto(b"x", ("192.0.2.7", 9))
-    print("sent")
-except PermissionError:
-    print("EPERM")
-"""
-
-
-def test_past_a_shards_journal_backlog_records_are_counted_and_freezes_still_made(
-    box: Sandbox,
-) -> None:
-    """A shard's journal writer with its backlog full (made 0 here: as if sandboxes had
-    flooded denied queries while SQLite's lock was held elsewhere): the workload's denied
-    query is a record counted, not queued, and its blocked datagram still freezes the
-    sandbox (a freeze begun holds an intent slot: queued all the same) and is journaled."""
-    from egress.observer.layer import Observer, ObserverConfig, Writer
-    from egress.store.journal import Journal
-
-    state = Path(tempfile.mkdtemp(prefix="egt-obs-"))
-    writer = Writer(backlog=0)
-    try:
-        with Journal.open(state) as journal:
-            journal.record_sandbox(box.id, box.policy.name, netns=box.netns)
-            observer = Observer(
-                ObserverConfig(box.id, box.netns, box.policy, str(state), None),
-                journal=journal,
-                writer=writer,
-            )
-            try:
-                done = run_as_nobody(box.netns, ASK_DENIED + SEND_BLOCKED)
-                assert done.returncode == 0 and done.stdout.split() == ["EPERM"], done
-                deadline = time.monotonic() + 30
-                while not observer.enforcer.frozen_keys and time.monotonic() < deadline:
-                    observer._drain()
-                    time.sleep(0.01)
-                assert box.cgroup.is_frozen() and observer.unjournaled == 1
-            finally:
-                observer.close()  # waits for what it queued on the writer
-            [v] = journal.violations(box.id)
-            assert v["class"] == "blocked_connect" and v["layer"] == "observer", v
-    finally:
-        writer.shutdown()
-        box.cgroup.thaw()
-        shutil.rmtree(state)
-
-
-ASK_DENIED = """
-import socket, struct
-q = struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0)
-q += b"\\x06denied\\x07example\\x00" + b"\\x00\\x01\\x00\\x01"
-socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(q, ("127.0.0.53", 53))
-"""

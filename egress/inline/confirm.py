@@ -1,6 +1,5 @@
-"""Where a freeze's confirmation is waited for when the layer's loop asked it
-(``Enforcer.begin``) and must not wait itself: egressd's inline layer and the shards of
-`egressd observer`."""
+"""Where a freeze's confirmation is waited for when egressd's loop asked it
+(``Enforcer.begin``, from the inline layer's session) and must not wait itself."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ T = TypeVar("T")
 class ThreadEach(Executor):
     """A thread each (one a sandbox at a time, Enforcer._confirming; at most an intent
     slot each), so that a workload slow to stop is confirmed, and v1 asked again
-    (Cgroup._wait), while the layer's journal writer may still be committing, and no
+    (Cgroup._wait), while its session's journal writer may still be committing, and no
     other sandbox's confirmation waits behind it."""
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
