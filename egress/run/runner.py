@@ -29,10 +29,11 @@ from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError, Stopped, UsageError
 from egress.inline import wiring
 from egress.inline.server import ResolverServer
-from egress.inline.session import Session, wait_for_exit
+from egress.inline.session import Session
 from egress.inline.upstream import parse_upstream, resolve_upstreams
 from egress.model import Policy, ReviewAction, SandboxState
 from egress.observer.process import ObserverProcess
+from egress.run.command import wait_for_exit
 from egress.sandbox import lifecycle as sbx
 from egress.sandbox import view, workload
 from egress.sandbox.view import Identity
