@@ -164,6 +164,12 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return out
 
 
+def cpu_percent(before: dict[int, int], after: dict[int, int], pids: list[int], dt: float) -> float:
+    """Percent of one CPU the ``pids`` used over ``dt`` seconds, from two ``cpu_ticks``."""
+    used = sum(after[p] - before[p] for p in pids if p in after and p in before)
+    return 100 * used / os.sysconf("SC_CLK_TCK") / dt
+
+
 def loop_sched(pid: int) -> tuple[float, float, int] | None:
     """``pid``'s main thread, the one that runs egressd's loop, as the scheduler counts
     it: (seconds on a CPU, seconds runnable but waiting for one, involuntary context
@@ -522,8 +528,7 @@ class Bench:
         host_busy = 100 * busy / total if total else 0.0
 
         def cpu(pids: list[int]) -> float:
-            used = sum(after[p] - before[p] for p in pids if p in after and p in before)
-            return 100 * used / os.sysconf("SC_CLK_TCK") / dt
+            return cpu_percent(before, after, pids, dt)
 
         obs_cpu = obs_pss = None
         if self.observer is not None:
@@ -580,11 +585,10 @@ class Bench:
             loop_sched(self.daemon.pid),
             time.monotonic() - t0,
         )
-        used = sum(after[p] - before[p] for p in served if p in after and p in before)
         loop_ms = None
         if sched_before is not None and sched_after is not None:
             loop_ms = (sched_after[0] - sched_before[0]) / dt * 1000
-        return 100 * used / os.sysconf("SC_CLK_TCK") / dt, loop_ms
+        return cpu_percent(before, after, served, dt), loop_ms
 
     def frozen_idle(
         self, k: int, seconds: float

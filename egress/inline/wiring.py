@@ -67,10 +67,9 @@ def make(
     sandbox waits for a person (`run`'s --decision-timeout); ``review_poll_max_s``: the
     longest wait between two looks at a frozen sandbox's cgroup for the thaw that ends
     its review, once the review has waited a while (egressd, serving many:
-    REVIEW_POLL_MAX_S). ``listener``: an NFLOG
-    socket a predecessor egressd handed over, already bound to the inline group;
-    ``queue``: likewise its first-bytes NFQUEUE socket (``FlowCheck``, which the session
-    holds and closes)."""
+    REVIEW_POLL_MAX_S). ``listener``: an NFLOG socket a predecessor egressd handed over,
+    already bound to the inline group; ``queue``: likewise its first-bytes NFQUEUE socket
+    (``FlowCheck``, which the session holds and closes)."""
     loop = asyncio.get_running_loop()
     enforcer = Enforcer(sb.id, sb.policy, Layer.INLINE, journal, sb.cgroup)
     session = Session(

@@ -814,8 +814,7 @@ class Journal:
 
     def open_freeze(self, sandbox_id: str) -> Row | None:
         """The sandbox's freeze no decision has closed yet (there is one at most)."""
-        sql = "SELECT * FROM freezes WHERE sandbox_id = ? AND decision_id IS NULL LIMIT 1"
-        rows = self._select(sql, (sandbox_id,))
+        rows = self._select(schema.OPEN_FREEZE_SQL, (sandbox_id,))
         return rows[0] if rows else None
 
     def decisions(self, sandbox_id: str | None = None, limit: int = 100) -> list[Row]:

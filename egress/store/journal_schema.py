@@ -246,8 +246,7 @@ NEW_VIOLATION_SQL = (
     "evidence, process, detected_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 OPEN_FREEZE_SQL = (
-    "SELECT id, requested_by FROM freezes WHERE sandbox_id = ? AND decision_id IS NULL "
-    "ORDER BY id DESC LIMIT 1"
+    "SELECT * FROM freezes WHERE sandbox_id = ? AND decision_id IS NULL ORDER BY id DESC LIMIT 1"
 )
 NEW_FREEZE_SQL = (
     "INSERT INTO freezes (sandbox_id, requested_at, layer, first_violation, requested_by) "
