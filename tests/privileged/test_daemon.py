@@ -148,10 +148,21 @@ def test_a_freeze_right_after_a_resume_gets_a_review_of_its_own(
     little. A violation right after a resume, through its API or with `egressctl
     resume` (which never reaches egressd), is a freeze with its own review block on
     egressd's stderr, not one taken for the freeze just resumed, which the review may
-    not have seen thawed yet."""
+    not have seen thawed yet. Each violation is the workload's: an HTTP request as
+    nobody inside the sandbox (`egressctl sandbox exec`) to an address its policy does
+    not allow, which reaches no lab server."""
     box = daemon.create(policy("again", "allowed.lab.test"), lab.uplink_netns)
     cgroup = Cgroup.attach_existing(box["cgroup"], box["freezer"])
     block = f"egress: sandbox {box['id']} is FROZEN"
+    workloads: list[subprocess.Popen[bytes]] = []
+
+    def request(ip: str) -> None:  # left running: frozen, or ended by the delete
+        argv = [sys.executable, "-m", "egress.cli.main", "sandbox", "exec", "--daemon",
+                daemon.socket, "--user", str(NOBODY), box["id"], "--", SYSTEM_PYTHON, "-c",
+                GET, ip, f"/again-{ip}"]  # fmt: skip
+        workloads.append(
+            subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
 
     def resume_by_cli() -> None:
         done = subprocess.run(
@@ -165,22 +176,40 @@ def test_a_freeze_right_after_a_resume_gets_a_review_of_its_own(
         daemon.client.call("POST", f"/v1/sandboxes/{box['id']}/resume", {})
 
     try:
-        with sleeper(box["netns"], cgroup):
-            connect(box["netns"], "198.51.100.12")  # not in its policy
+        request("198.51.100.12")
+        assert wait_frozen(cgroup)
+        assert wait_until(lambda: daemon.stderr().count(block) == 1)
+        for n, (resume, ip) in enumerate(
+            ((resume_by_api, "198.51.100.11"), (resume_by_cli, "198.51.100.10")), 2
+        ):
+            time.sleep(2)  # the review's looks backed off to a second apart
+            resume()
+            request(ip)  # again, at once
             assert wait_frozen(cgroup)
-            assert wait_until(lambda: daemon.stderr().count(block) == 1)
-            for n, (resume, ip) in enumerate(
-                ((resume_by_api, "198.51.100.11"), (resume_by_cli, "198.51.100.10")), 2
-            ):
-                time.sleep(2)  # the review's looks backed off to a second apart
-                resume()
-                connect(box["netns"], ip)  # again, at once
-                assert wait_frozen(cgroup)
-                assert wait_until(lambda n=n: daemon.stderr().count(block) == n), daemon.stderr()
-                shown = daemon.stderr().split(block)[n]
-                assert f"{ip}:80" in shown, shown
+            assert wait_until(lambda n=n: daemon.stderr().count(block) == n), daemon.stderr()
+            shown = daemon.stderr().split(block)[n]
+            assert f"{ip}:80" in shown, shown
+        assert not [r for r in lab.requests() if "/again-" in str(r.get("path"))]
     finally:
         daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+        for w in workloads:
+            with suppress(subprocess.TimeoutExpired):
+                w.wait(timeout=30)
+            if w.poll() is None:
+                w.kill()
+                w.wait(timeout=10)
+
+
+GET = """
+import socket, sys
+s = socket.socket()
+s.settimeout(5)
+try:
+    s.connect((sys.argv[1], 80))
+    s.sendall(f"GET {sys.argv[2]} HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n".encode())
+except OSError:
+    pass
+"""
 
 
 def test_a_freeze_sqlite_refused_is_journaled_on_egressds_tick_and_stands(
