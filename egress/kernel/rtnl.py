@@ -1,11 +1,12 @@
-"""A sandbox's links, addresses and routes as rtnetlink batches packed here.
+"""A sandbox's links, addresses, routes and neighbours as rtnetlink batches packed here.
 
 Each pyroute2 call costs 0.2-0.3 ms of Python around a kernel call of a few µs (its sync
 API runs an event loop per call, and it parses every reply), and a sandbox's wiring took
 a dozen of them: 10 ms of a create at 300 sandboxes. Here each step's messages are packed
 with ``struct`` (the uapi layouts of linux/netlink.h, rtnetlink.h, if_link.h, if_addr.h,
-veth.h, which the kernel keeps stable) and sent at once on a socket opened in the netns;
-the kernel runs them in order and acks each. pyroute2 stays for everything else.
+veth.h, neighbour.h, which the kernel keeps stable) and sent at once on a socket opened in
+the netns; the kernel runs them in order and acks each. pyroute2 stays for everything
+else.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ _HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 _IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, type, index, flags, change
 _IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
 _RTMSG = struct.Struct("=BBBBBBBBI")  # rtmsg: family, dst_len, src_len, tos, table, ...
+_NDMSG = struct.Struct("=BxxxiHBB")  # ndmsg: family, pad, ifindex, state, flags, type
+_ATTR = struct.Struct("=HH")  # rtattr: len, type
 _ERR = struct.Struct("=i")
 
 NLMSG_ERROR, NLMSG_DONE = 2, 3
-RTM_NEWLINK, RTM_GETLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 18, 20, 24
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+RTM_NEWLINK, RTM_GETLINK, RTM_NEWADDR, RTM_NEWROUTE, RTM_NEWNEIGH = 16, 18, 20, 24, 28
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x100, 0x200, 0x400
 IFF_UP = 0x1
-IFLA_IFNAME, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 18, 28
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_LINKINFO, IFLA_NET_NS_FD = 1, 3, 18, 28
+NDA_DST, NDA_LLADDR, NUD_PERMANENT = 1, 2, 0x80
 IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
 IFA_ADDRESS, IFA_LOCAL, IFA_F_NODAD = 1, 2, 0x02
 RTA_OIF, RTA_GATEWAY = 4, 5
@@ -91,6 +95,19 @@ class Batch:
         what = f"add default route via {gateway}"
         self._add(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body, what)
 
+    def neighbour(self, index: int, ifname: str, address: str, mac: bytes) -> None:
+        """A permanent neighbour entry: ``address`` is at ``mac`` on link ``index``
+        (made, or put in place of a learned one), so no ARP or neighbour discovery
+        runs for it. The kernel keeps one neighbour table per family for every netns,
+        and past ``gc_thresh3`` entries (1,024 by default) it learns no new one; a
+        permanent entry is not counted against that bound."""
+        ip = ipaddress.ip_address(address)
+        family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+        body = _NDMSG.pack(family, index, NUD_PERMANENT, 0, 0)
+        body += attr(NDA_DST, ip.packed) + attr(NDA_LLADDR, mac)
+        what = f"pin neighbour {address} on {ifname}"
+        self._add(RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_REPLACE, body, what)
+
 
 class Rtnl:
     """A NETLINK_ROUTE socket bound to the netns it was opened in."""
@@ -138,6 +155,10 @@ class Rtnl:
 
     def index(self, ifname: str) -> int:
         """The ifindex of a link by name."""
+        return self.link(ifname)[0]
+
+    def link(self, ifname: str) -> tuple[int, bytes]:
+        """The ifindex and hardware address of a link by name (b"" if it has none)."""
         self._seq += 1
         body = _IFINFO.pack(0, 0, 0, 0, 0) + _name(ifname)
         self._send(_HDR.pack(_HDR.size + len(body), RTM_GETLINK, NLM_F_REQUEST, self._seq, 0)
@@ -147,7 +168,7 @@ class Rtnl:
                 raise SandboxError(f"no link {ifname} in {self.where}")
             if code:
                 raise SandboxError(f"look up {ifname} in {self.where}: {os.strerror(-code)}")
-            return int(_IFINFO.unpack_from(payload)[2])
+            return int(_IFINFO.unpack_from(payload)[2]), _attribute(payload, IFLA_ADDRESS)
         raise AssertionError("unreachable")
 
     def _send(self, data: bytes, what: str) -> None:
@@ -176,6 +197,19 @@ class Rtnl:
                 seen += 1
                 code = _ERR.unpack_from(payload)[0] if kind == NLMSG_ERROR else 0
                 yield seq, code, payload
+
+
+def _attribute(payload: bytes, kind: int) -> bytes:
+    """The value of the first top-level attribute ``kind`` of an ifinfomsg (b"": none)."""
+    at = _IFINFO.size
+    while at + _ATTR.size <= len(payload):
+        length, got = _ATTR.unpack_from(payload, at)
+        if length < _ATTR.size:
+            break
+        if got & 0x3FFF == kind:  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
+            return bytes(payload[at + _ATTR.size : at + length])
+        at += (length + 3) & ~3
+    return b""
 
 
 @contextmanager

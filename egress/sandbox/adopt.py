@@ -11,7 +11,7 @@ from egress.errors import SandboxError
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
-from egress.sandbox.lifecycle import Sandbox, teardown_claim
+from egress.sandbox.lifecycle import Sandbox, pin_neighbours, teardown_claim
 from egress.store import claims
 from egress.store.rundir import Record
 
@@ -29,10 +29,16 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
     # Made by an egressd before cpu twins: its sessions would each weigh as one.
     for problem in cgroup.adopt_cpu_twin():
         print(f"egressd: sandbox {record.id}: {problem}", file=sys.stderr)
-    nft = NftHandle.open(claim.netns)
     net = SandboxNet(
         claim.index, ipaddress.IPv4Network(claim.net4), ipaddress.IPv6Network(claim.net6)
     )
+    # Made by an egress before permanent neighbours: past ~500 such sandboxes on a host,
+    # the kernel's one neighbour table (1,024 entries) is full and the rest reach nothing.
+    try:
+        pin_neighbours(net, claim.netns, claim.host_if, claim.uplink_netns)
+    except SandboxError as exc:
+        print(f"egressd: sandbox {record.id}: {exc}", file=sys.stderr)
+    nft = NftHandle.open(claim.netns)
     sb = Sandbox(
         record.id, policy, net, claim.netns, claim.host_if, claim.uplink_netns,
         cgroup, nft, uid=claim.uid,

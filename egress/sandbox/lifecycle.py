@@ -26,7 +26,7 @@ from egress.kernel import netns, rtnl
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
-from egress.model import Policy
+from egress.model import IPAddress, Policy
 from egress.sandbox import uplink as uplink_mod
 from egress.sandbox import view
 from egress.store import claims, uids
@@ -199,13 +199,14 @@ def _build(
 def _addresses(
     net: SandboxNet, name: str, host_if: str, outside: rtnl.Rtnl, inside: rtnl.Rtnl
 ) -> None:
-    host_index = outside.index(host_if)
+    host_index, host_mac = outside.link(host_if)
+    index, mac = inside.link(c.SANDBOX_IF)
     host = rtnl.Batch()
     host.address(host_index, host_if, f"{net.gateway4}/{net.net4.prefixlen}")
     host.address(host_index, host_if, f"{net.gateway6}/{net.net6.prefixlen}")
     host.up(host_index, host_if)
+    _pin(host, host_index, host_if, (net.address4, net.address6), mac)
     outside.run(host)
-    index = inside.index(c.SANDBOX_IF)
     sandbox = rtnl.Batch()
     sandbox.up(rtnl.LOOPBACK_INDEX, "lo")
     sandbox.address(index, c.SANDBOX_IF, f"{net.address4}/{net.net4.prefixlen}")
@@ -213,7 +214,34 @@ def _addresses(
     sandbox.up(index, c.SANDBOX_IF)
     sandbox.default_route(str(net.gateway4), index)
     sandbox.default_route(str(net.gateway6), index)
+    _pin(sandbox, index, c.SANDBOX_IF, (net.gateway4, net.gateway6), host_mac)
     inside.run(sandbox)
+
+
+def pin_neighbours(net: SandboxNet, name: str, host_if: str, uplink: str | None) -> None:
+    """What ``create`` pins (``_pin``), for a sandbox an egress before it made: each end
+    of its veth knows the other's addresses without asking."""
+    with rtnl.opened(uplink) as outside, rtnl.opened(name) as inside:
+        host_index, host_mac = outside.link(host_if)
+        index, mac = inside.link(c.SANDBOX_IF)
+        host, sandbox = rtnl.Batch(), rtnl.Batch()
+        _pin(host, host_index, host_if, (net.address4, net.address6), mac)
+        _pin(sandbox, index, c.SANDBOX_IF, (net.gateway4, net.gateway6), host_mac)
+        outside.run(host)
+        inside.run(sandbox)
+
+
+def _pin(
+    batch: rtnl.Batch, index: int, ifname: str, peers: tuple[IPAddress, ...], mac: bytes
+) -> None:
+    """The veth's other end's addresses at its MAC, as permanent neighbour entries. Learned
+    by ARP and neighbour discovery instead, they took two entries a sandbox in the
+    kernel's one table for every netns, whose default bound (gc_thresh3) is 1,024: past
+    ~500 sandboxes it learned no more, and the rest could send nothing past their veth
+    (tests/privileged/test_daemon_scale.py, 1,000 sandboxes). A permanent entry is not
+    counted against it, needs no host sysctl raised, and goes with the veth."""
+    for peer in peers:
+        batch.neighbour(index, ifname, str(peer), mac)
 
 
 def _remove_cgroup(cgroup: Cgroup) -> None:

@@ -7,6 +7,7 @@ queries a second from inside a sandbox the whole time, must see every query answ
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -216,6 +217,67 @@ def test_a_sandbox_made_before_cpu_twins_gets_one_when_adopted(lab: Lab, daemon:
         if proc.poll() is None:
             cg.kill()
             proc.wait(timeout=10)
+
+
+def permanent_neighbours(netns: str, dev: str) -> set[tuple[str, str]]:
+    """(address, MAC) of each permanent neighbour entry on ``dev`` in ``netns``."""
+    out = subprocess.run(["ip", "-j", "-n", netns, "neigh", "show", "dev", dev, "nud", "permanent"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return {(n["dst"], n["lladdr"]) for n in json.loads(out or "[]")}
+
+
+def link_mac(netns: str, dev: str) -> str:
+    out = subprocess.run(["ip", "-j", "-n", netns, "link", "show", dev],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return str(json.loads(out)[0]["address"])
+
+
+def test_a_sandbox_made_before_pinned_neighbours_gets_them_when_adopted(
+    lab: Lab, daemon: Egressd
+) -> None:
+    """An egress from before permanent neighbour entries left each end of a sandbox's veth
+    to learn the other's addresses by ARP and neighbour discovery: two entries a sandbox
+    in the kernel's one table for every netns, whose default bound is 1,024 (past ~500
+    such sandboxes the rest reached nothing: test_daemon_scale's 1,000). The adopter
+    pins them, and the sandbox still reaches what its policy allows through them."""
+    made = daemon.create(CHECKED, lab.uplink_netns)
+    ns, host_if, uplink = made["netns"], f"eg-{made['id']}", lab.uplink_netns
+    inside = {(a, link_mac(uplink, host_if)) for a in sandbox_gateways(ns)}
+    outside = {(a, link_mac(ns, "eth0")) for a in sandbox_addresses(ns)}
+    assert len(inside) == len(outside) == 2  # v4 and v6 each
+    assert permanent_neighbours(ns, "eth0") == inside
+    assert permanent_neighbours(uplink, host_if) == outside
+    # As such an egress left it: nothing pinned.
+    subprocess.run(
+        ["ip", "-n", ns, "neigh", "flush", "dev", "eth0", "nud", "permanent"], check=True
+    )
+    subprocess.run(["ip", "-n", uplink, "neigh", "flush", "dev", host_if, "nud", "permanent"],
+                   check=True)  # fmt: skip
+    assert permanent_neighbours(ns, "eth0") == permanent_neighbours(uplink, host_if) == set()
+    old = replace(daemon)
+    assert old.wait(timeout=10) == 0
+    assert permanent_neighbours(ns, "eth0") == inside, daemon.stderr()
+    assert permanent_neighbours(uplink, host_if) == outside, daemon.stderr()
+    lab.clear_requests()
+    assert curl(ns, "http://allowed.lab.test/pinned") == (0, "lab 203.0.113.10:80\n")
+    assert [r["path"] for r in lab.requests()] == ["/pinned"]
+
+
+def sandbox_addresses(netns: str) -> list[str]:
+    """The global addresses of a sandbox's eth0 (v4 and v6)."""
+    out = subprocess.run(["ip", "-j", "-n", netns, "addr", "show", "dev", "eth0"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return [a["local"] for a in json.loads(out)[0]["addr_info"] if a.get("scope") == "global"]
+
+
+def sandbox_gateways(netns: str) -> list[str]:
+    """The gateways of a sandbox's default routes (v4 and v6)."""
+    gateways = []
+    for family in ("-4", "-6"):
+        out = subprocess.run(["ip", "-j", family, "-n", netns, "route", "show", "default"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        gateways += [r["gateway"] for r in json.loads(out)]
+    return gateways
 
 
 def test_a_successor_that_leaves_before_serving_changes_nothing(lab: Lab, daemon: Egressd) -> None:

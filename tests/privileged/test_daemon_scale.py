@@ -30,6 +30,7 @@ from egress.errors import DaemonError
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import in_netns
 from egress.lab import Lab
+from egress.lab.topology import ANY_PORT
 from egress.sandbox import workload
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON, dnsperf
@@ -298,12 +299,29 @@ def resolver_socket(netns: str) -> socket.socket:
     return sock
 
 
+def http_get(netns: str, ip: str, path: str) -> int:
+    """The status of a GET of ``path`` from the lab's web server on ``ip`` (its AnyIP
+    port), asked from a socket in ``netns``; 0 when it could not connect in 3 s."""
+    with in_netns(netns):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with sock:
+        sock.settimeout(3)
+        try:
+            sock.connect((ip, ANY_PORT))
+        except OSError:
+            return 0
+        sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {ip}\r\n\r\n".encode())
+        head = sock.recv(64).split(b" ", 2)
+        return int(head[1]) if len(head) > 1 and head[1].isdigit() else -1
+
+
 @pytest.mark.slow
 def test_a_thousand_sandboxes_resolve_only_their_own_names_and_one_frozen_stops_no_other(
     daemon: Egressd, lab: Lab, state_dir: Path
 ) -> None:
     """As many sandboxes as a node of agents runs, both layers on: each resolves its own
-    name to its own address and is refused its neighbour's; one frozen for a blocked
+    name to its own address and is refused its neighbour's, and reaches its own address
+    (the lab's web server logs every one's request); one frozen for a blocked
     connect (its neighbour's address) leaves every other sandbox's DNS answering; all
     are removed through the API."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per sandbox here
@@ -326,6 +344,17 @@ def test_a_thousand_sandboxes_resolve_only_their_own_names_and_one_frozen_stops_
                 assert dns_ask(sock, own[i][0]) == (NOERROR, [own[i][1]]), i
                 assert dns_ask(sock, own[(i + 1) % NODE][0]) == (REFUSED, []), i
             print(f"{NODE} sandboxes asked, {time.monotonic() - start:.1f} s")
+            # Each one reaches the address it resolved, through its own veth: two
+            # neighbour entries a sandbox (its gateway, and its address in the uplink
+            # netns), in one table the kernel keeps for every netns, whose default
+            # bound is 1,024. Past ~500 sandboxes, learned by ARP, the kernel refused
+            # new ones ("neighbor table overflow") and the rest could reach nothing.
+            lab.clear_requests()
+            for i, box in enumerate(boxes):
+                assert http_get(box["netns"], own[i][1], f"/node{i}") == 200, i
+            reached = {r["path"] for r in lab.requests()}
+            assert {f"/node{i}" for i in range(NODE)} <= reached
+            print(f"{NODE} sandboxes reached their own address, {time.monotonic() - start:.1f} s")
             cgroup = Cgroup.attach_existing(boxes[0]["cgroup"], boxes[0]["freezer"])
             worker = Worker(boxes[0]["netns"], cgroup)
             worker.receive()

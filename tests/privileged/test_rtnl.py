@@ -114,3 +114,34 @@ def test_a_taken_name_refuses_the_veth(two: tuple[str, str]) -> None:
     veth(outer, inner, host, ifname("p"))
     with pytest.raises(SandboxError, match=rf"create veth {host}/.*\(errno 17\)"):
         veth(outer, inner, host, ifname("q"))
+
+
+def test_a_pinned_neighbour_is_permanent_at_the_address_link_reads(
+    two: tuple[str, str],
+) -> None:
+    """``neighbour`` makes (or replaces) a permanent entry, which the kernel does not count
+    against its neighbour table's bound; ``link`` reads the MAC it is pinned to."""
+    outer, inner = two
+    host, peer = ifname("h"), ifname("p")
+    veth(outer, inner, host, peer)
+    with rtnl.opened(outer) as out, rtnl.opened(inner) as ins:
+        index, mac = out.link(host)
+        pindex, pmac = ins.link(peer)
+        assert (index, pindex) == (out.index(host), ins.index(peer))
+        [shown] = ip(inner, "link", "show", peer)
+        assert pmac.hex(":") == shown["address"] and len(pmac) == 6 and pmac != mac
+        b = rtnl.Batch()
+        b.address(index, host, "10.79.0.1/30")
+        b.up(index, host)
+        for address in ("10.79.0.2", "fd00:79::2"):
+            b.neighbour(index, host, address, pmac)
+        b.neighbour(index, host, "10.79.0.2", pmac)  # again: replaced, not refused
+        out.run(b)
+    entries = {
+        (n["dst"], n.get("lladdr"), tuple(n["state"]))
+        for n in ip(outer, "neigh", "show", "dev", host)
+    }  # type: ignore[arg-type]
+    assert entries == {
+        ("10.79.0.2", pmac.hex(":"), ("PERMANENT",)),
+        ("fd00:79::2", pmac.hex(":"), ("PERMANENT",)),
+    }
