@@ -260,17 +260,22 @@ insert rule inet egress output ip daddr 198.51.100.53 meta l4proto { tcp, udp } 
 """
 
 
-def start_dnsmasq(netns: str, workdir: Path) -> Child:
-    """dnsmasq on 127.0.0.53 in the sandbox netns, forwarding to the lab DNS, writing the
+def dnsmasq_argv(netns: str, log: Path, listen: str = RESOLVER) -> list[str]:
+    """dnsmasq on ``listen`` in the sandbox netns, forwarding to the lab DNS, writing the
     answers' addresses into timeout sets of the same ``inet egress`` table (dnsmasq cannot
-    write ``ip . proto . port`` elements, so the sets hold addresses only)."""
-    argv = ["ip", "netns", "exec", netns, "dnsmasq", "--keep-in-foreground",
+    write ``ip . proto . port`` elements, so the sets hold addresses only: DNSMASQ_SETS,
+    which also lets it reach the lab DNS)."""
+    return ["ip", "netns", "exec", netns, "dnsmasq", "--keep-in-foreground",
             "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--no-poll",
-            "--listen-address=127.0.0.53", "--bind-interfaces", "--port=53",
+            f"--listen-address={listen}", "--bind-interfaces", "--port=53",
             f"--server={LAB_DNS}", "--cache-size=10000", "--dns-forward-max=1000",
             "--nftset=/lab.test/4#inet#egress#dm4,6#inet#egress#dm6",
-            "--user=root", "--pid-file=", f"--log-facility={workdir / 'dnsmasq.log'}"]  # fmt: skip
-    child = Child(argv)
+            "--user=root", "--pid-file=", f"--log-facility={log}"]  # fmt: skip
+
+
+def start_dnsmasq(netns: str, workdir: Path) -> Child:
+    """dnsmasq on 127.0.0.53 in the sandbox netns (``dnsmasq_argv``), once it answers."""
+    child = Child(dnsmasq_argv(netns, workdir / "dnsmasq.log"))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:

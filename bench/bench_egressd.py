@@ -40,10 +40,14 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
 - under the row, the median of each create step egressd timed (the sandbox JSON's
   create_ms) over that step's sequential creates.
 
-After the last step, with no DNS load: egressd's CPU with no sandbox frozen, then with
---frozen-idle of them (500) frozen at once, as a node's may wait hours for a person, once
-each review has started (what its looks for a thaw cost); then issue 17's targets for
-egressd beside what that step measured.
+After the last step, the same load on dnsmasq 2.90 ``--nftset`` instead, one in each
+sandbox (on 127.0.0.54, beside egressd's resolver, which idles meanwhile; it writes its
+answers' addresses into sets of the sandbox's table): the same machine, sandboxes and
+client with a C resolver in egressd's place, for the targets' dnsmasq figures
+(--no-dnsmasq leaves it out). Then, with no DNS load: egressd's CPU with no sandbox
+frozen, then with --frozen-idle of them (500) frozen at once, as a node's may wait hours
+for a person, once each review has started (what its looks for a thaw cost); then issue
+17's targets for egressd beside what that step measured, and dnsmasq's where it has it.
 If a create fails, the figures up to there are printed with the error, and the bench
 stops growing.
 Everything it made is removed on the way out, Ctrl-C included. Prints figures, asserts
@@ -80,12 +84,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.support
 
-import figures  # bench/, beside this file
+import bench_dns  # bench/, beside this file
+import figures
 
 from egress.cli.client import Client
 from egress.errors import DaemonError, EgressError
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.netns import in_netns
+from egress.kernel.nft import NftHandle
 from egress.lab import Lab
 from egress.store.journal import Journal
 from tests.support.egressd import Egressd
@@ -105,6 +111,7 @@ spec:
 """
 HITS = ["allowed.lab.test", "www.allowed.lab.test", "a1.cdn.lab.test", "a2.cdn.lab.test"]
 RESOLVER = ("127.0.0.53", 53)
+PEER = ("127.0.0.54", 53)  # dnsmasq's, beside egressd's resolver in each sandbox
 LAB_DNS = ("198.51.100.53", 53)
 BLOCKED = ("203.0.113.99", 9)  # no policy here allows it: a blocked_connect, frozen
 TIMEOUT_S = 2.0
@@ -441,6 +448,17 @@ class Step:
     sched: tuple[float, float, float] | None = None
 
 
+@dataclass
+class Peer:
+    """dnsmasq ``--nftset`` in every sandbox, under the load the last step put on egressd."""
+
+    n: int
+    load: Load
+    qps: float
+    cpu: float  # percent of one CPU, all its processes
+    host_busy: float
+
+
 class Bench:
     def __init__(self, daemon: Egressd, uplink: str, args: argparse.Namespace) -> None:
         self.daemon = daemon
@@ -627,6 +645,50 @@ class Bench:
                     print(f"  could not resume {box['id']}: {exc}", file=sys.stderr)
         return frozen, base, busy
 
+    def dnsmasq_peer(self, workdir: Path) -> Peer:
+        """The same DNS load (no freezes, no scrapes) on dnsmasq 2.90 ``--nftset``, one in
+        each sandbox (on PEER, beside egressd's resolver, which idles meanwhile, as does
+        the observer layer: its copy rule names egressd's address), writing its answers'
+        addresses into sets of the sandbox's table (bench_dns.DNSMASQ_SETS): the same
+        machine, sandboxes and client with a C resolver in egressd's place."""
+        a = self.args
+        procs: list[subprocess.Popen[bytes]] = []
+        socks: list[socket.socket] = []
+        direct = None
+        try:
+            for i, box in enumerate(self.boxes):
+                with NftHandle.open(box["netns"]) as nft:
+                    nft.load(bench_dns.DNSMASQ_SETS)
+                argv = bench_dns.dnsmasq_argv(box["netns"], workdir / f"dnsmasq-{i}.log", PEER[0])
+                procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.DEVNULL))  # fmt: skip
+            socks = [resolver_socket(box["netns"], PEER) for box in self.boxes]
+            for i, sock in enumerate(socks):
+                _until_answered(sock, procs[i], workdir / f"dnsmasq-{i}.log", i)
+            prime(socks)
+            direct = resolver_socket(self.uplink, LAB_DNS)
+            pids = [p.pid for p in procs]
+            before, t0, host_before = cpu_ticks(pids), time.monotonic(), host_ticks()
+            load, wall = dns_load(socks, a.qps, a.seconds, a.miss_share, self.fresh, direct)
+            after, dt = cpu_ticks(pids), time.monotonic() - t0
+            busy, total = (b - a for a, b in zip(host_before, host_ticks(), strict=True))
+            cpu = cpu_percent(before, after, pids, dt)
+            host_busy = 100 * busy / total if total else 0.0
+            return Peer(len(socks), load, load.answered / wall, cpu, host_busy)
+        finally:
+            for sock in socks:
+                sock.close()
+            if direct is not None:
+                direct.close()
+            for p in procs:  # ours, by their PIDs
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
     def create_steps(self) -> dict[str, float]:
         """Median ms of each create step egressd timed, over this step's sequential creates."""
         timed = [box.get("create_ms") or {} for box in self.boxes[self.grown_from :]]
@@ -677,6 +739,21 @@ def _quietly(fn: Any, *args: Any) -> None:
         fn(*args)
     except DaemonError as exc:
         print(f"  (cleanup: {exc})", file=sys.stderr)
+
+
+def _until_answered(sock: socket.socket, proc: subprocess.Popen[bytes], log: Path, i: int) -> None:
+    """Until the dnsmasq behind ``sock`` (in sandbox #``i``) answers (10 s), or say why
+    it did not."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if ask(sock, HITS[0]) is not None:
+                return
+        except OSError:  # refused: not listening yet
+            time.sleep(0.05)
+    said = log.read_text().strip() if log.exists() else ""
+    how = "exited" if proc.poll() is not None else "did not answer within 10 s"
+    raise RuntimeError(f"dnsmasq in sandbox #{i} {how}" + (f": {said[-400:]}" if said else ""))
 
 
 def show_header(args: argparse.Namespace) -> None:
@@ -757,35 +834,57 @@ def _num(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def show_targets(step: Step) -> None:
+def show_targets(step: Step, peer: Peer | None) -> None:
     """Issue 17's targets for egressd, against the last step (they are set at 1,000
-    sandboxes and 5,000 qps in all)."""
+    sandboxes and 5,000 qps in all), and dnsmasq's where it has the same figure (the
+    peer's, unless --no-dnsmasq)."""
     own, kids, _ = step.rss
     ld = step.load
+    pl = peer.load if peer is not None else None
     rows = [
-        ("RSS, egressd and workers", "<= 400 MB", f"{own + kids:.0f} MB", own + kids <= 400),
+        ("RSS, egressd and workers", "<= 400 MB", f"{own + kids:.0f} MB", own + kids <= 400, ""),
         ("create p50", "<= 25 ms", f"{statistics.median(step.create_ms):.1f} ms"
          if step.create_ms else "-", bool(step.create_ms)
-         and statistics.median(step.create_ms) <= 25),
+         and statistics.median(step.create_ms) <= 25, ""),
         ("cache hits p99", "<= 1 ms", f"{pct(ld.hit_ms, 0.99):.2f} ms",
-         pct(ld.hit_ms, 0.99) <= 1),
+         pct(ld.hit_ms, 0.99) <= 1, f"{pct(pl.hit_ms, 0.99):.2f} ms" if pl else ""),
         ("cache misses p99", "<= 3 ms", f"{pct(ld.miss_ms, 0.99):.2f} ms",
-         pct(ld.miss_ms, 0.99) <= 3),
-        ("lost", "0", str(ld.lost), ld.lost == 0),
+         pct(ld.miss_ms, 0.99) <= 3, f"{pct(pl.miss_ms, 0.99):.2f} ms" if pl else ""),
+        ("lost", "0", str(ld.lost), ld.lost == 0, str(pl.lost) if pl else ""),
     ]  # fmt: skip
     if step.observer_cpu is not None:
         rows.append(("observer layer CPU", "< 100% (one core)", f"{step.observer_cpu:.0f}%",
-                     step.observer_cpu < 100))  # fmt: skip
+                     step.observer_cpu < 100, ""))  # fmt: skip
     if step.freeze_ms:
         p99 = pct(step.freeze_ms, 0.99)
         rows.append((f"freeze p99 under load (n={len(step.freeze_ms)})", "<= 5 ms",
-                     f"{p99:.2f} ms", p99 <= 5))  # fmt: skip
+                     f"{p99:.2f} ms", p99 <= 5, ""))  # fmt: skip
     print(f"targets (issue 17: 1,000 sandboxes, 5,000 qps; measured at {step.n} sandboxes, "
           f"{step.qps:.0f} qps):")  # fmt: skip
-    for what, target, got, met in rows:
-        print(f"  {what:<26} target {target:<18} measured {got:<10} {'MET' if met else 'not met'}")
+    for what, target, got, met, theirs in rows:
+        beside = f"   dnsmasq x{peer.n}: {theirs}" if peer is not None and theirs else ""
+        print(f"  {what:<26} target {target:<18} measured {got:<10} "
+              f"{'MET' if met else 'not met':<8}{beside}")  # fmt: skip
+        if theirs and peer is not None:
+            theirs = f"{theirs} (one dnsmasq in each sandbox, {peer.qps:,.0f} qps)"
         figures.record("bench_egressd", f"egressd at {step.n} sandboxes, {step.qps:,.0f} qps: "
-                       f"{what}", got, target, met)  # fmt: skip
+                       f"{what}", got, target, met, theirs)  # fmt: skip
+
+
+def show_peer(peer: Peer) -> None:
+    ld = peer.load
+
+    def pair(xs: list[float]) -> str:
+        return f"{pct(xs, 0.5):.2f}/{pct(xs, 0.99):.2f}"
+
+    print(f"      dnsmasq --nftset in each of the {peer.n} sandboxes instead ({PEER[0]}; "
+          f"egressd idle beside it), the same load: hit p50/p99 {pair(ld.hit_ms)} ms, miss "
+          f"{pair(ld.miss_ms)} ms, direct {pair(ld.direct_ms)} ms, {peer.qps:,.0f} qps, lost "
+          f"{ld.lost}, bad {ld.bad}; dnsmasq {peer.cpu:.0f}% of a CPU, host busy "
+          f"{peer.host_busy:.0f}%")  # fmt: skip
+    if any(ld.stamped.values()):
+        parts = ", ".join(f"{k} {pair(v)}" for k, v in ld.stamped.items())
+        print(f"        to each answer's arrival (kernel timestamp), p50/p99 ms: {parts}")
 
 
 def show_frozen_idle(
@@ -827,6 +926,13 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  stopped growing at {len(bench.boxes)} sandboxes: {bench.failed}")
                 print(f"  egressd stderr (tail): {daemon.stderr()[-600:].strip()!r}")
                 break
+        peer = None
+        if step is not None and args.dnsmasq and not bench.failed:
+            try:
+                peer = bench.dnsmasq_peer(workdir)
+                show_peer(peer)
+            except (EgressError, OSError, RuntimeError) as exc:  # the targets still print
+                print(f"      dnsmasq in each sandbox: could not measure: {exc}")
         if step is not None and args.frozen_idle and not bench.failed:
             try:
                 show_frozen_idle(len(bench.boxes), *bench.frozen_idle(
@@ -834,7 +940,7 @@ def run(args: argparse.Namespace) -> None:
             except (EgressError, OSError) as exc:  # the targets below still print
                 print(f"no DNS load, sandboxes frozen: could not measure: {exc}")
         if step is not None:
-            show_targets(step)
+            show_targets(step, peer)
     except KeyboardInterrupt:
         print("\ninterrupted; cleaning up", file=sys.stderr)
     finally:
@@ -885,6 +991,9 @@ def main() -> int:
     ap.add_argument("--scrape", type=float, default=0.0, metavar="SECONDS",
                     help="GET /metrics every SECONDS during each load, as a scraper would "
                          "(default 0: none)")  # fmt: skip
+    ap.add_argument("--no-dnsmasq", dest="dnsmasq", action="store_false",
+                    help="leave out dnsmasq --nftset in each sandbox under the last step's "
+                         "load (default: measured, for the targets' dnsmasq figures)")  # fmt: skip
     ap.add_argument("--no-observer", dest="observer", action="store_false",
                     help="egressd alone, without `egressd observer` (default: both layers, "
                          "as deployed)")  # fmt: skip
