@@ -59,13 +59,18 @@ class Batch:
     def _add(self, kind: int, flags: int, body: bytes, what: str) -> None:
         self.steps.append((kind, flags, body, what))
 
-    def veth(self, ifname: str, peer: str, peer_netns_fd: int) -> None:
-        """A veth pair: ``ifname`` here, ``peer`` in the netns of that fd."""
-        peer_msg = _IFINFO.pack(0, 0, 0, 0, 0) + _name(peer)
+    def veth(
+        self, ifname: str, peer: str, peer_netns_fd: int, macs: tuple[bytes, bytes] | None = None
+    ) -> None:
+        """A veth pair: ``ifname`` here, ``peer`` in the netns of that fd; ``macs``: their
+        hardware addresses (else the kernel picks random ones, which udev's
+        MACAddressPolicy=persistent may replace a moment later in the host netns)."""
+        mac, peer_mac = (attr(IFLA_ADDRESS, m) for m in macs) if macs else (b"", b"")
+        peer_msg = _IFINFO.pack(0, 0, 0, 0, 0) + _name(peer) + peer_mac
         peer_msg += attr(IFLA_NET_NS_FD, struct.pack("=I", peer_netns_fd))
         data = attr(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer_msg))
         info = attr(IFLA_LINKINFO, attr(IFLA_INFO_KIND, b"veth\0") + data)
-        body = _IFINFO.pack(0, 0, 0, 0, 0) + _name(ifname) + info
+        body = _IFINFO.pack(0, 0, 0, 0, 0) + _name(ifname) + mac + info
         self._add(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body, f"create veth {ifname}/{peer}")
 
     def up(self, index: int, what: str) -> None:
@@ -100,7 +105,7 @@ class Batch:
         (made, or put in place of a learned one), so no ARP or neighbour discovery
         runs for it. The kernel keeps one neighbour table per family for every netns,
         and past ``gc_thresh3`` entries (1,024 by default) it learns no new one; a
-        permanent entry is not counted against that bound."""
+        permanent entry is not counted against that bound (Linux 5.0 and later)."""
         ip = ipaddress.ip_address(address)
         family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
         body = _NDMSG.pack(family, index, NUD_PERMANENT, 0, 0)

@@ -172,7 +172,9 @@ def _build(
         veth = rtnl.Batch()
         fd = os.open(netns.netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            veth.veth(host_if, c.SANDBOX_IF, fd)
+            # Set, not left to the kernel: each end's neighbour entries name the other's,
+            # and udev would replace a random one in the host netns after we read it.
+            veth.veth(host_if, c.SANDBOX_IF, fd, (_local_mac(), _local_mac()))
             outside.run(veth)
         finally:
             os.close(fd)
@@ -231,6 +233,13 @@ def pin_neighbours(net: SandboxNet, name: str, host_if: str, uplink: str | None)
         inside.run(sandbox)
 
 
+def _local_mac() -> bytes:
+    """A random unicast, locally administered MAC address."""
+    mac = bytearray(secrets.token_bytes(6))
+    mac[0] = mac[0] & 0xFC | 0x02
+    return bytes(mac)
+
+
 def _pin(
     batch: rtnl.Batch, index: int, ifname: str, peers: tuple[IPAddress, ...], mac: bytes
 ) -> None:
@@ -239,7 +248,8 @@ def _pin(
     kernel's one table for every netns, whose default bound (gc_thresh3) is 1,024: past
     ~500 sandboxes it learned no more, and the rest could send nothing past their veth
     (tests/privileged/test_daemon_scale.py, 1,000 sandboxes). A permanent entry is not
-    counted against it, needs no host sysctl raised, and goes with the veth."""
+    counted against it (Linux 5.0 and later), needs no host sysctl raised, and goes with
+    the veth."""
     for peer in peers:
         batch.neighbour(index, ifname, str(peer), mac)
 

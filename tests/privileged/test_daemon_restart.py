@@ -239,7 +239,8 @@ def test_a_sandbox_made_before_pinned_neighbours_gets_them_when_adopted(
     to learn the other's addresses by ARP and neighbour discovery: two entries a sandbox
     in the kernel's one table for every netns, whose default bound is 1,024 (past ~500
     such sandboxes the rest reached nothing: test_daemon_scale's 1,000). The adopter
-    pins them, and the sandbox still reaches what its policy allows through them."""
+    pins them, in place of what was learned, and the sandbox still reaches what its
+    policy allows through them. A sandbox made now has both ends' MACs set by egress."""
     made = daemon.create(CHECKED, lab.uplink_netns)
     ns, host_if, uplink = made["netns"], f"eg-{made['id']}", lab.uplink_netns
     inside = {(a, link_mac(uplink, host_if)) for a in sandbox_gateways(ns)}
@@ -247,12 +248,17 @@ def test_a_sandbox_made_before_pinned_neighbours_gets_them_when_adopted(
     assert len(inside) == len(outside) == 2  # v4 and v6 each
     assert permanent_neighbours(ns, "eth0") == inside
     assert permanent_neighbours(uplink, host_if) == outside
-    # As such an egress left it: nothing pinned.
-    subprocess.run(
-        ["ip", "-n", ns, "neigh", "flush", "dev", "eth0", "nud", "permanent"], check=True
-    )
-    subprocess.run(["ip", "-n", uplink, "neigh", "flush", "dev", host_if, "nud", "permanent"],
-                   check=True)  # fmt: skip
+    for where, dev in ((ns, "eth0"), (uplink, host_if)):  # set by egress: udev leaves them
+        path = f"/sys/class/net/{dev}/addr_assign_type"
+        kind = subprocess.run(["ip", "netns", "exec", where, "cat", path],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert kind.strip() == "3", (dev, kind)  # NET_ADDR_SET
+    # As such an egress left it: learned entries, not pinned (here with a MAC gone stale,
+    # which the adopter must put right, not keep).
+    for where, dev, pinned in ((ns, "eth0", inside), (uplink, host_if, outside)):
+        for address, _ in pinned:
+            stale = ["lladdr", "02:00:00:00:00:01", "dev", dev, "nud", "stale"]
+            subprocess.run(["ip", "-n", where, "neigh", "replace", address, *stale], check=True)
     assert permanent_neighbours(ns, "eth0") == permanent_neighbours(uplink, host_if) == set()
     old = replace(daemon)
     assert old.wait(timeout=10) == 0

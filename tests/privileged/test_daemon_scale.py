@@ -354,6 +354,12 @@ def test_a_thousand_sandboxes_resolve_only_their_own_names_and_one_frozen_stops_
                 assert http_get(box["netns"], own[i][1], f"/node{i}") == 200, i
             reached = {r["path"] for r in lab.requests()}
             assert {f"/node{i}" for i in range(NODE)} <= reached
+            # Each one's addresses (v4, v6) pinned in the uplink, not learned: on a host
+            # whose bound is raised, the requests above pass either way.
+            argv = ["ip", "-j", "-n", lab.uplink_netns, "neigh", "show", "nud", "permanent"]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            pinned = {(n["dev"], n["dst"]) for n in json.loads(out or "[]")}
+            assert len({p for p in pinned if p[0].startswith("eg-")}) == 2 * NODE
             print(f"{NODE} sandboxes reached their own address, {time.monotonic() - start:.1f} s")
             cgroup = Cgroup.attach_existing(boxes[0]["cgroup"], boxes[0]["freezer"])
             worker = Worker(boxes[0]["netns"], cgroup)

@@ -119,28 +119,38 @@ def test_a_taken_name_refuses_the_veth(two: tuple[str, str]) -> None:
 def test_a_pinned_neighbour_is_permanent_at_the_address_link_reads(
     two: tuple[str, str],
 ) -> None:
-    """``neighbour`` makes (or replaces) a permanent entry, which the kernel does not count
-    against its neighbour table's bound; ``link`` reads the MAC it is pinned to."""
+    """A veth made with its MACs has them, set (not random: udev leaves a set address
+    alone); ``link`` reads them; ``neighbour`` makes a permanent entry, and made again
+    with another MAC puts it in place of the first."""
     outer, inner = two
     host, peer = ifname("h"), ifname("p")
-    veth(outer, inner, host, peer)
+    mac, pmac = bytes.fromhex("02aabbccdd01"), bytes.fromhex("02aabbccdd02")
+    fd = os.open(netns.netns_path(inner), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        made = rtnl.Batch()
+        made.veth(host, peer, fd, (mac, pmac))
+        with rtnl.opened(outer) as r:
+            r.run(made)
+    finally:
+        os.close(fd)
+    for ns, dev in ((outer, host), (inner, peer)):
+        argv = ["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/addr_assign_type"]
+        kind = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        assert kind.strip() == "3", (dev, kind)  # NET_ADDR_SET
     with rtnl.opened(outer) as out, rtnl.opened(inner) as ins:
-        index, mac = out.link(host)
-        pindex, pmac = ins.link(peer)
+        index, got = out.link(host)
+        pindex, pgot = ins.link(peer)
+        assert (got, pgot) == (mac, pmac)
         assert (index, pindex) == (out.index(host), ins.index(peer))
-        [shown] = ip(inner, "link", "show", peer)
-        assert pmac.hex(":") == shown["address"] and len(pmac) == 6 and pmac != mac
         b = rtnl.Batch()
         b.address(index, host, "10.79.0.1/30")
         b.up(index, host)
         for address in ("10.79.0.2", "fd00:79::2"):
-            b.neighbour(index, host, address, pmac)
-        b.neighbour(index, host, "10.79.0.2", pmac)  # again: replaced, not refused
+            b.neighbour(index, host, address, bytes.fromhex("020000000001"))
+            b.neighbour(index, host, address, pmac)  # replaces the first
         out.run(b)
-    entries = {
-        (n["dst"], n.get("lladdr"), tuple(n["state"]))
-        for n in ip(outer, "neigh", "show", "dev", host)
-    }  # type: ignore[arg-type]
+    entries = {(n["dst"], n.get("lladdr"), tuple(n["state"]))  # type: ignore[arg-type]
+               for n in ip(outer, "neigh", "show", "dev", host)}  # fmt: skip
     assert entries == {
         ("10.79.0.2", pmac.hex(":"), ("PERMANENT",)),
         ("fd00:79::2", pmac.hex(":"), ("PERMANENT",)),
