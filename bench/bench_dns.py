@@ -260,7 +260,7 @@ insert rule inet egress output ip daddr 198.51.100.53 meta l4proto { tcp, udp } 
 """
 
 
-def dnsmasq_argv(netns: str, log: Path, listen: str = RESOLVER) -> list[str]:
+def dnsmasq_argv(netns: str, log: Path, listen: str = RESOLVER, cache: int = 10000) -> list[str]:
     """dnsmasq on ``listen`` in the sandbox netns, forwarding to the lab DNS, writing the
     answers' addresses into timeout sets of the same ``inet egress`` table (dnsmasq cannot
     write ``ip . proto . port`` elements, so the sets hold addresses only: DNSMASQ_SETS,
@@ -268,7 +268,7 @@ def dnsmasq_argv(netns: str, log: Path, listen: str = RESOLVER) -> list[str]:
     return ["ip", "netns", "exec", netns, "dnsmasq", "--keep-in-foreground",
             "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--no-poll",
             f"--listen-address={listen}", "--bind-interfaces", "--port=53",
-            f"--server={LAB_DNS}", "--cache-size=10000", "--dns-forward-max=1000",
+            f"--server={LAB_DNS}", f"--cache-size={cache}", "--dns-forward-max=1000",
             "--nftset=/lab.test/4#inet#egress#dm4,6#inet#egress#dm6",
             "--user=root", "--pid-file=", f"--log-facility={log}"]  # fmt: skip
 

@@ -40,7 +40,7 @@ grows the number of sandboxes it serves, through the API, to each of --steps (de
 - under the row, the median of each create step egressd timed (the sandbox JSON's
   create_ms) over that step's sequential creates.
 
-After the last step, the same load on dnsmasq 2.90 ``--nftset`` instead, one in each
+After the last step, the same load on dnsmasq ``--nftset`` instead, one in each
 sandbox (on 127.0.0.54, beside egressd's resolver, which idles meanwhile; it writes its
 answers' addresses into sets of the sandbox's table): the same machine, sandboxes and
 client with a C resolver in egressd's place, for the targets' dnsmasq figures
@@ -64,6 +64,8 @@ import heapq
 import itertools
 import os
 import random
+import re
+import resource
 import secrets
 import select
 import shlex
@@ -457,6 +459,8 @@ class Peer:
     qps: float
     cpu: float  # percent of one CPU, all its processes
     host_busy: float
+    pss: float  # MB, all its processes, after the load
+    version: str  # "dnsmasq 2.90", from dnsmasq --version
 
 
 class Bench:
@@ -646,11 +650,15 @@ class Bench:
         return frozen, base, busy
 
     def dnsmasq_peer(self, workdir: Path) -> Peer:
-        """The same DNS load (no freezes, no scrapes) on dnsmasq 2.90 ``--nftset``, one in
-        each sandbox (on PEER, beside egressd's resolver, which idles meanwhile, as does
-        the observer layer: its copy rule names egressd's address), writing its answers'
-        addresses into sets of the sandbox's table (bench_dns.DNSMASQ_SETS): the same
-        machine, sandboxes and client with a C resolver in egressd's place."""
+        """The same DNS load on dnsmasq ``--nftset``, one in each sandbox (on PEER, beside
+        egressd's resolver, which idles meanwhile, as does the observer layer: its copy
+        rule names egressd's address), writing its answers' addresses into sets of the
+        sandbox's table (bench_dns.DNSMASQ_SETS): the same machine, sandboxes and client
+        with a C resolver in egressd's place. Not the same in all: no freezes or scrapes
+        during it (dnsmasq has neither), and its questions upstream leave from the
+        sandbox (its veth, the uplink's forwarding and NAT), egressd's from the uplink
+        netns. DNSMASQ_SETS (two sets, and a rule that lets the sandbox reach the lab's
+        DNS) stays until the sandboxes are deleted at the end; nothing runs in them."""
         a = self.args
         procs: list[subprocess.Popen[bytes]] = []
         socks: list[socket.socket] = []
@@ -659,7 +667,9 @@ class Bench:
             for i, box in enumerate(self.boxes):
                 with NftHandle.open(box["netns"]) as nft:
                     nft.load(bench_dns.DNSMASQ_SETS)
-                argv = bench_dns.dnsmasq_argv(box["netns"], workdir / f"dnsmasq-{i}.log", PEER[0])
+                log = workdir / f"dnsmasq-{i}.log"
+                # A cache for one sandbox's names (its default, 150, would do as well).
+                argv = bench_dns.dnsmasq_argv(box["netns"], log, PEER[0], cache=1000)
                 procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.DEVNULL))  # fmt: skip
             socks = [resolver_socket(box["netns"], PEER) for box in self.boxes]
@@ -674,7 +684,10 @@ class Bench:
             busy, total = (b - a for a, b in zip(host_before, host_ticks(), strict=True))
             cpu = cpu_percent(before, after, pids, dt)
             host_busy = 100 * busy / total if total else 0.0
-            return Peer(len(socks), load, load.answered / wall, cpu, host_busy)
+            said = subprocess.run(["dnsmasq", "--version"], capture_output=True, text=True)
+            found = re.search(r"version (\S+)", said.stdout)
+            version = f"dnsmasq {found.group(1) if found else '(version unknown)'}"
+            return Peer(len(socks), load, load.answered / wall, cpu, host_busy, pss(pids), version)
         finally:
             for sock in socks:
                 sock.close()
@@ -842,7 +855,8 @@ def show_targets(step: Step, peer: Peer | None) -> None:
     ld = step.load
     pl = peer.load if peer is not None else None
     rows = [
-        ("RSS, egressd and workers", "<= 400 MB", f"{own + kids:.0f} MB", own + kids <= 400, ""),
+        ("RSS, egressd and workers", "<= 400 MB", f"{own + kids:.0f} MB", own + kids <= 400,
+         f"PSS {peer.pss:.0f} MB" if peer else ""),
         ("create p50", "<= 25 ms", f"{statistics.median(step.create_ms):.1f} ms"
          if step.create_ms else "-", bool(step.create_ms)
          and statistics.median(step.create_ms) <= 25, ""),
@@ -866,7 +880,7 @@ def show_targets(step: Step, peer: Peer | None) -> None:
         print(f"  {what:<26} target {target:<18} measured {got:<10} "
               f"{'MET' if met else 'not met':<8}{beside}")  # fmt: skip
         if theirs and peer is not None:
-            theirs = f"{theirs} (one dnsmasq in each sandbox, {peer.qps:,.0f} qps)"
+            theirs = f"{theirs} (one dnsmasq in each sandbox, {peer.qps:,.0f} qps, no freezes)"
         figures.record("bench_egressd", f"egressd at {step.n} sandboxes, {step.qps:,.0f} qps: "
                        f"{what}", got, target, met, theirs)  # fmt: skip
 
@@ -877,11 +891,12 @@ def show_peer(peer: Peer) -> None:
     def pair(xs: list[float]) -> str:
         return f"{pct(xs, 0.5):.2f}/{pct(xs, 0.99):.2f}"
 
-    print(f"      dnsmasq --nftset in each of the {peer.n} sandboxes instead ({PEER[0]}; "
-          f"egressd idle beside it), the same load: hit p50/p99 {pair(ld.hit_ms)} ms, miss "
+    print(f"      {peer.version} --nftset in each of the {peer.n} sandboxes instead "
+          f"({PEER[0]}; egressd idle beside it; no freezes; its questions upstream leave "
+          f"from the sandbox), the same load: hit p50/p99 {pair(ld.hit_ms)} ms, miss "
           f"{pair(ld.miss_ms)} ms, direct {pair(ld.direct_ms)} ms, {peer.qps:,.0f} qps, lost "
-          f"{ld.lost}, bad {ld.bad}; dnsmasq {peer.cpu:.0f}% of a CPU, host busy "
-          f"{peer.host_busy:.0f}%")  # fmt: skip
+          f"{ld.lost}, bad {ld.bad}; dnsmasq {peer.cpu:.0f}% of a CPU, PSS {peer.pss:.0f} MB; "
+          f"host busy {peer.host_busy:.0f}%")  # fmt: skip
     if any(ld.stamped.values()):
         parts = ", ".join(f"{k} {pair(v)}" for k, v in ld.stamped.items())
         print(f"        to each answer's arrival (kernel timestamp), p50/p99 ms: {parts}")
@@ -1002,6 +1017,9 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench_egressd: needs root (it creates network namespaces); skipped")
         return 0
+    # Two sockets a sandbox here (egressd's resolver's, dnsmasq's): past 1,024 at 1,000.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     run(args)
     return 0
 
