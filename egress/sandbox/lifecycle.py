@@ -26,7 +26,7 @@ from egress.kernel import netns, rtnl
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
-from egress.model import IPAddress, Policy
+from egress.model import Policy
 from egress.sandbox import uplink as uplink_mod
 from egress.sandbox import view
 from egress.store import claims, uids
@@ -201,22 +201,21 @@ def _build(
 def _addresses(
     net: SandboxNet, name: str, host_if: str, outside: rtnl.Rtnl, inside: rtnl.Rtnl
 ) -> None:
-    host_index, host_mac = outside.link(host_if)
-    index, mac = inside.link(c.SANDBOX_IF)
-    host = rtnl.Batch()
+    host_link = outside.link(host_if)
+    link = inside.link(c.SANDBOX_IF)
+    host_index, index = host_link[0], link[0]
+    host, sandbox = rtnl.Batch(), rtnl.Batch()
     host.address(host_index, host_if, f"{net.gateway4}/{net.net4.prefixlen}")
     host.address(host_index, host_if, f"{net.gateway6}/{net.net6.prefixlen}")
     host.up(host_index, host_if)
-    _pin(host, host_index, host_if, (net.address4, net.address6), mac)
-    outside.run(host)
-    sandbox = rtnl.Batch()
     sandbox.up(rtnl.LOOPBACK_INDEX, "lo")
     sandbox.address(index, c.SANDBOX_IF, f"{net.address4}/{net.net4.prefixlen}")
     sandbox.address(index, c.SANDBOX_IF, f"{net.address6}/{net.net6.prefixlen}")
     sandbox.up(index, c.SANDBOX_IF)
     sandbox.default_route(str(net.gateway4), index)
     sandbox.default_route(str(net.gateway6), index)
-    _pin(sandbox, index, c.SANDBOX_IF, (net.gateway4, net.gateway6), host_mac)
+    _pin(net, host_if, host, host_link, sandbox, link)
+    outside.run(host)
     inside.run(sandbox)
 
 
@@ -224,11 +223,8 @@ def pin_neighbours(net: SandboxNet, name: str, host_if: str, uplink: str | None)
     """What ``create`` pins (``_pin``), for a sandbox an egress before it made: each end
     of its veth knows the other's addresses without asking."""
     with rtnl.opened(uplink) as outside, rtnl.opened(name) as inside:
-        host_index, host_mac = outside.link(host_if)
-        index, mac = inside.link(c.SANDBOX_IF)
         host, sandbox = rtnl.Batch(), rtnl.Batch()
-        _pin(host, host_index, host_if, (net.address4, net.address6), mac)
-        _pin(sandbox, index, c.SANDBOX_IF, (net.gateway4, net.gateway6), host_mac)
+        _pin(net, host_if, host, outside.link(host_if), sandbox, inside.link(c.SANDBOX_IF))
         outside.run(host)
         inside.run(sandbox)
 
@@ -241,17 +237,24 @@ def _local_mac() -> bytes:
 
 
 def _pin(
-    batch: rtnl.Batch, index: int, ifname: str, peers: tuple[IPAddress, ...], mac: bytes
+    net: SandboxNet,
+    host_if: str,
+    host: rtnl.Batch,
+    host_link: tuple[int, bytes],
+    sandbox: rtnl.Batch,
+    link: tuple[int, bytes],
 ) -> None:
-    """The veth's other end's addresses at its MAC, as permanent neighbour entries. Learned
-    by ARP and neighbour discovery instead, they took two entries a sandbox in the
-    kernel's one table for every netns, whose default bound (gc_thresh3) is 1,024: past
-    ~500 sandboxes it learned no more, and the rest could send nothing past their veth
-    (tests/privileged/test_daemon_scale.py, 1,000 sandboxes). A permanent entry is not
-    counted against it (Linux 5.0 and later), needs no host sysctl raised, and goes with
-    the veth."""
-    for peer in peers:
-        batch.neighbour(index, ifname, str(peer), mac)
+    """Each end of the veth (its ifindex and MAC) holds the other end's addresses as
+    permanent neighbour entries. Learned by ARP and neighbour discovery instead, they
+    took two entries a sandbox in the kernel's one table for every netns, whose default
+    bound (gc_thresh3) is 1,024: past ~500 sandboxes it learned no more, and the rest
+    could send nothing past their veth (tests/privileged/test_daemon_scale.py, 1,000
+    sandboxes). A permanent entry is not counted against it (Linux 5.0 and later), needs
+    no host sysctl raised, and goes with the veth."""
+    for address in (net.address4, net.address6):
+        host.neighbour(host_link[0], host_if, str(address), link[1])
+    for address in (net.gateway4, net.gateway6):
+        sandbox.neighbour(link[0], c.SANDBOX_IF, str(address), host_link[1])
 
 
 def _remove_cgroup(cgroup: Cgroup) -> None:
