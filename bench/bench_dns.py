@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 POLICY = """
 apiVersion: egress/v1
@@ -275,23 +276,37 @@ def dnsmasq_argv(netns: str, log: Path, listen: str = RESOLVER, cache: int = 100
 
 def start_dnsmasq(netns: str, workdir: Path) -> Child:
     """dnsmasq on 127.0.0.53 in the sandbox netns (``dnsmasq_argv``), once it answers."""
-    child = Child(dnsmasq_argv(netns, workdir / "dnsmasq.log"))
+    log = workdir / "dnsmasq.log"
+    child = Child(dnsmasq_argv(netns, log))
+    try:
+        await_dnsmasq(child.proc, netns, RESOLVER, log)
+    except RuntimeError:
+        child.stop()
+        raise
+    return child
+
+
+def await_dnsmasq(
+    proc: subprocess.Popen[Any], netns: str, listen: str, log: Path, where: str = ""
+) -> None:
+    """Until the dnsmasq ``proc`` answers on ``listen`` in ``netns`` (10 s), or say why it
+    did not (``where``: which one, for the message)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if child.proc.poll() is not None:
-            raise RuntimeError(f"dnsmasq exited: {(workdir / 'dnsmasq.log').read_text()}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"dnsmasq{where} exited: {log.read_text() if log.exists() else ''}")
         try:
             s = udp_socket(netns)
             s.settimeout(0.2)
             try:
-                ask(s, RESOLVER, "allowed.lab.test")
-                return child
+                ask(s, listen, "allowed.lab.test")
+                return
             finally:
                 s.close()
         except OSError:
             time.sleep(0.05)
-    child.stop()
-    raise RuntimeError("dnsmasq did not answer within 10 s")
+    said = log.read_text().strip()[-400:] if log.exists() else ""
+    raise RuntimeError(f"dnsmasq{where} did not answer within 10 s" + (f": {said}" if said else ""))
 
 
 # -- orchestration -------------------------------------------------------------------------

@@ -673,8 +673,9 @@ class Bench:
                 procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.DEVNULL))  # fmt: skip
             socks = [resolver_socket(box["netns"], PEER) for box in self.boxes]
-            for i, sock in enumerate(socks):
-                _until_answered(sock, procs[i], workdir / f"dnsmasq-{i}.log", i)
+            for i, (box, proc) in enumerate(zip(self.boxes, procs, strict=True)):
+                log = workdir / f"dnsmasq-{i}.log"
+                bench_dns.await_dnsmasq(proc, box["netns"], PEER[0], log, f" in sandbox #{i}")
             prime(socks)
             direct = resolver_socket(self.uplink, LAB_DNS)
             pids = [p.pid for p in procs]
@@ -752,21 +753,6 @@ def _quietly(fn: Any, *args: Any) -> None:
         fn(*args)
     except DaemonError as exc:
         print(f"  (cleanup: {exc})", file=sys.stderr)
-
-
-def _until_answered(sock: socket.socket, proc: subprocess.Popen[bytes], log: Path, i: int) -> None:
-    """Until the dnsmasq behind ``sock`` (in sandbox #``i``) answers (10 s), or say why
-    it did not."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if ask(sock, HITS[0]) is not None:
-                return
-        except OSError:  # refused: not listening yet
-            time.sleep(0.05)
-    said = log.read_text().strip() if log.exists() else ""
-    how = "exited" if proc.poll() is not None else "did not answer within 10 s"
-    raise RuntimeError(f"dnsmasq in sandbox #{i} {how}" + (f": {said[-400:]}" if said else ""))
 
 
 def show_header(args: argparse.Namespace) -> None:
