@@ -23,7 +23,7 @@ from egress.errors import DaemonError
 from egress.kernel.cgroup import Cgroup
 from egress.lab import Lab
 from egress.store.journal import Journal
-from tests.support import ROOT
+from tests.support import NOBODY, ROOT, SYSTEM_PYTHON
 from tests.support.dnsperf import dnsperf, figures
 from tests.support.egressd import Egressd, egressd
 from tests.support.probes import dig, wait_until
@@ -239,7 +239,7 @@ def test_a_sandbox_made_before_pinned_neighbours_gets_them_when_adopted(
     to learn the other's addresses by ARP and neighbour discovery: two entries a sandbox
     in the kernel's one table for every netns, whose default bound is 1,024 (past ~500
     such sandboxes the rest reached nothing: test_daemon_scale's 1,000). The adopter
-    pins them, in place of what was learned, and the sandbox still reaches what its
+    pins them, in place of what was learned, and the workload still reaches what its
     policy allows through them. A sandbox made now has both ends' MACs set by egress."""
     made = daemon.create(CHECKED, lab.uplink_netns)
     ns, host_if, uplink = made["netns"], f"eg-{made['id']}", lab.uplink_netns
@@ -264,9 +264,24 @@ def test_a_sandbox_made_before_pinned_neighbours_gets_them_when_adopted(
     assert old.wait(timeout=10) == 0
     assert permanent_neighbours(ns, "eth0") == inside, daemon.stderr()
     assert permanent_neighbours(uplink, host_if) == outside, daemon.stderr()
+    # The workload's own request, as nobody inside the sandbox: through the pins, and
+    # what reached the lab's web server.
     lab.clear_requests()
-    assert curl(ns, "http://allowed.lab.test/pinned") == (0, "lab 203.0.113.10:80\n")
+    argv = [sys.executable, "-m", "egress.cli.main", "sandbox", "exec", "--daemon",
+            daemon.socket, "--user", str(NOBODY), made["id"], "--", SYSTEM_PYTHON, "-c",
+            FETCH, "allowed.lab.test", "/pinned"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "lab 203.0.113.10:80\n"), done.stderr
     assert [r["path"] for r in lab.requests()] == ["/pinned"]
+
+
+FETCH = """
+import socket, sys
+host, path = sys.argv[1], sys.argv[2]
+s = socket.create_connection((host, 80), timeout=5)
+s.sendall(f"GET {path} HTTP/1.0\\r\\nHost: {host}\\r\\n\\r\\n".encode())
+print(s.makefile("rb").read().decode().splitlines()[-1])
+"""
 
 
 def sandbox_addresses(netns: str) -> list[str]:
