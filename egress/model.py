@@ -69,6 +69,9 @@ class ViolationClass(enum.Enum):
     # A checked TCP flow's first bytes (TLS SNI, HTTP Host) named no name that put its
     # address into this sandbox's sets, or could not be read (resolver.flows).
     NAME_MISMATCH = "name_mismatch"
+    # A packet from an address that is not the sandbox's own (an IPv6 socket may bind any):
+    # always dropped, in audit mode too; the action says whether it freezes.
+    SPOOFED_SOURCE = "spoofed_source"
 
 
 DEFAULT_ACTIONS: dict[ViolationClass, Action] = {
@@ -80,6 +83,7 @@ DEFAULT_ACTIONS: dict[ViolationClass, Action] = {
     ViolationClass.REBINDING: Action.BLOCK,
     ViolationClass.LAYER_LOSS: Action.FREEZE,
     ViolationClass.NAME_MISMATCH: Action.FREEZE,
+    ViolationClass.SPOOFED_SOURCE: Action.FREEZE,
 }
 
 

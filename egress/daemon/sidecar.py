@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import IO
 
 from egress.datapath import constants as c
-from egress.datapath.render import FIRST_BYTES_DECLARATION, Sidecar, queue_rule, render_sandbox
+from egress.datapath.render import Sidecar, queue_rule, reload_rules, render_sandbox
 from egress.errors import DatapathError, EgressError, SandboxError, UpstreamError
 from egress.inline import wiring
-from egress.inline.swap import CHAINS
 from egress.inline.upstream import parse_upstream, resolve_upstreams, set_mark
 from egress.kernel import netns
 from egress.kernel import queue_rule as queue_rules
@@ -309,7 +308,8 @@ KEPT = "replaced, learned addresses kept (same policy)"  # what _enforce says of
 def _enforce(nft: NftHandle, cfg: Config) -> str:
     """Load the ruleset, or replace a previous sidecar's in one transaction; says which."""
     template = read_template("sandbox.nft")
-    text = render_sandbox(template, cfg.policy, Sidecar(tuple(cfg.upstreams), os.geteuid()))
+    sidecar = Sidecar(tuple(cfg.upstreams), os.geteuid())
+    text = render_sandbox(template, cfg.policy, sidecar)
     digest = hashlib.sha256(cfg.policy_bytes + b"\0" + template.encode()).hexdigest()
     marker = f"add counter inet {c.TABLE} sidecar_{digest[:16]}\n"
     if cfg.policy.connect.check_names:  # kept when the sidecar ends, as the table is
@@ -323,9 +323,7 @@ def _enforce(nft: NftHandle, cfg: Config) -> str:
         # Learned under another policy (or by another egress): out, with the old rules.
         nft.load(f"delete table inet {c.TABLE}\n" + text + marker)
         return "replaced, learned addresses dropped (another policy)"
-    flush = FIRST_BYTES_DECLARATION + "\n"
-    flush += "".join(f"flush chain inet {c.TABLE} {chain}\n" for chain in CHAINS)
-    nft.load(flush + text)
+    nft.load(reload_rules(template, cfg.policy, sidecar))
     return KEPT
 
 

@@ -25,6 +25,9 @@ def drop_violation(
     verb = "allowed (audit)" if policy.mode is Mode.AUDIT else "blocked"
     if cls is ViolationClass.FOREIGN_DNS:
         rule = "DNS goes only to the sandbox's resolver"
+    elif cls is ViolationClass.SPOOFED_SOURCE:
+        rule = "a sandbox sends only from its own addresses"
+        verb = "blocked"  # in every mode: there is no destination in it to learn
     else:
         rule = "default deny: no connect.allow rule or DNS-learned address allows it"
     what = str(flow) if flow is not None else "a packet the kernel could not describe"

@@ -161,11 +161,22 @@ _BARE = "\n".join(
 )
 
 
-# Declared before a swap's flush: a table an older egress loaded may not have the chain.
-FIRST_BYTES_DECLARATION = (
+# The template's chains. Loading it again over a table declares them again, which adds
+# their rules to the old ones: a reload flushes them first.
+CHAINS = ("first_bytes", "output", "violation", "foreign_dns", "spoofed_source", "blocked_connect")
+# The chains an older egress's table may lack (the flush of a missing one fails).
+NEWER_CHAINS = (
     f"add chain inet {c.TABLE} first_bytes "
-    "{ type filter hook output priority mangle - 10; policy accept; }"
+    "{ type filter hook output priority mangle - 10; policy accept; }",
+    f"add chain inet {c.TABLE} spoofed_source",
 )
+
+
+def reload_rules(template: str, policy: Policy, sidecar: Sidecar | None = None) -> str:
+    """One transaction that replaces a loaded table's rules with ``policy``'s, keeping its
+    sets, their elements and its counters (declared again, they stay as they are)."""
+    lines = [*NEWER_CHAINS, *(f"flush chain inet {c.TABLE} {chain}" for chain in CHAINS)]
+    return "\n".join(lines) + "\n" + render_sandbox(template, policy, sidecar)
 
 
 _RESYN = "\n".join(

@@ -23,8 +23,8 @@ from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.elements import SetUpdate, plan_update
-from egress.datapath.render import FIRST_BYTES_DECLARATION, render_sandbox
 from egress.datapath.render import queue_rule as render_queue_rule
+from egress.datapath.render import reload_rules
 from egress.errors import DatapathError
 from egress.inline.server import ResolverServer
 from egress.kernel import queue_rule
@@ -37,7 +37,6 @@ from egress.sandbox.lifecycle import Sandbox
 from egress.store.paths import read_template
 from egress.tunnel import scorer_for
 
-CHAINS = ("first_bytes", "output", "violation", "foreign_dns", "blocked_connect")
 MAX_TRACKED = 100_000
 
 
@@ -129,9 +128,7 @@ class TrackingResolver(ResolverServer):
 
 def swap_text(nft: NftHandle, policy: Policy, keep: set[str]) -> tuple[str, int]:
     """One nft transaction: the new rules, and the removal of every unjustified element."""
-    lines = [FIRST_BYTES_DECLARATION]
-    lines += [f"flush chain inet {c.TABLE} {chain}" for chain in CHAINS]
-    lines.append(render_sandbox(read_template("sandbox.nft"), policy))
+    lines = [reload_rules(read_template("sandbox.nft"), policy)]
     removed = 0
     for set_name in c.ALLOW_SETS:
         gone = [e["key"] for e in nft.list_set("inet", c.TABLE, set_name)]

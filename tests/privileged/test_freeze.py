@@ -10,6 +10,7 @@ import json
 import os
 import select
 import signal
+import socket
 import sqlite3
 import subprocess
 import time
@@ -49,7 +50,9 @@ spec:
   connect:
     allow:
       - {{cidr: 203.0.113.10/32, ports: [80], proto: tcp}}
-  violations: {{blocked_connect: {connect}, denied_name: {name}, layer_loss: {loss}}}
+      - {{cidr: "2001:db8:80::10/128", ports: [80], proto: tcp}}
+  violations: {{blocked_connect: {connect}, denied_name: {name}, layer_loss: {loss},
+                spoofed_source: {spoof}}}
 """
 
 # The workload: a thread bumps a counter file as fast as it can; the main thread waits for
@@ -106,6 +109,43 @@ elif what == "dns-behind-repeats":
     for i in range(int(count)):
         s.sendto(query(b"allowed.lab.test", 2 + i), ("127.0.0.53", 53))
     s.sendto(query(b"denied.lab.test", 9), ("127.0.0.53", 53))
+elif what == "spoof-reply":
+    # IPV6_FREEBIND (no privilege needed) lets a socket bind the server's address; it
+    # sends to a second socket over lo, whose reply to it, an established flow, would go
+    # to the server with anything in it.
+    server = ("2001:db8:80::10", int(count))
+    probe = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); probe.connect(server)
+    b = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); b.settimeout(5)
+    b.bind((probe.getsockname()[0], 0))
+    a = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    a.setsockopt(socket.IPPROTO_IPV6, 78, 1); a.bind(server)
+    try:
+        a.sendto(b"x", b.getsockname()[:2])
+        _, peer = b.recvfrom(10)
+        b.sendto(b"spoofed-reply", peer)
+        print("sent", flush=True)
+    except OSError as e: print("spoof failed:", e, flush=True)
+elif what == "spoof-syn":
+    # Connects to an allowed destination from other addresses of the sandbox's /64
+    # (IPV6_FREEBIND), then one from its own: the replies to the first would make the
+    # host look each address up, an entry each in its one neighbour table.
+    server = ("2001:db8:80::10", 80)
+    probe = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); probe.connect(server)
+    own = probe.getsockname()[0]
+    spoofed = [own.rsplit("::", 1)[0] + "::dead:%x" % n for n in range(1, int(count) + 1)]
+    held = []
+    for src in spoofed:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); s.setblocking(False)
+        s.setsockopt(socket.IPPROTO_IPV6, 78, 1); s.bind((src, 0))
+        s.connect_ex(server); held.append(s)
+    s = socket.create_connection(server, timeout=10)
+    s.sendall(b"GET /own-source HTTP/1.0\r\nHost: allowed.lab.test\r\n\r\n")
+    status = s.recv(12).decode()
+    connected = []
+    for src, h in zip(spoofed, held):
+        try: h.getpeername(); connected.append(src)
+        except OSError: pass  # still connecting: its SYN got no answer
+    print("|".join([status, " ".join(spoofed), " ".join(connected)]), flush=True)
 print("done", flush=True)
 while True:
     time.sleep(1)
@@ -113,8 +153,8 @@ while True:
 
 
 def policy(mode: str = "enforce", connect: str = "freeze", name: str = "block",
-           loss: str = "freeze") -> str:  # fmt: skip
-    return BASE.format(mode=mode, connect=connect, name=name, loss=loss)
+           loss: str = "freeze", spoof: str = "freeze") -> str:  # fmt: skip
+    return BASE.format(mode=mode, connect=connect, name=name, loss=loss, spoof=spoof)
 
 
 class Run:
@@ -565,3 +605,59 @@ def test_a_freeze_by_the_observer_alone_still_gets_the_review_and_the_timeout(la
         assert rc == 137
         assert "is FROZEN" in err and "seen by the observer only" in err
         assert report["outcome"] == "killed"
+
+
+def test_a_reply_to_a_socket_bound_to_a_servers_address_never_reaches_it_and_freezes(
+    lab: Lab,
+) -> None:
+    """The workload binds the lab server's IPv6 address (IPV6_FREEBIND) and sends from it
+    to its own second socket over lo; that socket replies. Before the source check the
+    reply, an established flow, left the sandbox: the server got it. Now the first
+    datagram is dropped, both layers see it, the sandbox freezes, and the server gets
+    nothing."""
+    with lab.socket(socket.AF_INET6, socket.SOCK_DGRAM, netns=lab.inet_netns) as server:
+        server.bind(("2001:db8:80::10", 4444))
+        server.setblocking(False)
+        with agent_run(lab, policy(), "spoof-reply:4444", "--decision-timeout", "1") as run:
+            run.go()
+            run.wait_frozen()
+            rc, _, err = run.finish()
+            assert rc == 137 and "spoofed_source" in err
+            with run.journal() as j:
+                found = [v for v in j.violations(run.id) if v["class"] == "spoofed_source"]
+                classes = {v["class"] for v in j.violations(run.id)}
+            assert classes == {"spoofed_source"}
+            flow = found[0]["evidence"]["flow"]
+            assert (flow["src"], flow["sport"], flow["proto"]) == ("2001:db8:80::10", 4444, "udp")
+            assert {d["layer"] for d in found[0]["detected_by"]} == {"inline", "observer"}
+            assert "agent.py" in found[0]["process"]["cmdline"]
+        with pytest.raises(BlockingIOError):
+            print("the server got", server.recvfrom(100))
+
+
+def test_connects_from_addresses_of_its_64_it_does_not_hold_never_leave_the_sandbox(
+    lab: Lab,
+) -> None:
+    """20 connects to an allowed destination, each from another address of the sandbox's
+    /64 (IPV6_FREEBIND), then one from its own. Before the source check the 20 SYNs were
+    answered, and the uplink held an entry for each address in the host's one neighbour
+    table. Now none leaves (``block``: journaled, no freeze) and the uplink learns none;
+    the sandbox's own connect still gets through."""
+    lab.clear_requests()
+    with agent_run(lab, policy(spoof="block"), "spoof-syn:20") as run:
+        run.go()
+        said = run.line(30)
+        status, spoofed, connected = (part.split() for part in said.split("|"))
+        assert status == ["HTTP/1.0", "200"]
+        assert len(spoofed) == 20 and connected == []
+        # Asked while the sandbox lives: its veth's entries go with it.
+        neigh = lab.run(["ip", "-6", "neigh", "show"]).stdout
+        own = spoofed[0].rsplit("::", 1)[0] + "::2"
+        assert f"{own} dev eg-" in neigh  # the sandbox's own, pinned: the listing works
+        assert [a for a in spoofed if f"{a} " in neigh] == []
+        with run.journal() as j:
+            violations = j.violations(run.id)
+            assert j.freezes(run.id) == []
+        assert {v["class"] for v in violations} == {"spoofed_source"}
+        assert {v["evidence"]["flow"]["src"] for v in violations} == set(spoofed)
+    assert [r["path"] for r in lab.requests()] == ["/own-source"]

@@ -7,6 +7,7 @@ accept a held segment whatever it carries), and that no check means no mark at a
 from __future__ import annotations
 
 from egress.datapath import constants as c
+from egress.datapath.evidence import drop_class
 from egress.datapath.render import queue_rule, render_sandbox
 from egress.policy import parse_policy
 from egress.store.paths import read_template
@@ -89,11 +90,10 @@ def test_the_observers_drop_evidence_is_handed_over_at_once_and_its_copies_batch
     text = ruleset("[443]")
     logs = [ln.strip() for ln in text.splitlines() if f"log group {c.OBSERVER_GROUP} " in ln]
     prefixes = [ln.split('prefix "', 1)[1].split('"')[0] for ln in logs]
-    evidence = [
-        ln for ln, p in zip(logs, prefixes, strict=True) if "blocked" in p or "foreign" in p
-    ]
+    evidence = [ln for ln, p in zip(logs, prefixes, strict=True) if drop_class(p) is not None]
     copies = [ln for ln in logs if ln not in evidence]
-    assert len(evidence) == 2 and len(copies) == 3  # drops x2; queries, answers, segments
+    # drops: foreign DNS, spoofed source, blocked connect; copies: queries, answers, segments
+    assert len(evidence) == 3 and len(copies) == 3
     assert any(c.FIRST_BYTES_LOG_PREFIX in ln for ln in copies)
     assert all("queue-threshold 1" in ln for ln in evidence)
     assert not any("queue-threshold" in ln for ln in copies)
