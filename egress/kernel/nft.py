@@ -316,6 +316,15 @@ class NftHandle:
                 return True
         return False
 
+    def chain_exists(self, family: str, table: str, chain: str) -> bool:
+        _name("table", table)
+        _name("chain", chain)
+        for item in self._run_json(f"list chains {_family(family)}"):
+            found = item.get("chain", {})
+            if found.get("table") == table and found.get("name") == chain:
+                return True
+        return False
+
     def delete_table(self, family: str, table: str) -> None:
         """Delete a table with everything in it; nothing to do if it is absent."""
         try:

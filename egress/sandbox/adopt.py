@@ -7,17 +7,18 @@ import os
 import sys
 
 from egress.datapath.addressing import SandboxNet
-from egress.errors import SandboxError
+from egress.errors import EgressError, SandboxError
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
-from egress.sandbox.lifecycle import Sandbox, pin_neighbours, teardown_claim
+from egress.sandbox.lifecycle import Sandbox, pin_neighbours, renew_rules, teardown_claim
 from egress.store import claims
 from egress.store.rundir import Record
 
 
 def adopt_created(record: Record, policy: Policy) -> Sandbox:
-    """A sandbox an earlier egressd created, from its address claim; nothing is reloaded.
+    """A sandbox an earlier egressd created, from its address claim; its rules are
+    reloaded only if an egress before the source check loaded them (``renew_rules``).
 
     Its claim now names this process as owner, so `egressctl gc` leaves it alone.
     """
@@ -39,6 +40,12 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
     except SandboxError as exc:
         print(f"egressd: sandbox {record.id}: {exc}", file=sys.stderr)
     nft = NftHandle.open(claim.netns)
+    try:
+        if renew_rules(nft, policy):
+            print(f"egressd: sandbox {record.id}: rules renewed (source check)", file=sys.stderr)
+    except EgressError:
+        nft.close()
+        raise
     sb = Sandbox(
         record.id, policy, net, claim.netns, claim.host_if, claim.uplink_netns,
         cgroup, nft, uid=claim.uid,

@@ -29,7 +29,7 @@ from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
-from egress.sandbox.lifecycle import Sandbox
+from egress.sandbox.lifecycle import Sandbox, renew_rules
 from egress.store.paths import read_template
 
 # An attached sandbox has no address block of egress's: its network is the runtime's.
@@ -91,9 +91,10 @@ def adopt(
     lo_raised: bool,
     found: bool = False,
 ) -> Sandbox:
-    """An attachment a previous process made, with its rules (and learned sets) as they
-    are; ``Sandbox.destroy`` detaches it the same way. ``found``: its cgroup is the one
-    its processes run in (``Cgroup.in_netns``), looked for again at each freeze."""
+    """An attachment a previous process made, with its learned sets as they are (and its
+    rules, unless ``renew_rules`` finds them older than the source check);
+    ``Sandbox.destroy`` detaches it the same way. ``found``: its cgroup is the one its
+    processes run in (``Cgroup.in_netns``), looked for again at each freeze."""
     if not os.path.exists(netns.netns_path(netns_ref)):
         raise SandboxError(f"netns {netns_ref!r} is gone")
     cgroup = Cgroup.attached(netns.netns_path(netns_ref), cgroup_v2, freezer, found)
@@ -103,6 +104,11 @@ def adopt(
     if not nft.table_exists("inet", c.TABLE):
         nft.close()
         raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
+    try:
+        renew_rules(nft, policy)
+    except EgressError:
+        nft.close()
+        raise
     if lo_raised:
         sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(netns_ref))
     sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))

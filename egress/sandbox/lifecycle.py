@@ -20,7 +20,7 @@ from pathlib import Path
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
-from egress.datapath.render import queue_rule, render_sandbox
+from egress.datapath.render import queue_rule, reload_rules, render_sandbox
 from egress.errors import SandboxError
 from egress.kernel import netns, rtnl
 from egress.kernel import queue_rule as queue_rules
@@ -227,6 +227,17 @@ def pin_neighbours(net: SandboxNet, name: str, host_if: str, uplink: str | None)
         _pin(net, host_if, host, outside.link(host_if), sandbox, inside.link(c.SANDBOX_IF))
         outside.run(host)
         inside.run(sandbox)
+
+
+def renew_rules(nft: NftHandle, policy: Policy) -> bool:
+    """A table an egress before the source check loaded (it has no ``spoofed_source``
+    chain) gets this template's rules, in one transaction that keeps its learned
+    elements; True if it did. An adopter calls it: a sandbox outlives the egressd that
+    made it, and its workload could otherwise still send from any IPv6 address."""
+    if nft.chain_exists("inet", c.TABLE, "spoofed_source"):
+        return False
+    nft.load(reload_rules(read_template("sandbox.nft"), policy))
+    return True
 
 
 def _local_mac() -> bytes:

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import pytest
 from egress.daemon import handoff
 from egress.errors import DaemonError
 from egress.kernel.cgroup import Cgroup
+from egress.kernel.nft import NftHandle
 from egress.lab import Lab
 from egress.store.journal import Journal
 from tests.support import NOBODY, ROOT, SYSTEM_PYTHON
@@ -273,6 +275,80 @@ def test_a_sandbox_made_before_pinned_neighbours_gets_them_when_adopted(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "lab 203.0.113.10:80\n"), done.stderr
     assert [r["path"] for r in lab.requests()] == ["/pinned"]
+
+
+def test_a_sandbox_made_before_the_source_check_gets_it_when_adopted(
+    lab: Lab, daemon: Egressd
+) -> None:
+    """An egress from before the source check loaded rules under which the workload could
+    send from any IPv6 address it binds (IPV6_FREEBIND; test_freeze has what that let
+    through). The adopter renews them in one transaction that keeps what the sandbox
+    learned; then the workload's datagram from the lab server's address over lo is
+    dropped and freezes the sandbox, and the server gets nothing."""
+    made = daemon.create(CHECKED, lab.uplink_netns)
+    ns = made["netns"]
+    cg = Cgroup.attach_existing(made["cgroup"], made.get("freezer"))
+    exec_argv = [sys.executable, "-m", "egress.cli.main", "sandbox", "exec", "--daemon",
+                 daemon.socket, "--user", str(NOBODY), made["id"], "--",
+                 SYSTEM_PYTHON, "-c"]  # fmt: skip
+    done = subprocess.run([*exec_argv, FETCH, "allowed.lab.test", "/learned"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    learned = allowed_keys(ns)
+    assert learned
+    # As such an egress left it: no source check, no chain for it.
+    nft = ["ip", "netns", "exec", ns, "nft"]
+    listed = subprocess.run([*nft, "-a", "list", "chain", "inet", "egress", "output"],
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    handles = [line.rsplit("# handle ", 1)[1] for line in listed.stdout.splitlines()
+               if "fib saddr" in line or "ip6 saddr ::" in line]  # fmt: skip
+    assert len(handles) == 2, listed.stdout
+    older = "".join(f"delete rule inet egress output handle {h}\n" for h in handles)
+    older += "delete chain inet egress spoofed_source\n"
+    subprocess.run([*nft, "-f", "-"], input=older, text=True, check=True)
+    old = replace(daemon)
+    assert old.wait(timeout=10) == 0
+    assert f"sandbox {made['id']}: rules renewed (source check)" in daemon.stderr()
+    assert allowed_keys(ns) == learned
+    with lab.socket(socket.AF_INET6, socket.SOCK_DGRAM, netns=lab.inet_netns) as server:
+        server.bind(("2001:db8:80::10", 4445))
+        server.setblocking(False)
+        proc = subprocess.Popen([*exec_argv, SPOOF_REPLY], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert wait_until(cg.is_frozen), daemon.stderr()
+            daemon.client.call("POST", f"/v1/sandboxes/{made['id']}/kill", {})
+            proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+        with pytest.raises(BlockingIOError):
+            print("the server got", server.recvfrom(100))
+    with Journal.open(daemon.state) as j:
+        classes = {v["class"] for v in j.violations(made["id"])}
+    assert classes == {"spoofed_source"}
+
+
+# test_freeze's agent's "spoof-reply", on its own.
+SPOOF_REPLY = """
+import socket
+server = ("2001:db8:80::10", 4445)
+probe = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); probe.connect(server)
+b = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); b.settimeout(5)
+b.bind((probe.getsockname()[0], 0))
+a = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+a.setsockopt(socket.IPPROTO_IPV6, 78, 1); a.bind(server)
+a.sendto(b"x", b.getsockname()[:2])
+_, peer = b.recvfrom(10)
+b.sendto(b"spoofed-reply", peer)
+"""
+
+
+def allowed_keys(netns: str) -> set[str]:
+    with NftHandle.open(netns) as nft:
+        return {str(e["key"]) for name in ("allow4", "allow6")
+                for e in nft.list_set("inet", "egress", name)}  # fmt: skip
 
 
 FETCH = """
