@@ -18,6 +18,7 @@ import ipaddress
 import os
 import socket
 import struct
+import sys
 import time
 
 from egress.datapath import constants as c
@@ -105,7 +106,8 @@ def adopt(
         nft.close()
         raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
     try:
-        renew_rules(nft, policy)
+        if renew_rules(nft, policy):
+            print(f"egressd: sandbox {sandbox_id}: rules renewed (source check)", file=sys.stderr)
     except EgressError:
         nft.close()
         raise
