@@ -8,9 +8,10 @@ cgroupfs.
     nft_sets.py    the resolver's set-element adds/deletes as one raw nf_tables batch
     nft_figures.py a sandbox's set sizes and drop counter, read by raw nf_tables netlink
     figures_worker.py  those reads for egressd's /metrics, in a child process of their own
-    nfnetlink.py   a raw NETLINK_NETFILTER socket bound to one resource: what the next two share
+    nfnetlink.py   a raw NETLINK_NETFILTER socket bound to one resource: what the next share
     nflog.py       NFLOG listeners: the kernel's drop and DNS evidence, per namespace
     nfqueue.py     NFQUEUE listeners: packets held until a verdict (a flow's first bytes)
+    conntrack.py   a netns's conntrack entries from sources not its own, deleted (ctnetlink)
     queue_rule.py  the iptables-nft NFQUEUE rule a sandbox netns needs for them
     nft_copy.py    tables another tool made in one netns, copied into the next as one batch
     cgroup.py      cgroup v2 (and the v1 freezer twin) per sandbox: join, freeze, thaw, kill

@@ -8,6 +8,7 @@ group, a queue number), attributes. This holds the rest: the socket opened under
 messages sent with an ack and awaited, draining without blocking (ENOBUFS counted in
 ``overruns``: the kernel dropped what it could not hand over), and a close that unbinds
 unless another process shares the socket (egressd handing over). Not thread-safe.
+``kernel.conntrack``'s one-shot requests use its message helpers and socket too.
 """
 
 from __future__ import annotations

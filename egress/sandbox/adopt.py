@@ -41,7 +41,7 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
         print(f"egressd: sandbox {record.id}: {exc}", file=sys.stderr)
     nft = NftHandle.open(claim.netns)
     try:
-        if renew_rules(nft, policy):
+        if renew_rules(nft, policy, claim.netns):
             print(f"egressd: sandbox {record.id}: rules renewed (source check)", file=sys.stderr)
     except EgressError:
         nft.close()

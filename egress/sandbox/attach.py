@@ -106,7 +106,7 @@ def adopt(
         nft.close()
         raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
     try:
-        if renew_rules(nft, policy):
+        if renew_rules(nft, policy, netns_ref):
             print(f"egressd: sandbox {sandbox_id}: rules renewed (source check)", file=sys.stderr)
     except EgressError:
         nft.close()

@@ -22,7 +22,7 @@ from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
 from egress.datapath.render import queue_rule, reload_rules, render_sandbox
 from egress.errors import SandboxError
-from egress.kernel import netns, rtnl
+from egress.kernel import conntrack, netns, rtnl
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
@@ -229,14 +229,17 @@ def pin_neighbours(net: SandboxNet, name: str, host_if: str, uplink: str | None)
         inside.run(sandbox)
 
 
-def renew_rules(nft: NftHandle, policy: Policy) -> bool:
+def renew_rules(nft: NftHandle, policy: Policy, name: str) -> bool:
     """A table an egress before the source check loaded (it has no ``spoofed_source``
     chain) gets this template's rules, in one transaction that keeps its learned
     elements; True if it did. An adopter calls it: a sandbox outlives the egressd that
-    made it, and its workload could otherwise still send from any IPv6 address."""
+    made it, and its workload could otherwise still send from any IPv6 address. Then the
+    flows that began from an address not the netns's (``name``) lose their conntrack
+    entries, which would still pass their replies as established."""
     if nft.chain_exists("inet", c.TABLE, "spoofed_source"):
         return False
     nft.load(reload_rules(read_template("sandbox.nft"), policy))
+    conntrack.forget_foreign(name)
     return True
 
 

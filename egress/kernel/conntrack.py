@@ -1,0 +1,121 @@
+"""Conntrack entries of one netns whose flow began from an address not its own.
+
+A sandbox's rules check a packet's source only before conntrack's accept: a flow that
+never had an entry cannot pass as established. A sandbox an older egress made may still
+hold one (its workload bound another IPv6 address and sent from it), and its replies,
+from the sandbox's own address, would pass as established. ``forget_foreign`` deletes
+such entries once the rules with the check are in: the flow's next packet is new, and
+meets them.
+
+ctnetlink by hand, over ``nfnetlink``'s socket helpers: pyroute2 0.9.7's Conntrack dumps
+IPv4 entries only, and opens its socket lazily, outside the netns it was made in.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import struct
+
+from egress.errors import DatapathError
+from egress.kernel.netns import in_netns
+from egress.kernel.nfnetlink import (
+    NLM_F_ACK,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    attr,
+    iter_attrs,
+    message,
+    messages,
+    open_socket,
+)
+
+NFNL_SUBSYS_CTNETLINK = 1
+IPCTNL_MSG_CT_GET = 1
+IPCTNL_MSG_CT_DELETE = 2
+NLM_F_DUMP = 0x300
+NLA_F_NESTED = 0x8000
+CTA_TUPLE_ORIG = 1
+CTA_ID = 12
+CTA_TUPLE_IP = 1
+CTA_IP_V4_SRC = 1
+CTA_IP_V6_SRC = 3
+_FAMILY: dict[int, int] = {int(socket.AF_INET): CTA_IP_V4_SRC, int(socket.AF_INET6): CTA_IP_V6_SRC}
+
+
+def forget_foreign(netns: str) -> list[str]:
+    """Delete the entries of ``netns`` whose original source is no address of it (a
+    socket there could not bind it without IP(V6)_FREEBIND); returns those sources."""
+    sock = open_socket(netns)
+    try:
+        sock.bind((0, 0))
+        sock.settimeout(5.0)
+        entries = _dump(sock)
+        foreign = [e for e in entries if not _is_local(netns, e[1])]
+        for seq, (family, source, tuple_orig, ct_id) in enumerate(foreign, start=2):
+            body = attr(CTA_TUPLE_ORIG | NLA_F_NESTED, tuple_orig) + attr(CTA_ID, ct_id)
+            kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE
+            sock.send(message(kind, NLM_F_REQUEST | NLM_F_ACK, seq, family, 0, body))
+            err = _ack(sock, seq)
+            if err not in (0, errno.ENOENT):  # ENOENT: it ended meanwhile
+                raise DatapathError(
+                    f"netns {netns}: cannot delete the conntrack entry from {source}: "
+                    f"{errno.errorcode.get(err, err)}"
+                )
+        return [source for _, source, _, _ in foreign]
+    except OSError as exc:
+        raise DatapathError(f"netns {netns}: conntrack: {exc}") from exc
+    finally:
+        sock.close()
+
+
+Entry = tuple[int, str, bytes, bytes]  # family, original source, raw CTA_TUPLE_ORIG, CTA_ID
+
+
+def _dump(sock: socket.socket) -> list[Entry]:
+    kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET
+    sock.send(message(kind, NLM_F_REQUEST | NLM_F_DUMP, 1, socket.AF_UNSPEC, 0, b""))
+    out: list[Entry] = []
+    while True:
+        buf = sock.recv(1 << 16)
+        for msg_type, _seq, start, end in messages(buf, done=True):
+            if msg_type in (NLMSG_ERROR, NLMSG_DONE):  # the dump's end, or its failure
+                status = struct.unpack_from("=i", buf, start)[0] if end - start >= 4 else 0
+                if status < 0:
+                    raise DatapathError(f"conntrack dump: {errno.errorcode.get(-status)}")
+                return out
+            family = buf[start]
+            attrs = iter_attrs(buf, start + 4, end)
+            tuple_orig, ct_id = attrs.get(CTA_TUPLE_ORIG), attrs.get(CTA_ID)
+            if tuple_orig is None or ct_id is None or family not in _FAMILY:
+                continue
+            ip = iter_attrs(tuple_orig, 0, len(tuple_orig)).get(CTA_TUPLE_IP, b"")
+            raw = iter_attrs(ip, 0, len(ip)).get(_FAMILY[family])
+            if raw is not None:
+                out.append((family, str(ipaddress.ip_address(raw)), tuple_orig, ct_id))
+
+
+def _ack(sock: socket.socket, seq: int) -> int:
+    while True:
+        buf = sock.recv(1 << 16)
+        for msg_type, got_seq, start, _end in messages(buf):
+            if msg_type == NLMSG_ERROR and got_seq == seq:
+                return -int(struct.unpack_from("=i", buf, start)[0])
+
+
+def _is_local(netns: str, address: str) -> bool:
+    """Whether a socket in ``netns`` could bind ``address``: the kernel's own answer. One
+    it cannot judge (a link-local address wants its interface) counts as local: such a
+    flow never leaves the link."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with in_netns(netns):
+        probe = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        probe.bind((address, 0))
+    except OSError as exc:
+        return exc.errno != errno.EADDRNOTAVAIL
+    finally:
+        probe.close()
+    return True
