@@ -47,24 +47,30 @@ _FAMILY: dict[int, int] = {int(socket.AF_INET): CTA_IP_V4_SRC, int(socket.AF_INE
 
 def forget_foreign(netns: str) -> list[str]:
     """Delete the entries of ``netns`` whose original source is no address of it (a
-    socket there could not bind it without IP(V6)_FREEBIND); returns those sources."""
+    socket there could not bind it without IP(V6)_FREEBIND); returns the sources of
+    those it deleted (one that ended meanwhile is not)."""
     sock = open_socket(netns)
     try:
         sock.bind((0, 0))
         sock.settimeout(5.0)
         entries = _dump(sock)
-        foreign = [e for e in entries if not _is_local(netns, e[1])]
-        for seq, (family, source, tuple_orig, ct_id) in enumerate(foreign, start=2):
+        local = _local(netns, {source for _, source, _, _ in entries})
+        gone = []
+        kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE
+        for seq, (family, source, tuple_orig, ct_id) in enumerate(entries, start=2):
+            if source in local:
+                continue
             body = attr(CTA_TUPLE_ORIG | NLA_F_NESTED, tuple_orig) + attr(CTA_ID, ct_id)
-            kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE
             sock.send(message(kind, NLM_F_REQUEST | NLM_F_ACK, seq, family, 0, body))
             err = _ack(sock, seq)
-            if err not in (0, errno.ENOENT):  # ENOENT: it ended meanwhile
+            if err == 0:
+                gone.append(source)
+            elif err != errno.ENOENT:  # ENOENT: it ended meanwhile
                 raise DatapathError(
                     f"netns {netns}: cannot delete the conntrack entry from {source}: "
                     f"{errno.errorcode.get(err, err)}"
                 )
-        return [source for _, source, _, _ in foreign]
+        return gone
     except OSError as exc:
         raise DatapathError(f"netns {netns}: conntrack: {exc}") from exc
     finally:
@@ -105,17 +111,19 @@ def _ack(sock: socket.socket, seq: int) -> int:
                 return -int(struct.unpack_from("=i", buf, start)[0])
 
 
-def _is_local(netns: str, address: str) -> bool:
-    """Whether a socket in ``netns`` could bind ``address``: the kernel's own answer. One
-    it cannot judge (a link-local address wants its interface) counts as local: such a
-    flow never leaves the link."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+def _local(netns: str, addresses: set[str]) -> set[str]:
+    """Those of ``addresses`` a socket in ``netns`` could bind: the kernel's own answer.
+    One it cannot judge (a link-local address wants its interface) counts as local: such
+    a flow never leaves the link."""
+    found = set()
     with in_netns(netns):
-        probe = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        probe.bind((address, 0))
-    except OSError as exc:
-        return exc.errno != errno.EADDRNOTAVAIL
-    finally:
-        probe.close()
-    return True
+        for address in addresses:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                try:
+                    probe.bind((address, 0))
+                except OSError as exc:
+                    if exc.errno == errno.EADDRNOTAVAIL:
+                        continue
+                found.add(address)
+    return found

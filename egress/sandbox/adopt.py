@@ -11,7 +11,13 @@ from egress.errors import EgressError, SandboxError
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
-from egress.sandbox.lifecycle import Sandbox, pin_neighbours, renew_rules, teardown_claim
+from egress.sandbox.lifecycle import (
+    Sandbox,
+    forget_spoofed_flows,
+    pin_neighbours,
+    renew_rules,
+    teardown_claim,
+)
 from egress.store import claims
 from egress.store.rundir import Record
 
@@ -41,11 +47,15 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
         print(f"egressd: sandbox {record.id}: {exc}", file=sys.stderr)
     nft = NftHandle.open(claim.netns)
     try:
-        if renew_rules(nft, policy, claim.netns):
-            print(f"egressd: sandbox {record.id}: rules renewed (source check)", file=sys.stderr)
+        renewed = renew_rules(nft, policy)
     except EgressError:
         nft.close()
         raise
+    if renewed:
+        print(f"egressd: sandbox {record.id}: rules renewed (source check)", file=sys.stderr)
+        said = forget_spoofed_flows(claim.netns)
+        if said:
+            print(f"egressd: sandbox {record.id}: {said}", file=sys.stderr)
     sb = Sandbox(
         record.id, policy, net, claim.netns, claim.host_if, claim.uplink_netns,
         cgroup, nft, uid=claim.uid,

@@ -106,8 +106,11 @@ def adopt(
         nft.close()
         raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
     try:
-        if renew_rules(nft, policy, netns_ref):
-            print(f"egressd: sandbox {sandbox_id}: rules renewed (source check)", file=sys.stderr)
+        if renew_rules(nft, policy):
+            # Its conntrack entries stay: a container's inbound flows began from sources
+            # not its own too, and forgetting them would cut them.
+            print(f"egressd: sandbox {sandbox_id}: rules renewed (source check); flows "
+                  "begun before keep going until they end", file=sys.stderr)  # fmt: skip
     except EgressError:
         nft.close()
         raise

@@ -21,7 +21,7 @@ from pathlib import Path
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
 from egress.datapath.render import queue_rule, reload_rules, render_sandbox
-from egress.errors import SandboxError
+from egress.errors import EgressError, SandboxError
 from egress.kernel import conntrack, netns, rtnl
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
@@ -229,18 +229,27 @@ def pin_neighbours(net: SandboxNet, name: str, host_if: str, uplink: str | None)
         inside.run(sandbox)
 
 
-def renew_rules(nft: NftHandle, policy: Policy, name: str) -> bool:
+def renew_rules(nft: NftHandle, policy: Policy) -> bool:
     """A table an egress before the source check loaded (it has no ``spoofed_source``
     chain) gets this template's rules, in one transaction that keeps its learned
     elements; True if it did. An adopter calls it: a sandbox outlives the egressd that
-    made it, and its workload could otherwise still send from any IPv6 address. Then the
-    flows that began from an address not the netns's (``name``) lose their conntrack
-    entries, which would still pass their replies as established."""
+    made it, and its workload could otherwise still send from any IPv6 address."""
     if nft.chain_exists("inet", c.TABLE, "spoofed_source"):
         return False
     nft.load(reload_rules(read_template("sandbox.nft"), policy))
-    conntrack.forget_foreign(name)
     return True
+
+
+def forget_spoofed_flows(name: str) -> str:
+    """After ``renew_rules``, for a sandbox egress made: the conntrack entries of flows
+    that began from an address not its own go (their replies would still pass as
+    established). Nothing can open a flow into such a sandbox (the uplink forwards it
+    only replies), so every such entry is one its workload spoofed. What to say."""
+    try:
+        gone = conntrack.forget_foreign(name)
+    except EgressError as exc:
+        return f"flows from other sources than its own may go on until they end: {exc}"
+    return f"{len(gone)} flows from other sources than its own forgotten" if gone else ""
 
 
 def _local_mac() -> bytes:

@@ -205,9 +205,10 @@ class Run:
             if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
                 return ""
             chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:
+            if not chunk:  # what it printed last, unended, is still a line
                 self.ended = True
-                return ""
+                last, self._pending = self._pending, b""
+                return last.decode(errors="replace").strip()
             self._pending += chunk
         got, _, self._pending = self._pending.partition(b"\n")
         return got.decode(errors="replace").strip()

@@ -46,7 +46,7 @@ def test_every_packet_but_a_query_to_the_resolver_meets_the_check_first(
     # The kernel's own messages before the link has an address; the resets the ruleset
     # sends to the workload; nothing else.
     assert lines[2].startswith("ip6 saddr :: ip6 daddr ff02::/16 icmpv6 type { ")
-    assert lines[3] == 'oif "lo" ct state related tcp flags & rst == rst accept'
+    assert lines[3] == 'oif "lo" tcp flags & rst == rst accept'
     assert lines[4] == CHECK
     assert lines.count(CHECK) == 1
 
