@@ -16,26 +16,23 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
-import struct
 
 from egress.errors import DatapathError
 from egress.kernel.netns import in_netns
 from egress.kernel.nfnetlink import (
     NLM_F_ACK,
+    NLM_F_DUMP,
     NLM_F_REQUEST,
-    NLMSG_DONE,
-    NLMSG_ERROR,
     attr,
+    exchange,
     iter_attrs,
     message,
-    messages,
     open_socket,
 )
 
 NFNL_SUBSYS_CTNETLINK = 1
 IPCTNL_MSG_CT_GET = 1
 IPCTNL_MSG_CT_DELETE = 2
-NLM_F_DUMP = 0x300
 NLA_F_NESTED = 0x8000
 CTA_TUPLE_ORIG = 1
 CTA_ID = 12
@@ -61,8 +58,8 @@ def forget_foreign(netns: str) -> list[str]:
             if source in local:
                 continue
             body = attr(CTA_TUPLE_ORIG | NLA_F_NESTED, tuple_orig) + attr(CTA_ID, ct_id)
-            sock.send(message(kind, NLM_F_REQUEST | NLM_F_ACK, seq, family, 0, body))
-            err = _ack(sock, seq)
+            msg = message(kind, NLM_F_REQUEST | NLM_F_ACK, seq, family, 0, body)
+            _, err, _ = exchange(sock, msg, seq)
             if err == 0:
                 gone.append(source)
             elif err != errno.ENOENT:  # ENOENT: it ended meanwhile
@@ -82,33 +79,22 @@ Entry = tuple[int, str, bytes, bytes]  # family, original source, raw CTA_TUPLE_
 
 def _dump(sock: socket.socket) -> list[Entry]:
     kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET
-    sock.send(message(kind, NLM_F_REQUEST | NLM_F_DUMP, 1, socket.AF_UNSPEC, 0, b""))
+    msg = message(kind, NLM_F_REQUEST | NLM_F_DUMP, 1, socket.AF_UNSPEC, 0, b"")
+    answer, err, _ = exchange(sock, msg, 1)
+    if err:
+        raise DatapathError(f"conntrack dump: {errno.errorcode.get(err, err)}")
     out: list[Entry] = []
-    while True:
-        buf = sock.recv(1 << 16)
-        for msg_type, _seq, start, end in messages(buf, done=True):
-            if msg_type in (NLMSG_ERROR, NLMSG_DONE):  # the dump's end, or its failure
-                status = struct.unpack_from("=i", buf, start)[0] if end - start >= 4 else 0
-                if status < 0:
-                    raise DatapathError(f"conntrack dump: {errno.errorcode.get(-status)}")
-                return out
-            family = buf[start]
-            attrs = iter_attrs(buf, start + 4, end)
-            tuple_orig, ct_id = attrs.get(CTA_TUPLE_ORIG), attrs.get(CTA_ID)
-            if tuple_orig is None or ct_id is None or family not in _FAMILY:
-                continue
-            ip = iter_attrs(tuple_orig, 0, len(tuple_orig)).get(CTA_TUPLE_IP, b"")
-            raw = iter_attrs(ip, 0, len(ip)).get(_FAMILY[family])
-            if raw is not None:
-                out.append((family, str(ipaddress.ip_address(raw)), tuple_orig, ct_id))
-
-
-def _ack(sock: socket.socket, seq: int) -> int:
-    while True:
-        buf = sock.recv(1 << 16)
-        for msg_type, got_seq, start, _end in messages(buf):
-            if msg_type == NLMSG_ERROR and got_seq == seq:
-                return -int(struct.unpack_from("=i", buf, start)[0])
+    for _, buf, start, end in answer:
+        family = buf[start]
+        attrs = iter_attrs(buf, start + 4, end)
+        tuple_orig, ct_id = attrs.get(CTA_TUPLE_ORIG), attrs.get(CTA_ID)
+        if tuple_orig is None or ct_id is None or family not in _FAMILY:
+            continue
+        ip = iter_attrs(tuple_orig, 0, len(tuple_orig)).get(CTA_TUPLE_IP, b"")
+        raw = iter_attrs(ip, 0, len(ip)).get(_FAMILY[family])
+        if raw is not None:
+            out.append((family, str(ipaddress.ip_address(raw)), tuple_orig, ct_id))
+    return out
 
 
 def _local(netns: str, addresses: set[str]) -> set[str]:

@@ -8,7 +8,8 @@ group, a queue number), attributes. This holds the rest: the socket opened under
 messages sent with an ack and awaited, draining without blocking (ENOBUFS counted in
 ``overruns``: the kernel dropped what it could not hand over), and a close that unbinds
 unless another process shares the socket (egressd handing over). Not thread-safe.
-``kernel.conntrack``'s one-shot requests use its message helpers and socket too.
+One request and its answer, ``exchange``, serves ``kernel.nft_figures`` and
+``kernel.conntrack``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ NLMSG_ERROR = 2
 NLMSG_DONE = 3
 NLM_F_REQUEST = 0x1
 NLM_F_ACK = 0x4
+NLM_F_DUMP = 0x300  # NLM_F_ROOT | NLM_F_MATCH
+NLM_F_DUMP_INTR = 0x10  # on a dump's message: what it lists changed while it was made
 HDR = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, res_id (big endian)
 RECV_SIZE = 1 << 17  # a whole GSO packet (64 KiB) plus the headers
@@ -76,6 +79,31 @@ def messages(buf: bytes, done: bool = False) -> list[tuple[int, int, int, int]]:
             out.append((kind, seq, pos + HDR.size, pos + length))
         pos += (length + 3) & ~3
     return out
+
+
+Answer = list[tuple[int, bytes, int, int]]  # (type, buffer, payload start, payload end)
+
+
+def exchange(sock: socket.socket, msg: bytes, seq: int) -> tuple[Answer, int, bool]:
+    """Send one request (``msg``, numbered ``seq``) and read its answer up to its end, a
+    dump's NLMSG_DONE or a request's ack: the messages before that end; the end's error
+    (0, or a positive errno; a dump that failed part way ends with DONE carrying it);
+    whether the kernel flagged the dump interrupted (NLM_F_DUMP_INTR). Messages of
+    earlier requests are skipped; the socket's OSError (a timeout too) is the caller's."""
+    sock.send(msg)
+    out: Answer = []
+    interrupted = False
+    while True:
+        buf = sock.recv(1 << 16)
+        for got, got_seq, start, end in messages(buf, done=True):
+            if got_seq != seq:
+                continue
+            if HDR.unpack_from(buf, start - HDR.size)[2] & NLM_F_DUMP_INTR:
+                interrupted = True
+            if got in (NLMSG_DONE, NLMSG_ERROR):
+                err = -struct.unpack_from("=i", buf, start)[0] if end - start >= 4 else 0
+                return out, err, interrupted
+            out.append((got, buf, start, end))
 
 
 def open_socket(netns: str | None) -> socket.socket:

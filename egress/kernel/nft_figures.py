@@ -21,25 +21,22 @@ import struct
 from egress.errors import DatapathError
 from egress.kernel.netns import in_netns
 from egress.kernel.nfnetlink import (
-    HDR,
     NETLINK_NETFILTER,
     NFGEN,
     NLM_F_ACK,
+    NLM_F_DUMP,
     NLM_F_REQUEST,
-    NLMSG_DONE,
-    NLMSG_ERROR,
+    Answer,
     attr,
+    exchange,
     iter_attrs,
     message,
-    messages,
 )
 
 TIMEOUT_S = 1.0  # the kernel answers in microseconds; this only bounds a wedged read
 _SUBSYS = 10  # NFNL_SUBSYS_NFTABLES
 _NEWSETELEM, _GETSETELEM = (_SUBSYS << 8) | 12, (_SUBSYS << 8) | 13
 _NEWOBJ, _GETOBJ = (_SUBSYS << 8) | 18, (_SUBSYS << 8) | 19
-_NLM_F_DUMP = 0x300  # NLM_F_ROOT | NLM_F_MATCH
-_NLM_F_DUMP_INTR = 0x10  # on a dump's message: the ruleset changed while it was made
 DUMP_TRIES = 3  # then what the last dump held: the resolver adds elements all the time
 _NFPROTO_INET = 1
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3  # NFTA_SET_ELEM_LIST_*
@@ -85,7 +82,7 @@ class Reader:
         """How many live elements ``set_name`` (of the inet table) holds."""
         body = attr(_LIST_TABLE, self._table) + attr(_LIST_SET, set_name.encode() + b"\0")
         count = 0
-        for kind, buf, start, end in self._ask(_GETSETELEM, _NLM_F_DUMP, body, f"set {set_name}"):
+        for kind, buf, start, end in self._ask(_GETSETELEM, NLM_F_DUMP, body, f"set {set_name}"):
             if kind != _NEWSETELEM:
                 continue
             elements = iter_attrs(buf, start + NFGEN.size, end).get(_LIST_ELEMENTS, b"")
@@ -98,7 +95,7 @@ class Reader:
         seconds it has left (0.0 without a timeout). A set that is not there: []."""
         body = attr(_LIST_TABLE, self._table) + attr(_LIST_SET, set_name.encode() + b"\0")
         for _ in range(DUMP_TRIES):  # a dump the ruleset changed under is asked again
-            answer = self._ask(_GETSETELEM, _NLM_F_DUMP, body, f"set {set_name}", True)
+            answer = self._ask(_GETSETELEM, NLM_F_DUMP, body, f"set {set_name}", True)
             if not self.interrupted:
                 break
         out: list[tuple[bytes, float]] = []
@@ -131,7 +128,7 @@ class Reader:
 
     def _ask(
         self, kind: int, flags: int, body: bytes, what: str, absent_ok: bool = False
-    ) -> list[tuple[int, bytes, int, int]]:
+    ) -> Answer:
         """Send one request; every message of its answer, up to its end (a dump's DONE,
         a request's ack), as (type, buffer, payload start, payload end). With
         ``absent_ok``, ENOENT (its table or set not there, or deleted part way) is no
@@ -139,31 +136,21 @@ class Reader:
         dump (NLM_F_DUMP_INTR): what it holds may then be short of an element."""
         self._seq += 1
         seq = self._seq
+        msg = message(kind, NLM_F_REQUEST | flags, seq, _NFPROTO_INET, 0, body)
         self.interrupted = False
         try:
-            self._sock.send(message(kind, NLM_F_REQUEST | flags, seq, _NFPROTO_INET, 0, body))
-            out: list[tuple[int, bytes, int, int]] = []
-            while True:
-                buf = self._sock.recv(1 << 16)
-                for got, got_seq, start, end in messages(buf, done=True):
-                    if got_seq != seq:
-                        continue  # an earlier request's answer
-                    if HDR.unpack_from(buf, start - HDR.size)[2] & _NLM_F_DUMP_INTR:
-                        self.interrupted = True
-                    if got in (NLMSG_DONE, NLMSG_ERROR):
-                        # A dump that failed part way (its table or set deleted) ends
-                        # with DONE carrying the error, not with an ERROR.
-                        err = -struct.unpack_from("=i", buf, start)[0] if end - start >= 4 else 0
-                        if err == errno.ENOENT and absent_ok:
-                            return []
-                        if err > 0:
-                            raise DatapathError(f"{what}: {os.strerror(err)}")
-                        return out  # a dump's end, or a request's ack
-                    out.append((got, buf, start, end))
+            out, err, self.interrupted = exchange(self._sock, msg, seq)
         except TimeoutError:
             raise DatapathError(f"{what}: no answer from the kernel in {TIMEOUT_S:g} s") from None
         except OSError as exc:
             raise DatapathError(f"{what}: {exc.strerror or exc}") from None
+        # A dump that failed part way (its table or set deleted) ends with DONE carrying
+        # the error, not with an ERROR.
+        if err == errno.ENOENT and absent_ok:
+            return []
+        if err > 0:
+            raise DatapathError(f"{what}: {os.strerror(err)}")
+        return out  # a dump's end, or a request's ack
 
 
 def _each(buf: bytes, kind: int) -> list[bytes]:

@@ -10,7 +10,7 @@ import pytest
 
 from egress.errors import DatapathError
 from egress.kernel import nft_figures as nf
-from egress.kernel.nfnetlink import HDR, NLMSG_DONE, NLMSG_ERROR, attr, message
+from egress.kernel.nfnetlink import HDR, NLM_F_DUMP_INTR, NLMSG_DONE, NLMSG_ERROR, attr, message
 
 
 class FakeSocket:
@@ -107,7 +107,7 @@ def test_a_dump_the_ruleset_changed_under_is_asked_again() -> None:
 
     def interrupted(data: bytes) -> bytes:
         length, kind, flags, seq, pid = HDR.unpack_from(data)
-        return HDR.pack(length, kind, flags | nf._NLM_F_DUMP_INTR, seq, pid) + data[HDR.size :]
+        return HDR.pack(length, kind, flags | NLM_F_DUMP_INTR, seq, pid) + data[HDR.size :]
 
     first = interrupted(elements(1)) + done()
     second = elements(2, seq=2) + done(seq=2)
