@@ -14,8 +14,6 @@ uvloop. Everything else goes through ``ResolverCore.on_query`` and ``perform``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import secrets
 import socket
 import struct
 import time
@@ -25,7 +23,13 @@ from egress.datapath import constants as c
 from egress.errors import EgressError
 from egress.inline.sets import SetStats, SetWriter
 from egress.inline.tcp_front import TcpClient, TcpFront
-from egress.inline.upstream import Latencies, UpstreamPool, recv_frame, set_mark
+from egress.inline.upstream import (
+    Latencies,
+    UpstreamPool,
+    query_id_bits,
+    recv_frame,
+    set_mark,
+)
 from egress.kernel.netns import in_netns
 from egress.kernel.nft import NftHandle
 from egress.model import Policy, Violation
@@ -47,17 +51,21 @@ class UdpClient:
         self.addr = addr
 
     def send(self, data: bytes) -> None:
-        # A full socket buffer or an ICMP error loses this one reply, as UDP may.
-        with contextlib.suppress(OSError):
+        # A full socket buffer or an ICMP error loses this one reply, as UDP may. (try, not
+        # contextlib.suppress: no context manager's two calls on every miss's reply.)
+        try:  # noqa: SIM105
             self.sock.sendto(data, self.addr)
+        except OSError:
+            pass
 
 
 def make_core(policy: Policy, upstream_count: int) -> ResolverCore:
     """The resolver core one sandbox is served with, in every wiring (run, egressd):
-    random upstream IDs from the OS, and the policy's tunnel scorer on the wall clock."""
+    random upstream IDs from the OS (``query_id_bits``), and the policy's tunnel scorer on
+    the wall clock."""
     scorer = scorer_for(policy.tunnel, time.time)
     return ResolverCore(
-        policy, upstream_count, secrets.randbits, scorer=scorer, monotonic=time.monotonic
+        policy, upstream_count, query_id_bits, scorer=scorer, monotonic=time.monotonic
     )
 
 

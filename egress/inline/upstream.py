@@ -5,6 +5,8 @@
 ``UpstreamPool`` keeps fresh, connected UDP sockets ready in the uplink netns (or, for a
 sidecar, in the sandbox netns with SO_MARK), one per query, so every upstream query has
 its own random source port and making one is not on a query's critical path.
+``query_id_bits`` gives each upstream query its random ID, from a buffer of the kernel's
+random bytes.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import secrets
 import socket
 import struct
 import threading
+from array import array
 
 from egress.errors import EgressError, UpstreamError
 from egress.kernel.netns import in_netns, netns_path
@@ -240,6 +244,34 @@ async def recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> by
             raise asyncio.IncompleteReadError(buf, None)
         buf += chunk
     return buf[2 : 2 + struct.unpack("!H", buf[:2])[0]]
+
+
+ID_BUFFER = 2048  # upstream query IDs read from the kernel at once (4 KiB)
+# Process-wide: every core of egressd takes from it. pop() is one step under the GIL, so
+# threads never get the same ID from it; a forked child starts empty, so it never repeats
+# its parent's.
+_ids = array("H")
+
+
+def _forget_ids() -> None:
+    del _ids[:]
+
+
+os.register_at_fork(after_in_child=_forget_ids)
+
+
+def query_id_bits(k: int) -> int:
+    """``secrets.randbits(k)`` (the resolver core's ``randbits``), whose 16-bit asks, an
+    upstream query's ID, come from a buffer refilled from ``os.urandom``: a getrandom(2)
+    per query cost a syscall (~5-20 µs on a miss's path, cold) between its decision and its
+    send. Unpredictable alike: only this process sees the buffer."""
+    if k != 16:
+        return secrets.randbits(k)
+    try:
+        return _ids.pop()
+    except IndexError:
+        _ids.frombytes(os.urandom(2 * ID_BUFFER))
+        return _ids.pop()
 
 
 class Latencies:
