@@ -154,7 +154,8 @@ def hits(lab: object, work: Path, state: Path, seconds: int) -> dict[str, float]
     run = Deployed(lab, work, state, ["/bin/sh", "-c", script])
     out = run.finish(timeout=seconds + 120)
     if run.proc.returncode != 0:
-        raise RuntimeError(f"dnsperf under egressctl run: rc {run.proc.returncode}\n{out}")
+        log = run.log.read_text()[-2000:]
+        raise RuntimeError(f"dnsperf under egressctl run: rc {run.proc.returncode}\n{out}\n{log}")
     return bd.parse_dnsperf(out)
 
 
