@@ -1,7 +1,10 @@
 """DNS-tunnel scoring: pure code, clock injected, memory bounded per sandbox.
 
 Its part of the flow (see DESIGN.md: the resolver calls it for every query the policy
-allows, BEFORE forwarding it; a verdict means "don't forward, freeze")::
+allows, BEFORE forwarding it; a verdict means "don't forward, freeze"; where
+``TunnelScorer.can_defer`` proves no verdict can come of a query (``headroom``: a sound
+bound), the resolver forwards it and scores it right after, before judging anything
+else, so the same queries go upstream and scoring is off a miss's path)::
 
     query name, qtype
         │  spec.tunnel.search_domains: a search-list expansion is scored as the name;

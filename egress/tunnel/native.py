@@ -18,7 +18,18 @@ from egress.native import Native
 NATIVE = Native(
     "egress.tunnel",
     Path(__file__).resolve().parent,
-    ("entropy", "features", "labels", "overrides", "scorer", "verdict", "vocab", "window", "zone"),
+    (
+        "entropy",
+        "features",
+        "headroom",
+        "labels",
+        "overrides",
+        "scorer",
+        "verdict",
+        "vocab",
+        "window",
+        "zone",
+    ),
 )
 
 

@@ -80,6 +80,11 @@ class Overrides:
         self._below = frozenset(z for z in self._by_zone if split_name(z).labels)
         self.below = bool(self._below)  # some override names a zone below its registered one
 
+    @property
+    def least_scale(self) -> float:
+        """The smallest limit scale a zone can be given (1.0 where no override lowers it)."""
+        return min([1.0, *(o.limit_scale for o in self._by_zone.values() if not o.exempt)])
+
     def zone_of(self, name: str) -> str:
         """The zone ``name`` is scored under."""
         if self._below:

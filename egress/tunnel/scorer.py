@@ -1,4 +1,5 @@
-"""``TunnelScorer``: one per sandbox; sees every allowed query before it is forwarded.
+"""``TunnelScorer``: one per sandbox; sees every allowed query before it is forwarded, or
+right after where ``can_defer`` proves it cannot make a verdict (``headroom``).
 
 Memory bound per sandbox, ``MEMORY_BOUND`` = 2 MiB at the default ``max_zones`` = 256:
 at most ``max_zones`` zone states plus one for the sum over all zones, each of fixed size
@@ -32,15 +33,18 @@ from egress.tunnel.features import (
     score_name,
     type_points,
 )
+from egress.tunnel.headroom import Headroom
 from egress.tunnel.labels import split_name
 from egress.tunnel.overrides import Applied, Overrides
 from egress.tunnel.verdict import Crossing, TunnelVerdict
 from egress.tunnel.window import M62
 from egress.tunnel.zone import (
     ALL_ZONES,
+    FAST_BUCKETS,
     NAME_INFO,
     RULES,
     SANDBOX_RULES,
+    SLOW_BUCKETS,
     SLOW_NAME_INFO,
     Limits,
     ZoneState,
@@ -67,6 +71,11 @@ class TunnelScorer:
         self._search = tuple("." + s for s in config.search_domains)
         self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale, whole=True)
         self._limits: dict[float, Limits] = {}  # per zone scale: a handful
+        new_zone = limits(config, RULES, self._overrides.least_scale)
+        self._room = Headroom(
+            new_zone, config.window_s / FAST_BUCKETS, config.slow_window_s / SLOW_BUCKETS
+        )
+        self._room.account(self._all, self._all_limits, 1.0)
 
     @property
     def verdicts(self) -> tuple[TunnelVerdict, ...]:
@@ -89,6 +98,28 @@ class TunnelScorer:
     def _sub_zone(self, name: str) -> str | None:
         """An override's zone below the registered domain that ``name`` is under."""
         return _below(self._overrides.zone_of(name), name)
+
+    def can_defer(self, name: str, qtype: int) -> bool:
+        """True when ``observe_query(name, qtype)``, asked next, cannot return a verdict:
+        what the query could add is below what every window has left before a limit
+        (``headroom``, a sound bound). The resolver then sends it upstream first and calls
+        ``observe_query`` right after, before it judges anything else. A sandbox with a
+        verdict scores first; so does a query the bound cannot clear, once the room has
+        been recomputed, at most once per bucket boundary."""
+        if not self._spec.enabled:
+            return True
+        if self._verdicts:
+            return False
+        room = self._room
+        if room.safe(name, qtype):
+            return True
+        now = self._clock()
+        if not room.stale(now):
+            return False
+        states = [(z, self._scaled(z.scale)) for z in self._zones.values()]
+        states.append((self._all, self._all_limits))
+        room.recompute(now, states)
+        return room.safe(name, qtype)
 
     def observe_query(self, name: str, qtype: int) -> TunnelVerdict | None:
         """Account one allowed query; a verdict means: do not forward it."""
@@ -156,10 +187,10 @@ class TunnelScorer:
             which = 0
             bits = vocab.type_price(state.vocab, self._vocab, qtype)
             state.add_info(bits / 8, bits / 8)
-        scaled = self._limits.get(state.scale)
-        if scaled is None:
-            scaled = self._limits[state.scale] = limits(self._spec, RULES, state.scale)
+        scaled = self._scaled(state.scale)
         out = state.crossings(self._spec, scaled)
+        room = self._room
+        room.account(state, scaled, max(state.vocab.largest(), self._vocab.largest()))
         # A zone with raised limits is trusted: it does not feed the sum. Of the rest, a
         # name's information does once its zone has sent more than a small allowance in
         # the window (with the price of choosing among such zones), its text only if it is
@@ -183,7 +214,14 @@ class TunnelScorer:
             if text:
                 everything.add_unique(f, qtype, shaped, 0.0, which)
             out += everything.crossings(self._spec, self._all_limits)
+            room.account(everything, self._all_limits, self._vocab.largest())
         return out
+
+    def _scaled(self, scale: float) -> Limits:
+        scaled = self._limits.get(scale)
+        if scaled is None:
+            scaled = self._limits[scale] = limits(self._spec, RULES, scale)
+        return scaled
 
     def _decide(
         self, state: ZoneState, f: NameFeatures, qtype: int, crossings: list[Crossing], now: float

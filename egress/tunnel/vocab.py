@@ -97,6 +97,11 @@ class Vocab:
         self._n = [0.0] * CONTEXTS  # lists: what mypyc indexes without a call
         self._d = [0.0] * CONTEXTS
 
+    def largest(self) -> float:
+        """The largest n + d of any context: no price or escape here exceeds its log2."""
+        nn, dd = self._n, self._d
+        return max([nn[c] + dd[c] for c in range(CONTEXTS)])
+
     def use(self, ctx: int, key: int) -> float:
         """Price symbol ``key`` in ``ctx`` and count it, in one pass over its bucket.
 
