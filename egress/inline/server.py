@@ -345,8 +345,11 @@ class ResolverServer:
 
     def handle_query(self, data: bytes, client: UdpClient | TcpClient, tcp: bool) -> None:
         """One query in; never raises: a bug must cost one answer, not the server."""
+        core = self.core
         try:
-            self.perform(self.core.on_query(data, client, tcp, time.time()))
+            self.perform(core.on_query(data, client, tcp, time.time()))
+            if core.later:  # the scorer's part, once the query is upstream
+                self.perform(core.settle(time.time()))
         except Exception as exc:  # the server outlives any single packet
             self._internal(exc)
 
@@ -419,6 +422,8 @@ class ResolverServer:
             if sent is not None:
                 self.upstream_latency.observe(received - sent)
             self.perform(actions)
+            if self.core.later:  # the scorer's part, once the answer is out
+                self.perform(self.core.settle(time.time()))
             if not pending:
                 # Answered: this exchange's socket is closed and its reader and timer go
                 # after the set update and the reply (~20 us of syscalls off a miss's
@@ -463,6 +468,8 @@ class ResolverServer:
         try:
             actions = self.core.on_upstream_reply(fwd.token, data, time.time())
             self.perform(actions)
+            if self.core.later:
+                self.perform(self.core.settle(time.time()))
         except Exception as exc:
             self._internal(exc)
             self._upstream_failed(fwd.token)  # still pending? then SERVFAIL

@@ -57,7 +57,7 @@ from egress.resolver.answer import Filtered, Finding, filter_answer, learned_por
 from egress.resolver.audit import ALLOWED, AuditLog
 from egress.resolver.bindings import Bindings, answer_chain
 from egress.resolver.cache import Cache, Entry
-from egress.resolver.judge import QueryScorer, Verdict, dns_violation, judge
+from egress.resolver.judge import QueryScorer, Verdict, dns_violation, judge, tunnel
 from egress.resolver.rebinding import rebinding_reason
 
 LAYER = Layer.INLINE
@@ -81,6 +81,7 @@ class Pending:
     waiters: list[Waiter] = field(default_factory=list)
     upstream: int = 0
     tcp: bool = False
+    withheld: bool = False  # scored after its send, it made a verdict: refuse the answer
 
 
 REPLAY_MAX = 4096  # remembered queries (see replay)
@@ -125,6 +126,10 @@ class ResolverCore:
         self.randbits = randbits
         # Cache hits skip the scorer: nothing leaves the host, and a repeat adds nothing.
         self.scorer = scorer
+        # The scorer's work moved off the answer's path, in order (``settle``): a query
+        # sent before its scoring (query, its rule), or an answer's rcode (None, name,
+        # rcode).
+        self.later: list[tuple[wire.Query | None, str, int, DnsRule | None]] = []
         self.cache = Cache(cache_size)
         self.pending: dict[int, Pending] = {}
         self.inflight: dict[bytes, int] = {}
@@ -206,7 +211,40 @@ class ResolverCore:
 
     # -- queries -------------------------------------------------------------------------
 
+    def settle(self, now: float) -> list[Action]:
+        """The scorer's part of what was answered or sent since the last call, in order:
+        the queries ``can_defer`` let go upstream before their scoring, and the rcodes of
+        answers. The shell calls it once it has sent what the core asked (off the answer's
+        path); ``on_query`` calls it first, so no query is judged before it. A query that
+        makes a verdict here (``can_defer`` is a sound bound: none should) is reported,
+        and its answer refused."""
+        later, self.later = self.later, []
+        scorer = self.scorer
+        out: list[Action] = []
+        if scorer is None:
+            return out
+        for q, name, code, rule in later:
+            if q is None:
+                scorer.observe_response(name, code)
+                continue
+            finding = scorer.observe_query(name, code)
+            if finding is None:
+                continue
+            self._stats["denied"] += 1
+            verdict = tunnel(q, finding, rule)
+            out.append(Report(verdict.violation(q, layer=LAYER, policy=self.policy, at=now)))
+            token = self.inflight.get(q.key)
+            if token is not None:
+                self.pending[token].withheld = True
+        return out
+
     def on_query(self, data: bytes, client: object, tcp: bool, now: float) -> list[Action]:
+        if self.later:
+            settled = self.settle(now)
+            return settled + self._on_query(data, client, tcp, now)
+        return self._on_query(data, client, tcp, now)
+
+    def _on_query(self, data: bytes, client: object, tcp: bool, now: float) -> list[Action]:
         self._stats["queries"] += 1
         try:
             q = wire.parse_query(data)
@@ -246,11 +284,16 @@ class ResolverCore:
         return [self._allow(update, release, entry, None, now, q.qname, q.qtype)]
 
     def _decide(self, q: wire.Query, waiter: Waiter, now: float) -> list[Action]:
-        verdict = judge(q, self.matcher, self.scorer)
+        scorer = self.scorer
+        # Sent first and scored right after (settle), where no verdict can come of it.
+        later = scorer is not None and not self.audit and scorer.can_defer(q.qname, q.qtype)
+        verdict = judge(q, self.matcher, None if later else scorer)
         if self.audit:
             self.audit_log.name(q.qname, q.qtype, _verdict_text(verdict), now)
         if verdict.allowed:
             self._stats["allowed"] += 1
+            if later:
+                self.later.append((q, q.qname, q.qtype, verdict.rule))
             return self._forward(q, waiter, verdict.rule)
         self._stats["denied"] += 1
         report = Report(verdict.violation(q, layer=LAYER, policy=self.policy, at=now))
@@ -302,13 +345,16 @@ class ResolverCore:
             return self.on_upstream_failure(token, now)
         if not _matches(response, p):
             return []  # not the answer to our question: ignore it (spoofing, stale reply)
+        if p.withheld:  # not asked again over TCP either
+            self._finish(p)
+            return self._refuse_all(p, now, ViolationClass.TUNNEL)
         if response.truncated and not p.tcp:
             p.tcp = True
             p.qid = self.randbits(16)
             return [Forward(token, p.upstream, wire.build_query(p.qid, p.qname, p.qtype), True)]
         self._finish(p)
-        if self.scorer is not None:
-            self.scorer.observe_response(p.qname, response.rcode)
+        if self.scorer is not None:  # accounted after the answer is sent (settle)
+            self.later.append((None, p.qname, response.rcode, None))
         return self._answer(p, response, now)
 
     def on_upstream_failure(self, token: int, now: float) -> list[Action]:
@@ -316,6 +362,9 @@ class ResolverCore:
         p = self.pending.get(token)
         if p is None:
             return []
+        if p.withheld:  # not asked of the next upstream
+            self._finish(p)
+            return self._refuse_all(p, now, ViolationClass.TUNNEL)
         if p.upstream + 1 < self.n_upstreams:
             p.upstream += 1
             p.tcp = False

@@ -31,7 +31,10 @@ class TunnelFinding(Protocol):
 
 class QueryScorer(Protocol):
     """What the judge needs of a tunnel scorer (``egress.tunnel.TunnelScorer`` fits): it
-    sees every allowed query before it is forwarded, and the upstream's rcode after."""
+    sees every allowed query before it is forwarded (or, where ``can_defer`` says no
+    verdict can come of it, right after), and the upstream's rcode after."""
+
+    def can_defer(self, name: str, qtype: int) -> bool: ...
 
     def observe_query(self, name: str, qtype: int) -> TunnelFinding | None: ...
 

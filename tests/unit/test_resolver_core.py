@@ -508,11 +508,16 @@ def test_names_with_binary_labels_are_denied_and_never_forwarded(label: bytes) -
 
 
 class FakeScorer:
-    """Flags names under tunnel.cdn.test; records what it saw."""
+    """Flags names under tunnel.cdn.test; records what it saw. ``defer``: what its
+    ``can_defer`` says of every name (True of a tunnel's: a bound gone wrong)."""
 
-    def __init__(self) -> None:
+    def __init__(self, defer: bool = False) -> None:
         self.queries: list[tuple[str, int]] = []
         self.responses: list[tuple[str, int]] = []
+        self.defer = defer
+
+    def can_defer(self, name: str, qtype: int) -> bool:
+        return self.defer
 
     def observe_query(self, name: str, qtype: int) -> object | None:
         self.queries.append((name, qtype))
@@ -542,6 +547,45 @@ def test_the_scorer_sees_allowed_misses_only_and_its_verdict_stops_the_query() -
     assert "tunnel suspected" in report.violation.detail
     [reply] = only(actions, Reply)
     assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
+
+
+def test_a_query_the_scorer_clears_is_sent_first_and_scored_by_settle() -> None:
+    c = core()
+    scorer = FakeScorer(defer=True)
+    c.scorer = scorer  # type: ignore[assignment]
+    [fwd] = c.on_query(query("allowed.test"), "c", False, 0.0)
+    assert isinstance(fwd, Forward) and scorer.queries == []  # not on the way out
+    assert c.settle(0.0) == [] and scorer.queries == [("allowed.test", 1)]
+    acked(c, fwd.token, upstream_answer(fwd, rcode=3), 0.0)
+    assert scorer.responses == []  # the rcode waits for the answer to be sent
+    # Not settled by the shell: the next query settles first, in order, then is judged.
+    c.on_query(query("b.cdn.test"), "c", False, 1.0)
+    assert scorer.responses == [("allowed.test", 3)] and c.later
+    assert c.settle(1.0) == [] and scorer.queries[-1] == ("b.cdn.test", 1)
+
+
+def test_a_cleared_query_that_makes_a_verdict_is_reported_and_its_answer_refused() -> None:
+    """The bound is sound, so this is a bug's path: still no answer, no address allowed,
+    and the name not asked again (over TCP, or of the next upstream)."""
+    for ending in ("answer", "truncated", "timeout"):
+        c = core()
+        c.scorer = FakeScorer(defer=True)  # type: ignore[assignment]
+        [fwd] = c.on_query(query("tunnel.cdn.test"), "c", False, 0.0)
+        [report] = only(c.settle(0.0), Report)
+        assert report.violation.cls is ViolationClass.TUNNEL
+        if ending == "timeout":
+            actions = c.on_upstream_failure(fwd.token, 0.0)
+        else:
+            answer = DNSRecord.parse(
+                upstream_answer(fwd, RR("tunnel.cdn.test", rdata=A("203.0.113.9")))
+            )
+            answer.header.tc = ending == "truncated"
+            actions = c.on_upstream_reply(fwd.token, bytes(answer.pack()), 0.0)
+        assert not only(actions, Forward) and not only(actions, AllowThenReply), ending
+        [reply] = only(actions, Reply)
+        msg = DNSRecord.parse(reply.data)
+        assert msg.header.rcode == wire.NXDOMAIN and msg.rr == [], ending
+        assert not c.pending
 
 
 def test_a_tunnel_refusal_says_the_sandbox_is_frozen_when_it_is() -> None:

@@ -84,6 +84,9 @@ def test_a_tunnel_finding_comes_from_the_scorer_only_for_allowed_names() -> None
     calls: list[str] = []
 
     class Scorer:
+        def can_defer(self, name: str, qtype: int) -> bool:
+            return False
+
         def observe_query(self, name: str, qtype: int) -> object:
             calls.append(name)
             return type("F", (), {"describe": lambda self: "too much entropy"})()
