@@ -161,6 +161,8 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
             except DatapathError as exc:
                 if attempt == 2 or "No such file or directory" not in str(exc):
                     raise
+    if resolver.core.later:  # the old scorer's part of what it let go first, before it goes
+        resolver.perform(resolver.core.settle(now))
     resolver.core.set_policy(policy)
     resolver.core.bindings.forget_inherited()  # their elements went with the swap
     resolver.core.scorer = scorer_for(policy.tunnel, time.time)
