@@ -28,9 +28,17 @@ L = len(name) + 1 and n = the labels:
   nothing for a name shorter than ``LONG_LABEL`` (its subdomain and labels are shorter);
 - information in new names, in bits (``vocab.new_name_bits``): each of the n + 2 symbols
   (count, labels, type) costs at most the zone's price or escape plus the sandbox's
-  price or escape, each <= log2(largest n + d of a context), plus, spelled, at most
-  1 + 3 + 6 + 7 per character (a label) or 16 (a type) or 5 (a count); the sum adds the
-  zone's price (<= the same log2). So <= (n + 3) x 2 x log2(N) + 10 n + 7 L + 21, / 8.
+  price or escape, each <= log2(n + d of its context when priced) <= log2(N + 2 u),
+  where N is the largest n + d of any context before the query and u the symbols it
+  prices (count, labels, type, a hyphenated label's parts, the zone: <= n + hyphens +
+  4; each adds at most 2 to its context's n + d); plus, spelled, at most 10 + 7 per
+  character (a label: 1 + its class, length and characters at log2(alphabet <= 128);
+  by its parts only when cheaper), 16 (a type) or 5 (a count); the sum adds the zone's
+  price (<= the same log2). So <= (n + 3) x 2 x log2(N + 2 u) + 10 n + 7 L + 21, / 8.
+
+The scorer's clock never goes back (``TunnelScorer._time``): ``recompute`` takes the
+totals as they will be at ``now``, and a window later advanced to an earlier time would
+keep what the room no longer counts.
 """
 
 from __future__ import annotations
@@ -80,7 +88,12 @@ class Headroom:
         """True when a query of ``name`` and ``qtype`` cannot cross a limit (see above)."""
         length = len(name) + 1.0
         labels = name.count(".") + 1
-        bits = (labels + 3) * 2.0 * math.log2(self.largest) + 10.0 * labels + 7.0 * length + 21.0
+        # Each symbol priced adds at most 2 to its context's n + d: this query's own uses
+        # (count, labels, type, a hyphenated label's parts, the zone in the sum) raise
+        # the count the later ones are priced with.
+        uses = labels + name.count("-") + 4
+        escape = math.log2(self.largest + 2.0 * uses)
+        bits = (labels + 3) * 2.0 * escape + 10.0 * labels + 7.0 * length + 21.0
         fast, slow = self.fast, self.slow
         return (
             _fits(1.0, fast[SHAPED])
