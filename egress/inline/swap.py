@@ -146,6 +146,8 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
     are in place. An element expiring between listing and deleting fails the transaction
     (ENOENT); it is retried once with a fresh listing.
     """
+    if resolver.core.later:  # the old scorer's part of what it let go first, before it goes
+        resolver.perform(resolver.core.settle(time.time()))
     now = time.time()
     keep = resolver.justified(policy, now)
     # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,
@@ -161,8 +163,6 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
             except DatapathError as exc:
                 if attempt == 2 or "No such file or directory" not in str(exc):
                     raise
-    if resolver.core.later:  # the old scorer's part of what it let go first, before it goes
-        resolver.perform(resolver.core.settle(now))
     resolver.core.set_policy(policy)
     resolver.core.bindings.forget_inherited()  # their elements went with the swap
     resolver.core.scorer = scorer_for(policy.tunnel, time.time)

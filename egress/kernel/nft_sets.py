@@ -104,7 +104,8 @@ class NetlinkSets:
         poll = select.poll()
         poll.register(self._sock, event)
         if not poll.poll(SET_UPDATE_DEADLINE_S * 1000):
-            raise TimeoutError(errno.ETIMEDOUT, "nf_tables did not ack the set update in time")
+            what = "ack the set update" if event == select.POLLIN else "take the set update"
+            raise TimeoutError(errno.ETIMEDOUT, f"nf_tables did not {what} in time")
 
 
 _NETLINK_NETFILTER = 12

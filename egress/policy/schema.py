@@ -267,9 +267,9 @@ def _tunnel() -> Schema:
         for key, text in _TUNNEL_LIMITS.items()
     }
     return _obj(
-        "DNS tunnel detection: every query the rules allow is scored before it is forwarded;"
-        " a zone crossing a limit gets a verdict (see violations.tunnel). Leave a key out"
-        " for its default.",
+        "DNS tunnel detection: every query the rules allow is scored, and none that makes"
+        " a verdict is forwarded; a zone crossing a limit gets a verdict (see"
+        " violations.tunnel). Leave a key out for its default.",
         {
             "enabled": {
                 "type": "boolean",

@@ -215,33 +215,49 @@ class ResolverCore:
         """The scorer's part of what was answered or sent since the last call, in order:
         the queries ``can_defer`` let go upstream before their scoring, and the rcodes of
         answers. The shell calls it once it has sent what the core asked (off the answer's
-        path); ``on_query`` calls it first, so no query is judged before it. A query that
+        path); ``on_query`` calls it first, so no query is judged before it, and so do
+        ``on_upstream_reply`` and ``on_upstream_failure``, so none is answered. A query that
         makes a verdict here (``can_defer`` is a sound bound: none should) is reported,
-        and its answer refused."""
+        counted denied, and its answer refused; one whose scoring raises (a bug) is refused
+        too, and the error raised once the rest is settled, unless a violation was found."""
         later, self.later = self.later, []
         scorer = self.scorer
         out: list[Action] = []
         if scorer is None:
             return out
+        failed: Exception | None = None
         for q, name, code, rule in later:
-            if q is None:
-                scorer.observe_response(name, code)
+            try:
+                if q is None:
+                    scorer.observe_response(name, code)
+                    continue
+                finding = scorer.observe_query(name, code)
+            except Exception as exc:  # a bug; scored first, it would not have gone up
+                failed = failed or exc
+                if q is not None:
+                    self._withhold(q)  # fail closed, and settle the rest
                 continue
-            finding = scorer.observe_query(name, code)
             if finding is None:
                 continue
+            self._stats["allowed"] -= 1
             self._stats["denied"] += 1
             verdict = tunnel(q, finding, rule)
             out.append(Report(verdict.violation(q, layer=LAYER, policy=self.policy, at=now)))
-            token = self.inflight.get(q.key)
-            if token is not None:
-                self.pending[token].withheld = True
+            self._withhold(q)
+        # The shell counts a raised bug; a violation found beside it matters more.
+        if failed is not None and not out:
+            raise failed
         return out
 
+    def _withhold(self, q: wire.Query) -> None:
+        token = self.inflight.get(q.key)
+        if token is not None:
+            self.pending[token].withheld = True
+
     def on_query(self, data: bytes, client: object, tcp: bool, now: float) -> list[Action]:
-        if self.later:
+        if self.later:  # the query's own actions first: a Report must not hold up its send
             settled = self.settle(now)
-            return settled + self._on_query(data, client, tcp, now)
+            return self._on_query(data, client, tcp, now) + settled
         return self._on_query(data, client, tcp, now)
 
     def _on_query(self, data: bytes, client: object, tcp: bool, now: float) -> list[Action]:
@@ -336,6 +352,12 @@ class ResolverCore:
     # -- upstream ------------------------------------------------------------------------
 
     def on_upstream_reply(self, token: int, data: bytes, now: float) -> list[Action]:
+        if self.later:  # its query may be among them: withheld before it is answered
+            settled = self.settle(now)
+            return settled + self._on_upstream_reply(token, data, now)
+        return self._on_upstream_reply(token, data, now)
+
+    def _on_upstream_reply(self, token: int, data: bytes, now: float) -> list[Action]:
         p = self.pending.get(token)
         if p is None:
             return []  # late or duplicate: already answered
@@ -347,7 +369,7 @@ class ResolverCore:
             return []  # not the answer to our question: ignore it (spoofing, stale reply)
         if p.withheld:  # not asked again over TCP either
             self._finish(p)
-            return self._refuse_all(p, now, ViolationClass.TUNNEL)
+            return self._refuse_tunnel(p)
         if response.truncated and not p.tcp:
             p.tcp = True
             p.qid = self.randbits(16)
@@ -359,12 +381,18 @@ class ResolverCore:
 
     def on_upstream_failure(self, token: int, now: float) -> list[Action]:
         """The upstream timed out or failed: try the next one, else SERVFAIL."""
+        if self.later:  # its query may be among them: withheld before it is asked again
+            settled = self.settle(now)
+            return settled + self._on_upstream_failure(token, now)
+        return self._on_upstream_failure(token, now)
+
+    def _on_upstream_failure(self, token: int, now: float) -> list[Action]:
         p = self.pending.get(token)
         if p is None:
             return []
         if p.withheld:  # not asked of the next upstream
             self._finish(p)
-            return self._refuse_all(p, now, ViolationClass.TUNNEL)
+            return self._refuse_tunnel(p)
         if p.upstream + 1 < self.n_upstreams:
             p.upstream += 1
             p.tcp = False
@@ -529,6 +557,12 @@ class ResolverCore:
                 for w in p.waiters]  # fmt: skip
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _refuse_tunnel(self, p: Pending) -> list[Action]:
+        """What a query scored after its send, and found a tunnel, is answered: what it
+        would have been answered, scored first (``_decide``)."""
+        why = wire.ede_option(wire.EDE_BLOCKED, self._why(ViolationClass.TUNNEL, _WHY))
+        return [Reply(w.client, wire.error_reply(w.query, wire.REFUSED, why)) for w in p.waiters]
 
     def _servfail(self, q: wire.Query) -> bytes:
         return wire.error_reply(q, wire.SERVFAIL)

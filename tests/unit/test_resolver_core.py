@@ -583,9 +583,61 @@ def test_a_cleared_query_that_makes_a_verdict_is_reported_and_its_answer_refused
             actions = c.on_upstream_reply(fwd.token, bytes(answer.pack()), 0.0)
         assert not only(actions, Forward) and not only(actions, AllowThenReply), ending
         [reply] = only(actions, Reply)
-        msg = DNSRecord.parse(reply.data)
-        assert msg.header.rcode == wire.NXDOMAIN and msg.rr == [], ending
+        msg = DNSRecord.parse(reply.data)  # as if scored first (its EDE text: the query's)
+        assert msg.header.rcode == wire.REFUSED and msg.rr == [], ending
         assert not c.pending
+
+
+def test_a_cleared_query_counts_denied_once_its_verdict_is_found() -> None:
+    c = core()
+    c.scorer = FakeScorer(defer=True)  # type: ignore[assignment]
+    c.on_query(query("tunnel.cdn.test"), "c", False, 0.0)
+    assert (c.stats["allowed"], c.stats["denied"]) == (1, 0)
+    c.settle(0.0)
+    assert (c.stats["allowed"], c.stats["denied"]) == (0, 1)
+
+
+def test_a_cleared_query_whose_scoring_raises_is_refused_and_the_rest_settled() -> None:
+    class Broken(FakeScorer):
+        def observe_query(self, name: str, qtype: int) -> object | None:
+            if name == "broken.cdn.test":
+                raise RuntimeError("a bug")
+            return super().observe_query(name, qtype)
+
+    c = core()
+    scorer = Broken(defer=True)
+    c.scorer = scorer  # type: ignore[assignment]
+    [broken] = c.on_query(query("broken.cdn.test"), "c", False, 0.0)
+    c.later.append(c.later.pop())  # as the shell leaves it: then a second query, unsettled
+    c.later.append((None, "x.cdn.test", 3, None))
+    with pytest.raises(RuntimeError, match="a bug"):
+        c.settle(0.0)
+    assert scorer.responses == [("x.cdn.test", 3)]  # what came after it was settled
+    actions = c.on_upstream_reply(broken.token, upstream_answer(broken), 0.0)
+    [reply] = only(actions, Reply)
+    assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
+    assert not only(actions, AllowThenReply)
+
+
+@pytest.mark.parametrize("ending", ["answer", "timeout"])
+def test_a_cleared_query_the_shell_did_not_settle_is_settled_before_its_answer(
+    ending: str,
+) -> None:
+    """An exception between its send and the shell's settle: its answer (or its retry)
+    settles first, and the verdict found then still withholds it."""
+    c = core()
+    c.scorer = FakeScorer(defer=True)  # type: ignore[assignment]
+    [fwd] = c.on_query(query("tunnel.cdn.test"), "c", False, 0.0)
+    if ending == "timeout":
+        actions = c.on_upstream_failure(fwd.token, 0.0)
+    else:
+        rr = RR("tunnel.cdn.test", rdata=A("203.0.113.9"))
+        actions = c.on_upstream_reply(fwd.token, upstream_answer(fwd, rr), 0.0)
+    [report] = only(actions, Report)
+    assert report.violation.cls is ViolationClass.TUNNEL
+    assert not only(actions, AllowThenReply) and not only(actions, Forward)
+    [reply] = only(actions, Reply)
+    assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
 
 
 def test_a_tunnel_refusal_says_the_sandbox_is_frozen_when_it_is() -> None:
