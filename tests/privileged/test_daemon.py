@@ -28,7 +28,7 @@ from egress.lab import Lab
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
 from tests.support.egressd import START_S, Egressd, egressd, read_until
-from tests.support.netns import unique
+from tests.support.netns import strip_source_check, unique
 from tests.support.probes import dig, set_ips, wait_until
 from tests.support.sched import policies, tasks_under
 
@@ -851,6 +851,57 @@ def test_observer_layer_watches_attached_sandboxes_with_egressd_killed(
         assert freeze["layer"] == "observer" and freeze["latency_ms"] is not None
         print(f"observer froze the attached sandbox in {freeze['latency_ms']:.2f} ms")
         d.start()  # adopts it, so cleanup detaches it through the API
+
+
+# A flow that began from an address not the netns's own, as a container's inbound one did:
+# root sends from 198.51.100.7 (IP_TRANSPARENT) to the netns's address, over lo.
+FOREIGN_FLOW = """
+import socket
+b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); b.bind(("192.0.2.1", 0))
+a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); a.setsockopt(socket.SOL_IP, 19, 1)
+a.bind(("198.51.100.7", 4446)); a.sendto(b"x", b.getsockname())
+"""
+
+
+def foreign_entries(ns: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/nf_conntrack"],
+                         capture_output=True, text=True, check=True, timeout=30).stdout  # fmt: skip
+    return [line for line in out.splitlines() if "src=198.51.100.7 " in line]
+
+
+def test_an_attached_sandbox_made_before_the_source_check_gets_it_and_keeps_its_flows(
+    lab: Lab, state_dir: Path
+) -> None:
+    """An attached netns whose table an egress before the source check loaded: the adopter
+    renews its rules (the check back, the learned elements kept) and says so, but
+    forgets no conntrack entry, as it does for a sandbox it made: a container's inbound
+    flows began from addresses not its own, and forgetting them would cut them."""
+    with hand_made("ren") as (ns, cgroup), egressd(state_dir) as d:
+        body = {"netns": ns, "cgroup": cgroup.v2_path, "policy": policy("ren", "allowed.lab.test"),
+                "uplink_netns": lab.uplink_netns, "id": ns[-20:].replace(".", "-")}  # fmt: skip
+        box = d.client.call("POST", "/v1/sandboxes/attach", body)
+        try:
+            assert dig(ns, "allowed.lab.test") == NAMES["allowed.lab.test"]
+            learned = set_ips(ns)
+            assert learned
+            strip_source_check(ns)  # as such an egress left it
+            # Unanswered UDP is kept 30 s by default: long enough for this netns's whole test.
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                            "net.netfilter.nf_conntrack_udp_timeout=600"], check=True)  # fmt: skip
+            subprocess.run(["ip", "netns", "exec", ns, SYSTEM_PYTHON, "-c", FOREIGN_FLOW],
+                           check=True, timeout=30)  # fmt: skip
+            assert len(foreign_entries(ns)) == 1
+            d.stop()
+            d.start()  # adopts it
+            said = d.stderr()
+            assert f"sandbox {box['id']}: rules renewed (source check); flows begun" in said
+            with NftHandle.open(ns) as nft:
+                assert nft.chain_exists("inet", "egress", "spoofed_source")
+            assert set_ips(ns) == learned
+            assert len(foreign_entries(ns)) == 1
+            assert "forgotten" not in said
+        finally:
+            d.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
 def test_sandbox_exec_from_a_real_time_favoured_caller_starts_its_workload_normal(

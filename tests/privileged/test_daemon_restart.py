@@ -28,6 +28,7 @@ from egress.store.journal import Journal
 from tests.support import NOBODY, ROOT, SYSTEM_PYTHON
 from tests.support.dnsperf import dnsperf, figures
 from tests.support.egressd import Egressd, egressd
+from tests.support.netns import strip_source_check
 from tests.support.probes import dig, wait_until
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
@@ -298,17 +299,7 @@ def test_a_sandbox_made_before_the_source_check_gets_it_when_adopted(
     assert done.returncode == 0, done.stderr
     learned = allowed_keys(ns)
     assert learned
-    # As such an egress left it: no source check, no chain for it.
-    nft = ["ip", "netns", "exec", ns, "nft"]
-    listed = subprocess.run([*nft, "-a", "list", "chain", "inet", "egress", "output"],
-                            capture_output=True, text=True, check=True)  # fmt: skip
-    handles = [line.rsplit("# handle ", 1)[1] for line in listed.stdout.splitlines()
-               if "fib saddr" in line or "ip6 saddr ::" in line
-               or "oif \"lo\" tcp flags & rst == rst accept" in line]  # fmt: skip
-    assert len(handles) == 3, listed.stdout
-    older = "".join(f"delete rule inet egress output handle {h}\n" for h in handles)
-    older += "delete chain inet egress spoofed_source\n"
-    subprocess.run([*nft, "-f", "-"], input=older, text=True, check=True)
+    strip_source_check(ns)  # as such an egress left it
     with lab.socket(socket.AF_INET6, socket.SOCK_DGRAM, netns=lab.inet_netns) as server:
         server.bind(("2001:db8:80::10", 4445))
         server.setblocking(False)
