@@ -17,8 +17,10 @@ The bound, per window metric (``zone``: the fast and slow metrics):
 A query is safe when its bound is below the room in every metric. Totals only grow
 between bucket retirements, and each growth lowers ``room`` (``account``), so between
 recomputations ``room`` is exact or lower. Retired buckets lower the totals only, so a
-stale ``room`` errs low: ``recompute`` (when a bound fails after a bucket boundary) takes
-every window's totals as ``Ring.advance`` would leave them now, without changing them.
+stale ``room`` errs low: ``recompute`` (when a bound fails after a bucket boundary)
+advances every window to now, as a query to its zone would, and takes the totals it has.
+Room is only ever taken from totals a window holds, never from ones it will hold: a
+clock stepped back (windows ignore it) or forward changes nothing of the proof.
 
 What a new name adds (``ZoneState.add_unique``, ``TunnelScorer._account``), with
 L = len(name) + 1 and n = the labels:
@@ -29,16 +31,15 @@ L = len(name) + 1 and n = the labels:
 - information in new names, in bits (``vocab.new_name_bits``): each of the n + 2 symbols
   (count, labels, type) costs at most the zone's price or escape plus the sandbox's
   price or escape, each <= log2(n + d of its context when priced) <= log2(N + 2 u),
-  where N is the largest n + d of any context before the query and u the symbols it
-  prices (count, labels, type, a hyphenated label's parts, the zone: <= n + hyphens +
-  4; each adds at most 2 to its context's n + d); plus, spelled, at most 10 + 7 per
+  where N is the largest n + d of any context before the query and u bounds the uses
+  of any one context of one table in the query (each use adds at most 2 to that
+  context's n + d): a position context is used once per label at most, the token
+  context once per hyphenated part (<= hyphens + labels), count, type and zone once:
+  u = n + hyphens + 4 covers each; plus, spelled, at most 10 + 7 per
   character (a label: 1 + its class, length and characters at log2(alphabet <= 128);
   by its parts only when cheaper), 16 (a type) or 5 (a count); the sum adds the zone's
   price (<= the same log2). So <= (n + 3) x 2 x log2(N + 2 u) + 10 n + 7 L + 21, / 8.
 
-The scorer's clock never goes back (``TunnelScorer._time``): ``recompute`` takes the
-totals as they will be at ``now``, and a window later advanced to an earlier time would
-keep what the room no longer counts.
 """
 
 from __future__ import annotations
@@ -122,12 +123,13 @@ class Headroom:
 
     def recompute(self, now: float, states: list[tuple[ZoneState, Limits]]) -> None:
         """The least room over a zone not made yet and ``states`` (each with its limits),
-        from the totals their windows would have after ``advance(now)``."""
+        each advanced to ``now`` first (what a query to it would do)."""
         self.fast = list(self._new_fast)
         self.slow = list(self._new_slow)
         for state, limits in states:
-            _lower(self.fast, state.fast.totals_at(now), limits.fast_at[1])
-            _lower(self.slow, state.slow.totals_at(now), limits.slow_at[1])
+            state.advance(now)
+            _lower(self.fast, state.fast.totals, limits.fast_at[1])
+            _lower(self.slow, state.slow.totals, limits.slow_at[1])
         self._bucket = int(now // self._span)
 
 

@@ -71,22 +71,11 @@ class TunnelScorer:
         self._search = tuple("." + s for s in config.search_domains)
         self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale, whole=True)
         self._limits: dict[float, Limits] = {}  # per zone scale: a handful
-        self._latest = 0.0  # the latest time seen (``_time``)
         new_zone = limits(config, RULES, self._overrides.least_scale)
         self._room = Headroom(
             new_zone, config.window_s / FAST_BUCKETS, config.slow_window_s / SLOW_BUCKETS
         )
         self._room.account(self._all, self._all_limits, 1.0)
-
-    def _time(self) -> float:
-        """The clock, never going back: a wall clock stepped back would have a window keep
-        totals that ``Headroom.recompute`` already took as retired, and room it counted on
-        would be gone (windows ignore a step back; this makes the bound see time alike)."""
-        now = self._clock()
-        if now < self._latest:
-            return self._latest
-        self._latest = now
-        return now
 
     @property
     def verdicts(self) -> tuple[TunnelVerdict, ...]:
@@ -124,7 +113,7 @@ class TunnelScorer:
         room = self._room
         if room.safe(name, qtype):
             return True
-        now = self._time()
+        now = self._clock()
         if not room.stale(now):
             return False
         states = [(z, self._scaled(z.scale)) for z in self._zones.values()]
@@ -148,7 +137,7 @@ class TunnelScorer:
         state = self._state(f.zone)
         if state is None:
             return None  # exempt zone
-        now = self._time()
+        now = self._clock()
         state.advance(now)
         key = hash(f.folded) & M62  # cut once: machine integers from here (``native``)
         new = state.seen.add(key)
@@ -168,7 +157,7 @@ class TunnelScorer:
         zone = self._overrides.zone_of(self.scored_as(name))
         state = self._zones.get(zone) if zone else None
         if state is not None:
-            state.advance(self._time())
+            state.advance(self._clock())
             state.response(rcode)
 
     def _unexpanded(self, name: str) -> str:
