@@ -345,13 +345,23 @@ class ResolverServer:
 
     def handle_query(self, data: bytes, client: UdpClient | TcpClient, tcp: bool) -> None:
         """One query in; never raises: a bug must cost one answer, not the server."""
-        core = self.core
+        self.settle()
         try:
-            self.perform(core.on_query(data, client, tcp, time.time()))
-            if core.later:  # the scorer's part, once the query is upstream
-                self.perform(core.settle(time.time()))
+            self.perform(self.core.on_query(data, client, tcp, time.time()))
         except Exception as exc:  # the server outlives any single packet
             self._internal(exc)
+        self.settle()  # the scorer's part, once the query is upstream
+
+    def settle(self) -> None:
+        """The core's deferred work (``ResolverCore.settle``: the scoring of queries sent
+        first, answers' rcodes), done: after each send, and before each call into the
+        core, so that what it returns is that call's own. A bug in it costs no other work."""
+        core = self.core
+        if core.later:
+            try:
+                self.perform(core.settle(time.time()))
+            except Exception as exc:
+                self._internal(exc)
 
     def _internal(self, exc: Exception) -> None:
         self.internal_errors += 1
@@ -413,6 +423,7 @@ class ResolverServer:
             self._upstream_failed(token)
             return
         received = time.monotonic()
+        self.settle()
         try:
             actions = self.core.on_upstream_reply(token, data, time.time())
             pending = token in self.core.pending
@@ -422,8 +433,7 @@ class ResolverServer:
             if sent is not None:
                 self.upstream_latency.observe(received - sent)
             self.perform(actions)
-            if self.core.later:  # the scorer's part, once the answer is out
-                self.perform(self.core.settle(time.time()))
+            self.settle()  # the scorer's part, once the answer is out
             if not pending:
                 # Answered: this exchange's socket is closed and its reader and timer go
                 # after the set update and the reply (~20 us of syscalls off a miss's
@@ -437,6 +447,7 @@ class ResolverServer:
 
     def _upstream_failed(self, token: int) -> None:
         self._forget(token)
+        self.settle()
         try:
             self.perform(self.core.on_upstream_failure(token, time.time()))
         except Exception as exc:
@@ -465,11 +476,11 @@ class ResolverServer:
             self._upstream_failed(fwd.token)
             return
         self.upstream_latency.observe(time.monotonic() - sent)  # over TCP, connect included
+        self.settle()
         try:
             actions = self.core.on_upstream_reply(fwd.token, data, time.time())
             self.perform(actions)
-            if self.core.later:
-                self.perform(self.core.settle(time.time()))
+            self.settle()
         except Exception as exc:
             self._internal(exc)
             self._upstream_failed(fwd.token)  # still pending? then SERVFAIL

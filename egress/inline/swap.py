@@ -146,8 +146,7 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
     are in place. An element expiring between listing and deleting fails the transaction
     (ENOENT); it is retried once with a fresh listing.
     """
-    if resolver.core.later:  # the old scorer's part of what it let go first, before it goes
-        resolver.perform(resolver.core.settle(time.time()))
+    resolver.settle()  # the old scorer's part of what it let go first, before it goes
     now = time.time()
     keep = resolver.justified(policy, now)
     # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,

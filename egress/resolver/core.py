@@ -82,6 +82,7 @@ class Pending:
     upstream: int = 0
     tcp: bool = False
     withheld: bool = False  # scored after its send, it made a verdict: refuse the answer
+    unscored: bool = False  # scored after its send, its scoring raised: SERVFAIL
 
 
 REPLAY_MAX = 4096  # remembered queries (see replay)
@@ -130,6 +131,7 @@ class ResolverCore:
         # sent before its scoring (query, its rule), or an answer's rcode (None, name,
         # rcode).
         self.later: list[tuple[wire.Query | None, str, int, DnsRule | None]] = []
+        self.deferring = True  # off for good once a deferred scoring raised
         self.cache = Cache(cache_size)
         self.pending: dict[int, Pending] = {}
         self.inflight: dict[bytes, int] = {}
@@ -218,8 +220,9 @@ class ResolverCore:
         path); ``on_query`` calls it first, so no query is judged before it, and so do
         ``on_upstream_reply`` and ``on_upstream_failure``, so none is answered. A query that
         makes a verdict here (``can_defer`` is a sound bound: none should) is reported,
-        counted denied, and its answer refused; one whose scoring raises (a bug) is refused
-        too, and the error raised once the rest is settled, unless a violation was found."""
+        counted denied, and its answer refused; one whose scoring raises (a bug) gets
+        SERVFAIL, nothing is deferred from then on, and the error is raised once the rest
+        is settled, unless a violation was found."""
         later, self.later = self.later, []
         scorer = self.scorer
         out: list[Action] = []
@@ -234,8 +237,9 @@ class ResolverCore:
                 finding = scorer.observe_query(name, code)
             except Exception as exc:  # a bug; scored first, it would not have gone up
                 failed = failed or exc
+                self.deferring = False  # so a retry is scored first, and not sent
                 if q is not None:
-                    self._withhold(q)  # fail closed, and settle the rest
+                    self._withhold(q, unscored=True)  # fail closed, and settle the rest
                 continue
             if finding is None:
                 continue
@@ -249,10 +253,12 @@ class ResolverCore:
             raise failed
         return out
 
-    def _withhold(self, q: wire.Query) -> None:
+    def _withhold(self, q: wire.Query, unscored: bool = False) -> None:
         token = self.inflight.get(q.key)
         if token is not None:
-            self.pending[token].withheld = True
+            p = self.pending[token]
+            p.withheld = True
+            p.unscored = p.unscored or unscored
 
     def on_query(self, data: bytes, client: object, tcp: bool, now: float) -> list[Action]:
         if self.later:  # the query's own actions first: a Report must not hold up its send
@@ -302,7 +308,12 @@ class ResolverCore:
     def _decide(self, q: wire.Query, waiter: Waiter, now: float) -> list[Action]:
         scorer = self.scorer
         # Sent first and scored right after (settle), where no verdict can come of it.
-        later = scorer is not None and not self.audit and scorer.can_defer(q.qname, q.qtype)
+        later = (
+            scorer is not None
+            and self.deferring
+            and not self.audit
+            and scorer.can_defer(q.qname, q.qtype)
+        )
         verdict = judge(q, self.matcher, None if later else scorer)
         if self.audit:
             self.audit_log.name(q.qname, q.qtype, _verdict_text(verdict), now)
@@ -560,7 +571,11 @@ class ResolverCore:
 
     def _refuse_tunnel(self, p: Pending) -> list[Action]:
         """What a query scored after its send, and found a tunnel, is answered: what it
-        would have been answered, scored first (``_decide``)."""
+        would have been answered, scored first (``_decide``); SERVFAIL where its scoring
+        raised (scored first, it would have had no answer)."""
+        if p.unscored:
+            self._stats["servfail"] += len(p.waiters)
+            return [Reply(w.client, self._servfail(w.query)) for w in p.waiters]
         why = wire.ede_option(wire.EDE_BLOCKED, self._why(ViolationClass.TUNNEL, _WHY))
         return [Reply(w.client, wire.error_reply(w.query, wire.REFUSED, why)) for w in p.waiters]
 

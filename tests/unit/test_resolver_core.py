@@ -562,6 +562,10 @@ def test_a_query_the_scorer_clears_is_sent_first_and_scored_by_settle() -> None:
     c.on_query(query("b.cdn.test"), "c", False, 1.0)
     assert scorer.responses == [("allowed.test", 3)] and c.later
     assert c.settle(1.0) == [] and scorer.queries[-1] == ("b.cdn.test", 1)
+    # A verdict found so is reported after the query's own actions: its send goes first.
+    c.on_query(query("tunnel.cdn.test"), "c", False, 2.0)
+    actions = c.on_query(query("c.cdn.test"), "c", False, 2.0)
+    assert [type(a) for a in actions] == [Forward, Report]
 
 
 def test_a_cleared_query_that_makes_a_verdict_is_reported_and_its_answer_refused() -> None:
@@ -608,15 +612,18 @@ def test_a_cleared_query_whose_scoring_raises_is_refused_and_the_rest_settled() 
     scorer = Broken(defer=True)
     c.scorer = scorer  # type: ignore[assignment]
     [broken] = c.on_query(query("broken.cdn.test"), "c", False, 0.0)
-    c.later.append(c.later.pop())  # as the shell leaves it: then a second query, unsettled
-    c.later.append((None, "x.cdn.test", 3, None))
+    c.later.append((None, "x.cdn.test", 3, None))  # an answer's rcode, after it
     with pytest.raises(RuntimeError, match="a bug"):
         c.settle(0.0)
     assert scorer.responses == [("x.cdn.test", 3)]  # what came after it was settled
     actions = c.on_upstream_reply(broken.token, upstream_answer(broken), 0.0)
     [reply] = only(actions, Reply)
-    assert DNSRecord.parse(reply.data).header.rcode == wire.REFUSED
+    assert DNSRecord.parse(reply.data).header.rcode == wire.SERVFAIL
     assert not only(actions, AllowThenReply)
+    # Asked again, it is scored first (nothing is deferred any more): not sent.
+    assert not c.deferring
+    with pytest.raises(RuntimeError, match="a bug"):
+        c.on_query(query("broken.cdn.test"), "c", False, 1.0)
 
 
 @pytest.mark.parametrize("ending", ["answer", "timeout"])
