@@ -62,8 +62,8 @@ class UdpClient:
 def make_core(policy: Policy, upstream_count: int) -> ResolverCore:
     """The resolver core one sandbox is served with, in every wiring (run, egressd):
     random upstream IDs from the OS (``query_id_bits``), and the policy's tunnel scorer on
-    the wall clock."""
-    scorer = scorer_for(policy.tunnel, time.time)
+    the monotonic clock."""
+    scorer = scorer_for(policy.tunnel, time.monotonic)  # never steps: tunnel/headroom.py
     return ResolverCore(
         policy, upstream_count, query_id_bits, scorer=scorer, monotonic=time.monotonic
     )

@@ -164,7 +164,7 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
                     raise
     resolver.core.set_policy(policy)
     resolver.core.bindings.forget_inherited()  # their elements went with the swap
-    resolver.core.scorer = scorer_for(policy.tunnel, time.time)
+    resolver.core.scorer = scorer_for(policy.tunnel, time.monotonic)
     resolver.forget_unjustified(resolver.core.matcher)
     sb.policy = policy
     return removed

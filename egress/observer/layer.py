@@ -123,7 +123,7 @@ class Observer:
         self.cfg = cfg
         self.policy = cfg.policy
         self.matcher = Matcher(cfg.policy)
-        self.scorer = scorer_for(cfg.policy.tunnel, time.time)
+        self.scorer = scorer_for(cfg.policy.tunnel, time.monotonic)  # as the resolver's
         cgroup = cfg.open_cgroup()  # before the journal: a missing cgroup leaves nothing open
         self.owns_journal = journal is None
         self.journal = journal if journal is not None else Journal.open(cfg.state_dir)

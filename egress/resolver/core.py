@@ -237,7 +237,7 @@ class ResolverCore:
                 finding = scorer.observe_query(name, code)
             except Exception as exc:  # a bug; scored first, it would not have gone up
                 failed = failed or exc
-                self.deferring = False  # so a retry is scored first, and not sent
+                self.deferring = False  # a retry is scored first, as before deferral
                 if q is not None:
                     self._withhold(q, unscored=True)  # fail closed, and settle the rest
                 continue

@@ -17,10 +17,8 @@ The bound, per window metric (``zone``: the fast and slow metrics):
 A query is safe when its bound is below the room in every metric. Totals only grow
 between bucket retirements, and each growth lowers ``room`` (``account``), so between
 recomputations ``room`` is exact or lower. Retired buckets lower the totals only, so a
-stale ``room`` errs low: ``recompute`` (when a bound fails after a bucket boundary)
-advances every window to now, as a query to its zone would, and takes the totals it has.
-Room is only ever taken from totals a window holds, never from ones it will hold: a
-clock stepped back (windows ignore it) or forward changes nothing of the proof.
+stale ``room`` errs low: ``recompute`` (when a bound fails after a bucket boundary) takes
+every window's totals as ``Ring.advance`` would leave them now, without changing them.
 
 What a new name adds (``ZoneState.add_unique``, ``TunnelScorer._account``), with
 L = len(name) + 1 and n = the labels:
@@ -40,6 +38,13 @@ L = len(name) + 1 and n = the labels:
   by its parts only when cheaper), 16 (a type) or 5 (a count); the sum adds the zone's
   price (<= the same log2). So <= (n + 3) x 2 x log2(N + 2 u) + 10 n + 7 L + 21, / 8.
 
+The scorer's time never goes back (``TunnelScorer._time``): ``recompute`` takes the
+totals as they will be at ``now`` (``Ring.totals_at``), changing no window, and a window
+later advanced to an earlier time would keep what the room no longer counts. The shells
+run the scorer on ``time.monotonic``, which neither steps back nor glitches forward (a
+glitch would hold every window at its time until real time caught up); a verdict's
+moment in the journal is the resolver's wall clock. A scorer whose accounting raised
+defers nothing more (its windows may hold what its room does not).
 """
 
 from __future__ import annotations
@@ -123,13 +128,14 @@ class Headroom:
 
     def recompute(self, now: float, states: list[tuple[ZoneState, Limits]]) -> None:
         """The least room over a zone not made yet and ``states`` (each with its limits),
-        each advanced to ``now`` first (what a query to it would do)."""
-        self.fast = list(self._new_fast)
-        self.slow = list(self._new_slow)
+        from the totals their windows would have after ``advance(now)``; taken whole or
+        not at all."""
+        fast = list(self._new_fast)
+        slow = list(self._new_slow)
         for state, limits in states:
-            state.advance(now)
-            _lower(self.fast, state.fast.totals, limits.fast_at[1])
-            _lower(self.slow, state.slow.totals, limits.slow_at[1])
+            _lower(fast, state.fast.totals_at(now), limits.fast_at[1])
+            _lower(slow, state.slow.totals_at(now), limits.slow_at[1])
+        self.fast, self.slow = fast, slow
         self._bucket = int(now // self._span)
 
 

@@ -18,6 +18,7 @@ that is building up towards a verdict out of the table.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import islice
@@ -71,11 +72,23 @@ class TunnelScorer:
         self._search = tuple("." + s for s in config.search_domains)
         self._all_limits = limits(config, SANDBOX_RULES, config.sandbox_scale, whole=True)
         self._limits: dict[float, Limits] = {}  # per zone scale: a handful
+        self._latest = -math.inf  # the latest time seen (``_time``)
+        self._sound = True  # False once an accounting raised midway: nothing is deferred
         new_zone = limits(config, RULES, self._overrides.least_scale)
         self._room = Headroom(
             new_zone, config.window_s / FAST_BUCKETS, config.slow_window_s / SLOW_BUCKETS
         )
         self._room.account(self._all, self._all_limits, 1.0)
+
+    def _time(self) -> float:
+        """The clock, never going back: a wall clock stepped back would have a window keep
+        totals that ``Headroom.recompute`` already took as retired, and room it counted on
+        would be gone (windows ignore a step back; this makes the bound see time alike)."""
+        now = self._clock()
+        if now < self._latest:
+            return self._latest
+        self._latest = now
+        return now
 
     @property
     def verdicts(self) -> tuple[TunnelVerdict, ...]:
@@ -108,12 +121,12 @@ class TunnelScorer:
         been recomputed, at most once per bucket boundary."""
         if not self._spec.enabled:
             return True
-        if self._verdicts:
+        if self._verdicts or not self._sound:
             return False
         room = self._room
         if room.safe(name, qtype):
             return True
-        now = self._clock()
+        now = self._time()
         if not room.stale(now):
             return False
         states = [(z, self._scaled(z.scale)) for z in self._zones.values()]
@@ -137,14 +150,18 @@ class TunnelScorer:
         state = self._state(f.zone)
         if state is None:
             return None  # exempt zone
-        now = self._clock()
+        now = self._time()
         state.advance(now)
         key = hash(f.folded) & M62  # cut once: machine integers from here (``native``)
         new = state.seen.add(key)
         # The pair (name, type) too: a type is a choice the nameserver sees. A repeat of
         # both adds nothing to any window, so only something new can cross a limit.
         pair = state.seen.add(key ^ (qtype * _TYPE_SALT)) or new
-        crossings = self._account(state, f, qtype, now, new) if pair else None
+        crossings = None
+        if pair:
+            self._sound = False  # until the room has what the windows took
+            crossings = self._account(state, f, qtype, now, new)
+            self._sound = True
         if crossings:
             return self._decide(state, f, qtype, crossings, now)
         state.forwarded(f, qtype, new)
@@ -157,7 +174,7 @@ class TunnelScorer:
         zone = self._overrides.zone_of(self.scored_as(name))
         state = self._zones.get(zone) if zone else None
         if state is not None:
-            state.advance(self._clock())
+            state.advance(self._time())
             state.response(rcode)
 
     def _unexpanded(self, name: str) -> str:

@@ -25,7 +25,7 @@ class TunnelVerdict:
     zone: str  # registered domain
     name: str  # the query that tipped the balance (not forwarded)
     qtype: int
-    at: float  # clock time of the verdict
+    at: float  # the scorer's clock at the verdict (monotonic in the resolver and observer)
     score: float  # largest value/limit over the crossed rules (>= 1.0)
     reasons: tuple[Crossing, ...]
     queries_before: int  # queries under the zone forwarded before the verdict

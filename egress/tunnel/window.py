@@ -76,6 +76,23 @@ class Ring:
                 self._retire(self._head)
         self._slot = slot
 
+    def totals_at(self, now: float) -> list[float]:
+        """``totals`` as ``advance(now)`` would leave them, by the same float steps in the
+        same order; the ring itself unchanged (``headroom``: a look ahead)."""
+        steps = int(now // self._span) - self._slot
+        if steps <= 0 or self._slot < 0:
+            return list(self.totals)
+        if steps >= self.buckets:
+            return [0.0] * self.width
+        totals = list(self.totals)
+        cells, width, head = self.cells, self.width, self._head
+        for _ in range(steps):
+            head = (head + 1) % self.buckets
+            base = head * width
+            for m in range(width):
+                totals[m] -= cells[base + m]
+        return totals
+
     def add(self, metric: int, value: float) -> None:
         self.current[metric] += value
         self.totals[metric] += value

@@ -8,9 +8,13 @@ nothing."""
 
 from __future__ import annotations
 
+import os
 import random
 import string
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +22,7 @@ from hypothesis import strategies as st
 
 from egress.model import TunnelSpec, TunnelZoneOverride
 from egress.tunnel import TunnelScorer
+from egress.tunnel.window import Ring
 
 # Small limits: a few names in a zone, or over all zones, cross them.
 SMALL = replace(
@@ -174,8 +179,7 @@ def test_many_zones_add_up_over_the_sum() -> None:
 def test_a_clock_stepped_back_does_not_bring_back_retired_totals() -> None:
     """The room recomputed at a bucket boundary counts one zone's old text as retired; the
     wall clock then steps back across that boundary, and the zone's next name must not be
-    cleared on room that is not there (found in review: with room taken from the totals
-    a window would hold at the boundary, not from ones it held, it was, then crossed)."""
+    cleared on room that is not there (found in review: it was, then crossed)."""
     spec = replace(OUT_OF_REACH, text_bytes=100)
     clock = Clock()
     scorer = TunnelScorer(spec, clock)
@@ -210,3 +214,46 @@ def test_a_verdict_stops_all_deferral() -> None:
             break
     assert scorer.verdicts
     assert not scorer.can_defer("www.example.com", 1)
+
+
+def test_totals_at_looks_ahead_as_advance_goes() -> None:
+    ring = Ring(10.0, 10, 2)
+    rng = random.Random(3)
+    now = 0.0
+    for _ in range(400):
+        now += rng.choice([0.0, 0.3, 1.0, 2.5, 7.0, 12.0])
+        ahead = ring.totals_at(now)
+        ring.advance(now)
+        assert ahead == ring.totals  # the same floats, not only close ones
+        ring.add(rng.randrange(2), rng.random() * 100)
+
+
+# Sources (a compiled class takes no patch): the zone's crossing check raises once, after
+# the windows took the name and before the room did.
+BROKEN_ACCOUNTING = """
+from dataclasses import replace
+from egress.model import TunnelSpec
+from egress.tunnel import TunnelScorer, zone
+spec = replace(TunnelSpec(), text_bytes=200)
+scorer = TunnelScorer(spec, lambda: 1000.0)
+assert scorer.observe_query("a" * 40 + ".example.com", 1) is None
+crossings = zone.ZoneState.crossings
+def broken(self, spec, limits):
+    zone.ZoneState.crossings = crossings
+    raise RuntimeError("a bug")
+zone.ZoneState.crossings = broken
+try:
+    scorer.observe_query("b" * 60 + ".example.com", 1)
+except RuntimeError:
+    pass
+print(scorer.can_defer("c" * 63 + ".example.com", 1), scorer.can_defer("x.example.com", 1))
+"""
+
+
+def test_a_scorer_whose_accounting_raised_defers_nothing_more() -> None:
+    """Its windows may hold a name its room never took: no bound holds after that."""
+    env = {**os.environ, "EGRESS_NATIVE": "0", "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run([sys.executable, "-c", BROKEN_ACCOUNTING], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
