@@ -9,7 +9,7 @@ is the same, only its moment moves. Otherwise it scores first, as before.
 The bound, per window metric (``zone``: the fast and slow metrics):
 - the most a query of ``name`` and ``qtype`` could add to any zone's window or to the sum
   over all zones, from its length, its label count, its type and ``vocab``'s largest
-  count, without parsing it (``bound``);
+  count, without parsing it (``safe``);
 - ``room``: at most the least, over every zone's windows and the sum's, of the value at
   which a limit is crossed minus the window's total (totals clamped at 0, as
   ``ZoneState.crossings`` clamps them), with NXDOMAIN halving always applied, and a zone
