@@ -29,7 +29,7 @@ from tests.support import NOBODY, ROOT, SYSTEM_PYTHON
 from tests.support.dnsperf import dnsperf, figures
 from tests.support.egressd import Egressd, egressd
 from tests.support.netns import strip_source_check
-from tests.support.probes import dig, wait_until
+from tests.support.probes import dig, drain, wait_until
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -306,12 +306,12 @@ def test_a_sandbox_made_before_the_source_check_gets_it_when_adopted(
         proc = subprocess.Popen([*exec_argv, SPOOFED_FLOW], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:
-            assert wait_until(lambda: drained(server) > 0, 10)  # the hole, as it was
+            assert wait_until(lambda: drain(server) > 0, 10)  # the hole, as it was
             old = replace(daemon)
             assert old.wait(timeout=10) == 0
             assert f"sandbox {made['id']}: rules renewed (source check)" in daemon.stderr()
             assert allowed_keys(ns) == learned
-            drained(server)  # what left before the renewal
+            drain(server)  # what left before the renewal
             assert wait_until(cg.is_frozen), daemon.stderr()
             daemon.client.call("POST", f"/v1/sandboxes/{made['id']}/kill", {})
             proc.communicate(timeout=30)
@@ -319,21 +319,10 @@ def test_a_sandbox_made_before_the_source_check_gets_it_when_adopted(
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=30)
-        assert drained(server) == 0
+        assert drain(server) == 0
     with Journal.open(daemon.state) as j:
         classes = {v["class"] for v in j.violations(made["id"])}
     assert classes == {"blocked_connect"}
-
-
-def drained(server: socket.socket) -> int:
-    """How many datagrams were waiting, all read."""
-    n = 0
-    while True:
-        try:
-            server.recvfrom(100)
-        except BlockingIOError:
-            return n
-        n += 1
 
 
 # test_freeze's agent's "spoof-reply", kept up: a reply every 20 ms while it passes.

@@ -37,6 +37,7 @@ from egress.resolver import wire
 from egress.resolver.core import ResolverCore
 from egress.store.paths import read_template
 from tests.support.netns import scratch_netns
+from tests.support.probes import drain
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
@@ -308,16 +309,6 @@ async def fuzz(server: ResolverServer, ns: str, rng: random.Random) -> tuple[int
         client.close()
         canary_sock.close()
     return sent, replies
-
-
-def drain(sock: socket.socket) -> int:
-    n = 0
-    while True:
-        try:
-            sock.recv(65535)
-        except BlockingIOError:
-            return n
-        n += 1
 
 
 def test_the_resolver_survives_100k_fuzzed_packets(fuzz_netns: str) -> None:

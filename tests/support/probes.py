@@ -3,6 +3,7 @@ condition (frozen, journaled, a line in a log) rather than sleeping and hoping."
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -33,3 +34,14 @@ def wait_until(condition: Callable[[], object], seconds: float = 10.0) -> bool:
             return True
         time.sleep(POLL_S)
     return bool(condition())
+
+
+def drain(sock: socket.socket) -> int:
+    """How many datagrams were waiting on non-blocking ``sock``, all read."""
+    n = 0
+    while True:
+        try:
+            sock.recv(65535)
+        except BlockingIOError:
+            return n
+        n += 1
