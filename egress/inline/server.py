@@ -24,6 +24,7 @@ from egress.errors import EgressError
 from egress.inline.sets import SetStats, SetWriter
 from egress.inline.tcp_front import TcpClient, TcpFront
 from egress.inline.upstream import (
+    REFILL_STEP,
     Latencies,
     UpstreamPool,
     query_id_bits,
@@ -408,8 +409,12 @@ class ResolverServer:
             self._sent_at = {t: at for t, at in self._sent_at.items() if t in self._waiting}
 
     def _refill_pool(self) -> None:
+        """One step of a top-up, then the next on the loop's next turn, after whatever
+        I/O is ready by then (asyncio runs the handles queued before a turn's select
+        first, the readers it found after)."""
         self._refill = None
-        self.pool.refill()
+        if self.pool.refill(REFILL_STEP) and self._loop is not None:
+            self._refill = self._loop.call_soon(self._refill_pool)
 
     def _upstream_readable(self, token: int) -> None:
         waiting = self._waiting.get(token)
@@ -462,8 +467,9 @@ class ResolverServer:
         if self._loop is not None:
             self._loop.remove_reader(sock.fileno())
             if self._refill is None:
-                # The pool is topped up after this answer went out (a batch, now and then),
-                # not between a question's send and its answer.
+                # The pool is topped up after this answer went out, a few sockets a turn
+                # of the loop (_refill_pool), now and then: what arrives meanwhile waits
+                # for one step at most.
                 self._refill = self._loop.call_soon(self._refill_pool)
         sock.close()
 

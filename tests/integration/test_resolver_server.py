@@ -393,3 +393,58 @@ def test_queries_upstream_are_capped_per_sandbox(loop_kind: str) -> None:
             transport.close()
 
     run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_the_pool_is_topped_up_a_step_a_turn_and_queries_are_served_in_between(
+    loop_kind: str,
+) -> None:
+    """After an answer that left the upstream supply low, the server makes REFILL_STEP
+    sockets a turn of its loop until it is full, not all at once: a hit asked right after
+    that answer is answered before the top-up ends."""
+    from egress.inline import upstream
+    from egress.inline.upstream import REFILL_STEP, SUPPLY_LOW, SUPPLY_SIZE
+
+    nft = FakeNft()
+
+    async def main() -> None:
+        server, _, transport = await serving(nft)
+        [supply] = upstream._supplies.values()
+        taken = [supply.take() for _ in range(SUPPLY_SIZE)]  # the next query makes its own
+        made: list[int] = []
+        make = supply.make
+
+        def counted(count: int) -> None:
+            made.append(count)
+            make(count)
+
+        supply.make = counted  # type: ignore[method-assign]
+        client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        client.setblocking(False)
+        try:
+            udp, _ = server.addresses
+            loop = asyncio.get_running_loop()
+            # A miss: it makes TAKE_BATCH on its path and takes one, leaving fewer than
+            # SUPPLY_LOW, so its answer starts a top-up of SUPPLY_SIZE - 3 (8 steps).
+            # Awaited as they are: wait_for's own task would take turns of the loop.
+            async with asyncio.timeout(5):
+                client.sendto(wire.build_query(1, "allowed.test", 1), udp)
+                miss = DNSRecord.parse(await loop.sock_recv(client, 512))
+                assert miss.header.id == 1 and SUPPLY_LOW > 3
+                client.sendto(wire.build_query(2, "allowed.test", 1), udp)  # now a hit
+                hit = DNSRecord.parse(await loop.sock_recv(client, 512))
+            during = len(supply.ready)  # here 23: 3 + 5 steps
+            assert hit.header.id == 2 and server.core.stats["cache_hits"] == 1
+            await until(lambda: len(supply.ready) == SUPPLY_SIZE)
+            assert during < SUPPLY_SIZE, "the top-up ended before the hit was answered"
+            assert made[0] <= REFILL_STEP  # the miss's own, made on its path
+            assert max(made[1:]) <= REFILL_STEP and len(made) > 2
+            assert server.internal_errors == 0
+        finally:
+            client.close()
+            for s in taken:
+                s.close()
+            await server.close()
+            transport.close()
+
+    run(loop_kind, main)

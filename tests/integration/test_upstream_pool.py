@@ -7,13 +7,14 @@ upstream and mark, made in batches), and that nothing outlives the last pool.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
 
 from egress.errors import EgressError, UpstreamError
 from egress.inline import upstream
-from egress.inline.upstream import SUPPLY_LOW, SUPPLY_SIZE, UpstreamPool
+from egress.inline.upstream import REFILL_STEP, SUPPLY_LOW, SUPPLY_SIZE, UpstreamPool
 
 UP_A = ("127.0.0.1", 5301)
 UP_B = ("127.0.0.1", 5302)
@@ -62,6 +63,53 @@ def test_pools_of_one_upstream_share_a_supply_made_in_batches() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_top_up_in_steps_goes_on_from_the_low_mark_until_the_supply_is_full() -> None:
+    pool = UpstreamPool([UP_A], None)
+    try:
+        assert pool.refill() is False  # full at once: nothing more to make
+        [supply] = upstream._supplies.values()
+        taken = [pool.take(0) for _ in range(SUPPLY_SIZE - SUPPLY_LOW)]
+        assert pool.refill(REFILL_STEP) is False and len(supply.ready) == SUPPLY_LOW
+        taken.append(pool.take(0))  # below the low mark: a top-up starts
+        sizes = [len(supply.ready)]
+        while pool.refill(REFILL_STEP):
+            sizes.append(len(supply.ready))
+        sizes.append(len(supply.ready))
+        # Each step made REFILL_STEP (the last one what was left), above the low mark too,
+        # until full; then it stops.
+        assert sizes[-1] == SUPPLY_SIZE
+        assert all(0 < b - a <= REFILL_STEP for a, b in itertools.pairwise(sizes))
+        assert len(sizes) - 1 == -(-(SUPPLY_SIZE - SUPPLY_LOW + 1) // REFILL_STEP)
+        assert pool.refill(REFILL_STEP) is False and len(supply.ready) == SUPPLY_SIZE
+        for s in taken:
+            s.close()
+    finally:
+        pool.close()
+
+
+def test_a_top_up_whose_batch_fails_stops_rather_than_trying_again_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server would otherwise run the failing step again on every turn of its loop."""
+    pool = UpstreamPool([UP_A], None)
+    try:
+        pool.refill()
+        [supply] = upstream._supplies.values()
+        taken = [pool.take(0) for _ in range(SUPPLY_SIZE)]
+
+        def fails(count: int) -> None:
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(supply, "make", fails)
+        assert pool.refill(REFILL_STEP) is False and not supply.filling
+        monkeypatch.undo()
+        assert pool.refill(REFILL_STEP) is True  # the next answer's top-up starts again
+        for s in taken:
+            s.close()
+    finally:
+        pool.close()
 
 
 def test_the_last_pool_out_closes_the_ready_sockets() -> None:
