@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
-import gc
 import hashlib
 import os
 import signal
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from egress.collect import Collector
 from egress.datapath import constants as c
 from egress.datapath.render import Sidecar, queue_rule, reload_rules, render_sandbox
 from egress.errors import DatapathError, EgressError, SandboxError, UpstreamError
@@ -346,6 +346,7 @@ async def _serve(
     if not sb.cgroup.bound:  # found later: the journal follows, for resume and kill
         sb.cgroup.on_bind = lambda cg: _record_cgroup(journal, sb.id, cg)
     session = resolver = None
+    collector = Collector(asyncio.get_running_loop())
     try:
         session, resolver = wiring.make(
             sb, journal, cfg.review_hint, cfg.upstreams, None, mark=c.SIDECAR_MARK
@@ -356,8 +357,11 @@ async def _serve(
             # still connects under an allowed name (Bindings.inherit).
             resolver.seed_expiry()
         await resolver.start()
-        gc.freeze()  # start-up's objects out of the collector's walks (run/runner.py)
+        # Start-up's objects frozen, and from now on what lives, every second; short
+        # automatic collections only (egress/collect.py).
+        collector.start()
     except BaseException:
+        collector.close()
         await wiring.stop(session, None)
         if cfg.remove_on_exit or how == "loaded":  # nothing of ours stays behind
             _remove_rules(sb)
@@ -375,6 +379,7 @@ async def _serve(
     try:
         await stop.wait()
     finally:
+        collector.close()
         if cfg.ready_file is not None:
             with contextlib.suppress(OSError):
                 cfg.ready_file.unlink()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import secrets
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from egress.collect import Collector
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools
 from egress.errors import EgressError, SandboxError, Stopped, UsageError
@@ -263,12 +263,14 @@ async def _serve(
     loop.add_reader(observer_fd, observer_gone)
     watcher: asyncio.Task[None] | None = None
     the_view: view.View | None = None
+    collector = Collector(loop)
     try:
         await resolver.start()
         # What start-up made (the policy, the compiled matcher, imports) lives as long as
-        # the run: out of the collector's sight, so a collection while a flow or query
-        # waits walks only what serving makes.
-        gc.freeze()
+        # the run: out of the collector's sight, and what serving keeps (cache entries)
+        # every second from now on, so a collection while a flow or query waits walks
+        # only what was made since; short automatic collections only (egress/collect.py).
+        collector.start()
         watcher = loop.create_task(session.watch_frozen())
         procs = sb.cgroup.procs_files
         the_view = view.prepare(sb.id, sb.netns, who, plan.workdir, opts.binds)
@@ -279,6 +281,7 @@ async def _serve(
         result.exit_code = await wait_for_exit(proc.pid, session, signal_to=proc.init_pid)
         proc.popen.returncode = result.exit_code  # reaped already; keep Popen from it
     finally:
+        collector.close()
         if the_view is not None:
             the_view.close()
         session.stopping = True

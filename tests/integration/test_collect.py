@@ -58,7 +58,9 @@ class Clock:
 @pytest.fixture(autouse=True)
 def unfrozen() -> Iterator[None]:
     gc.disable()  # no automatic collection between a cycle's making and its freezing
+    thresholds = gc.get_threshold()  # a collector started and never closed changed them
     yield
+    gc.set_threshold(*thresholds)
     gc.enable()
     gc.unfreeze()  # the rest of the suite's garbage is collected as usual
     gc.collect()
@@ -198,7 +200,7 @@ def test_without_freezing_the_frozen_stay_frozen_and_no_automatic_full_collectio
     frozen = gc.get_freeze_count()
     try:
         c.start()
-        assert gc.get_threshold() == (before[0], before[1], collect._NEVER)
+        assert gc.get_threshold() == (before[0], collect.GEN1_EVERY, collect._NEVER)
         made = Node()
         made_ref = weakref.ref(made)
         del made
@@ -208,5 +210,35 @@ def test_without_freezing_the_frozen_stay_frozen_and_no_automatic_full_collectio
         assert c.collections == 1 and made_ref() is None
         assert gone() is not None and gc.get_freeze_count() == frozen
     finally:
+        c.close()
+    assert gc.get_threshold() == before
+
+
+def test_once_started_the_automatic_collections_stay_short_until_close() -> None:
+    """No automatic full collection, and the middle generation collected at every other
+    young one, so each walks two young generations' survivors, not ten (the module doc);
+    close puts the thresholds back."""
+    clock = Clock()
+    c = collector(clock)
+    before = gc.get_threshold()
+    generations: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            generations.append(info["generation"])
+
+    c.start()
+    gc.callbacks.append(seen)
+    gc.enable()  # the fixture's gc.disable() kept the automatic ones out of other tests
+    try:
+        assert gc.get_threshold() == (before[0], collect.GEN1_EVERY, collect._NEVER)
+        kept = [[i] for i in range(50 * before[0])]  # survivors: they go up the generations
+        assert len(generations) >= 40
+        assert 2 not in generations
+        assert generations.count(1) >= len(generations) // 3
+        del kept
+    finally:
+        gc.disable()
+        gc.callbacks.remove(seen)
         c.close()
     assert gc.get_threshold() == before
