@@ -24,7 +24,6 @@ from egress.errors import EgressError
 from egress.inline.sets import SetStats, SetWriter
 from egress.inline.tcp_front import TcpClient, TcpFront
 from egress.inline.upstream import (
-    REFILL_STEP,
     Latencies,
     UpstreamPool,
     query_id_bits,
@@ -108,7 +107,6 @@ class ResolverServer:
         self._accepting = False  # the listening socket is being read now
         self._tasks: set[asyncio.Task[None]] = set()
         self._waiting: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
-        self._refill: asyncio.Handle | None = None
         # Fairness: one bucket per sandbox (spec.dns.rate_limit), on the monotonic clock. Its
         # rate is read from core.policy (see _tokens), so a policy swap changes it too.
         self.rate_limited = 0  # queries dropped for being over the limit
@@ -145,7 +143,7 @@ class ResolverServer:
                 tcp.listen(128)
             udp.setblocking(False)
             tcp.setblocking(False)
-            self.pool.refill()
+            self.pool.top_up(loop)  # a step a turn, if low: other sandboxes share it
             self.writer.open()
         except BaseException:
             udp.close()
@@ -218,10 +216,8 @@ class ResolverServer:
             self._tcp.close()
         for token in list(self._waiting):
             self._forget(token)
-        # Before the wait below, in which a refill _forget scheduled would make a batch
-        # only to close it (TCP exchanges use no pooled socket).
-        if self._refill is not None:
-            self._refill.cancel()
+        # Before the wait below (TCP exchanges use no pooled socket): the last pool out
+        # of a supply ends its top-up, if one is under way.
         self.pool.close()
         for task in list(self._tasks):
             task.cancel()
@@ -408,14 +404,6 @@ class ResolverServer:
             # Exchanges that failed (timeout, ICMP error) left theirs: keep the live ones.
             self._sent_at = {t: at for t, at in self._sent_at.items() if t in self._waiting}
 
-    def _refill_pool(self) -> None:
-        """One step of a top-up, then the next on the loop's next turn, after whatever
-        I/O is ready by then (asyncio runs the handles queued before a turn's select
-        first, the readers it found after)."""
-        self._refill = None
-        if self.pool.refill(REFILL_STEP) and self._loop is not None:
-            self._refill = self._loop.call_soon(self._refill_pool)
-
     def _upstream_readable(self, token: int) -> None:
         waiting = self._waiting.get(token)
         if waiting is None:
@@ -466,11 +454,9 @@ class ResolverServer:
         timer.cancel()
         if self._loop is not None:
             self._loop.remove_reader(sock.fileno())
-            if self._refill is None:
-                # The pool is topped up after this answer went out, a few sockets a turn
-                # of the loop (_refill_pool), now and then: what arrives meanwhile waits
-                # for one step at most.
-                self._refill = self._loop.call_soon(self._refill_pool)
+            # Topped up once this answer went out, when low, a few sockets a turn of the
+            # loop (Supply.top_up): what arrives meanwhile waits for one step at most.
+            self.pool.top_up(self._loop)
         sock.close()
 
     async def _forward_tcp(self, fwd: Forward) -> None:

@@ -77,10 +77,11 @@ SupplyKey = tuple[str | None, int, str, int, int | None]
 SUPPLY_LOW = 8  # fewer ready than this: topped up to SUPPLY_SIZE, between queries
 SUPPLY_SIZE = 32
 TAKE_BATCH = 4  # none ready when a query needs one: made on its path, this many at once
-# A server tops its supply up this many at a time, one step per turn of its loop, so a
-# query or answer that arrives meanwhile waits for one step (~50 us here), not for the
-# whole top-up: 24 sockets at once took 0.43-0.69 ms of egressctl run's loop, and the
-# next cache miss waited behind it (bench_deployed, 1 miss in 24).
+# A supply is topped up this many at a time, one step per turn of the loop that asked
+# for it (however many servers share it), so a query or answer that arrives meanwhile
+# waits for one step (~50 us here), not for the whole top-up: 24 sockets at once took
+# 0.43-0.69 ms of egressctl run's loop, and the next cache miss waited behind it
+# (bench_deployed, 1 miss in 24).
 REFILL_STEP = 4
 
 
@@ -101,6 +102,7 @@ class Supply:
         self.closed = False
         self.filling = False  # fell below SUPPLY_LOW, not yet back up to SUPPLY_SIZE
         self._netns_fd = netns_fd
+        self._step: asyncio.Handle | None = None  # the top-up's next step (top_up)
 
     def take(self) -> socket.socket:
         while True:
@@ -126,6 +128,20 @@ class Supply:
             return False
         self.filling = len(self.ready) < SUPPLY_SIZE
         return self.filling
+
+    def top_up(self, loop: asyncio.AbstractEventLoop) -> None:
+        """If the supply is low and no top-up is under way, one on ``loop``: REFILL_STEP
+        sockets a turn, after whatever I/O that turn found ready (asyncio runs the handles
+        queued before a turn's select first, the readers it found after), until it is
+        full or a batch fails. One at a time per supply: egressd's sandboxes share one."""
+        low = self.filling or len(self.ready) < SUPPLY_LOW
+        if low and self._step is None and not self.closed:
+            self._step = loop.call_soon(self._top_up_step, loop)
+
+    def _top_up_step(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._step = None
+        if self.refill(REFILL_STEP) and not self.closed:
+            self._step = loop.call_soon(self._top_up_step, loop)
 
     def make(self, count: int) -> None:
         netns, _, host, port, mark = self.key
@@ -155,6 +171,9 @@ class Supply:
             self.closed = True
             ready, self.ready = self.ready, []
             fd, self._netns_fd = self._netns_fd, None
+            step, self._step = self._step, None
+        if step is not None:
+            step.cancel()
         for sock in ready:
             sock.close()
         if fd is not None:
@@ -236,13 +255,19 @@ class UpstreamPool:
         return self._open()[index].take()
 
     def refill(self, most: int = SUPPLY_SIZE) -> bool:
-        """Top each supply up (Supply.refill). True: one is still short."""
+        """Top each supply up (Supply.refill), now. True: one is still short."""
         if self._closed:
             return False
         short = False
         for supply in self._open():
             short = supply.refill(most) or short
         return short
+
+    def top_up(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Each supply topped up a step a turn of ``loop`` if it is low (Supply.top_up)."""
+        if not self._closed:
+            for supply in self._open():
+                supply.top_up(loop)
 
     def close(self) -> None:
         self._closed = True

@@ -396,55 +396,82 @@ def test_queries_upstream_are_capped_per_sandbox(loop_kind: str) -> None:
 
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
-def test_the_pool_is_topped_up_a_step_a_turn_and_queries_are_served_in_between(
+def test_a_low_supply_is_topped_up_a_step_a_turn_once_however_many_servers_share_it(
     loop_kind: str,
 ) -> None:
-    """After an answer that left the upstream supply low, the server makes REFILL_STEP
-    sockets a turn of its loop until it is full, not all at once: a hit asked right after
-    that answer is answered before the top-up ends."""
+    """After answers that left the shared upstream supply low, REFILL_STEP sockets are
+    made a turn of the loop until it is full: one top-up for the supply, not one per
+    server (egressd's sandboxes share it), and not all at once. A hit asked right after
+    an answer is answered before the top-up ends. The last server out ends a top-up."""
     from egress.inline import upstream
     from egress.inline.upstream import REFILL_STEP, SUPPLY_LOW, SUPPLY_SIZE
 
     nft = FakeNft()
 
     async def main() -> None:
-        server, _, transport = await serving(nft)
-        [supply] = upstream._supplies.values()
+        loop = asyncio.get_running_loop()
+        one, _, transport = await serving(nft)
+        two = ResolverServer(
+            core=ResolverCore(one.core.policy, 1, random.Random(4).getrandbits),
+            upstreams=one.pool.upstreams, nft=nft, on_violation=lambda v: None,  # type: ignore[arg-type]
+            listen_netns=None, upstream_netns=None, listen_addr="127.0.0.1", port=0,
+            timeout_s=0.3,
+        )  # fmt: skip
+        await two.start()
+        [supply] = upstream._supplies.values()  # the two servers' one supply
+        await until(lambda: len(supply.ready) == SUPPLY_SIZE and supply._step is None)
         taken = [supply.take() for _ in range(SUPPLY_SIZE)]  # the next query makes its own
-        made: list[int] = []
+        events: list[str] = []  # "make N", and "|" at each turn of the loop
         make = supply.make
 
         def counted(count: int) -> None:
-            made.append(count)
+            events.append(f"make {count}")
             make(count)
 
+        def turn() -> None:
+            events.append("|")
+            marker[0] = loop.call_soon(turn)
+
         supply.make = counted  # type: ignore[method-assign]
+        marker = [loop.call_soon(turn)]
         client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         client.setblocking(False)
         try:
-            udp, _ = server.addresses
-            loop = asyncio.get_running_loop()
-            # A miss: it makes TAKE_BATCH on its path and takes one, leaving fewer than
-            # SUPPLY_LOW, so its answer starts a top-up of SUPPLY_SIZE - 3 (8 steps).
             # Awaited as they are: wait_for's own task would take turns of the loop.
             async with asyncio.timeout(5):
-                client.sendto(wire.build_query(1, "allowed.test", 1), udp)
-                miss = DNSRecord.parse(await loop.sock_recv(client, 512))
-                assert miss.header.id == 1 and SUPPLY_LOW > 3
-                client.sendto(wire.build_query(2, "allowed.test", 1), udp)  # now a hit
+                # Two misses, one to each server, at once: each makes TAKE_BATCH on its
+                # path (the supply is empty), so both answers find it low.
+                client.sendto(wire.build_query(1, "allowed.test", 1), one.addresses[0])
+                client.sendto(wire.build_query(2, "allowed.test", 1), two.addresses[0])
+                ids = {DNSRecord.parse(await loop.sock_recv(client, 512)).header.id
+                       for _ in range(2)}  # fmt: skip
+                assert ids == {1, 2} and SUPPLY_LOW > 2
+                client.sendto(wire.build_query(3, "allowed.test", 1), one.addresses[0])
                 hit = DNSRecord.parse(await loop.sock_recv(client, 512))
-            during = len(supply.ready)  # here 23: 3 + 5 steps
-            assert hit.header.id == 2 and server.core.stats["cache_hits"] == 1
-            await until(lambda: len(supply.ready) == SUPPLY_SIZE)
+            during = len(supply.ready)
+            assert hit.header.id == 3 and one.core.stats["cache_hits"] == 1
+            await until(lambda: len(supply.ready) == SUPPLY_SIZE and supply._step is None)
             assert during < SUPPLY_SIZE, "the top-up ended before the hit was answered"
-            assert made[0] <= REFILL_STEP  # the miss's own, made on its path
-            assert max(made[1:]) <= REFILL_STEP and len(made) > 2
-            assert server.internal_errors == 0
+            steps = [e for e in "".join(e if e == "|" else "m" for e in events).split("|") if e]
+            assert steps and max(len(s) for s in steps) == 1, f"more than a step a turn: {events}"
+            assert all(int(e.split()[1]) <= REFILL_STEP for e in events if e != "|")
+            # The last server out ends a top-up under way: nothing made after it.
+            taken += [supply.take() for _ in range(SUPPLY_SIZE - 1)]
+            supply.top_up(loop)
+            await one.close()
+            await asyncio.sleep(0)
+            made = len([e for e in events if e != "|"])
+            await two.close()
+            await asyncio.sleep(0.05)
+            assert len([e for e in events if e != "|"]) == made and supply._step is None
+            assert one.internal_errors == two.internal_errors == 0
         finally:
+            marker[0].cancel()
             client.close()
             for s in taken:
                 s.close()
-            await server.close()
+            await one.close()
+            await two.close()
             transport.close()
 
     run(loop_kind, main)
