@@ -368,15 +368,15 @@ async def _serve(
         with contextlib.suppress(EgressError):
             journal.set_sandbox_state(sb.id, SandboxState.EXITED)
         raise
-    ups = ", ".join(f"{h}:{p}" for h, p in cfg.upstreams)
-    ms = (time.monotonic() - started) * 1e3
-    if cfg.ready_file is not None:  # whole, before the line: whoever saw either may go
-        tmp = cfg.ready_file.with_name(cfg.ready_file.name + ".tmp")
-        tmp.write_text(f"{sb.id}\n")
-        os.replace(tmp, cfg.ready_file)
-    print(f"egressd sidecar: serving {sb.id} (policy {sb.policy.name}; rules {how}; "
-          f"upstream {ups}) in {ms:.1f} ms", flush=True)  # fmt: skip
     try:
+        ups = ", ".join(f"{h}:{p}" for h, p in cfg.upstreams)
+        ms = (time.monotonic() - started) * 1e3
+        if cfg.ready_file is not None:  # whole, before the line: whoever saw either may go
+            tmp = cfg.ready_file.with_name(cfg.ready_file.name + ".tmp")
+            tmp.write_text(f"{sb.id}\n")
+            os.replace(tmp, cfg.ready_file)
+        print(f"egressd sidecar: serving {sb.id} (policy {sb.policy.name}; rules {how}; "
+              f"upstream {ups}) in {ms:.1f} ms", flush=True)  # fmt: skip
         await stop.wait()
     finally:
         collector.close()

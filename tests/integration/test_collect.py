@@ -242,3 +242,20 @@ def test_once_started_the_automatic_collections_stay_short_until_close() -> None
         gc.callbacks.remove(seen)
         c.close()
     assert gc.get_threshold() == before
+
+
+def test_on_an_incremental_collector_only_the_full_collection_is_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python 3.14 reads the second threshold as how fast to scan the old generation:
+    one there would scan it ten times as fast, so it is left as it was."""
+    monkeypatch.setattr(collect, "_INCREMENTAL", True)
+    clock = Clock()
+    c = collector(clock)
+    before = gc.get_threshold()
+    c.start()
+    try:
+        assert gc.get_threshold() == (before[0], before[1], collect._NEVER)
+    finally:
+        c.close()
+    assert gc.get_threshold() == before
