@@ -71,3 +71,23 @@ def test_only_the_flows_from_addresses_the_netns_does_not_hold_are_forgotten(ns:
     assert sorted(conntrack.forget_foreign(ns)) == ["198.51.100.7", "2001:db8:80::10"]
     assert sources(ns) == ([loopback6, "127.0.0.1"], 302)
     assert conntrack.forget_foreign(ns) == []
+
+
+def test_what_an_adopter_says_of_the_flows_it_forgot_or_could_not() -> None:
+    """lifecycle.forget_spoofed_flows, the line egressd prints when it adopts a sandbox
+    made before the source check: how many it forgot, nothing if none, and, when the
+    kernel could not be asked (here: the netns went meanwhile), that such flows may go
+    on, naming the netns."""
+    from egress.sandbox.lifecycle import forget_spoofed_flows
+
+    with scratch_netns() as name:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", name, "nft", "-f", "-"], input=TRACKED,
+                       text=True, check=True)  # fmt: skip
+        subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c", FLOWS], check=True,
+                       timeout=60)  # fmt: skip
+        assert forget_spoofed_flows(name) == "2 flows from other sources than its own forgotten"
+        assert forget_spoofed_flows(name) == ""
+    said = forget_spoofed_flows(name)
+    assert said.startswith("flows from other sources than its own may go on until they end: ")
+    assert name in said
