@@ -24,13 +24,14 @@ The automatic collections that remain are kept short, as long as the collector r
 - no automatic full collection (the third threshold): it would walk everything made
   since the last freeze, or, in a shard, since the fork;
 - the middle generation is collected after every two young collections (GEN1_EVERY),
-  not every eleven: each walks two young collections' survivors, not ten. Each object is
+  not every ten: each walks two young collections' survivors, not ten. Each object is
   still walked about as often. At 1,000 sandboxes under bench_egressd's load, egressd's
   middle-generation pauses went from 2.8-3.5 ms to at most 1.4-1.7 ms (most under 0.9),
   and in `egressctl run`'s miss run, 2 of them took over 0.5 ms (0.6, 1.8 ms) where ~10
   did (up to 2.0 ms), beside a 5.8 ms automatic full collection.
-Python 3.14's incremental collector reads the thresholds otherwise (the second sets how
-fast the old generation is scanned), so there only the full collection is switched off.
+The incremental collector of Python 3.14.0-3.14.4 reads the thresholds otherwise (the
+second sets how fast the old generation is scanned, the third is not kept): there they
+are left as they were. It is told by that third threshold, not by the version.
 
 `egressctl run` and `egressd sidecar`, one sandbox each, collect the same way: their one
 full collection (start-up's ~30,000 objects and the cache) took 10-22 ms, every ten
@@ -54,7 +55,6 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -65,7 +65,18 @@ SETTLE_S = 60.0
 MAX_DELAY_S = 600.0
 _NEVER = 1 << 30  # a third threshold no count of second-generation passes reaches
 GEN1_EVERY = 1  # young collections between two of the middle generation, less one
-_INCREMENTAL = sys.version_info >= (3, 14)  # see the module doc
+
+
+def _incremental() -> bool:
+    """The collector keeps no third threshold: the incremental one (see the module doc)."""
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], 12345)
+    kept = gc.get_threshold()[2] == 12345
+    gc.set_threshold(*before)
+    return not kept
+
+
+_INCREMENTAL = _incremental()
 
 
 class Handle(Protocol):
@@ -164,8 +175,8 @@ class Collector:
         due sooner."""
         if self._thresholds is None:
             self._thresholds = gc.get_threshold()
-            young = self._thresholds[1] if _INCREMENTAL else GEN1_EVERY
-            gc.set_threshold(self._thresholds[0], young, _NEVER)
+            if not _INCREMENTAL:
+                gc.set_threshold(self._thresholds[0], GEN1_EVERY, _NEVER)
         if self.freeze:
             self._freeze_tick()
         due = self.loop.time() + self.max_delay_s

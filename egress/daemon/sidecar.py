@@ -381,8 +381,9 @@ async def _serve(
     finally:
         collector.close()
         if cfg.ready_file is not None:
-            with contextlib.suppress(OSError):
-                cfg.ready_file.unlink()
+            for path in (cfg.ready_file, cfg.ready_file.with_name(cfg.ready_file.name + ".tmp")):
+                with contextlib.suppress(OSError):
+                    path.unlink()
         await wiring.stop(session, resolver)
         _leave(sb, journal, remove=cfg.remove_on_exit)
     return 0

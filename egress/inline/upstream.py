@@ -86,8 +86,9 @@ REFILL_STEP = 4
 
 
 class Supply:
-    """Ready sockets for one (netns, upstream, mark), shared by the pools that use it,
-    from any thread.
+    """Ready sockets for one (netns, upstream, mark), shared by the pools that use it:
+    taken and made from any thread, topped up (``top_up``) on the one loop that serves
+    them (each process of egress runs one).
 
     Every socket is handed out once and closed by whoever took it, so sharing the ones not
     yet used changes nothing a query sees: its own socket, its own random source port.

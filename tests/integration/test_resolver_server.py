@@ -397,15 +397,17 @@ def test_queries_upstream_are_capped_per_sandbox(loop_kind: str) -> None:
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
 def test_a_low_supply_is_topped_up_a_step_a_turn_once_however_many_servers_share_it(
-    loop_kind: str,
+    loop_kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After answers that left the shared upstream supply low, REFILL_STEP sockets are
     made a turn of the loop until it is full: one top-up for the supply, not one per
     server (egressd's sandboxes share it), and not all at once. A hit asked right after
-    an answer is answered before the top-up ends. The last server out ends a top-up."""
+    an answer is answered before the top-up ends. The last server out ends a top-up.
+    A step of one here: ~30 turns to full, so the hit's few turns are well inside it."""
     from egress.inline import upstream
-    from egress.inline.upstream import REFILL_STEP, SUPPLY_LOW, SUPPLY_SIZE
+    from egress.inline.upstream import SUPPLY_LOW, SUPPLY_SIZE, TAKE_BATCH
 
+    monkeypatch.setattr(upstream, "REFILL_STEP", 1)
     nft = FakeNft()
 
     async def main() -> None:
@@ -454,16 +456,18 @@ def test_a_low_supply_is_topped_up_a_step_a_turn_once_however_many_servers_share
             assert during < SUPPLY_SIZE, "the top-up ended before the hit was answered"
             steps = [e for e in "".join(e if e == "|" else "m" for e in events).split("|") if e]
             assert steps and max(len(s) for s in steps) == 1, f"more than a step a turn: {events}"
-            assert all(int(e.split()[1]) <= REFILL_STEP for e in events if e != "|")
+            made = [int(e.split()[1]) for e in events if e != "|"]
+            assert made[0] == TAKE_BATCH  # the first miss's own, on its path
+            assert set(made[1:]) == {1} and len(made) > 20
             # The last server out ends a top-up under way: nothing made after it.
             taken += [supply.take() for _ in range(SUPPLY_SIZE - 1)]
             supply.top_up(loop)
             await one.close()
             await asyncio.sleep(0)
-            made = len([e for e in events if e != "|"])
+            so_far = len([e for e in events if e != "|"])
             await two.close()
             await asyncio.sleep(0.05)
-            assert len([e for e in events if e != "|"]) == made and supply._step is None
+            assert len([e for e in events if e != "|"]) == so_far and supply._step is None
             assert one.internal_errors == two.internal_errors == 0
         finally:
             marker[0].cancel()
@@ -473,5 +477,37 @@ def test_a_low_supply_is_topped_up_a_step_a_turn_once_however_many_servers_share
             await one.close()
             await two.close()
             transport.close()
+
+    run(loop_kind, main)
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+def test_an_idle_tcp_client_is_let_go_and_one_still_connected_ends_with_the_server(
+    loop_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TCP_IDLE_S without a whole frame: the server closes the connection (none sent, or
+    half a length), and counts it gone; at close, a connected client's task ends too."""
+    from egress.inline import tcp_front
+
+    monkeypatch.setattr(tcp_front, "TCP_IDLE_S", 0.2)
+
+    async def main() -> None:
+        server, _, transport = await serving(FakeNft())
+        try:
+            _, tcp = server.addresses
+            for first in (b"", b"\x00"):
+                reader, writer = await asyncio.open_connection(*tcp)
+                writer.write(first)
+                await until(lambda: server.tcp_clients == 1)
+                assert await asyncio.wait_for(reader.read(), 3) == b""  # closed by the server
+                await until(lambda: server.tcp_clients == 0)
+                writer.close()
+            reader, writer = await asyncio.open_connection(*tcp)
+            await until(lambda: server.tcp_clients == 1)
+        finally:
+            await asyncio.wait_for(server.close(), 3)
+            transport.close()
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+        writer.close()
 
     run(loop_kind, main)
