@@ -255,14 +255,12 @@ class UpstreamPool:
     def take(self, index: int) -> socket.socket:
         return self._open()[index].take()
 
-    def refill(self, most: int = SUPPLY_SIZE) -> bool:
-        """Top each supply up (Supply.refill), now. True: one is still short."""
-        if self._closed:
-            return False
-        short = False
-        for supply in self._open():
-            short = supply.refill(most) or short
-        return short
+    def refill(self) -> None:
+        """Each supply topped up at once if it is low (Supply.refill); a server uses
+        ``top_up``, a step a turn of its loop."""
+        if not self._closed:
+            for supply in self._open():
+                supply.refill()
 
     def top_up(self, loop: asyncio.AbstractEventLoop) -> None:
         """Each supply topped up a step a turn of ``loop`` if it is low (Supply.top_up)."""

@@ -68,13 +68,14 @@ def test_pools_of_one_upstream_share_a_supply_made_in_batches() -> None:
 def test_a_top_up_in_steps_goes_on_from_the_low_mark_until_the_supply_is_full() -> None:
     pool = UpstreamPool([UP_A], None)
     try:
-        assert pool.refill() is False  # full at once: nothing more to make
+        pool.refill()
         [supply] = upstream._supplies.values()
+        assert supply.refill() is False  # full at once: nothing more to make
         taken = [pool.take(0) for _ in range(SUPPLY_SIZE - SUPPLY_LOW)]
-        assert pool.refill(REFILL_STEP) is False and len(supply.ready) == SUPPLY_LOW
+        assert supply.refill(REFILL_STEP) is False and len(supply.ready) == SUPPLY_LOW
         taken.append(pool.take(0))  # below the low mark: a top-up starts
         sizes = [len(supply.ready)]
-        while pool.refill(REFILL_STEP):
+        while supply.refill(REFILL_STEP):
             sizes.append(len(supply.ready))
         sizes.append(len(supply.ready))
         # Each step made REFILL_STEP (the last one what was left), above the low mark too,
@@ -82,7 +83,7 @@ def test_a_top_up_in_steps_goes_on_from_the_low_mark_until_the_supply_is_full() 
         assert sizes[-1] == SUPPLY_SIZE
         assert all(0 < b - a <= REFILL_STEP for a, b in itertools.pairwise(sizes))
         assert len(sizes) - 1 == -(-(SUPPLY_SIZE - SUPPLY_LOW + 1) // REFILL_STEP)
-        assert pool.refill(REFILL_STEP) is False and len(supply.ready) == SUPPLY_SIZE
+        assert supply.refill(REFILL_STEP) is False and len(supply.ready) == SUPPLY_SIZE
         for s in taken:
             s.close()
     finally:
@@ -103,9 +104,9 @@ def test_a_top_up_whose_batch_fails_stops_rather_than_trying_again_at_once(
             raise OSError(24, "Too many open files")
 
         monkeypatch.setattr(supply, "make", fails)
-        assert pool.refill(REFILL_STEP) is False and not supply.filling
+        assert supply.refill(REFILL_STEP) is False and not supply.filling
         monkeypatch.undo()
-        assert pool.refill(REFILL_STEP) is True  # the next answer's top-up starts again
+        assert supply.refill(REFILL_STEP) is True  # the next answer's top-up starts again
         for s in taken:
             s.close()
     finally:
