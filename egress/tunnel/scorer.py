@@ -153,14 +153,21 @@ class TunnelScorer:
         now = self._time()
         state.advance(now)
         key = hash(f.folded) & M62  # cut once: machine integers from here (``native``)
-        new = state.seen.add(key)
+        typed = key ^ (qtype * _TYPE_SALT)
+        seen = state.seen
+        new = not seen.has(key)
         # The pair (name, type) too: a type is a choice the nameserver sees. A repeat of
         # both adds nothing to any window, so only something new can cross a limit.
-        pair = state.seen.add(key ^ (qtype * _TYPE_SALT)) or new
+        pair = new or not seen.has(typed)
         crossings = None
         if pair:
             self._sound = False  # until the room has what the windows took
             crossings = self._account(state, f, qtype, now, new)
+            # Seen once accounted, not before: where the accounting raised (a bug; the
+            # resolver refuses the query), a retry is new again and scored, not let go
+            # upstream as a repeat of something never counted.
+            seen.add(key)
+            seen.add(typed)
             self._sound = True
         if crossings:
             return self._decide(state, f, qtype, crossings, now)

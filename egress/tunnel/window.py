@@ -121,17 +121,15 @@ class Seen:
         self._old: array[int] | None = None
         self._count = 0
 
+    def has(self, h: int) -> bool:
+        """True if hash ``h`` was recorded (as far as the filter knows); records nothing."""
+        word, bits = _place(h)
+        old = self._old
+        return self._new[word] & bits == bits or (old is not None and old[word] & bits == bits)
+
     def add(self, h: int) -> bool:
         """Record hash ``h``; True if it was not seen before (as far as the filter knows)."""
-        h &= M62  # a no-op for a hash cut already, and a machine-integer one compiled
-        word = h & _WORD_MASK
-        bits = (
-            1 << (h >> 7 & 63) % _WORD_BITS
-            | 1 << (h >> 13 & 63) % _WORD_BITS
-            | 1 << (h >> 19 & 63) % _WORD_BITS
-            | 1 << (h >> 25 & 63) % _WORD_BITS
-            | 1 << (h >> 31 & 63) % _WORD_BITS
-        )
+        word, bits = _place(h)
         new, old = self._new, self._old
         now = new[word]
         if now & bits == bits or (old is not None and old[word] & bits == bits):
@@ -141,3 +139,16 @@ class Seen:
         if self._count >= SEEN_ROTATE:
             self._old, self._new, self._count = new, array("q", bytes(SEEN_BITS // 8)), 0
         return True
+
+
+def _place(h: int) -> tuple[int, int]:
+    """The word hash ``h`` lives in, and the 5 bits it sets there."""
+    h &= M62  # a no-op for a hash cut already, and a machine-integer one compiled
+    bits = (
+        1 << (h >> 7 & 63) % _WORD_BITS
+        | 1 << (h >> 13 & 63) % _WORD_BITS
+        | 1 << (h >> 19 & 63) % _WORD_BITS
+        | 1 << (h >> 25 & 63) % _WORD_BITS
+        | 1 << (h >> 31 & 63) % _WORD_BITS
+    )
+    return h & _WORD_MASK, bits
