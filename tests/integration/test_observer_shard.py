@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +251,32 @@ def test_a_shards_loop_runs_its_collectors_timers_and_waits_no_longer_than_they_
         gc.set_threshold(*thresholds)
     assert ran == ["due"] and seen[0][2] > thresholds[2] and after == thresholds
     assert polls.waits[0] == 0.0 and all(0 < w <= TICK_S for w in polls.waits[1:])
+
+
+# A supervisor whose one shard, forked, says how many suffix lists its process had
+# loaded before it did anything, then asks the supervisor to stop.
+FORKED = """
+import os, signal, sys
+from pathlib import Path
+from egress.observer import supervisor
+from egress.tunnel import labels
+def shard(run_dir, state_dir, index, shards):
+    Path(sys.argv[1]).write_text(str(labels._psl.cache_info().currsize))
+    os.kill(os.getppid(), signal.SIGTERM)
+    return 0
+supervisor._shard = shard
+assert labels._psl.cache_info().currsize == 0
+sys.exit(supervisor.Supervisor(Path(sys.argv[2]), Path(sys.argv[3]), 1).run())
+"""
+
+
+def test_a_shard_is_forked_with_the_suffix_list_its_scorers_need_loaded(tmp_path: Path) -> None:
+    """Loaded once in the supervisor, its pages are shared by every shard, and no shard's
+    start (or restart) loads its own."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = tmp_path / "loaded"
+    done = subprocess.run([sys.executable, "-c", FORKED, str(out), str(tmp_path / "run"),
+                           str(tmp_path / "state")], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == "1"
