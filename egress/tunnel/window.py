@@ -9,8 +9,10 @@ scorer's memory per sandbox:
   filter of ``SEEN_BITS`` bits each: a hash sets 5 of the 62 bits used of one word, so a
   lookup reads one word per generation (0.6% false positives at the fullest, where a
   3-hash filter of the same size has 0.4%, for 3-6 reads). A generation retires after
-  ``SEEN_ROTATE`` inserts, so the set remembers the last 512-1024 distinct names of a
-  zone; an attacker's name that collides (about 1% at the fullest, over both) is merely
+  ``SEEN_ROTATE`` inserts, so the set remembers the last 512-1024 of them: two for each
+  new name (the name, and the name with its type) and one for each label the zone had
+  not seen, so the last few hundred names of a zone (a new type of a known name takes
+  one); an attacker's name that collides (about 1% at the fullest, over both) is merely
   undercounted.
 """
 
