@@ -9,11 +9,11 @@ scorer's memory per sandbox:
   filter of ``SEEN_BITS`` bits each: a hash sets 5 of the 62 bits used of one word, so a
   lookup reads one word per generation (0.6% false positives at the fullest, where a
   3-hash filter of the same size has 0.4%, for 3-6 reads). A generation retires after
-  ``SEEN_ROTATE`` inserts, so the set remembers the last 512-1024 of them: two for each
-  new name (the name, and the name with its type) and one for each label the zone had
-  not seen, so the last few hundred names of a zone (a new type of a known name takes
-  one); an attacker's name that collides (about 1% at the fullest, over both) is merely
-  undercounted.
+  ``SEEN_ROTATE`` inserts, so the set remembers the last 512-1024 of them: 2 + k for a
+  new name with k labels the zone had not seen (the name, the name with its type, each
+  new label), 1 for a new type of a known name; so 256-512 names whose labels are all
+  known, 100-200 with three new labels each. An attacker's name that collides (about 1%
+  at the fullest, over both) is merely undercounted.
 """
 
 from __future__ import annotations

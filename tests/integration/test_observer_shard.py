@@ -261,8 +261,10 @@ from pathlib import Path
 from egress.observer import supervisor
 from egress.tunnel import labels
 def shard(run_dir, state_dir, index, shards):
-    Path(sys.argv[1]).write_text(str(labels._psl.cache_info().currsize))
-    os.kill(os.getppid(), signal.SIGTERM)
+    try:
+        Path(sys.argv[1]).write_text(str(labels._psl.cache_info().currsize))
+    finally:  # whatever happened, the supervisor stops: no shard started again
+        os.kill(os.getppid(), signal.SIGTERM)
     return 0
 supervisor._shard = shard
 assert labels._psl.cache_info().currsize == 0
