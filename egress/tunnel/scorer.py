@@ -5,24 +5,15 @@ Memory bound per sandbox, ``MEMORY_BOUND`` = 2 MiB at the default ``max_zones`` 
 at most ``max_zones`` zone states plus one for the sum over all zones, each of fixed size
 (two ``Ring`` arrays of 10x7 and 30x6 float32 cells, a two-generation 1 KiB Bloom filter,
 at most 8 record-type counters, a 512-symbol ``vocab.Vocab``: about 7 KiB measured), one
-16 KiB sandbox-wide ``Vocab``, a 2 KiB ``Seen`` of the zones evicted, and at most
-``MAX_VERDICTS`` verdicts. Measured after 60,000 unique names over 5,000 zones: 1.88 MB
-reachable (tests/unit/test_tunnel_memory.py). The memo caches of ``name_features``
-(2,048 names) and ``split_name`` (1,024 names) are process-wide, shared by all
-sandboxes: 1.3 MB; so is the set of PSL rule suffixes ``labels.registered_domain``
-walks: 1.2 MB.
+16 KiB sandbox-wide ``Vocab``, and at most ``MAX_VERDICTS`` verdicts.
+Measured after 60,000 unique names over 5,000 zones: 1.84 MB (tests/unit/
+test_tunnel_memory.py, tracemalloc). The memo caches of ``name_features`` (2,048 names)
+and ``split_name`` (1,024 names) are process-wide, shared by all sandboxes: 1.3 MB; so
+is the set of PSL rule suffixes ``labels.registered_domain`` walks: 1.2 MB.
 
 Eviction: when a new zone would exceed ``max_zones``, the lightest (least suspicious)
 of the 8 least recently used zones goes, so a flood of fresh zones cannot push a zone
-that is building up towards a verdict out of the table. A zone made again after its
-eviction has no allowance (``zone_free_bytes``): all its name information goes to the
-sum over all zones. Otherwise a workload cycling through more zones than are tracked
-had a new allowance at each return (an attacker's review: 1,000 zones, 50 names a
-second, moved ~245 KB before the slow window's sum caught them; now ~28 KB, in the fast
-window, about the allowance each zone had once). The evicted zones are remembered in a
-``Seen`` of their own (2 KiB: the last 512-1,024 of them). A crawler that asks a few
-names of each of thousands of zones once keeps each allowance (charging every evicted
-zone's allowance to the sum caught it after ~2,000 zones an hour).
+that is building up towards a verdict out of the table.
 """
 
 from __future__ import annotations
@@ -47,7 +38,7 @@ from egress.tunnel.headroom import Headroom
 from egress.tunnel.labels import split_name
 from egress.tunnel.overrides import Applied, Overrides
 from egress.tunnel.verdict import Crossing, TunnelVerdict
-from egress.tunnel.window import M62, Seen
+from egress.tunnel.window import M62
 from egress.tunnel.zone import (
     ALL_ZONES,
     FAST_BUCKETS,
@@ -83,7 +74,6 @@ class TunnelScorer:
         self._limits: dict[float, Limits] = {}  # per zone scale: a handful
         self._latest = -math.inf  # the latest time seen (``_time``)
         self._sound = True  # False once an accounting raised midway: nothing is deferred
-        self._evicted = Seen()  # zones evicted from the table (their name's hash)
         new_zone = limits(config, RULES, self._overrides.least_scale)
         self._room = Headroom(
             new_zone, config.window_s / FAST_BUCKETS, config.slow_window_s / SLOW_BUCKETS
@@ -232,7 +222,7 @@ class TunnelScorer:
         # in each of hundreds of zones (the benign corpus: 265) from adding up to a tunnel.
         if state.scale > 1.0:
             return out
-        free = state.free
+        free = self._spec.zone_free_bytes
         fast = _over(state.fast.totals[NAME_INFO], bits / 8, free)
         slow = _over(state.slow.totals[SLOW_NAME_INFO], bits / 8, free)
         text = new and (shaped or f.info_bytes or f.long or points)
@@ -290,15 +280,12 @@ class TunnelScorer:
         if len(self._zones) >= self._spec.max_zones:
             self._evict()
         state = self._zones[zone] = ZoneState(zone, self._spec, scale)
-        if self._evicted.has(hash(zone) & M62):
-            state.free = 0.0  # it had its allowance before its eviction
         return state
 
     def _evict(self) -> None:
         oldest = islice(self._zones.items(), EVICTION_SCAN)
         victim = min(oldest, key=lambda item: item[1].weight())[0]
         del self._zones[victim]
-        self._evicted.add(hash(victim) & M62)
 
 
 def _below(zone: str, name: str) -> str | None:

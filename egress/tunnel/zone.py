@@ -166,7 +166,6 @@ class ZoneState:
     __slots__ = (
         "bytes",
         "fast",
-        "free",
         "queries",
         "scale",
         "seen",
@@ -189,9 +188,6 @@ class ZoneState:
         self.bytes = 0  # their subdomain text, repeats included
         self.unique = 0
         self.types: dict[int, int] = {}
-        # Its name information per window that the sum over all zones leaves out (see
-        # TunnelScorer._account); none for a zone made again after an eviction.
-        self.free = float(spec.zone_free_bytes)
 
     def advance(self, now: float) -> None:
         self.fast.advance(now)
