@@ -228,26 +228,34 @@ def test_totals_at_looks_ahead_as_advance_goes() -> None:
         ring.add(rng.randrange(2), rng.random() * 100)
 
 
-# Sources (a compiled class takes no patch): the zone's crossing check raises once, after
-# the windows took the name and before the room did.
-BROKEN_ACCOUNTING = """
-from dataclasses import replace
-from egress.model import TunnelSpec
-from egress.tunnel import TunnelScorer, zone
-spec = replace(TunnelSpec(), text_bytes=200)
-scorer = TunnelScorer(spec, lambda: 1000.0)
-assert scorer.observe_query("a" * 40 + ".example.com", 1) is None
+# Run on the sources (a compiled class takes no patch): the zone's crossing check raises
+# once, after the windows took the name and before the room did.
+BREAK_CROSSINGS_ONCE = """
+from egress.tunnel import zone
 crossings = zone.ZoneState.crossings
 def broken(self, spec, limits):
     zone.ZoneState.crossings = crossings
     raise RuntimeError("a bug")
 zone.ZoneState.crossings = broken
+"""
+BROKEN_ACCOUNTING = (
+    """
+from dataclasses import replace
+from egress.model import TunnelSpec
+from egress.tunnel import TunnelScorer
+spec = replace(TunnelSpec(), text_bytes=200)
+scorer = TunnelScorer(spec, lambda: 1000.0)
+assert scorer.observe_query("a" * 40 + ".example.com", 1) is None
+"""
+    + BREAK_CROSSINGS_ONCE
+    + """
 try:
     scorer.observe_query("b" * 60 + ".example.com", 1)
 except RuntimeError:
     pass
 print(scorer.can_defer("c" * 63 + ".example.com", 1), scorer.can_defer("x.example.com", 1))
 """
+)
 
 
 def test_a_scorer_whose_accounting_raised_defers_nothing_more() -> None:

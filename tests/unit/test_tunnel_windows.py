@@ -11,6 +11,7 @@ from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
+from test_tunnel_headroom import BREAK_CROSSINGS_ONCE
 from test_tunnel_samples import ALPHABETS, ZONE, encode, iodine
 
 from egress.model import TunnelSpec, TunnelZoneOverride
@@ -104,26 +105,25 @@ def test_seen_set_has_answers_as_add_would_and_records_nothing() -> None:
 
 # The zone's crossing check raises once (a bug), after the windows took the name: the
 # resolver refuses that query, and its retry must be scored, not let go as a repeat.
-# Sources: a compiled class takes no patch.
-RAISED_THEN_RETRIED = """
+RAISED_THEN_RETRIED = (
+    """
 from dataclasses import replace
 from egress.model import TunnelSpec
-from egress.tunnel import TunnelScorer, zone
+from egress.tunnel import TunnelScorer
 name = ".".join(c * 63 for c in "abc") + ".example.com"  # 189 bytes of text at once
 spec = replace(TunnelSpec(), text_bytes=100)
 print(TunnelScorer(spec, lambda: 1000.0).observe_query(name, 1) is not None)
 scorer = TunnelScorer(spec, lambda: 1000.0)
-crossings = zone.ZoneState.crossings
-def broken(self, spec, limits):
-    zone.ZoneState.crossings = crossings
-    raise RuntimeError("a bug")
-zone.ZoneState.crossings = broken
+"""
+    + BREAK_CROSSINGS_ONCE
+    + """
 try:
     scorer.observe_query(name, 1)
 except RuntimeError as exc:
     print(exc)
 print(scorer.observe_query(name, 1) is not None)
 """
+)
 
 
 def test_a_name_whose_accounting_raised_is_scored_when_asked_again() -> None:
