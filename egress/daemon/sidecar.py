@@ -372,7 +372,7 @@ async def _serve(
         ups = ", ".join(f"{h}:{p}" for h, p in cfg.upstreams)
         ms = (time.monotonic() - started) * 1e3
         if cfg.ready_file is not None:  # whole, before the line: whoever saw either may go
-            tmp = cfg.ready_file.with_name(cfg.ready_file.name + ".tmp")
+            tmp = _pending(cfg.ready_file)
             tmp.write_text(f"{sb.id}\n")
             os.replace(tmp, cfg.ready_file)
         print(f"egressd sidecar: serving {sb.id} (policy {sb.policy.name}; rules {how}; "
@@ -381,12 +381,17 @@ async def _serve(
     finally:
         collector.close()
         if cfg.ready_file is not None:
-            for path in (cfg.ready_file, cfg.ready_file.with_name(cfg.ready_file.name + ".tmp")):
+            for path in (cfg.ready_file, _pending(cfg.ready_file)):
                 with contextlib.suppress(OSError):
                     path.unlink()
         await wiring.stop(session, resolver)
         _leave(sb, journal, remove=cfg.remove_on_exit)
     return 0
+
+
+def _pending(ready_file: Path) -> Path:
+    """Where the ready file is written whole before it takes its name."""
+    return ready_file.with_name(ready_file.name + ".tmp")
 
 
 def _record_cgroup(journal: Journal, sandbox_id: str, cgroup: Cgroup) -> None:
