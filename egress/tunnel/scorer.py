@@ -5,15 +5,39 @@ Memory bound per sandbox, ``MEMORY_BOUND`` = 2 MiB at the default ``max_zones`` 
 at most ``max_zones`` zone states plus one for the sum over all zones, each of fixed size
 (two ``Ring`` arrays of 10x7 and 30x6 float32 cells, a two-generation 1 KiB Bloom filter,
 at most 8 record-type counters, a 512-symbol ``vocab.Vocab``: about 7 KiB measured), one
-16 KiB sandbox-wide ``Vocab``, and at most ``MAX_VERDICTS`` verdicts.
-Measured after 60,000 unique names over 5,000 zones: 1.84 MB (tests/unit/
-test_tunnel_memory.py, tracemalloc). The memo caches of ``name_features`` (2,048 names)
-and ``split_name`` (1,024 names) are process-wide, shared by all sandboxes: 1.3 MB; so
-is the set of PSL rule suffixes ``labels.registered_domain`` walks: 1.2 MB.
+16 KiB sandbox-wide ``Vocab``, at most ``MAX_VERDICTS`` verdicts, and once a zone has
+been evicted, a 48 KiB ``Spent`` and a ``Seen`` of names of 8 KiB a generation.
+Measured after 1,000,000 unique names over 5,000 zones: 1.94 MB reachable, 1.96 MB
+compiled (tests/unit/test_tunnel_memory.py). The memo caches of ``name_features``
+(2,048 names) and ``split_name`` (1,024 names) are process-wide, shared by all
+sandboxes: 1.3 MB; so is the set of PSL rule suffixes ``labels.registered_domain``
+walks: 1.2 MB.
 
 Eviction: when a new zone would exceed ``max_zones``, the lightest (least suspicious)
 of the 8 least recently used zones goes, so a flood of fresh zones cannot push a zone
 that is building up towards a verdict out of the table.
+
+A zone evicted and made again gets no new allowance (``zone_free_bytes``, the name
+information per window the sum over all zones leaves out): what it had used in each
+window is kept (``window.Spent``, 4,096 zones) and taken off until that window has
+passed. Without it, a workload cycling through more zones than are tracked had a new
+allowance at each return (an attacker's review: 1,000 zones, 50 names a second, moved
+~240 KB of names before the slow window's sum caught it; now ~28 KB, at the first
+returns, in the fast window). What stays open is each zone's allowance once: a sandbox
+allowed thousands of zones an attacker runs can move about 27 B of name through each
+(5,000 zones: ~140 KB, caught in the slow window; 20,000, more than ``Spent`` holds:
+~740 KB, was 4.8 MB). A crawler that asks a few names of each of thousands of zones
+once keeps each allowance (charging every evicted zone's whole allowance to the sum
+caught one after ~1,300 zones an hour; zones sharing a cell sharing the largest use
+caught one asking six names a site after ~1,400).
+
+A zone made again has also forgotten its names, and a sandbox that asks more zones than
+are tracked again as their TTLs run out would have each name count as new and use up
+the zone's allowance again. So once a zone has been evicted, every name and (name,
+type) scored, or asked again, goes into a sandbox-wide ``Seen`` of names (by name and
+zone), which a zone made again asks before it counts a name as new: what the sandbox
+asked before carries nothing its zone's nameserver could not already read. It holds
+the last 4,096-8,192 insertions; a name asked again is kept there.
 """
 
 from __future__ import annotations
@@ -38,7 +62,7 @@ from egress.tunnel.headroom import Headroom
 from egress.tunnel.labels import split_name
 from egress.tunnel.overrides import Applied, Overrides
 from egress.tunnel.verdict import Crossing, TunnelVerdict
-from egress.tunnel.window import M62
+from egress.tunnel.window import M62, Seen, Spent
 from egress.tunnel.zone import (
     ALL_ZONES,
     FAST_BUCKETS,
@@ -58,6 +82,7 @@ EVICTION_SCAN: Final = 8
 # Keeps (name, type) apart from the name alone; times a type it stays below 2**62, which
 # the compiled scorer (``native``) keeps as a machine integer.
 _TYPE_SALT: Final = 0x9E3779B1
+SANDBOX_SEEN_WORDS: Final = 1024  # the sandbox-wide filters: 8 KiB a generation
 
 
 class TunnelScorer:
@@ -74,6 +99,10 @@ class TunnelScorer:
         self._limits: dict[float, Limits] = {}  # per zone scale: a handful
         self._latest = -math.inf  # the latest time seen (``_time``)
         self._sound = True  # False once an accounting raised midway: nothing is deferred
+        # Made at the first eviction (none for most sandboxes): what zones evicted had
+        # used of their allowance, and the names and (name, type)s scored since.
+        self._spent: Spent | None = None
+        self._names: Seen | None = None
         new_zone = limits(config, RULES, self._overrides.least_scale)
         self._room = Headroom(
             new_zone, config.window_s / FAST_BUCKETS, config.slow_window_s / SLOW_BUCKETS
@@ -147,10 +176,10 @@ class TunnelScorer:
         f = name_features(name, _below(zone, name) if self._overrides.below else None)
         if not f.labels:
             return None  # a bare registered domain carries nothing its owner could read
-        state = self._state(f.zone)
+        now = self._time()
+        state = self._state(f.zone, now)
         if state is None:
             return None  # exempt zone
-        now = self._time()
         state.advance(now)
         key = hash(f.folded) & M62  # cut once: machine integers from here (``native``)
         typed = key ^ (qtype * _TYPE_SALT)
@@ -159,6 +188,23 @@ class TunnelScorer:
         # The pair (name, type) too: a type is a choice the nameserver sees. A repeat of
         # both adds nothing to any window, so only something new can cross a limit.
         pair = new or not seen.has(typed)
+        names = self._names  # once a zone has been evicted
+        # The memory's keys: a zone's are of the name below it (``folded``), so its own.
+        where = hash(state.zone) & M62
+        wide, wide_typed = key ^ where, typed ^ where
+        if names is not None:
+            if not pair:  # still asked: kept past the memory's rotations, for a return
+                if not names.keep(wide):
+                    names.add(wide)
+                if not names.keep(wide_typed):
+                    names.add(wide_typed)
+            elif state.remade:  # what it forgot at its eviction, the sandbox has not
+                if new and names.keep(wide):
+                    new = False
+                    seen.add(key)
+                if names.keep(wide_typed):
+                    seen.add(typed)
+                    pair = new
         crossings = None
         if pair:
             self._sound = False  # until the room has what the windows took
@@ -168,6 +214,9 @@ class TunnelScorer:
             # upstream as a repeat of something never counted.
             seen.add(key)
             seen.add(typed)
+            if names is not None:
+                names.add(wide)
+                names.add(wide_typed)
             self._sound = True
         if crossings:
             return self._decide(state, f, qtype, crossings, now)
@@ -222,9 +271,9 @@ class TunnelScorer:
         # in each of hundreds of zones (the benign corpus: 265) from adding up to a tunnel.
         if state.scale > 1.0:
             return out
-        free = self._spec.zone_free_bytes
-        fast = _over(state.fast.totals[NAME_INFO], bits / 8, free)
-        slow = _over(state.slow.totals[SLOW_NAME_INFO], bits / 8, free)
+        fast_free, slow_free = self._allowance(state, now)
+        fast = _over(state.fast.totals[NAME_INFO], bits / 8, fast_free)
+        slow = _over(state.slow.totals[SLOW_NAME_INFO], bits / 8, slow_free)
         text = new and (shaped or f.info_bytes or f.long or points)
         if fast or slow or text:  # nothing added, nothing the sum could newly cross
             everything = self._all
@@ -268,7 +317,19 @@ class TunnelScorer:
         self._zones.pop(f.zone, None)  # the verdict stands in for the zone's windows
         return verdict
 
-    def _state(self, zone: str) -> ZoneState | None:
+    def _allowance(self, state: ZoneState, now: float) -> tuple[float, float]:
+        """What the sum over all zones leaves out of ``state``'s name information in
+        the fast and the slow window: ``zone_free_bytes``, less what the zone had used
+        before its eviction, in a window that has not passed since."""
+        free = float(self._spec.zone_free_bytes)
+        if not state.remade:
+            return free, free
+        age = now - state.spent_at
+        fast = free - state.spent_fast if age < self._spec.window_s else free
+        slow = free - state.spent_slow if age < self._spec.slow_window_s else free
+        return fast, slow
+
+    def _state(self, zone: str, now: float) -> ZoneState | None:
         state = self._zones.get(zone)
         if state is not None:
             self._zones.move_to_end(zone)
@@ -278,14 +339,31 @@ class TunnelScorer:
             return None
         scale = override.limit_scale if override is not None else 1.0
         if len(self._zones) >= self._spec.max_zones:
-            self._evict()
+            self._evict(now)
         state = self._zones[zone] = ZoneState(zone, self._spec, scale)
+        spent = self._spent
+        if spent is not None:
+            fast, slow, at = spent.get(hash(zone) & M62, now)
+            if fast > 0.0 or slow > 0.0:
+                state.remade = True
+                state.spent_fast, state.spent_slow, state.spent_at = fast, slow, at
         return state
 
-    def _evict(self) -> None:
+    def _evict(self, now: float) -> None:
         oldest = islice(self._zones.items(), EVICTION_SCAN)
         victim = min(oldest, key=lambda item: item[1].weight())[0]
-        del self._zones[victim]
+        state = self._zones.pop(victim)
+        spent = self._spent
+        if spent is None:  # the first eviction: from here on zones come back
+            spent = self._spent = Spent(self._spec.window_s, self._spec.slow_window_s, now)
+            self._names = Seen(SANDBOX_SEEN_WORDS)
+        # What it has used of each window's allowance now, what it had before included
+        # (kept for a whole window from now: at most more than it will have used).
+        fast_free, slow_free = self._allowance(state, now)
+        free = float(self._spec.zone_free_bytes)
+        fast = free - fast_free + state.fast.totals_at(now)[NAME_INFO]
+        slow = free - slow_free + state.slow.totals_at(now)[SLOW_NAME_INFO]
+        spent.put(hash(victim) & M62, now, min(free, fast), min(free, slow))
 
 
 def _below(zone: str, name: str) -> str | None:

@@ -6,26 +6,34 @@ scorer's memory per sandbox:
 - ``Ring``: a sliding window as ``buckets`` time buckets of ``width`` float metrics (float32,
   in one array), with running totals so a query costs O(width), not O(buckets).
 - ``Seen``: "was this subdomain already counted?" as two generations of a blocked Bloom
-  filter of ``SEEN_BITS`` bits each: a hash sets 5 of the 62 bits used of one word, so a
-  lookup reads one word per generation (0.6% false positives at the fullest, where a
-  3-hash filter of the same size has 0.4%, for 3-6 reads). A generation retires after
-  ``SEEN_ROTATE`` inserts, so the set remembers the last 512-1024 of them: 2 + k for a
-  new name with k labels the zone had not seen (the name, the name with its type, each
-  new label), 1 for a new type of a known name; so 256-512 names whose labels are all
-  known, 100-200 with three new labels each. An attacker's name that collides (about 1%
-  at the fullest, over both) is merely undercounted.
+  filter of ``words`` 64-bit words each (a zone's: ``SEEN_WORDS``, 1 KiB): a hash sets 5
+  of the 62 bits used of one word, so a lookup reads one word per generation (0.6% false
+  positives at the fullest, where a 3-hash filter of the same size has 0.4%, for 3-6
+  reads). A generation retires after 4 inserts a word (16 bits each), so a zone's
+  remembers the last 512-1024 of them: 2 + k for a new name with k labels the zone had
+  not seen (the name, the name with its type, each new label), 1 for a new type of a
+  known name; so 256-512 names whose labels are all known, 100-200 with three new labels
+  each. An attacker's name that collides (about 1% at the fullest, over both) is merely
+  undercounted. The scorer's sandbox-wide one (``scorer``) is 8 times larger.
+- ``Spent``: how much of its allowance each zone evicted from the scorer's table had used
+  in each window, one zone a cell of ``SPENT_CELLS``, by the zone's hash.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
 from typing import Final
 
-SEEN_BITS: Final = 8192  # per generation: 1 KiB, 128 words of 64 bits
-SEEN_ROTATE: Final = 512  # inserts per generation: false-positive rate <= 0.6% per generation
-_WORD_MASK: Final = SEEN_BITS // 64 - 1
+SEEN_WORDS: Final = 128  # a zone's, per generation: 1 KiB
+SEEN_PER_WORD: Final = 4  # inserts a word per generation: false-positive rate <= 0.6% each
 _WORD_BITS: Final = 62  # bits used of each word: an int below 2**62 is a machine one compiled
 M62: Final = (1 << 62) - 1  # hashes are cut to this: a machine integer when compiled
+SPENT_CELLS: Final = 4096  # 48 KiB
+_SPENT_BITS: Final = 12  # log2(SPENT_CELLS)
+_SPENT_MASK: Final = SPENT_CELLS - 1
+_U16: Final = 0xFFFF
+_U32: Final = 0xFFFFFFFF
 
 
 class Ring:
@@ -116,41 +124,108 @@ class Ring:
 
 
 class Seen:
-    __slots__ = ("_count", "_new", "_old")
+    __slots__ = ("_count", "_mask", "_new", "_old", "_rotate", "_shift")
 
-    def __init__(self) -> None:
-        self._new = array("q", bytes(SEEN_BITS // 8))
+    def __init__(self, words: int = SEEN_WORDS) -> None:
+        if words < SEEN_WORDS or words & (words - 1):
+            raise ValueError(f"Seen: {words} words; a power of two >= {SEEN_WORDS}")
+        self._new = array("q", bytes(8 * words))
         self._old: array[int] | None = None
         self._count = 0
+        self._rotate = SEEN_PER_WORD * words
+        self._mask = words - 1
+        # The word is the hash's low bits, the 5 bits set in it come from above them:
+        # 128 words keep the bits from 7 on; each doubling moves them up one.
+        self._shift = words.bit_length() - SEEN_WORDS.bit_length()
 
     def has(self, h: int) -> bool:
         """True if hash ``h`` was recorded (as far as the filter knows); records nothing."""
-        word, bits = _place(h)
+        word = h & self._mask
+        bits = _bits(h >> self._shift)
         old = self._old
         return self._new[word] & bits == bits or (old is not None and old[word] & bits == bits)
 
     def add(self, h: int) -> bool:
         """Record hash ``h``; True if it was not seen before (as far as the filter knows)."""
-        word, bits = _place(h)
+        word = h & self._mask
+        bits = _bits(h >> self._shift)
         new, old = self._new, self._old
         now = new[word]
         if now & bits == bits or (old is not None and old[word] & bits == bits):
             return False
-        new[word] = now | bits
-        self._count += 1
-        if self._count >= SEEN_ROTATE:
-            self._old, self._new, self._count = new, array("q", bytes(SEEN_BITS // 8)), 0
+        self._insert(word, bits)
         return True
 
+    def keep(self, h: int) -> bool:
+        """True if hash ``h`` was recorded; one found only in the older generation is
+        recorded again in the newer, so what is still in use outlives a rotation. Records
+        nothing new."""
+        word = h & self._mask
+        bits = _bits(h >> self._shift)
+        if self._new[word] & bits == bits:
+            return True
+        old = self._old
+        if old is None or old[word] & bits != bits:
+            return False
+        self._insert(word, bits)
+        return True
 
-def _place(h: int) -> tuple[int, int]:
-    """The word hash ``h`` lives in, and the 5 bits it sets there."""
+    def _insert(self, word: int, bits: int) -> None:
+        new = self._new
+        new[word] |= bits
+        self._count += 1
+        if self._count >= self._rotate:
+            self._old, self._new, self._count = new, array("q", bytes(8 * len(new))), 0
+
+
+def _bits(h: int) -> int:
+    """The 5 bits hash ``h`` sets in its word."""
     h &= M62  # a no-op for a hash cut already, and a machine-integer one compiled
-    bits = (
+    return (
         1 << (h >> 7 & 63) % _WORD_BITS
         | 1 << (h >> 13 & 63) % _WORD_BITS
         | 1 << (h >> 19 & 63) % _WORD_BITS
         | 1 << (h >> 25 & 63) % _WORD_BITS
         | 1 << (h >> 31 & 63) % _WORD_BITS
     )
-    return h & _WORD_MASK, bits
+
+
+class Spent:
+    """The allowance each zone evicted had used in the fast and the slow window, kept
+    until a window has passed since its eviction: one zone a cell, the cell its hash
+    picks (``SPENT_CELLS`` of them, 12 bytes each), which the zone evicted last takes.
+    Amounts are whole bytes and times whole seconds, each rounded up: a zone made again
+    may be taken to have used a little more, for a little longer, never less. A zone
+    whose cell another zone's eviction took since is not known: that takes more zones
+    than there are cells, all within a window."""
+
+    __slots__ = ("_at", "_fast", "_fast_s", "_slow", "_slow_s", "_start", "_tag")
+
+    def __init__(self, fast_s: float, slow_s: float, now: float) -> None:
+        self._fast_s = fast_s
+        self._slow_s = slow_s
+        self._start = now - 1.0  # a cell's time is seconds after this, 0 for none
+        self._tag = array("I", bytes(4 * SPENT_CELLS))  # the hash's 32 bits above the cell's
+        self._at = array("I", bytes(4 * SPENT_CELLS))
+        self._fast = array("H", bytes(2 * SPENT_CELLS))
+        self._slow = array("H", bytes(2 * SPENT_CELLS))
+
+    def get(self, h: int, now: float) -> tuple[float, float, float]:
+        """What the zone of hash ``h`` had used in the fast and the slow window, and
+        when it was evicted (zeros and -inf: nothing known)."""
+        i = h & _SPENT_MASK
+        at = self._at[i]
+        if at == 0 or self._tag[i] != h >> _SPENT_BITS & _U32:
+            return 0.0, 0.0, -math.inf
+        when = self._start + at
+        age = now - when
+        fast = float(self._fast[i]) if age < self._fast_s else 0.0
+        slow = float(self._slow[i]) if age < self._slow_s else 0.0
+        return fast, slow, when
+
+    def put(self, h: int, now: float, fast: float, slow: float) -> None:
+        i = h & _SPENT_MASK
+        self._tag[i] = h >> _SPENT_BITS & _U32
+        self._at[i] = min(_U32, math.ceil(now - self._start))
+        self._fast[i] = min(_U16, math.ceil(fast))
+        self._slow[i] = min(_U16, math.ceil(slow))

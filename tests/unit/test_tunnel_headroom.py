@@ -265,3 +265,16 @@ def test_a_scorer_whose_accounting_raised_defers_nothing_more() -> None:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("field", ["name_info_bytes", "slow_name_info_bytes"])
+@settings(max_examples=400, deadline=None)
+@given(queries=steps)
+def test_a_cleared_query_never_crosses_through_an_eviction(
+    field: str, queries: list[tuple[list[str], str, int, float, int]]
+) -> None:
+    """Two zones tracked, a large allowance: zones are evicted and made again with what
+    they had used of it taken off (``TunnelScorer._allowance``), and names they forgot
+    known again from the sandbox-wide memory of names."""
+    spec = replace(OUT_OF_REACH, **{field: LIMITS[field]}, max_zones=2, zone_free_bytes=60)
+    drive(replace(spec, sandbox_scale=1.0), queries)
