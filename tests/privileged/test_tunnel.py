@@ -108,6 +108,21 @@ def test_slow_channel_is_caught_by_the_slow_window(lab: Lab) -> None:
     assert leftovers(out.sandbox, lab.uplink_netns) == []
 
 
+def test_zones_asked_round_robin_are_frozen_at_their_first_return(lab: Lab) -> None:
+    """An attacker's names spread round-robin over 1,000 zones (more than the 256 the
+    scorer tracks), 200 a second: each zone's first names are within its allowance, and
+    before 84cca9c each return after its eviction had a new one, so the sum over all
+    zones let ~9,000 names (~240 KB) through. Now a zone back has what it used taken off:
+    frozen at the first returns. Counted at the lab DNS server: the names that reached it."""
+    run = tn.run_zone_cycle(lab, zones=1_000, rate=200, count=3_000, timeout=90)
+    assert run.freeze is not None and run.freeze["confirmed_at"], run.describe()
+    assert run.trigger is not None and run.trigger["class"] == "tunnel", run.describe()
+    assert "over all zones" in run.trigger["detail"], run.describe()
+    assert 1_000 <= run.before <= 1_200, run.describe()  # ~27 B of name each
+    assert run.names <= run.before + 2, run.describe()  # what was in flight, at most
+    assert run.rc == 137, run.describe()
+
+
 def test_benign_corpus_refused_upstream_is_never_a_tunnel(lab: Lab) -> None:
     """Both corpora (tests/data/benign_names.txt and benign_extra.txt, 5,984 lookups of
     1,407 names) through the sandbox's resolver, every name allowed exactly; the default

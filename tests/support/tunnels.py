@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shlex
 import subprocess
@@ -770,6 +771,79 @@ def _trickle(
         return out
     finally:
         servers.stop()
+
+
+# -- many zones, round-robin ----------------------------------------------------------------
+
+# Six random labels of 7 characters a name, under zone n % zones of z0x.test ... (each
+# its own registered domain: test is a top-level domain), one query at a time at
+# ``rate`` a second, waiting for each answer, ``count`` names in all.
+CYCLE = r"""
+import os, random, socket, struct, sys, time
+board, zones, rate, count = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+rng = random.Random()
+alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+print("started", flush=True)
+while not os.path.exists(os.path.join(board, "go")):
+    time.sleep(0.01)
+start = time.monotonic()
+for n in range(1, count + 1):
+    labels = ["".join(rng.choices(alphabet, k=7)) for _ in range(6)]
+    name = ".".join([*labels, f"z{n % zones}x", "test"])
+    wire = b"".join(bytes([len(x)]) + x.encode() for x in name.split(".")) + b"\0"
+    s.sendto(struct.pack("!6H", n & 0xFFFF, 0x0100, 1, 0, 0, 0) + wire
+             + struct.pack("!HH", 1, 1), ("127.0.0.53", 53))
+    try:
+        s.recv(4096)
+    except OSError:
+        pass
+    with open(os.path.join(board, "progress"), "w") as f:
+        f.write(f"{n} {n * 27}\n")
+    time.sleep(max(0.0, start + n / rate - time.monotonic()))
+print("done", flush=True)
+while True:
+    time.sleep(60)
+"""
+CYCLED = re.compile(r"^(?:[a-z0-9]{7}\.){6}z\d+x\.test$")
+# Every name under test allowed, and scored (test is a special-use zone: exempt unless
+# a policy says otherwise); each z<n>x.test is a zone of its own.
+CYCLE_POLICY = policy(['{name: "**.test", types: [A]}'], "{zones: [{zone: test, exempt: false}]}")
+
+
+@dataclass
+class CycleRun:
+    freeze: dict[str, Any] | None
+    trigger: dict[str, Any] | None
+    names: int  # the workload's names the lab DNS server received
+    before: int  # of those, before the freeze was requested
+    sent: int  # names the workload had sent when it was stopped
+    rc: int | None = None
+
+    def describe(self) -> str:
+        return (f"freeze {self.freeze}, trigger {self.trigger}, names at the lab "
+                f"{self.names} ({self.before} before the freeze), sent {self.sent}")  # fmt: skip
+
+
+def run_zone_cycle(lab: Lab, zones: int, rate: float, count: int, timeout: float) -> CycleRun:
+    """CYCLE as the sandbox's unprivileged workload: frozen, or given up once it sent
+    all ``count`` names."""
+    with sandbox(lab, CYCLE_POLICY, CYCLE, str(zones), str(rate), str(count)) as box:
+        lab.clear_queries()
+        (box.board / "go").touch()
+        done = box.board / "progress"
+        freeze = box.wait_frozen(timeout, give_up=lambda: progress(done)[0] >= count)
+        mine = [
+            q for q in lab.queries() if CYCLED.match((q.get("qname") or "").lower().rstrip("."))
+        ]
+        before = [q for q in mine if freeze is None or q["ts"] <= freeze["requested_at"]]
+        trigger = box.violation(freeze["first_violation"]) if freeze else None
+        run = CycleRun(freeze, trigger, len(mine), len(before), progress(done)[0])
+        box.kill()
+        with suppress(subprocess.TimeoutExpired):
+            run.rc, _ = box.finish(timeout=30)
+        return run
 
 
 # -- the benign corpus ------------------------------------------------------------------------
