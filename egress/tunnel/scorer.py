@@ -6,8 +6,8 @@ at most ``max_zones`` zone states plus one for the sum over all zones, each of f
 (two ``Ring`` arrays of 10x7 and 30x6 float32 cells, a two-generation 1 KiB Bloom filter,
 at most 8 record-type counters, a 512-symbol ``vocab.Vocab``: about 7 KiB measured), one
 16 KiB sandbox-wide ``Vocab``, at most ``MAX_VERDICTS`` verdicts, and once a zone has
-been evicted, a 48 KiB ``Spent`` and a ``Seen`` of names of 8 KiB a generation.
-Measured after 1,000,000 unique names over 5,000 zones: 1.94 MB reachable, 1.96 MB
+been evicted, an 80 KiB ``Spent`` and a ``Seen`` of names of 32 KiB a generation.
+Measured after 1,000,000 unique names over 5,000 zones: 2.01 MB reachable, 2.04 MB
 compiled (tests/unit/test_tunnel_memory.py). The memo caches of ``name_features``
 (2,048 names) and ``split_name`` (1,024 names) are process-wide, shared by all
 sandboxes: 1.3 MB; so is the set of PSL rule suffixes ``labels.registered_domain``
@@ -18,18 +18,19 @@ of the 8 least recently used zones goes, so a flood of fresh zones cannot push a
 that is building up towards a verdict out of the table.
 
 A zone evicted and made again gets no new allowance (``zone_free_bytes``, the name
-information per window the sum over all zones leaves out): what it had used in each
-window is kept (``window.Spent``, 4,096 zones) and taken off until that window has
-passed. Without it, a workload cycling through more zones than are tracked had a new
-allowance at each return (an attacker's review: 1,000 zones, 50 names a second, moved
-~240 KB of names before the slow window's sum caught it; now ~28 KB, at the first
-returns, in the fast window). What stays open is each zone's allowance once: a sandbox
-allowed thousands of zones an attacker runs can move about 27 B of name through each
-(5,000 zones: ~140 KB, caught in the slow window; 20,000, more than ``Spent`` holds:
-~740 KB, was 4.8 MB). A crawler that asks a few names of each of thousands of zones
-once keeps each allowance (charging every evicted zone's whole allowance to the sum
-caught one after ~1,300 zones an hour; zones sharing a cell sharing the largest use
-caught one asking six names a site after ~1,400).
+information per window the sum over all zones leaves out): what it sent in each window
+is kept (``window.Spent``, 4,096 zones, in half-window buckets) and taken off until it
+has left that window, as it would from a zone that stayed in the table. Without it, a
+workload cycling through more zones than are tracked had a new allowance at each return
+(an attacker's review: 1,000 zones, 50 names a second, moved ~240 KB of names before
+the slow window's sum caught it; now ~28 KB, at the first returns, in the fast window).
+What stays open is each zone's allowance, once a window: a sandbox allowed thousands of
+zones an attacker runs can move about 27 B of name through each (5,000 zones: ~140 KB
+before the slow window's sum; 20,000, more than ``Spent`` holds: ~840 KB, was 4.8 MB).
+A crawler that asks a few names of each of thousands of zones once keeps each allowance
+(charging every evicted zone's whole allowance to the sum caught one after ~1,300 zones
+an hour; zones sharing a cell sharing the largest amount caught one asking six names a
+site after ~1,400).
 
 A zone made again has also forgotten its names, and a sandbox that asks more zones than
 are tracked again as their TTLs run out would have each name count as new and use up
@@ -37,7 +38,8 @@ the zone's allowance again. So once a zone has been evicted, every name and (nam
 type) scored, or asked again, goes into a sandbox-wide ``Seen`` of names (by name and
 zone), which a zone made again asks before it counts a name as new: what the sandbox
 asked before carries nothing its zone's nameserver could not already read. It holds
-the last 4,096-8,192 insertions; a name asked again is kept there.
+the last 16,384-32,768 insertions; a name asked again is kept there (300 zones of six
+names, A and AAAA, asked again every 5 minutes: 5,400 a round).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ EVICTION_SCAN: Final = 8
 # Keeps (name, type) apart from the name alone; times a type it stays below 2**62, which
 # the compiled scorer (``native``) keeps as a machine integer.
 _TYPE_SALT: Final = 0x9E3779B1
-SANDBOX_SEEN_WORDS: Final = 1024  # the sandbox-wide filters: 8 KiB a generation
+SANDBOX_SEEN_WORDS: Final = 4096  # the memory of names: 32 KiB a generation
 
 
 class TunnelScorer:
@@ -319,15 +321,14 @@ class TunnelScorer:
 
     def _allowance(self, state: ZoneState, now: float) -> tuple[float, float]:
         """What the sum over all zones leaves out of ``state``'s name information in
-        the fast and the slow window: ``zone_free_bytes``, less what the zone had used
-        before its eviction, in a window that has not passed since."""
+        the fast and the slow window: ``zone_free_bytes``, less what the zone sent in
+        that window before its eviction."""
         free = float(self._spec.zone_free_bytes)
-        if not state.remade:
+        spent = self._spent
+        if not state.remade or spent is None:
             return free, free
-        age = now - state.spent_at
-        fast = free - state.spent_fast if age < self._spec.window_s else free
-        slow = free - state.spent_slow if age < self._spec.slow_window_s else free
-        return fast, slow
+        fast, slow = spent.used(hash(state.zone) & M62, now)
+        return max(0.0, free - fast), max(0.0, free - slow)
 
     def _state(self, zone: str, now: float) -> ZoneState | None:
         state = self._zones.get(zone)
@@ -343,10 +344,8 @@ class TunnelScorer:
         state = self._zones[zone] = ZoneState(zone, self._spec, scale)
         spent = self._spent
         if spent is not None:
-            fast, slow, at = spent.get(hash(zone) & M62, now)
-            if fast > 0.0 or slow > 0.0:
-                state.remade = True
-                state.spent_fast, state.spent_slow, state.spent_at = fast, slow, at
+            fast, slow = spent.used(hash(zone) & M62, now)
+            state.remade = fast > 0.0 or slow > 0.0
         return state
 
     def _evict(self, now: float) -> None:
@@ -357,13 +356,10 @@ class TunnelScorer:
         if spent is None:  # the first eviction: from here on zones come back
             spent = self._spent = Spent(self._spec.window_s, self._spec.slow_window_s, now)
             self._names = Seen(SANDBOX_SEEN_WORDS)
-        # What it has used of each window's allowance now, what it had before included
-        # (kept for a whole window from now: at most more than it will have used).
-        fast_free, slow_free = self._allowance(state, now)
-        free = float(self._spec.zone_free_bytes)
-        fast = free - fast_free + state.fast.totals_at(now)[NAME_INFO]
-        slow = free - slow_free + state.slow.totals_at(now)[SLOW_NAME_INFO]
-        spent.put(hash(victim) & M62, now, min(free, fast), min(free, slow))
+        # What it sent since it was made, as far as each window still holds it.
+        fast = state.fast.totals_at(now)[NAME_INFO]
+        slow = state.slow.totals_at(now)[SLOW_NAME_INFO]
+        spent.add(hash(victim) & M62, now, fast, slow)
 
 
 def _below(zone: str, name: str) -> str | None:

@@ -14,7 +14,7 @@ scorer's memory per sandbox:
   not seen (the name, the name with its type, each new label), 1 for a new type of a
   known name; so 256-512 names whose labels are all known, 100-200 with three new labels
   each. An attacker's name that collides (about 1% at the fullest, over both) is merely
-  undercounted. The scorer's sandbox-wide one (``scorer``) is 8 times larger.
+  undercounted. The scorer's sandbox-wide one (``scorer``) is 32 times larger.
 - ``Spent``: how much of its allowance each zone evicted from the scorer's table had used
   in each window, one zone a cell of ``SPENT_CELLS``, by the zone's hash.
 """
@@ -29,7 +29,7 @@ SEEN_WORDS: Final = 128  # a zone's, per generation: 1 KiB
 SEEN_PER_WORD: Final = 4  # inserts a word per generation: false-positive rate <= 0.6% each
 _WORD_BITS: Final = 62  # bits used of each word: an int below 2**62 is a machine one compiled
 M62: Final = (1 << 62) - 1  # hashes are cut to this: a machine integer when compiled
-SPENT_CELLS: Final = 4096  # 48 KiB
+SPENT_CELLS: Final = 4096  # 80 KiB
 _SPENT_BITS: Final = 12  # log2(SPENT_CELLS)
 _SPENT_MASK: Final = SPENT_CELLS - 1
 _U16: Final = 0xFFFF
@@ -191,41 +191,76 @@ def _bits(h: int) -> int:
 
 
 class Spent:
-    """The allowance each zone evicted had used in the fast and the slow window, kept
-    until a window has passed since its eviction: one zone a cell, the cell its hash
-    picks (``SPENT_CELLS`` of them, 12 bytes each), which the zone evicted last takes.
-    Amounts are whole bytes and times whole seconds, each rounded up: a zone made again
-    may be taken to have used a little more, for a little longer, never less. A zone
-    whose cell another zone's eviction took since is not known: that takes more zones
-    than there are cells, all within a window."""
+    """The name information each zone evicted had sent in the fast and the slow window,
+    one zone a cell (``SPENT_CELLS`` of them, 20 bytes each), the cell its hash picks,
+    which the zone evicted last takes. Each window keeps two buckets of half its length:
+    what a zone sent is kept until its whole bucket has left the window, whether the
+    zone comes back or not. Amounts are whole bytes, rounded up: a zone made again may
+    be taken to have sent a little more, for up to half a window longer, never less. A
+    zone whose cell another zone's eviction took since is not known."""
 
-    __slots__ = ("_at", "_fast", "_fast_s", "_slow", "_slow_s", "_start", "_tag")
+    __slots__ = ("_fast", "_slow", "_tag")
 
     def __init__(self, fast_s: float, slow_s: float, now: float) -> None:
-        self._fast_s = fast_s
-        self._slow_s = slow_s
-        self._start = now - 1.0  # a cell's time is seconds after this, 0 for none
         self._tag = array("I", bytes(4 * SPENT_CELLS))  # the hash's 32 bits above the cell's
-        self._at = array("I", bytes(4 * SPENT_CELLS))
-        self._fast = array("H", bytes(2 * SPENT_CELLS))
-        self._slow = array("H", bytes(2 * SPENT_CELLS))
+        self._fast = _Halves(fast_s, now)
+        self._slow = _Halves(slow_s, now)
 
-    def get(self, h: int, now: float) -> tuple[float, float, float]:
-        """What the zone of hash ``h`` had used in the fast and the slow window, and
-        when it was evicted (zeros and -inf: nothing known)."""
+    def used(self, h: int, now: float) -> tuple[float, float]:
+        """What the zone of hash ``h`` sent in the fast and the slow window before now
+        (zeros: nothing known)."""
         i = h & _SPENT_MASK
-        at = self._at[i]
-        if at == 0 or self._tag[i] != h >> _SPENT_BITS & _U32:
-            return 0.0, 0.0, -math.inf
-        when = self._start + at
-        age = now - when
-        fast = float(self._fast[i]) if age < self._fast_s else 0.0
-        slow = float(self._slow[i]) if age < self._slow_s else 0.0
-        return fast, slow, when
+        if self._tag[i] != h >> _SPENT_BITS & _U32:
+            return 0.0, 0.0
+        return self._fast.total(i, now), self._slow.total(i, now)
 
-    def put(self, h: int, now: float, fast: float, slow: float) -> None:
+    def add(self, h: int, now: float, fast: float, slow: float) -> None:
+        """The zone of hash ``h``, evicted now, sent ``fast`` and ``slow`` since it was
+        last made (what the cell kept of it before stays, unless another zone has it)."""
         i = h & _SPENT_MASK
-        self._tag[i] = h >> _SPENT_BITS & _U32
-        self._at[i] = min(_U32, math.ceil(now - self._start))
-        self._fast[i] = min(_U16, math.ceil(fast))
-        self._slow[i] = min(_U16, math.ceil(slow))
+        tag = h >> _SPENT_BITS & _U32
+        if self._tag[i] != tag:
+            self._tag[i] = tag
+            self._fast.clear(i)
+            self._slow.clear(i)
+        self._fast.add(i, now, fast)
+        self._slow.add(i, now, slow)
+
+
+class _Halves:
+    """One window of every ``Spent`` cell: the amounts of its last two half-window
+    buckets and the number of the newer (0: none)."""
+
+    __slots__ = ("_new", "_old", "_slot", "_start", "_width")
+
+    def __init__(self, window_s: float, now: float) -> None:
+        self._width = window_s / 2
+        self._start = now - self._width  # bucket numbers from 1
+        self._new = array("H", bytes(2 * SPENT_CELLS))
+        self._old = array("H", bytes(2 * SPENT_CELLS))
+        self._slot = array("I", bytes(4 * SPENT_CELLS))
+
+    def _number(self, now: float) -> int:
+        return min(_U32, int((now - self._start) // self._width))
+
+    def total(self, i: int, now: float) -> float:
+        # What was sent in bucket k has all left the window once bucket k + 3 begins.
+        age = self._number(now) - self._slot[i]
+        new = self._new[i] if age <= 2 else 0
+        old = self._old[i] if age <= 1 else 0
+        return float(new + old)
+
+    def clear(self, i: int) -> None:
+        self._new[i] = self._old[i] = self._slot[i] = 0
+
+    def add(self, i: int, now: float, amount: float) -> None:
+        n = self._number(now)
+        age = n - self._slot[i]
+        new = self._new[i]
+        if age >= 1:
+            # The newer bucket becomes the older: one bucket late at most (age 2), so
+            # kept longer, never shorter; an older one than that has left the window.
+            self._old[i] = new if age <= 2 else 0
+            new = 0
+            self._slot[i] = n
+        self._new[i] = min(_U16, new + math.ceil(amount))

@@ -171,9 +171,6 @@ class ZoneState:
         "scale",
         "seen",
         "slow",
-        "spent_at",
-        "spent_fast",
-        "spent_slow",
         "types",
         "unique",
         "vocab",
@@ -192,13 +189,10 @@ class ZoneState:
         self.bytes = 0  # their subdomain text, repeats included
         self.unique = 0
         self.types: dict[int, int] = {}
-        # Made again after its eviction (``TunnelScorer._state``): what it had used of
-        # its allowance in each window then, and when (``window.Spent``); what it forgot
+        # Made again after its eviction, within a window of it (``TunnelScorer._state``):
+        # what it sent then is off its allowance (``window.Spent``), and what it forgot
         # of its names, the sandbox-wide memory of names remembers.
         self.remade = False
-        self.spent_fast = 0.0
-        self.spent_slow = 0.0
-        self.spent_at = -math.inf
 
     def advance(self, now: float) -> None:
         self.fast.advance(now)
