@@ -773,39 +773,49 @@ def _trickle(
         servers.stop()
 
 
-# -- many zones, round-robin ----------------------------------------------------------------
-
-# Six random labels of 7 characters a name, under zone n % zones of z0x.test ... (each
-# its own registered domain: test is a top-level domain), one query at a time at
-# ``rate`` a second, waiting for each answer, ``count`` names in all.
-CYCLE = r"""
-import os, random, socket, struct, sys, time
-board, zones, rate, count = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-rng = random.Random()
-alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+# The end of a workload that sends ``queries`` (name, qtype) one at a time at ``rate`` a
+# second, waiting for each answer, once the test says go; "QUERIES BYTES" of payload sent
+# in board/progress.
+SEND = r"""
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.settimeout(2)
 print("started", flush=True)
 while not os.path.exists(os.path.join(board, "go")):
     time.sleep(0.01)
 start = time.monotonic()
-for n in range(1, count + 1):
-    labels = ["".join(rng.choices(alphabet, k=7)) for _ in range(6)]
-    name = ".".join([*labels, f"z{n % zones}x", "test"])
+for n, (name, qtype) in enumerate(queries, 1):
     wire = b"".join(bytes([len(x)]) + x.encode() for x in name.split(".")) + b"\0"
     s.sendto(struct.pack("!6H", n & 0xFFFF, 0x0100, 1, 0, 0, 0) + wire
-             + struct.pack("!HH", 1, 1), ("127.0.0.53", 53))
+             + struct.pack("!HH", qtype, 1), ("127.0.0.53", 53))
     try:
         s.recv(4096)
     except OSError:
         pass
     with open(os.path.join(board, "progress"), "w") as f:
-        f.write(f"{n} {n * 27}\n")
+        f.write(f"{n} {n * payload_bits // 8}\n")
     time.sleep(max(0.0, start + n / rate - time.monotonic()))
 print("done", flush=True)
 while True:
     time.sleep(60)
 """
+
+# -- many zones, round-robin ----------------------------------------------------------------
+
+# Six random labels of 7 characters a name, under zone n % zones of z0x.test ... (each
+# its own registered domain: test is a top-level domain), one query at a time at
+# ``rate`` a second, waiting for each answer, ``count`` names in all.
+CYCLE = (
+    r"""
+import os, random, socket, struct, sys, time
+board, zones, rate, count = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+rng = random.Random()
+alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+labels = lambda: ["".join(rng.choices(alphabet, k=7)) for _ in range(6)]
+queries = [(".".join([*labels(), f"z{n % zones}x", "test"]), 1) for n in range(1, count + 1)]
+payload_bits = 217  # six random labels of 7 of 36 characters
+"""
+    + SEND
+)
 CYCLED = re.compile(r"^(?:[a-z0-9]{7}\.){6}z\d+x\.test$")
 # Every name under test allowed, and scored (test is a special-use zone: exempt unless
 # a policy says otherwise); each z<n>x.test is a zone of its own.
@@ -1016,7 +1026,8 @@ CHANNELS_FILE = Path(__file__).resolve().with_name("channels.py")
 
 # Sends a random payload through one channel of channels.py, one query at a time at
 # ``rate`` a second, waiting for each answer, until ``cap`` payload bytes have gone.
-CHANNEL = r"""
+CHANNEL = (
+    r"""
 import os, socket, struct, sys, time
 board, index, rate, cap, zone = sys.argv[1:6]
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -1024,27 +1035,10 @@ import channels
 channel = channels.all_channels()[int(index)]
 rate, cap = float(rate), int(cap)
 queries = channel.queries(os.urandom(cap), [zone])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.settimeout(2)
-print("started", flush=True)
-while not os.path.exists(os.path.join(board, "go")):
-    time.sleep(0.01)
-start = time.monotonic()
-for n, (name, qtype) in enumerate(queries, 1):
-    wire = b"".join(bytes([len(x)]) + x.encode() for x in name.split(".")) + b"\0"
-    s.sendto(struct.pack("!6H", n & 0xFFFF, 0x0100, 1, 0, 0, 0) + wire
-             + struct.pack("!HH", qtype, 1), ("127.0.0.53", 53))
-    try:
-        s.recv(4096)
-    except OSError:
-        pass
-    with open(os.path.join(board, "progress"), "w") as f:
-        f.write(f"{n} {n * channel.payload_bits // 8}\n")
-    time.sleep(max(0.0, start + n / rate - time.monotonic()))
-print("done", flush=True)
-while True:
-    time.sleep(60)
+payload_bits = channel.payload_bits
 """
+    + SEND
+)
 QTYPES = {"A": 1, "AAAA": 28}
 # The slow window shortened to 10 min and its name-information limit to 512 B, so that a
 # slow channel is caught in a minute or two rather than an hour (the defaults over 2 h
