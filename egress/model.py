@@ -233,6 +233,11 @@ class TunnelZoneOverride:
     limit_scale: float = 1.0  # multiply every zone limit by this (raised limits: > 1)
 
 
+# The most ``TunnelSpec.zone_free_bytes`` may be: what the scorer keeps of an evicted zone's
+# use of it is whole bytes in 16 bits (``egress.tunnel.window.Spent``).
+MAX_ZONE_FREE_BYTES = 65_535
+
+
 @dataclass(frozen=True)
 class TunnelSpec:
     """DNS-tunnel scorer thresholds (``egress.tunnel``); defaults catch iodine/dns2tcp early."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from egress.model import Action, RateLimit, TunnelSpec, ViolationClass
+from egress.model import MAX_ZONE_FREE_BYTES, Action, RateLimit, TunnelSpec, ViolationClass
 from egress.policy.dnsspec import MAX_RATE
 from egress.policy.tunnelspec import MAX_ZONES
 
@@ -315,6 +315,7 @@ def _tunnel() -> Schema:
             "zone_free_bytes": {
                 "type": "integer",
                 "minimum": 0,
+                "maximum": MAX_ZONE_FREE_BYTES,
                 "default": d.zone_free_bytes,
                 "description": "Information in new names (bytes) each zone may send in a"
                 " window before the rest counts towards the sum over all zones.",

@@ -23,7 +23,7 @@ import ipaddress
 import math
 from typing import Any
 
-from egress.model import TunnelSpec, TunnelZoneOverride
+from egress.model import MAX_ZONE_FREE_BYTES, TunnelSpec, TunnelZoneOverride
 from egress.policy.checks import (
     Report,
     duration,
@@ -146,6 +146,8 @@ def _count(node: Node, key: str) -> int:
     least = 0 if key == "zone_free_bytes" else 1
     if value < least:
         raise ValueError(f"must be at least {least}, got {value}")
+    if key == "zone_free_bytes" and value > MAX_ZONE_FREE_BYTES:
+        raise ValueError(f"must be at most {MAX_ZONE_FREE_BYTES}, got {value}")
     if key == "max_zones" and value > MAX_ZONES:
         raise ValueError(
             f"{value} is more than the limit of {MAX_ZONES} (each tracked zone costs "

@@ -6,8 +6,8 @@ at most ``max_zones`` zone states plus one for the sum over all zones, each of f
 (two ``Ring`` arrays of 10x7 and 30x6 float32 cells, a two-generation 1 KiB Bloom filter,
 at most 8 record-type counters, a 512-symbol ``vocab.Vocab``: about 7 KiB measured), one
 16 KiB sandbox-wide ``Vocab``, at most ``MAX_VERDICTS`` verdicts, and once a zone has
-been evicted, an 80 KiB ``Spent`` and a ``Seen`` of names of 32 KiB a generation.
-Measured after 1,000,000 unique names over 5,000 zones: 2.01 MB reachable, 2.04 MB
+been evicted, a 96 KiB ``Spent`` and a ``Seen`` of names of 32 KiB a generation.
+Measured after 1,000,000 unique names over 5,000 zones: 2.03 MB reachable, 2.06 MB
 compiled (tests/unit/test_tunnel_memory.py). The memo caches of ``name_features``
 (2,048 names) and ``split_name`` (1,024 names) are process-wide, shared by all
 sandboxes: 1.3 MB; so is the set of PSL rule suffixes ``labels.registered_domain``
@@ -23,23 +23,27 @@ is kept (``window.Spent``, 4,096 zones, in half-window buckets) and taken off un
 has left that window, as it would from a zone that stayed in the table. Without it, a
 workload cycling through more zones than are tracked had a new allowance at each return
 (an attacker's review: 1,000 zones, 50 names a second, moved ~240 KB of names before
-the slow window's sum caught it; now ~28 KB, at the first returns, in the fast window).
+the slow window's sum caught it; now ~34 KB, at the first returns, in the fast window).
 What stays open is each zone's allowance, once a window: a sandbox allowed thousands of
-zones an attacker runs can move about 27 B of name through each (5,000 zones: ~140 KB
-before the slow window's sum; 20,000, more than ``Spent`` holds: ~840 KB, was 4.8 MB).
-A crawler that asks a few names of each of thousands of zones once keeps each allowance
-(charging every evicted zone's whole allowance to the sum caught one after ~1,300 zones
-an hour; zones sharing a cell sharing the largest amount caught one asking six names a
-site after ~1,400).
+zones an attacker runs can move about 27 B of name through each (5,000 zones: ~150 KB
+before the slow window's sum, was 1.2 MB; 20,000, more than ``Spent`` holds: ~780 KB,
+was 4.8 MB). A crawler that asks a few names of each of thousands of zones once keeps
+each allowance (charging every evicted zone's whole allowance to the sum caught one
+after ~1,300 zones an hour; zones sharing a cell sharing the largest amount caught one
+asking six names a site after ~1,400).
 
 A zone made again has also forgotten its names, and a sandbox that asks more zones than
 are tracked again as their TTLs run out would have each name count as new and use up
-the zone's allowance again. So once a zone has been evicted, every name and (name,
-type) scored, or asked again, goes into a sandbox-wide ``Seen`` of names (by name and
-zone), which a zone made again asks before it counts a name as new: what the sandbox
-asked before carries nothing its zone's nameserver could not already read. It holds
-the last 16,384-32,768 insertions; a name asked again is kept there (300 zones of six
-names, A and AAAA, asked again every 5 minutes: 5,400 a round).
+the zone's allowance again. So from the first eviction on, every name and (name, type)
+scored, or asked again, goes into a sandbox-wide ``Seen`` of names (by name and zone),
+which a zone made again asks before it counts one as new: what the sandbox asked before
+carries nothing its zone's nameserver could not already read. A zone made before that
+memory was comes back as a new zone, once. The memory holds the last 16,384-32,768
+names and (name, type)s, and one asked again is kept there: 800 zones of six names, A
+and AAAA, asked again every 5 minutes (14,400 a round), or 1,200 every 10, get no
+verdict; at 1,500 every 10 minutes what it forgot adds up to one within the hour. (Names
+alone, their types priced again on a zone's return, froze 300 zones of six names every
+5 minutes.)
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ EVICTION_SCAN: Final = 8
 # Keeps (name, type) apart from the name alone; times a type it stays below 2**62, which
 # the compiled scorer (``native``) keeps as a machine integer.
 _TYPE_SALT: Final = 0x9E3779B1
+_LOW_39: Final = (1 << 39) - 1
 SANDBOX_SEEN_WORDS: Final = 4096  # the memory of names: 32 KiB a generation
 
 
@@ -191,15 +196,17 @@ class TunnelScorer:
         # both adds nothing to any window, so only something new can cross a limit.
         pair = new or not seen.has(typed)
         names = self._names  # once a zone has been evicted
-        # The memory's keys: a zone's are of the name below it (``folded``), so its own.
-        where = hash(state.zone) & M62
-        wide, wide_typed = key ^ where, typed ^ where
+        wide = wide_typed = 0
         if names is not None:
+            # The memory's keys: a zone's are of the name below it (``folded``), so they
+            # are its own, mixed with the zone's hash turned, so that name N under zone
+            # Z is not Z under N.
+            where = hash(state.zone) & M62
+            where = (where & _LOW_39) << 23 | where >> 39
+            wide, wide_typed = key ^ where, typed ^ where
             if not pair:  # still asked: kept past the memory's rotations, for a return
-                if not names.keep(wide):
-                    names.add(wide)
-                if not names.keep(wide_typed):
-                    names.add(wide_typed)
+                names.note(wide)
+                names.note(wide_typed)
             elif state.remade:  # what it forgot at its eviction, the sandbox has not
                 if new and names.keep(wide):
                     new = False
@@ -344,8 +351,9 @@ class TunnelScorer:
         state = self._zones[zone] = ZoneState(zone, self._spec, scale)
         spent = self._spent
         if spent is not None:
-            fast, slow = spent.used(hash(zone) & M62, now)
-            state.remade = fast > 0.0 or slow > 0.0
+            state.recorded = True  # its names go into the memory
+            # Back within a window of its eviction: what it sent is off its allowance.
+            state.remade = spent.known(hash(zone) & M62, now)
         return state
 
     def _evict(self, now: float) -> None:
@@ -356,6 +364,10 @@ class TunnelScorer:
         if spent is None:  # the first eviction: from here on zones come back
             spent = self._spent = Spent(self._spec.window_s, self._spec.slow_window_s, now)
             self._names = Seen(SANDBOX_SEEN_WORDS)
+        if not state.recorded:
+            # Made before the memory of names, which lacks what it asked: back, it is a
+            # new zone (once), rather than one whose names all count as new again.
+            return
         # What it sent since it was made, as far as each window still holds it.
         fast = state.fast.totals_at(now)[NAME_INFO]
         slow = state.slow.totals_at(now)[SLOW_NAME_INFO]

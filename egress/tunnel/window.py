@@ -1,6 +1,7 @@
-"""Fixed-size building blocks for per-zone state: sliding-window sums and a seen-set.
+"""Fixed-size building blocks for the scorer's state: sliding-window sums, seen-sets and
+what evicted zones sent.
 
-Both have a size fixed at construction, whatever the traffic, which is what bounds the
+Each has a size fixed at construction, whatever the traffic, which is what bounds the
 scorer's memory per sandbox:
 
 - ``Ring``: a sliding window as ``buckets`` time buckets of ``width`` float metrics (float32,
@@ -29,7 +30,7 @@ SEEN_WORDS: Final = 128  # a zone's, per generation: 1 KiB
 SEEN_PER_WORD: Final = 4  # inserts a word per generation: false-positive rate <= 0.6% each
 _WORD_BITS: Final = 62  # bits used of each word: an int below 2**62 is a machine one compiled
 M62: Final = (1 << 62) - 1  # hashes are cut to this: a machine integer when compiled
-SPENT_CELLS: Final = 4096  # 80 KiB
+SPENT_CELLS: Final = 4096  # 96 KiB
 _SPENT_BITS: Final = 12  # log2(SPENT_CELLS)
 _SPENT_MASK: Final = SPENT_CELLS - 1
 _U16: Final = 0xFFFF
@@ -170,6 +171,14 @@ class Seen:
         self._insert(word, bits)
         return True
 
+    def note(self, h: int) -> None:
+        """Record hash ``h`` in the newer generation, unless it is there already: what
+        ``keep`` keeps, and what it did not find."""
+        word = h & self._mask
+        bits = _bits(h >> self._shift)
+        if self._new[word] & bits != bits:
+            self._insert(word, bits)
+
     def _insert(self, word: int, bits: int) -> None:
         new = self._new
         new[word] |= bits
@@ -192,12 +201,12 @@ def _bits(h: int) -> int:
 
 class Spent:
     """The name information each zone evicted had sent in the fast and the slow window,
-    one zone a cell (``SPENT_CELLS`` of them, 20 bytes each), the cell its hash picks,
-    which the zone evicted last takes. Each window keeps two buckets of half its length:
-    what a zone sent is kept until its whole bucket has left the window, whether the
-    zone comes back or not. Amounts are whole bytes, rounded up: a zone made again may
-    be taken to have sent a little more, for up to half a window longer, never less. A
-    zone whose cell another zone's eviction took since is not known."""
+    one zone a cell (``SPENT_CELLS`` of them, 24 bytes each), the cell its hash picks,
+    which the zone evicted last takes. Each window keeps three buckets of half its
+    length: what a zone sent is kept until its whole bucket has left the window, whether
+    the zone comes back or not. Amounts are whole bytes, rounded up: a zone made again
+    may be taken to have sent a little more, for up to half a window longer, never less.
+    A zone whose cell another zone's eviction took since is not known."""
 
     __slots__ = ("_fast", "_slow", "_tag")
 
@@ -206,12 +215,18 @@ class Spent:
         self._fast = _Halves(fast_s, now)
         self._slow = _Halves(slow_s, now)
 
+    def known(self, h: int, now: float) -> bool:
+        """The zone of hash ``h`` was evicted within the slow window (whatever it sent,
+        0 included)."""
+        i = h & _SPENT_MASK
+        return self._tag[i] == h >> _SPENT_BITS & _U32 and self._slow.live(i, now)
+
     def used(self, h: int, now: float) -> tuple[float, float]:
         """What the zone of hash ``h`` sent in the fast and the slow window before now
         (zeros: nothing known)."""
-        i = h & _SPENT_MASK
-        if self._tag[i] != h >> _SPENT_BITS & _U32:
+        if not self.known(h, now):
             return 0.0, 0.0
+        i = h & _SPENT_MASK
         return self._fast.total(i, now), self._slow.total(i, now)
 
     def add(self, h: int, now: float, fast: float, slow: float) -> None:
@@ -228,39 +243,46 @@ class Spent:
 
 
 class _Halves:
-    """One window of every ``Spent`` cell: the amounts of its last two half-window
-    buckets and the number of the newer (0: none)."""
+    """One window of every ``Spent`` cell: the amounts of its last three half-window
+    buckets (what was sent in bucket k is in the window until bucket k + 3 begins) and
+    the number of the newest (0: none)."""
 
-    __slots__ = ("_new", "_old", "_slot", "_start", "_width")
+    __slots__ = ("_middle", "_newest", "_oldest", "_slot", "_start", "_width")
 
     def __init__(self, window_s: float, now: float) -> None:
         self._width = window_s / 2
         self._start = now - self._width  # bucket numbers from 1
-        self._new = array("H", bytes(2 * SPENT_CELLS))
-        self._old = array("H", bytes(2 * SPENT_CELLS))
+        self._newest = array("H", bytes(2 * SPENT_CELLS))
+        self._middle = array("H", bytes(2 * SPENT_CELLS))
+        self._oldest = array("H", bytes(2 * SPENT_CELLS))
         self._slot = array("I", bytes(4 * SPENT_CELLS))
 
     def _number(self, now: float) -> int:
         return min(_U32, int((now - self._start) // self._width))
 
+    def live(self, i: int, now: float) -> bool:
+        """The cell has a bucket still in the window (of any amount, 0 included)."""
+        slot = self._slot[i]
+        return slot != 0 and self._number(now) - slot <= 2
+
     def total(self, i: int, now: float) -> float:
-        # What was sent in bucket k has all left the window once bucket k + 3 begins.
         age = self._number(now) - self._slot[i]
-        new = self._new[i] if age <= 2 else 0
-        old = self._old[i] if age <= 1 else 0
-        return float(new + old)
+        newest = self._newest[i] if age <= 2 else 0
+        middle = self._middle[i] if age <= 1 else 0
+        oldest = self._oldest[i] if age <= 0 else 0
+        return float(newest + middle + oldest)
 
     def clear(self, i: int) -> None:
-        self._new[i] = self._old[i] = self._slot[i] = 0
+        self._newest[i] = self._middle[i] = self._oldest[i] = self._slot[i] = 0
 
     def add(self, i: int, now: float, amount: float) -> None:
         n = self._number(now)
         age = n - self._slot[i]
-        new = self._new[i]
-        if age >= 1:
-            # The newer bucket becomes the older: one bucket late at most (age 2), so
-            # kept longer, never shorter; an older one than that has left the window.
-            self._old[i] = new if age <= 2 else 0
-            new = 0
+        newest = self._newest[i]
+        if age >= 1:  # shift by ``age`` buckets: what moves past the oldest has left
+            middle = self._middle[i]
+            self._oldest[i] = middle if age == 1 else newest if age == 2 else 0
+            self._middle[i] = newest if age == 1 else 0
+            newest = 0
             self._slot[i] = n
-        self._new[i] = min(_U16, new + math.ceil(amount))
+        self._newest[i] = min(_U16, newest + math.ceil(amount))

@@ -167,6 +167,7 @@ class ZoneState:
         "bytes",
         "fast",
         "queries",
+        "recorded",
         "remade",
         "scale",
         "seen",
@@ -193,6 +194,7 @@ class ZoneState:
         # what it sent then is off its allowance (``window.Spent``), and what it forgot
         # of its names, the sandbox-wide memory of names remembers.
         self.remade = False
+        self.recorded = False  # made once the memory of names was: its names are in it
 
     def advance(self, now: float) -> None:
         self.fast.advance(now)

@@ -112,13 +112,15 @@ def test_zones_asked_round_robin_are_frozen_at_their_first_return(lab: Lab) -> N
     """An attacker's names spread round-robin over 1,000 zones (more than the 256 the
     scorer tracks), 200 a second: each zone's first names are within its allowance, and
     before 84cca9c each return after its eviction had a new one, so the sum over all
-    zones let ~9,000 names (~240 KB) through. Now a zone back has what it used taken off:
+    zones let ~9,000 names (~240 KB) through. Now a zone back has what it sent taken off:
     frozen at the first returns. Counted at the lab DNS server: the names that reached it."""
     run = tn.run_zone_cycle(lab, zones=1_000, rate=200, count=3_000, timeout=90)
     assert run.freeze is not None and run.freeze["confirmed_at"], run.describe()
     assert run.trigger is not None and run.trigger["class"] == "tunnel", run.describe()
     assert "over all zones" in run.trigger["detail"], run.describe()
-    assert 1_000 <= run.before <= 1_200, run.describe()  # ~27 B of name each
+    # ~27 B of name each; the first 256 zones, made before the scorer's memory of names,
+    # come back once as new zones: ~1,300 names (the unit test's fake clock: 1,292)
+    assert 1_000 <= run.before <= 1_400, run.describe()
     assert run.names <= run.before + 2, run.describe()  # what was in flight, at most
     assert run.rc == 137, run.describe()
 

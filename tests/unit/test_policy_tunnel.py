@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from egress.errors import PolicyError
-from egress.model import TunnelSpec, TunnelZoneOverride
+from egress.model import MAX_ZONE_FREE_BYTES, TunnelSpec, TunnelZoneOverride
 from egress.policy import load_policy, parse_policy, tunnelspec, validate
 from egress.policy.schema import policy_json_schema
 
@@ -194,6 +194,10 @@ def test_bad_tunnel_file_reports_every_problem_with_its_position() -> None:
             ],
         ),
         (
+            "  tunnel: {zone_free_bytes: 65536}\n",
+            ["6:29: spec.tunnel.zone_free_bytes: must be at most 65535, got 65536"],
+        ),
+        (
             "  tunnel: {name_score: '3', sandbox_scale: -2, max_zones: 0, slow_names: null}\n",
             [
                 "6:24: spec.tunnel.name_score: expected a number, got a string '3'",
@@ -221,6 +225,7 @@ def test_bad_tunnel_file_reports_every_problem_with_its_position() -> None:
         "windows-reversed",
         "window-bounds",
         "types",
+        "allowance-over-16-bits",
         "numbers",
         "zone-items",
     ],
@@ -268,6 +273,7 @@ def test_schema_describes_every_key_with_its_default() -> None:
         if key in tunnelspec.COUNTS or key in ("name_score", "nx_ratio", "sandbox_scale"):
             assert prop["default"] == getattr(defaults, key), key
     assert props["max_zones"]["maximum"] == tunnelspec.MAX_ZONES
+    assert props["zone_free_bytes"]["maximum"] == MAX_ZONE_FREE_BYTES
     zone = props["zones"]["items"]
     assert list(zone["properties"]) == list(tunnelspec.ZONE_KEYS)
     assert zone["additionalProperties"] is False and zone["required"] == ["zone"]

@@ -21,6 +21,7 @@ from egress.tunnel import TunnelScorer, TunnelVerdict
 from egress.tunnel.labels import split_name
 from egress.tunnel.scorer import SANDBOX_SEEN_WORDS
 from egress.tunnel.window import M62, SEEN_PER_WORD, SEEN_WORDS, SPENT_CELLS, Ring, Seen, Spent
+from egress.tunnel.zone import NAME_INFO
 
 
 class Clock:
@@ -164,6 +165,23 @@ def test_spent_keeps_what_a_zone_sent_until_its_half_window_has_left_the_window(
     assert spent.used(mine, 6_403.0) == (0.0, 0.0)
     assert spent.used(other, 6_403.0) == (1.0, 1.0)
     assert spent.used(other + SPENT_CELLS * (1 << 32), 6_403.0) == (1.0, 1.0)  # 32 bits
+    spent.add(other, 6_404.0, 0.0, 0.0)  # evicted again, having sent nothing: known
+    assert spent.known(other, 6_405.0) and not spent.known(mine, 6_405.0)
+    assert not spent.known(other, 6_404.0 + 3 * 1_800)  # out of the slow window
+
+
+def test_spent_keeps_what_was_sent_through_evictions_in_the_two_buckets_after() -> None:
+    """48 B sent at the end of a bucket is in the 30 s window for two buckets more,
+    whatever evictions of the zone (adding nothing) come meanwhile. (With two buckets a
+    cell, the second such eviction dropped it: an attacker's review had each zone send
+    twice its allowance in one window.)"""
+    spent = Spent(30.0, 3600.0, 1_000.0)  # fast buckets of 15 s from 1,000 s
+    spent.add(9, 1_014.9, 48.0, 0.0)
+    spent.add(9, 1_015.5, 0.0, 0.0)
+    spent.add(9, 1_030.1, 0.0, 0.0)
+    assert spent.used(9, 1_031.0)[0] == 48.0
+    assert spent.used(9, 1_044.9)[0] == 48.0
+    assert spent.used(9, 1_045.0)[0] == 0.0
 
 
 def test_spent_does_not_keep_a_zone_alive_that_keeps_coming_back() -> None:
@@ -385,7 +403,7 @@ def test_a_zone_made_again_after_its_eviction_gets_no_new_allowance() -> None:
     """1,000 zones through a table of 256, each back every 20 s: without what each had
     used of its allowance kept, each return had a new allowance, and the sum caught them
     only after ~240 KB of names, in the slow window (180 s); now in the fast one, at the
-    first returns (~28 KB: each zone's allowance once; 256 zones: ~8 KB)."""
+    first returns (~34 KB: each zone's allowance once; 256 zones: ~8 KB)."""
     clock = Clock()
     verdict = cycle_zones(TunnelScorer(TunnelSpec(), clock), clock, 1_000, 6)
     assert verdict is not None and clock.now - 1_000.0 < 60.0, verdict
@@ -490,6 +508,8 @@ def test_a_zone_made_again_asks_the_sandbox_memory_of_names_and_keeps_them_there
         state = scorer._zones[mine]
         assert state.remade == (visit > 0)
         assert state.unique == (3 if visit == 0 else 0), visit  # nothing new to the zone
+        if visit:  # nor its types: nothing priced
+            assert state.fast.totals[NAME_INFO] == 0.0, visit
 
 
 def test_names_a_zone_keeps_asking_outlive_the_memorys_rotations() -> None:
@@ -526,6 +546,57 @@ def test_names_a_zone_keeps_asking_outlive_the_memorys_rotations() -> None:
     for name in mine:
         assert scorer.observe_query(name, 1) is None
     state = scorer._zones[zone]
+    assert state.remade and state.unique == 0
+    assert state.fast.totals[NAME_INFO] == 0.0  # nor its type: nothing priced
+
+
+def fill(scorer: TunnelScorer, clock: Clock, first: int, count: int) -> None:
+    """``count`` sites of three common names each, from site ``first`` on."""
+    for site in range(first, first + count):
+        for sub in ("www", "api", "cdn"):
+            assert scorer.observe_query(f"{sub}.site{site}.com", 1) is None
+            clock.now += 0.05
+
+
+def test_a_zone_made_again_knows_only_its_own_names() -> None:
+    """What other zones asked is not known to a zone made again: not the same name
+    under another zone, nor a name that mirrors it (N under Z against Z under N)."""
+    clock = Clock()
+    scorer = TunnelScorer(replace(TunnelSpec(), max_zones=8), clock)
+    target = zone_alone(f"site{i}.com" for i in range(40))
+    fill(scorer, clock, 0, 20)  # the memory is made
+    assert scorer.observe_query(f"api.{target}", 1) is None
+    assert scorer.observe_query("www.other.com", 1) is None
+    assert scorer.observe_query(f"{target}.other.com", 1) is None  # target under other
+    fill(scorer, clock, 20, 20)
+    assert target not in scorer._zones
+    assert scorer.observe_query(f"api.{target}", 1) is None
+    state = scorer._zones[target]
+    assert state.remade and state.unique == 0
+    assert scorer.observe_query(f"www.{target}", 1) is None
+    assert state.unique == 1
+    assert scorer.observe_query(f"other.com.{target}", 1) is None  # other under target
+    assert state.unique == 2
+
+
+def test_a_zone_made_before_the_memory_of_names_comes_back_as_a_new_zone() -> None:
+    """The memory of names is made at the first eviction, without what was asked before
+    it: a zone made before comes back with its allowance whole (once), rather than with
+    its names all new and charged to the sum; one made after, as a zone made again."""
+    clock = Clock()
+    scorer = TunnelScorer(replace(TunnelSpec(), max_zones=8), clock)
+    target = zone_alone(f"site{i}.com" for i in range(60))
+    fill(scorer, clock, 0, 5)  # 5 zones of the 8: no eviction yet
+    assert scorer.observe_query(f"www.{target}", 1) is None  # made before the memory
+    fill(scorer, clock, 5, 20)
+    assert target not in scorer._zones
+    assert scorer.observe_query(f"www.{target}", 1) is None
+    state = scorer._zones[target]
+    assert not state.remade and state.unique == 1
+    fill(scorer, clock, 25, 20)
+    assert target not in scorer._zones
+    assert scorer.observe_query(f"www.{target}", 1) is None
+    state = scorer._zones[target]
     assert state.remade and state.unique == 0
 
 
