@@ -19,8 +19,9 @@ that is building up towards a verdict out of the table.
 
 A zone evicted and made again gets no new allowance (``zone_free_bytes``, the name
 information per window the sum over all zones leaves out): what it sent in each window
-is kept (``window.Spent``, 4,096 zones, in half-window buckets) and taken off until it
-has left that window, as it would from a zone that stayed in the table. Without it, a
+is kept (``window.Spent``, 4,096 zones, in half-window buckets) and taken off until the
+bucket of its eviction has left that window (up to a window and a half after it, where
+a zone that stayed in the table lets what it sent go as it ages). Without it, a
 workload cycling through more zones than are tracked had a new allowance at each return
 (an attacker's review: 1,000 zones, 50 names a second, moved ~240 KB of names before
 the slow window's sum caught it; now ~34 KB, at the first returns, in the fast window).
@@ -54,7 +55,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Final
 
-from egress.model import TunnelSpec
+from egress.model import MAX_ZONE_FREE_BYTES, TunnelSpec
 from egress.tunnel import vocab
 from egress.tunnel.features import (
     NameFeatures,
@@ -94,6 +95,10 @@ SANDBOX_SEEN_WORDS: Final = 4096  # the memory of names: 32 KiB a generation
 
 class TunnelScorer:
     def __init__(self, config: TunnelSpec, clock: Callable[[], float]) -> None:
+        if config.zone_free_bytes > MAX_ZONE_FREE_BYTES:  # a policy cannot say more
+            raise ValueError(
+                f"zone_free_bytes {config.zone_free_bytes} is over {MAX_ZONE_FREE_BYTES}"
+            )
         self._spec = config
         self._clock = clock
         self._zones: OrderedDict[str, ZoneState] = OrderedDict()
@@ -220,7 +225,8 @@ class TunnelScorer:
             crossings = self._account(state, f, qtype, now, new)
             # Seen once accounted, not before: where the accounting raised (a bug; the
             # resolver refuses the query), a retry is new again and scored, not let go
-            # upstream as a repeat of something never counted.
+            # upstream as a repeat of something never counted. (What a zone made again
+            # took from the memory above was counted before its eviction.)
             seen.add(key)
             seen.add(typed)
             if names is not None:
@@ -352,7 +358,7 @@ class TunnelScorer:
         spent = self._spent
         if spent is not None:
             state.recorded = True  # its names go into the memory
-            # Back within a window of its eviction: what it sent is off its allowance.
+            # Back while Spent has its eviction: what it sent is off its allowance.
             state.remade = spent.known(hash(zone) & M62, now)
         return state
 
@@ -369,8 +375,8 @@ class TunnelScorer:
             # new zone (once), rather than one whose names all count as new again.
             return
         # What it sent since it was made, as far as each window still holds it.
-        fast = state.fast.totals_at(now)[NAME_INFO]
-        slow = state.slow.totals_at(now)[SLOW_NAME_INFO]
+        fast = max(0.0, state.fast.totals_at(now)[NAME_INFO])  # (float drift below 0)
+        slow = max(0.0, state.slow.totals_at(now)[SLOW_NAME_INFO])
         spent.add(hash(victim) & M62, now, fast, slow)
 
 

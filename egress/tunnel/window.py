@@ -10,7 +10,7 @@ scorer's memory per sandbox:
   filter of ``words`` 64-bit words each (a zone's: ``SEEN_WORDS``, 1 KiB): a hash sets 5
   of the 62 bits used of one word, so a lookup reads one word per generation (0.6% false
   positives at the fullest, where a 3-hash filter of the same size has 0.4%, for 3-6
-  reads). A generation retires after 4 inserts a word (16 bits each), so a zone's
+  reads). A generation retires after 4 inserts a word (one per 16 bits), so a zone's
   remembers the last 512-1024 of them: 2 + k for a new name with k labels the zone had
   not seen (the name, the name with its type, each new label), 1 for a new type of a
   known name; so 256-512 names whose labels are all known, 100-200 with three new labels
@@ -203,10 +203,13 @@ class Spent:
     """The name information each zone evicted had sent in the fast and the slow window,
     one zone a cell (``SPENT_CELLS`` of them, 24 bytes each), the cell its hash picks,
     which the zone evicted last takes. Each window keeps three buckets of half its
-    length: what a zone sent is kept until its whole bucket has left the window, whether
-    the zone comes back or not. Amounts are whole bytes, rounded up: a zone made again
-    may be taken to have sent a little more, for up to half a window longer, never less.
-    A zone whose cell another zone's eviction took since is not known."""
+    length. What a zone's windows held at its eviction goes into the eviction's bucket
+    and is kept until that whole bucket has left the window, whether the zone comes back
+    or not: up to a window and a half after the eviction, where a zone that stayed in
+    the table would have let it go as much as a window earlier. Amounts are whole bytes,
+    rounded up. So a zone made again may be taken to have sent a little more, for
+    longer, never less. A zone whose cell another zone's eviction took since is not
+    known."""
 
     __slots__ = ("_fast", "_slow", "_tag")
 
@@ -216,8 +219,8 @@ class Spent:
         self._slow = _Halves(slow_s, now)
 
     def known(self, h: int, now: float) -> bool:
-        """The zone of hash ``h`` was evicted within the slow window (whatever it sent,
-        0 included)."""
+        """The zone of hash ``h`` was evicted within the last 1-1.5 slow windows (its
+        bucket is still in the window; whatever it sent, 0 included)."""
         i = h & _SPENT_MASK
         return self._tag[i] == h >> _SPENT_BITS & _U32 and self._slow.live(i, now)
 
@@ -251,14 +254,15 @@ class _Halves:
 
     def __init__(self, window_s: float, now: float) -> None:
         self._width = window_s / 2
-        self._start = now - self._width  # bucket numbers from 1
+        self._start = now
         self._newest = array("H", bytes(2 * SPENT_CELLS))
         self._middle = array("H", bytes(2 * SPENT_CELLS))
         self._oldest = array("H", bytes(2 * SPENT_CELLS))
         self._slot = array("I", bytes(4 * SPENT_CELLS))
 
     def _number(self, now: float) -> int:
-        return min(_U32, int((now - self._start) // self._width))
+        """The bucket ``now`` falls in, from 1 (0 is a cell's "none")."""
+        return 1 + min(_U32 - 1, int((now - self._start) // self._width))
 
     def live(self, i: int, now: float) -> bool:
         """The cell has a bucket still in the window (of any amount, 0 included)."""

@@ -190,7 +190,7 @@ class ZoneState:
         self.bytes = 0  # their subdomain text, repeats included
         self.unique = 0
         self.types: dict[int, int] = {}
-        # Made again after its eviction, within a window of it (``TunnelScorer._state``):
+        # Made again while Spent has its eviction (``TunnelScorer._state``):
         # what it sent then is off its allowance (``window.Spent``), and what it forgot
         # of its names, the sandbox-wide memory of names remembers.
         self.remade = False
