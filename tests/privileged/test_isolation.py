@@ -317,10 +317,25 @@ print(json.dumps(out))
 """
 
 
+class Proxies:
+    """What connected to the proxies (by path), and ``settle``: wait until every
+    connection made before it was called has been taken off its listen queue."""
+
+    def __init__(self) -> None:
+        self.got: list[str] = []
+        self.sweeps = 0  # full passes over every socket's queue
+        self.changed = threading.Condition()
+
+    def settle(self, timeout: float = 10.0) -> None:
+        with self.changed:
+            target = self.sweeps + 2  # one may have begun before the connections
+            assert self.changed.wait_for(lambda: self.sweeps >= target, timeout), "no sweep"
+
+
 @contextmanager
-def unix_proxies(paths: list[Path]) -> Iterator[list[str]]:
-    """A 0777 listening socket at each path; yields what connected (by path)."""
-    got: list[str] = []
+def unix_proxies(paths: list[Path]) -> Iterator[Proxies]:
+    """A 0777 listening socket at each path; yields what connected."""
+    proxies = Proxies()
     socks = []
     made_dirs = []
     try:
@@ -332,21 +347,30 @@ def unix_proxies(paths: list[Path]) -> Iterator[list[str]]:
             s.bind(str(path))
             os.chmod(path, 0o777)
             s.listen(8)
-            s.settimeout(0.2)
+            s.setblocking(False)
             socks.append((str(path), s))
         stop = threading.Event()
 
         def serve() -> None:
+            # Every queue drained in turn, then a sweep counted: a connection made before
+            # a sweep began is in ``got`` once it ends.
             while not stop.is_set():
                 for name, s in socks:
-                    with suppress(OSError):
-                        conn, _ = s.accept()
-                        got.append(name)
+                    while True:
+                        try:
+                            conn, _ = s.accept()
+                        except OSError:
+                            break
+                        proxies.got.append(name)
                         conn.close()
+                with proxies.changed:
+                    proxies.sweeps += 1
+                    proxies.changed.notify_all()
+                stop.wait(0.02)
 
         t = threading.Thread(target=serve, daemon=True)
         t.start()
-        yield got
+        yield proxies
         stop.set()
         t.join(timeout=10)
     finally:
@@ -368,12 +392,14 @@ def test_host_unix_sockets_and_files_outside_the_view_are_not_there(lab: Lab) ->
             f"/run/user/{uid}/{tag}.sock", f"/var/lib/{tag}/proxy.sock", f"/srv/{tag}/proxy.sock",
         )
     ]  # fmt: skip
-    with project() as d, unix_proxies(paths) as connected:
+    with project() as d, unix_proxies(paths) as proxies:
         # Control: the same connect from the host reaches every proxy.
         host = subprocess.run([SYSTEM_PYTHON, "-c", CONNECT, *map(str, paths)],
                               capture_output=True, text=True, timeout=30)  # fmt: skip
         assert set(json.loads(host.stdout).values()) == {"connected"}, host
-        connected.clear()
+        proxies.settle()  # the control's connections taken, not counted for the sandbox
+        assert sorted(proxies.got) == sorted(map(str, paths)), proxies.got
+        proxies.got.clear()
         (d / "connect.py").write_text(CONNECT)
         secret = Path(f"/srv/{tag}/secret.txt")
         secret.write_text("s3cret")
@@ -381,7 +407,8 @@ def test_host_unix_sockets_and_files_outside_the_view_are_not_there(lab: Lab) ->
         assert done.returncode == 0, done.stderr
         inside = json.loads(done.stdout)
         assert all(v == 2 for v in inside.values()), inside  # ENOENT: not there at all
-        assert connected == [], connected  # and nothing reached any proxy
+        proxies.settle()
+        assert proxies.got == [], proxies.got  # and nothing reached any proxy
         done = run(lab, d, "--", "/bin/cat", str(secret))
         assert done.returncode == 1 and "No such file" in done.stderr
         # Neither are egress's own files, nor the host's sockets directories.
