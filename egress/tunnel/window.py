@@ -16,8 +16,8 @@ scorer's memory per sandbox:
   known name; so 256-512 names whose labels are all known, 100-200 with three new labels
   each. An attacker's name that collides (about 1% at the fullest, over both) is merely
   undercounted. The scorer's sandbox-wide one (``scorer``) is 32 times larger.
-- ``Spent``: how much of its allowance each zone evicted from the scorer's table had used
-  in each window, one zone a cell of ``SPENT_CELLS``, by the zone's hash.
+- ``Spent``: the name information each zone evicted from the scorer's table had sent in
+  each window, one zone a cell of ``SPENT_CELLS``, by the zone's hash.
 """
 
 from __future__ import annotations
