@@ -141,15 +141,13 @@ class Seen:
 
     def has(self, h: int) -> bool:
         """True if hash ``h`` was recorded (as far as the filter knows); records nothing."""
-        word = h & self._mask
-        bits = _bits(h >> self._shift)
+        word, bits = self._place(h)
         old = self._old
         return self._new[word] & bits == bits or (old is not None and old[word] & bits == bits)
 
     def add(self, h: int) -> bool:
         """Record hash ``h``; True if it was not seen before (as far as the filter knows)."""
-        word = h & self._mask
-        bits = _bits(h >> self._shift)
+        word, bits = self._place(h)
         new, old = self._new, self._old
         now = new[word]
         if now & bits == bits or (old is not None and old[word] & bits == bits):
@@ -161,8 +159,7 @@ class Seen:
         """True if hash ``h`` was recorded; one found only in the older generation is
         recorded again in the newer, so what is still in use outlives a rotation. Records
         nothing new."""
-        word = h & self._mask
-        bits = _bits(h >> self._shift)
+        word, bits = self._place(h)
         if self._new[word] & bits == bits:
             return True
         old = self._old
@@ -174,10 +171,13 @@ class Seen:
     def note(self, h: int) -> None:
         """Record hash ``h`` in the newer generation, unless it is there already: what
         ``keep`` keeps, and what it did not find."""
-        word = h & self._mask
-        bits = _bits(h >> self._shift)
+        word, bits = self._place(h)
         if self._new[word] & bits != bits:
             self._insert(word, bits)
+
+    def _place(self, h: int) -> tuple[int, int]:
+        """The word hash ``h`` lives in (its low bits), and the 5 bits it sets there."""
+        return h & self._mask, _bits(h >> self._shift)
 
     def _insert(self, word: int, bits: int) -> None:
         new = self._new
