@@ -560,10 +560,18 @@ def _stopping(servers: Servers) -> Iterator[Servers]:
 
 
 def _end(box: Sandbox, out: Outcome) -> None:
-    """Kill the sandbox the way a reviewer would (the attackers in its cgroup go too)."""
+    out.rc = _stop(box)
+
+
+def _stop(box: Sandbox) -> int | None:
+    """Kill the sandbox the way a reviewer would (the attackers in its cgroup go too);
+    ``egressctl run``'s exit code, or None if it did not end in 30 s."""
     box.kill()
-    with suppress(subprocess.TimeoutExpired):
-        out.rc, _ = box.finish(timeout=30)
+    try:
+        rc, _ = box.finish(timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    return rc
 
 
 # iodine gives up after a few failed handshakes; an attacker would start it again.
@@ -850,9 +858,7 @@ def run_zone_cycle(lab: Lab, zones: int, rate: float, count: int, timeout: float
         before = [q for q in mine if freeze is None or q["ts"] <= freeze["requested_at"]]
         trigger = box.violation(freeze["first_violation"]) if freeze else None
         run = CycleRun(freeze, trigger, len(mine), len(before), progress(done)[0])
-        box.kill()
-        with suppress(subprocess.TimeoutExpired):
-            run.rc, _ = box.finish(timeout=30)
+        run.rc = _stop(box)
         return run
 
 

@@ -7,7 +7,7 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import FrozenInstanceError, replace
 from itertools import count
 from pathlib import Path
@@ -75,8 +75,8 @@ def test_ring_slides_and_expires() -> None:
     assert ring.total(0) == 0
 
 
-# A zone's size, and the sandbox-wide one (``scorer.SANDBOX_SEEN_WORDS``).
-SIZES = pytest.mark.parametrize("words", [SEEN_WORDS, 1024])
+# A zone's size, and the sandbox-wide one.
+SIZES = pytest.mark.parametrize("words", [SEEN_WORDS, SANDBOX_SEEN_WORDS])
 
 
 @SIZES
@@ -496,6 +496,19 @@ def zone_alone(others: Iterable[str]) -> str:
 
 # Insertions into the sandbox-wide memory of names per rotation: 16,384.
 ROTATION = SEEN_PER_WORD * SANDBOX_SEEN_WORDS
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+WORDS += ["india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
+
+
+def ask_sites(
+    scorer: TunnelScorer, clock: Clock, first: int, count: int, subs: Callable[[], Sequence[str]]
+) -> None:
+    """``count`` sites from site ``first`` on, each asked for the names ``subs()`` gives,
+    one every 0.05 s; none may get a verdict."""
+    for site in range(first, first + count):
+        for sub in subs():
+            assert scorer.observe_query(f"{sub}.site{site}.com", 1) is None
+            clock.now += 0.05
 
 
 def test_a_zone_made_again_asks_the_sandbox_memory_of_names_and_keeps_them_there() -> None:
@@ -509,17 +522,10 @@ def test_a_zone_made_again_asks_the_sandbox_memory_of_names_and_keeps_them_there
     clock = Clock()
     scorer = TunnelScorer(replace(TunnelSpec(), max_zones=8), clock)
     rng = random.Random(7)
-    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
-    words += ["india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
     mine = zone_alone(f"site{i}.com" for i in range(4 * per_visit))
-    site = 0
     for visit in range(4):
-        for _ in range(per_visit):
-            for sub in rng.sample(words, 3):
-                assert scorer.observe_query(f"{sub}.site{site}.com", 1) is None
-                clock.now += 0.05
-            site += 1
-        for sub in words[:3]:
+        ask_sites(scorer, clock, visit * per_visit, per_visit, lambda: rng.sample(WORDS, 3))
+        for sub in WORDS[:3]:
             assert scorer.observe_query(f"{sub}.{mine}", 1) is None
         state = scorer._zones[mine]
         assert state.remade == (visit > 0)
@@ -537,27 +543,15 @@ def test_names_a_zone_keeps_asking_outlive_the_memorys_rotations() -> None:
     clock = Clock()
     scorer = TunnelScorer(TunnelSpec(), clock)
     rng = random.Random(8)
-    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
-    words += ["india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
     zone = zone_alone(f"site{i}.com" for i in range(100 * rounds + 600))
-    mine = [f"{sub}.{zone}" for sub in words[:3]]
-
-    def sites(count: int, names: int) -> None:
-        nonlocal site
-        for _ in range(count):
-            for sub in rng.sample(words, names):
-                assert scorer.observe_query(f"{sub}.site{site}.com", 1) is None
-                clock.now += 0.05
-            site += 1
-
-    site = 0
-    sites(300, 3)  # the table fills: the memory is made
-    for _ in range(rounds):
+    mine = [f"{sub}.{zone}" for sub in WORDS[:3]]
+    ask_sites(scorer, clock, 0, 300, lambda: rng.sample(WORDS, 3))  # the memory is made
+    for n in range(rounds):
         for name in mine:
             assert scorer.observe_query(name, 1) is None
-        sites(100, 3)
+        ask_sites(scorer, clock, 300 + 100 * n, 100, lambda: rng.sample(WORDS, 3))
     assert scorer._zones[zone].unique == 3
-    sites(300, 6)  # heavier zones: it goes
+    ask_sites(scorer, clock, 300 + 100 * rounds, 300, lambda: rng.sample(WORDS, 6))  # it goes
     assert zone not in scorer._zones
     for name in mine:
         assert scorer.observe_query(name, 1) is None
@@ -568,10 +562,7 @@ def test_names_a_zone_keeps_asking_outlive_the_memorys_rotations() -> None:
 
 def fill(scorer: TunnelScorer, clock: Clock, first: int, count: int) -> None:
     """``count`` sites of three common names each, from site ``first`` on."""
-    for site in range(first, first + count):
-        for sub in ("www", "api", "cdn"):
-            assert scorer.observe_query(f"{sub}.site{site}.com", 1) is None
-            clock.now += 0.05
+    ask_sites(scorer, clock, first, count, lambda: ("www", "api", "cdn"))
 
 
 def test_a_zone_made_again_knows_only_its_own_names() -> None:
