@@ -411,7 +411,7 @@ def _raise_open_files() -> None:
 
 async def _serve_metrics(registry: Registry, address: str) -> web.AppRunner:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise SandboxError(f"--metrics-address {address!r}: give HOST:PORT, e.g. 0.0.0.0:9469")
     runner = web.AppRunner(make_metrics_app(registry), handle_signals=False)
     await runner.setup()

@@ -19,7 +19,9 @@ from aiohttp import web
 
 from egress.daemon.api import make_app, openapi_document
 from egress.daemon.lag import LoopLag
+from egress.daemon.main import _serve_metrics
 from egress.daemon.registry import Registry
+from egress.errors import SandboxError
 from egress.store.journal import Journal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,9 +133,20 @@ async def test_attach_to_a_missing_netns_is_refused(api: Api) -> None:
     assert status == 422 and "/nonexistent/ns" in data["error"]
 
 
+@pytest.mark.parametrize("address", ["0.0.0.0", "0.0.0.0:x", "0.0.0.0:0", "0.0.0.0:²", ":٣"])
+async def test_a_bad_metrics_address_is_refused_before_anything_listens(
+    api: Api, address: str
+) -> None:
+    with pytest.raises(SandboxError, match="give HOST:PORT"):
+        await _serve_metrics(api.registry, address)
+
+
 async def test_journal_query_is_validated(api: Api) -> None:
     assert (await api.call("GET", "/v1/journal?limit=0"))[0] == 400
     assert (await api.call("GET", "/v1/journal?limit=x"))[0] == 400
+    # Digits that are not ASCII: '²' (isdigit, but int() refuses it), '٣' (int() takes it)
+    assert (await api.call("GET", "/v1/journal?limit=%C2%B2"))[0] == 400
+    assert (await api.call("GET", "/v1/journal?limit=%D9%A3"))[0] == 400
     assert (await api.call("GET", "/v1/journal?sandbox=nope"))[0] == 404
     api.registry.journal.record_sandbox("s1", "p")
     status, events = await api.call("GET", "/v1/journal?sandbox=s1&limit=5")
