@@ -16,7 +16,12 @@ a refusal with a reason, never an exception and never a guess:
   (``MAX_HEAD`` bytes at most). The name is the request target's authority in absolute
   or authority form (a proxy request, ``CONNECT``), else the one Host header; two Host
   headers, a folded header line, or an absolute-form target whose authority differs from
-  Host are refused.
+  Host are refused. So is anything a lenient server could read as another request than
+  this one does (an attacker's review sent one to Python's http.server): a line ended
+  by LF or CR alone, a control byte or tab in the request line, a field name that is not
+  a token, a control byte in a field value, and a target that is neither origin form
+  (``/x``, but not ``//x``, which some read as an authority), ``*``, nor ``http://`` or
+  ``https://`` absolute form (``ws://x/``, ``x/y``).
 - HTTP/2 with prior knowledge (the connection preface) carries its authority in HPACK,
   which this does not read: refused. Anything else is refused as an unknown protocol.
 
@@ -45,6 +50,11 @@ HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 METHODS = frozenset(
     {b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE", b"PATCH"}
 )
+# RFC 9110 5.6.2: the bytes of a token (a method, a field name)
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+# Bytes no field value may hold (RFC 9110 5.5: HTAB is allowed there, CR and LF are not)
+_VALUE_CTL = frozenset(range(0x20)) - {0x09} | {0x7F}
+_LINE_CTL = _VALUE_CTL | {0x09, 0x20}  # ... nor a request line's parts: no tab, no space
 # Hostname characters, with the underscore some real names carry: leniency here opens
 # nothing, since the name must still be one the policy allows and this sandbox resolved.
 _HOSTNAME = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-_")
@@ -221,6 +231,15 @@ def _server_name(value: bytes) -> FirstBytes:
 
 def _http(data: bytes) -> FirstBytes:
     end = data.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
+    # A lone CR or LF ends a line for some servers and not for others: refused as soon as
+    # it is seen (a CR at the very end may still be followed by its LF).
+    head = data[:end] if end >= 0 else data[: MAX_HEAD + 4].removesuffix(b"\r")
+    crlf = head.count(b"\r\n")
+    if head.count(b"\n") != crlf or head.count(b"\r") != crlf:
+        method = data.partition(b" ")[0]
+        if method in METHODS:
+            return _refuse("http", "malformed", "a line ended by a lone CR or LF")
+        return _unknown()
     if end < 0:
         if len(data) > MAX_HEAD:
             return _refuse("http", "too_long", f"no end of headers in {MAX_HEAD:,} bytes")
@@ -238,13 +257,19 @@ def _http(data: bytes) -> FirstBytes:
     method, target, version = request
     if version not in (b"HTTP/1.0", b"HTTP/1.1"):
         return _refuse("http", "malformed", f"version {version[:16]!r}")
+    if not target or not _LINE_CTL.isdisjoint(target):
+        return _refuse("http", "malformed", "a control byte or tab in the request target")
+    if not _plain_target(method, target):
+        return _refuse("http", "malformed", f"request target {target[:40]!r}")
     hosts: list[bytes] = []
     for line in lines[1:]:
         if not line or line[:1] in (b" ", b"\t"):
             return _refuse("http", "malformed", "a folded or empty header line")
         field, colon, value = line.partition(b":")
-        if not colon or not field or field != field.strip() or b" " in field:
+        if not colon or not field or not _TCHAR.issuperset(field):
             return _refuse("http", "malformed", f"header line {line[:40]!r}")
+        if not _VALUE_CTL.isdisjoint(value):
+            return _refuse("http", "malformed", f"a control byte in header {field[:40]!r}")
         if field.lower() == b"host":
             hosts.append(value.strip(b" \t"))
     if len(hosts) > 1:
@@ -263,6 +288,19 @@ def _http(data: bytes) -> FirstBytes:
 
 def _unknown() -> FirstBytes:
     return _refuse("", "unknown_protocol", "neither TLS nor an HTTP/1.x request")
+
+
+def _plain_target(method: bytes, target: bytes) -> bool:
+    """A request target every server reads alike: origin form (not ``//``, a network-path
+    reference to some), ``*`` for OPTIONS, ``http``/``https`` absolute form, or
+    CONNECT's authority form."""
+    if method == b"CONNECT":
+        return True  # _target_authority reads it, or refuses it
+    if target.startswith(b"/"):
+        return not target.startswith(b"//")
+    if target == b"*":
+        return method == b"OPTIONS"
+    return target[:8].lower().startswith((b"http://", b"https://"))
 
 
 def _target_authority(method: bytes, target: bytes) -> bytes | None:

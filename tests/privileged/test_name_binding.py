@@ -306,6 +306,78 @@ def test_an_ech_client_hello_is_a_mismatch(lab: Lab) -> None:
         assert "[ech]" in str(v["detail"]), run.explain()
 
 
+# A server more lenient than the lab's: Python's http.server ends a line at LF alone and
+# splits a request line at tabs, so it reads another request out of the same bytes than
+# a strict reader does (an attacker's review got Host b.example.com past the check so).
+# This one answers every chunk it gets, after it has printed it: a chunk that reached it
+# is in its log before the workload reads the answer.
+LENIENT = r"""
+import socket, sys, threading
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+def serve(conn):
+    with conn:
+        conn.settimeout(10)
+        try:
+            while data := conn.recv(65536):
+                print("got", data.hex(), flush=True)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+        except OSError:
+            pass
+while True:
+    threading.Thread(target=serve, args=(srv.accept()[0],), daemon=True).start()
+"""
+SEND = r"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], 80), timeout=5)
+s.sendall(bytes.fromhex(sys.argv[2]))
+try:
+    print("answered" if s.recv(100) else "closed")
+except ConnectionResetError:
+    print("reset")
+except socket.timeout:
+    print("timeout")
+"""
+LENIENT_ADDRESS = "198.19.7.7"  # AnyIP in the lab's internet netns
+LENIENT_NAME = "ip-198-19-7-7.any.lab.test"
+
+
+@contextmanager
+def lenient_server(lab: Lab) -> Iterator[Path]:
+    """LENIENT on LENIENT_ADDRESS:80 in the lab's internet netns; yields its log."""
+    role = f"lenient-{os.getpid()}"
+    lab.spawn(["/usr/bin/python3", "-c", LENIENT, LENIENT_ADDRESS, "80"], role=role)
+    log = Path(lab.run_dir) / f"{role}.log"
+    try:
+        deadline = time.monotonic() + 20
+        while "ready" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.05)
+        yield log
+    finally:
+        lab.stop(role)
+        log.unlink(missing_ok=True)
+
+
+def test_a_head_a_lenient_server_reads_otherwise_is_refused_and_reaches_nothing(
+    lab: Lab,
+) -> None:
+    smuggled = (b"GET /smuggled\tHTTP/1.1\nHost:\tb.example.com\n\nX HTTP/1.1\r\n"
+                b"Host: %s\r\n\r\n" % LENIENT_NAME.encode())  # fmt: skip
+    plain = b"GET /plain HTTP/1.1\r\nHost: %s\r\n\r\n" % LENIENT_NAME.encode()
+    script = f"""getent ahostsv4 {LENIENT_NAME} >/dev/null
+/usr/bin/python3 -c '{SEND}' {LENIENT_ADDRESS} {smuggled.hex()}
+/usr/bin/python3 -c '{SEND}' {LENIENT_ADDRESS} {plain.hex()}
+"""
+    with lenient_server(lab) as log, run_tool(lab, policy(LENIENT_NAME, "block"), script) as run:
+        assert run.stdout.split() == ["reset", "answered"], run.explain()
+        got = [bytes.fromhex(line.split()[1]) for line in log.read_text().splitlines()
+               if line.startswith("got ")]  # fmt: skip
+        assert got == [plain], (got, run.explain())
+        [v] = mismatches(run)
+        assert "lone CR or LF" in str(v["detail"]), run.explain()
+
+
 # Connect again from the same source port right after a pass (the server closes first,
 # so the port is free at once): the new connection must be judged, not given the pass.
 REUSE = r"""

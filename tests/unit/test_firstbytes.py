@@ -164,6 +164,8 @@ def test_a_length_past_the_end_is_malformed_not_a_crash() -> None:
         (b"GET http://user:pw@pypi.org/ HTTP/1.1\r\n\r\n", "pypi.org"),
         (b"CONNECT pypi.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\n\r\n", "pypi.org"),
         (b"POST /x HTTP/1.0\r\nHost: pypi.org.\r\nContent-Length: 3\r\n\r\nabc", "pypi.org"),
+        (b"OPTIONS * HTTP/1.1\r\nHost: pypi.org\r\n\r\n", "pypi.org"),
+        (b"GET /a//b HTTP/1.1\r\nUser-Agent: a\tb \xe9\r\nHost: pypi.org\r\n\r\n", "pypi.org"),
     ],
 )  # fmt: skip
 def test_an_http_request_names_its_host(head: bytes, name: str) -> None:
@@ -194,6 +196,23 @@ def test_an_http_request_names_its_host(head: bytes, name: str) -> None:
         (b"get / HTTP/1.1\r\nHost: a.example.com\r\n\r\n", "unknown_protocol"),
         (b"\x00\x01\x02", "unknown_protocol"),
         (b"GET / HTTP/1.1\r\nX: " + b"a" * MAX_HEAD + b"\r\n\r\n", "too_long"),
+        # What a lenient server reads otherwise (an attacker's review: Python's
+        # http.server took the first head here, Host b.example.com; this read the second)
+        (b"GET /x\tHTTP/1.1\nHost:\tb.example.com\n\nX HTTP/1.1\r\nHost: a.example.com\r\n\r\n",
+         "malformed"),
+        (b"GET / HTTP/1.1\nHost: a.example.com\n\n", "malformed"),  # LF alone, no end yet
+        (b"GET / HTTP/1.1\r\nHost: a.example.com\n\r\n", "malformed"),
+        (b"GET / HTTP/1.1\r\nX: a\rHost: b.example.com\r\nHost: a.example.com\r\n\r\n",
+         "malformed"),
+        (b"GET /a\tb HTTP/1.1\r\nHost: a.example.com\r\n\r\n", "malformed"),
+        (b"GET /a\x0bb HTTP/1.1\r\nHost: a.example.com\r\n\r\n", "malformed"),
+        (b"GET / HTTP/1.1\r\nX: a\x00b\r\nHost: a.example.com\r\n\r\n", "malformed"),
+        (b"GET / HTTP/1.1\r\nHost\t: a.example.com\r\n\r\n", "malformed"),
+        (b"GET / HTTP/1.1\r\nHo(st: a.example.com\r\n\r\n", "malformed"),
+        (b"GET //b.example.com/x HTTP/1.1\r\nHost: a.example.com\r\n\r\n", "malformed"),
+        (b"GET ws://b.example.com/ HTTP/1.1\r\nHost: a.example.com\r\n\r\n", "malformed"),
+        (b"GET b.example.com/x HTTP/1.1\r\nHost: a.example.com\r\n\r\n", "malformed"),
+        (b"GET * HTTP/1.1\r\nHost: a.example.com\r\n\r\n", "malformed"),
     ],
 )  # fmt: skip
 def test_an_http_request_without_one_clear_host_is_refused(head: bytes, reason: str) -> None:
