@@ -325,6 +325,17 @@ class NftHandle:
                 return True
         return False
 
+    def create_table(self, family: str, table: str) -> bool:
+        """Make an empty table; False if it is there already. The kernel decides, in one
+        transaction: of two callers at once, one gets True."""
+        try:
+            self._run(f"create table {_family(family)} {_name('table', table)}")
+        except DatapathError as exc:
+            if "File exists" in str(exc):
+                return False
+            raise
+        return True
+
     def delete_table(self, family: str, table: str) -> None:
         """Delete a table with everything in it; nothing to do if it is absent."""
         try:

@@ -6,7 +6,8 @@ template as a sandbox it made) and, if it was down, the loopback link the resolv
 listens on. Detaching removes exactly those two things again, so the netns is left as it
 was; the cgroup is only ever frozen, thawed or killed, never made or removed.
 
-    netns (name or path) ─▶ check: no table inet egress yet ─▶ lo up ─▶ nft load
+    netns (name or path) ─▶ create table inet egress (refused: attached already) ─▶ lo up
+                         ─▶ nft load into it
     detach ─▶ delete table inet egress ─▶ lo down again if it was down
 """
 
@@ -63,8 +64,12 @@ def attach(
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
     try:
-        if nft.table_exists("inet", c.TABLE):
+        # Made empty first, the claim on the netns: a look for it, then a load, let two
+        # attaches at once (egressd's API, or CNI and an OCI hook) both go on, and the
+        # loser's undo removed the winner's table and left its netns open.
+        if not nft.create_table("inet", c.TABLE):
             raise AlreadyAttached(f"netns {netns_ref} already has table inet {c.TABLE}")
+        sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
         lo_raised = not _lo_is_up(netns_ref)
         if lo_raised:
             netns.loopback_up(netns_ref)
@@ -73,8 +78,7 @@ def attach(
         sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))
         if policy.connect.check_names:
             queue_rules.install(netns_ref, queue_rule(), check=True)
-        nft.load(render_sandbox(read_template("sandbox.nft"), policy))
-        sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
+        nft.load(render_sandbox(read_template("sandbox.nft"), policy))  # into the claim
     except BaseException:
         with contextlib.suppress(EgressError):
             sb.destroy()

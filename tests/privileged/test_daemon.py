@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -618,6 +619,37 @@ def test_attach_enforces_freezes_and_detaches_leaving_the_netns_as_it_was(
         with Journal.open(state_dir) as journal:
             kinds = [v["class"] for v in journal.violations(box["id"])]
         assert "blocked_connect" in kinds and "denied_name" in kinds
+
+
+def test_two_attaches_of_one_netns_at_once_leave_one_serving_it_with_its_rules(
+    daemon: Egressd, lab: Lab
+) -> None:
+    """Both passed egressd's look for a served netns and attach's look for the table
+    while neither had loaded it; the loser's undo then removed the winner's table, and
+    the netns stayed served with nothing enforced. Now one makes the table, the other
+    is refused (409) and undoes nothing of it; three races in a row."""
+    with hand_made("race") as (ns, cgroup):
+        before = _snapshot(ns)
+        body = {"netns": ns, "cgroup": cgroup.v2_path, "uplink_netns": lab.uplink_netns,
+                "policy": policy("race", "allowed.lab.test")}  # fmt: skip
+
+        def attach(_: int) -> tuple[int, Any]:
+            return daemon.client.request("POST", "/v1/sandboxes/attach", body)
+
+        for _ in range(3):
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(attach, range(2)))
+            won = [data["id"] for status, data in answers if 200 <= status < 300]
+            try:
+                assert len(won) == 1 and 409 in [status for status, _ in answers], answers
+                argv = ["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "egress"]
+                listed = subprocess.run(argv, capture_output=True, text=True)
+                assert listed.returncode == 0 and "chain" in listed.stdout, listed.stderr
+                assert dig(ns, "allowed.lab.test") == NAMES["allowed.lab.test"]
+            finally:
+                for sid in won:
+                    daemon.client.call("DELETE", f"/v1/sandboxes/{sid}")
+            assert _snapshot(ns) == before
 
 
 def test_clients_without_access_to_the_socket_are_refused(daemon: Egressd) -> None:
