@@ -29,6 +29,8 @@ from egress.errors import AlreadyAttached, EgressError, SandboxError
 from egress.kernel import netns
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
+from egress.kernel.cgroup_mounts import find_mounts
+from egress.kernel.netns_cgroup import NoCgroup, cgroup_paths
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
 from egress.sandbox.lifecycle import Sandbox, renew_rules
@@ -59,6 +61,7 @@ def attach(
         raise SandboxError(
             f"netns {netns_ref!r} does not exist (a name under /run/netns or a path)"
         )
+    _refuse_the_hosts(netns_ref, cgroup_v2, freezer)
     cgroup = _cgroup(netns_ref, cgroup_v2, freezer)
     nft = NftHandle.open(netns_ref)
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
@@ -123,6 +126,34 @@ def adopt(
     sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))
     sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
     return sb
+
+
+def _refuse_the_hosts(netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> None:
+    """Refuse the netns of PID 1 or of egress itself, and a cgroup that holds either of
+    them: attached there, egress would put default-deny rules on the host, or freeze (and
+    at a kill, kill) PID 1 or itself. The API's callers (group egress) are not root."""
+    target = netns.netns_id(netns_ref)
+    ours = ((1, "PID 1"), (os.getpid(), "egress"))
+    for pid, who in ours:
+        if target is not None and target == netns.netns_id(f"/proc/{pid}/ns/net"):
+            raise SandboxError(f"netns {netns_ref} is the network namespace of {who} (pid "
+                               f"{pid}): attach to a sandbox's own")  # fmt: skip
+    mounts = find_mounts()
+    for given, mount, index in ((cgroup_v2, mounts.v2, 0), (freezer, mounts.freezer, 1)):
+        if not given or mount is None:
+            continue
+        rel = os.path.relpath(os.path.realpath(given), os.path.realpath(mount))
+        if rel == ".." or rel.startswith("../"):
+            continue  # not a cgroup of that mount: Cgroup.attach_existing says so
+        rel = "/" if rel == "." else "/" + rel
+        for pid, who in ours:
+            try:
+                held = cgroup_paths(pid)[index]
+            except (OSError, NoCgroup):
+                continue
+            if held is not None and (held == rel or held.startswith(rel.rstrip("/") + "/")):
+                raise SandboxError(f"cgroup {given} holds {who} (pid {pid}): attach to a "
+                                   "sandbox's own cgroup")  # fmt: skip
 
 
 def _cgroup(netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> Cgroup:

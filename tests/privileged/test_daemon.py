@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from egress.kernel.cgroup import Cgroup, find_mounts
+from egress.kernel.netns_cgroup import cgroup_paths
 from egress.kernel.nft import NftHandle
 from egress.kernel.sched import AUTOGROUP, autogroups_on, session_nice
 from egress.lab import Lab
@@ -650,6 +651,54 @@ def test_two_attaches_of_one_netns_at_once_leave_one_serving_it_with_its_rules(
                 for sid in won:
                     daemon.client.call("DELETE", f"/v1/sandboxes/{sid}")
             assert _snapshot(ns) == before
+
+
+def test_attach_refuses_the_hosts_netns_and_cgroups_that_hold_egressd_or_pid_1(
+    daemon: Egressd, lab: Lab
+) -> None:
+    """Group egress is not root: attached to the host's netns, egress would put its
+    default-deny rules on the host; to a cgroup holding egressd or PID 1, a freeze or a
+    kill would reach them. Refused (422), and nothing is left behind."""
+    v2 = find_mounts().v2
+    assert v2 is not None
+    mine = cgroup_paths(daemon.pid)[0]
+    daemons = os.path.join(v2, mine.lstrip("/"))
+    # PID 1 is asked first: where egressd runs in the root cgroup (this VM), it is PID 1's
+    pid_1_under = (cgroup_paths(1)[0] + "/").startswith(mine.rstrip("/") + "/")
+    host_tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    with hand_made("host") as (ns, cgroup):
+        cases = [
+            ({"netns": "/proc/self/ns/net", "cgroup": cgroup.v2_path}, "namespace of egress"),
+            ({"netns": f"/proc/{daemon.pid}/ns/net"}, "namespace of egress"),
+            ({"netns": ns, "cgroup": v2}, "holds PID 1"),
+            ({"netns": ns, "cgroup": daemons}, "holds PID 1" if pid_1_under else "holds egress"),
+        ]
+        for fields, said in cases:
+            body = {**fields, "policy": policy("host", "allowed.lab.test"),
+                    "uplink_netns": lab.uplink_netns}  # fmt: skip
+            status, data = daemon.client.request("POST", "/v1/sandboxes/attach", body)
+            try:
+                assert status == 422 and said in data["error"], (fields, status, data)
+            finally:
+                if 200 <= status < 300:
+                    daemon.client.call("DELETE", f"/v1/sandboxes/{data['id']}")
+        after = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+        assert after.stdout == host_tables.stdout
+
+
+def test_attach_refuses_a_cgroup_that_holds_the_process_attaching() -> None:
+    """The same refusal for egress's own cgroup where it is not PID 1's (this VM runs
+    egressd in the root cgroup): a process moved into a cgroup of its own asks."""
+    v2 = find_mounts().v2
+    assert v2 is not None
+    with hand_made("self") as (ns, cgroup):
+        procs = os.path.join(cgroup.v2_path, "cgroup.procs")
+        code = (f"import os\nopen({procs!r}, 'w').write(str(os.getpid()))\n"
+                "from egress.sandbox.attach import _refuse_the_hosts\n"
+                f"_refuse_the_hosts({ns!r}, {cgroup.v2_path!r}, None)\n")  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert done.returncode == 1 and "holds egress (pid" in done.stderr, done.stderr
 
 
 def test_clients_without_access_to_the_socket_are_refused(daemon: Egressd) -> None:
