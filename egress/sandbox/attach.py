@@ -67,20 +67,21 @@ def attach(
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
     try:
+        pinned = _pin(sb, netns_ref)
         # Made empty first, the claim on the netns: a look for it, then a load, let two
         # attaches at once (egressd's API, or CNI and an OCI hook) both go on, and the
         # loser's undo removed the winner's table and left its netns open.
         if not nft.create_table("inet", c.TABLE):
             raise AlreadyAttached(f"netns {netns_ref} already has table inet {c.TABLE}")
         sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
-        lo_raised = not _lo_is_up(netns_ref)
+        lo_raised = not _lo_is_up(pinned)
         if lo_raised:
-            netns.loopback_up(netns_ref)
-            sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(netns_ref))
+            netns.loopback_up(pinned)
+            sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned))
         # Ours to remove when detaching, with the table: this netns outlives the sandbox.
-        sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))
+        sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, queue_rule()))
         if policy.connect.check_names:
-            queue_rules.install(netns_ref, queue_rule(), check=True)
+            queue_rules.install(pinned, queue_rule(), check=True)
         nft.load(render_sandbox(read_template("sandbox.nft"), policy))  # into the claim
     except BaseException:
         with contextlib.suppress(EgressError):
@@ -109,23 +110,37 @@ def adopt(
     nft = NftHandle.open(netns_ref)
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
     sb.add_undo("nft handle", nft.close)
-    if not nft.table_exists("inet", c.TABLE):
-        nft.close()
-        raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
     try:
+        pinned = _pin(sb, netns_ref)
+        if not nft.table_exists("inet", c.TABLE):
+            raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
         if renew_rules(nft, policy):
             # Its conntrack entries stay: a container's inbound flows began from sources
             # not its own too, and forgetting them would cut them.
             print(f"egressd: sandbox {sandbox_id}: rules renewed (source check); flows "
                   "begun before keep going until they end", file=sys.stderr)  # fmt: skip
-    except EgressError:
-        nft.close()
+    except BaseException:
+        with contextlib.suppress(EgressError):
+            sb.destroy()  # the pin and the handle: nothing of the netns's is undone yet
         raise
     if lo_raised:
-        sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(netns_ref))
-    sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(netns_ref, queue_rule()))
+        sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned))
+    sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, queue_rule()))
     sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
     return sb
+
+
+def _pin(sb: Sandbox, netns_ref: str) -> str:
+    """A path to the netns ``netns_ref`` names now, for as long as ``sb`` lasts: its
+    detach then takes lo down and removes the queue rule there, not wherever the name
+    points by then (an OCI hook's /proc/PID/ns/net, once PID is gone and reused, can be
+    another container's netns or the host's)."""
+    try:
+        fd = os.open(netns.netns_path(netns_ref), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxError(f"netns {netns_ref}: {exc.strerror}") from None
+    sb.add_undo(f"pin of netns {netns_ref}", lambda: os.close(fd))  # closed after the rest
+    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def _refuse_the_hosts(netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> None:

@@ -701,6 +701,54 @@ def test_attach_refuses_a_cgroup_that_holds_the_process_attaching() -> None:
         assert done.returncode == 1 and "holds egress (pid" in done.stderr, done.stderr
 
 
+def test_detach_acts_on_the_netns_attached_even_where_its_path_names_another_by_then(
+    daemon: Egressd, lab: Lab, tmp_path: Path
+) -> None:
+    """An OCI hook may attach /proc/PID/ns/net; by its poststop PID can be another
+    process's, in another netns (another container's, the host's). Detach took lo down
+    and removed the queue rule through the path, there. Here the path is a bind mount
+    moved to a victim netns (lo up) between attach and delete: the attached netns gets
+    its lo down again, the victim keeps its own up."""
+    attached, victim = unique("pin-a"), unique("pin-v")
+    v2 = find_mounts().v2
+    assert v2 is not None
+    group = os.path.join(v2, unique("pin"))
+    path = tmp_path / "ns"
+    path.touch()
+    made: list[list[str]] = []
+    try:
+        for cmd in (["ip", "netns", "add", attached], ["ip", "netns", "add", victim],
+                    ["ip", "-n", victim, "link", "set", "lo", "up"],
+                    ["mount", "--bind", f"/run/netns/{attached}", str(path)]):  # fmt: skip
+            subprocess.run(cmd, check=True)
+            made.append(cmd)
+        os.mkdir(group)
+        body = {"netns": str(path), "cgroup": group, "uplink_netns": lab.uplink_netns,
+                "policy": policy("pin", "allowed.lab.test")}  # fmt: skip
+        box = daemon.client.call("POST", "/v1/sandboxes/attach", body)
+        try:
+            assert "UP" in _lo_flags(attached)  # egress raised it
+            subprocess.run(["umount", "--lazy", str(path)], check=True)  # egress holds it open
+            subprocess.run(["mount", "--bind", f"/run/netns/{victim}", str(path)], check=True)
+        finally:
+            daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+        assert "UP" not in _lo_flags(attached) and "UP" in _lo_flags(victim)
+    finally:
+        with suppress(OSError):
+            os.rmdir(group)
+        if any(cmd[0] == "mount" for cmd in made):
+            subprocess.run(["umount", str(path)], check=False)
+        for name in (attached, victim):
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
+def _lo_flags(netns: str) -> str:
+    """lo's flags in ``netns``, as ``ip -o link`` prints them (``<LOOPBACK,UP,...>``)."""
+    out = subprocess.run(["ip", "-o", "-n", netns, "link", "show", "lo"], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return out.split("<", 1)[1].split(">", 1)[0]
+
+
 def test_clients_without_access_to_the_socket_are_refused(daemon: Egressd) -> None:
     st = os.stat(daemon.socket)
     assert (st.st_mode & 0o777, st.st_uid) == (0o660, 0)
