@@ -150,8 +150,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-address",
         metavar="HOST:PORT",
-        help="also serve /metrics (only it, read-only) over TCP there, for Prometheus; "
-        "the API stays on the unix socket",
+        help="also serve /metrics (only it, read-only, with no authentication: it lists "
+        "every sandbox's id and counters) over TCP there, for Prometheus; the API stays on "
+        "the unix socket",
     )
     p.add_argument(
         "--log-journal",
