@@ -20,8 +20,9 @@ a refusal with a reason, never an exception and never a guess:
   this one does (an attacker's review sent one to Python's http.server): a line ended
   by LF or CR alone, a control byte or tab in the request line, a field name that is not
   a token, a control byte in a field value, and a target that is neither origin form
-  (``/x``, but not ``//x``, which some read as an authority), ``*``, nor ``http://`` or
-  ``https://`` absolute form (``ws://x/``, ``x/y``).
+  (``/x``), ``*``, nor ``http://`` or ``https://`` absolute form: nginx, for one, takes
+  the host of ``ws://x/`` as the request's. (``//x/y`` is a path to the servers that
+  route by host, Go's and nginx's among them, and sloppy URLs make it: it stays.)
 - HTTP/2 with prior knowledge (the connection preface) carries its authority in HPACK,
   which this does not read: refused. Anything else is refused as an unknown protocol.
 
@@ -291,13 +292,12 @@ def _unknown() -> FirstBytes:
 
 
 def _plain_target(method: bytes, target: bytes) -> bool:
-    """A request target every server reads alike: origin form (not ``//``, a network-path
-    reference to some), ``*`` for OPTIONS, ``http``/``https`` absolute form, or
-    CONNECT's authority form."""
+    """A request target every server reads alike: origin form, ``*`` for OPTIONS,
+    ``http``/``https`` absolute form, or CONNECT's authority form."""
     if method == b"CONNECT":
         return True  # _target_authority reads it, or refuses it
     if target.startswith(b"/"):
-        return not target.startswith(b"//")
+        return True
     if target == b"*":
         return method == b"OPTIONS"
     return target[:8].lower().startswith((b"http://", b"https://"))
