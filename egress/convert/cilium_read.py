@@ -473,7 +473,7 @@ def _ports(
             continue
         port_node, end_node = _get(item, "port"), _get(item, "endPort")
         text = str(getattr(port_node, "text", "")) if port_node is not None else ""
-        if not (text.isascii() and text.isdigit()) or not 0 <= int(text) <= 65535:
+        if not _digits(text) or not 0 <= int(text) <= 65535:
             doc.refuse(
                 port_node or item,
                 f"port {text!r}: named ports have no egress equivalent (write the number)",
@@ -481,7 +481,7 @@ def _ports(
             continue
         first = int(text)
         end = str(getattr(end_node, "text", first)) if end_node is not None else str(first)
-        if not (end.isascii() and end.isdigit()) or int(end) > 65535:
+        if not _digits(end) or int(end) > 65535:
             doc.refuse(end_node, f"endPort {end!r}: expected a port number up to 65535")
             continue
         last = int(end)
@@ -651,3 +651,9 @@ def _plain(node: Node | None) -> Any:
     if isinstance(node, Seq):
         return [_plain(i) for i in node.items]
     return node.value if isinstance(node, Scalar) else None
+
+
+def _digits(text: str) -> bool:
+    """A port number's digits: ASCII (``int`` takes others, or raises on '²'), at most
+    five (past 4,300 digits ``int`` raises)."""
+    return len(text) <= 5 and text.isascii() and text.isdigit()

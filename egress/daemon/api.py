@@ -153,7 +153,7 @@ async def journal(request: web.Request) -> web.Response:
     registry = _registry(request)
     sid = request.query.get("sandbox")
     text = request.query.get("limit", "100")
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 10_000:
+    if not (len(text) <= 5 and text.isascii() and text.isdigit()) or not 1 <= int(text) <= 10_000:
         raise BadRequest(f"limit must be an integer from 1 to 10000, not {text!r}", "limit")
     if sid is not None and registry.journal.sandbox(sid) is None:
         raise NotFound(f"no sandbox {sid!r} in the journal")

@@ -410,9 +410,14 @@ def _raise_open_files() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+def _port_digits(port: str) -> bool:
+    """ASCII digits, at most five: ``int`` takes '٣' and raises on '²' or 4,301 nines."""
+    return len(port) <= 5 and port.isascii() and port.isdigit()
+
+
 async def _serve_metrics(registry: Registry, address: str) -> web.AppRunner:
     host, sep, port = address.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    if not sep or not _port_digits(port) or not 0 < int(port) < 65536:
         raise SandboxError(f"--metrics-address {address!r}: give HOST:PORT, e.g. 0.0.0.0:9469")
     runner = web.AppRunner(make_metrics_app(registry), handle_signals=False)
     await runner.setup()

@@ -429,6 +429,6 @@ def parse_hostport(text: str) -> tuple[str, str]:
         addr = ipaddress.ip_address(host)
     except ValueError:
         return "", f"{host!r} is not an IP address"
-    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    if not (len(port) <= 5 and port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return "", f"{port!r} is not a port"
     return str(addr), port

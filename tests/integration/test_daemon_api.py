@@ -133,7 +133,9 @@ async def test_attach_to_a_missing_netns_is_refused(api: Api) -> None:
     assert status == 422 and "/nonexistent/ns" in data["error"]
 
 
-@pytest.mark.parametrize("address", ["0.0.0.0", "0.0.0.0:x", "0.0.0.0:0", "0.0.0.0:²", ":٣"])
+@pytest.mark.parametrize(
+    "address", ["0.0.0.0", "0.0.0.0:x", "0.0.0.0:0", "0.0.0.0:²", ":٣", ":" + "9" * 4301]
+)
 async def test_a_bad_metrics_address_is_refused_before_anything_listens(
     api: Api, address: str
 ) -> None:
@@ -147,6 +149,7 @@ async def test_journal_query_is_validated(api: Api) -> None:
     # Digits that are not ASCII: '²' (isdigit, but int() refuses it), '٣' (int() takes it)
     assert (await api.call("GET", "/v1/journal?limit=%C2%B2"))[0] == 400
     assert (await api.call("GET", "/v1/journal?limit=%D9%A3"))[0] == 400
+    assert (await api.call("GET", "/v1/journal?limit=" + "9" * 4301))[0] == 400  # int() raises
     assert (await api.call("GET", "/v1/journal?sandbox=nope"))[0] == 404
     api.registry.journal.record_sandbox("s1", "p")
     status, events = await api.call("GET", "/v1/journal?sandbox=s1&limit=5")

@@ -207,6 +207,11 @@ def one_zone(records: str, extra: str = "") -> str:
         ("zones:\n  - relay: {zone: t.test, to: '127.0.0.1'}\n", ":2:31", "has no port"),
         ("zones:\n  - relay: {zone: t.test, to: '1.2.3.4:0'}\n", ":2:31", "'0' is not a port"),
         ("zones:\n  - relay: {zone: t.test, to: '1.2.3.4:²'}\n", ":2:31", "'²' is not a port"),
+        (
+            "zones:\n  - relay: {zone: t.test, to: '1.2.3.4:" + "9" * 4301 + "'}\n",
+            ":2:31",
+            "is not a port",
+        ),
         ("zones:\n  - relay: {zone: t.test, to: '1.2.3.4:5'}\n    ttl: 3\n", ":2:5", "only"),
         (
             "zones:\n  - zone: x.test\n  - relay: {zone: X.test., to: '[::1]:53'}\n",
