@@ -264,7 +264,8 @@ class Registry:
                 id=sid, kind=SandboxKind.ATTACHED, netns=netns_ref, cgroup=sb.cgroup.v2_path,
                 policy=policy_text, freezer=sb.cgroup.freezer_path, uplink_netns=uplink_netns,
                 upstream=upstream, lo_raised=lo_raised, created_at=time.time(),
-                daemon_pid=os.getpid(), owner=owner, netns_inode=list(_inode(netns_ref)),
+                daemon_pid=os.getpid(), owner=owner,
+                netns_inode=list(sb.netns_id or _inode(netns_ref)),
             )  # fmt: skip
             return await self._serve(sb, record, upstreams, fresh=True, started=started)
         finally:
@@ -464,12 +465,13 @@ class Registry:
             sb = await _in_thread(
                 attach_mod.adopt, record.id, policy, record.netns, record.cgroup,
                 record.freezer, record.lo_raised, record.cgroup_found or not record.cgroup,
+                None if record.netns_inode is None else tuple(record.netns_inode),
             )  # fmt: skip
         record.daemon_pid = os.getpid()
         try:
             await self._serve(sb, record, upstreams, fresh=False, handed=handed)
         except BaseException:
-            sb.nft.close()
+            sb.release()
             raise
         with contextlib.suppress(EgressError):
             self.journal.set_sandbox_state(
@@ -581,7 +583,7 @@ class Registry:
             await asyncio.gather(*(s.resolver.drain(drain_s) for s in self.served.values()))
         for served in list(self.served.values()):
             await self._stop(served.session, served.resolver, handed_over)
-            served.sb.nft.close()
+            served.sb.release()
         self.served.clear()
 
 

@@ -330,8 +330,8 @@ class NftHandle:
         transaction: of two callers at once, one gets True."""
         try:
             self._run(f"create table {_family(family)} {_name('table', table)}")
-        except DatapathError as exc:
-            if "File exists" in str(exc):
+        except DatapathError:
+            if self.table_exists(family, table):  # EEXIST, whatever the message's words
                 return False
             raise
         return True

@@ -6,9 +6,9 @@ template as a sandbox it made) and, if it was down, the loopback link the resolv
 listens on. Detaching removes exactly those two things again, so the netns is left as it
 was; the cgroup is only ever frozen, thawed or killed, never made or removed.
 
-    netns (name or path) ─▶ create table inet egress (refused: attached already) ─▶ lo up
-                         ─▶ nft load into it
-    detach ─▶ delete table inet egress ─▶ lo down again if it was down
+    netns (name or path, opened once) ─▶ create table inet egress (refused: attached
+        already) ─▶ lo up ─▶ nft load into it
+    detach ─▶ lo down again if it was down ─▶ delete table inet egress
 """
 
 from __future__ import annotations
@@ -55,29 +55,40 @@ def attach(
     ``cgroup_v2`` None: not known yet (a CNI ADD); bound from the processes that come
     to run in the netns (``Cgroup.in_netns``). On failure nothing of egress's is left
     there. ``Sandbox.destroy`` detaches.
+
+    The netns is opened once, first, and every step after goes through that descriptor
+    (``pinned``): a path the caller gave (a symlink, an OCI hook's /proc/PID/ns/net) can
+    name another netns a moment later, and the checks, the rules, lo and the queue rule
+    would each land wherever it pointed at the time. Cgroup paths are resolved once, for
+    the same reason: a freeze writes where the check looked.
     """
     start = time.monotonic()
-    if not os.path.exists(netns.netns_path(netns_ref)):
-        raise SandboxError(
-            f"netns {netns_ref!r} does not exist (a name under /run/netns or a path)"
-        )
-    _refuse_the_hosts(netns_ref, cgroup_v2, freezer)
-    cgroup = _cgroup(netns_ref, cgroup_v2, freezer)
-    nft = NftHandle.open(netns_ref)
+    pin = _open_netns(netns_ref)
+    pinned = f"/proc/{os.getpid()}/fd/{pin}"
+    try:
+        cgroup_v2 = os.path.realpath(cgroup_v2) if cgroup_v2 else cgroup_v2
+        freezer = os.path.realpath(freezer) if freezer else freezer
+        _refuse_the_hosts(pin, netns_ref, cgroup_v2, freezer)
+        cgroup = _cgroup(pinned, netns_ref, cgroup_v2, freezer)
+        nft = NftHandle.open(pinned)
+    except BaseException:
+        os.close(pin)
+        raise
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
+    sb.hold(lambda: os.close(pin))
+    sb.netns_id = _id(pin)
     sb.add_undo("nft handle", nft.close)
     try:
-        pinned = _pin(sb, netns_ref)
         # Made empty first, the claim on the netns: a look for it, then a load, let two
         # attaches at once (egressd's API, or CNI and an OCI hook) both go on, and the
         # loser's undo removed the winner's table and left its netns open.
         if not nft.create_table("inet", c.TABLE):
             raise AlreadyAttached(f"netns {netns_ref} already has table inet {c.TABLE}")
         sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
-        lo_raised = not _lo_is_up(pinned)
+        lo_raised = not _lo_is_up(pinned, netns_ref)
         if lo_raised:
             netns.loopback_up(pinned)
-            sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned))
+            sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned, netns_ref))
         # Ours to remove when detaching, with the table: this netns outlives the sandbox.
         sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, queue_rule()))
         if policy.connect.check_names:
@@ -99,19 +110,29 @@ def adopt(
     freezer: str | None,
     lo_raised: bool,
     found: bool = False,
+    netns_id: tuple[int, int] | None = None,
 ) -> Sandbox:
     """An attachment a previous process made, with its learned sets as they are (and its
     rules, unless ``renew_rules`` finds them older than the source check);
     ``Sandbox.destroy`` detaches it the same way. ``found``: its cgroup is the one its
-    processes run in (``Cgroup.in_netns``), looked for again at each freeze."""
-    if not os.path.exists(netns.netns_path(netns_ref)):
-        raise SandboxError(f"netns {netns_ref!r} is gone")
-    cgroup = Cgroup.attached(netns.netns_path(netns_ref), cgroup_v2, freezer, found)
-    nft = NftHandle.open(netns_ref)
+    processes run in (``Cgroup.in_netns``), looked for again at each freeze.
+    ``netns_id``: the (device, inode) it was attached as: a path that names another
+    netns by now is refused. Pinned as ``attach`` pins it."""
+    pin = _open_netns(netns_ref, gone=True)
+    pinned = f"/proc/{os.getpid()}/fd/{pin}"
+    try:
+        if netns_id is not None and _id(pin) != netns_id:
+            raise SandboxError(f"netns {netns_ref} is not the one attached any more")
+        cgroup = Cgroup.attached(pinned, cgroup_v2, freezer, found)
+        nft = NftHandle.open(pinned)
+    except BaseException:
+        os.close(pin)
+        raise
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
+    sb.hold(lambda: os.close(pin))
+    sb.netns_id = _id(pin)
     sb.add_undo("nft handle", nft.close)
     try:
-        pinned = _pin(sb, netns_ref)
         if not nft.table_exists("inet", c.TABLE):
             raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
         if renew_rules(nft, policy):
@@ -120,44 +141,62 @@ def adopt(
             print(f"egressd: sandbox {sandbox_id}: rules renewed (source check); flows "
                   "begun before keep going until they end", file=sys.stderr)  # fmt: skip
     except BaseException:
-        with contextlib.suppress(EgressError):
-            sb.destroy()  # the pin and the handle: nothing of the netns's is undone yet
+        sb.release()  # nothing of the netns's is undone: it stays as it was found
         raise
-    if lo_raised:
-        sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned))
-    sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, queue_rule()))
+    # Undone as attach's are: the queue rule, lo, then the table.
     sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
+    if lo_raised:
+        sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned, netns_ref))
+    sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, queue_rule()))
     return sb
 
 
-def _pin(sb: Sandbox, netns_ref: str) -> str:
-    """A path to the netns ``netns_ref`` names now, for as long as ``sb`` lasts: its
-    detach then takes lo down and removes the queue rule there, not wherever the name
-    points by then (an OCI hook's /proc/PID/ns/net, once PID is gone and reused, can be
-    another container's netns or the host's)."""
+_NS_GET_NSTYPE = 0xB703  # ioctl(2) on a namespace file: which kind it is
+_CLONE_NEWNET = 0x40000000
+
+
+def _open_netns(netns_ref: str, gone: bool = False) -> int:
+    """A descriptor of the netns ``netns_ref`` names now; refused if it names something
+    else (opened non-blocking: a FIFO a caller names does not hang the open)."""
+    path = netns.netns_path(netns_ref)
     try:
-        fd = os.open(netns.netns_path(netns_ref), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SandboxError(f"netns {netns_ref}: {exc.strerror}") from None
-    sb.add_undo(f"pin of netns {netns_ref}", lambda: os.close(fd))  # closed after the rest
-    return f"/proc/{os.getpid()}/fd/{fd}"
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        if gone:
+            raise SandboxError(f"netns {netns_ref!r} is gone") from None
+        raise SandboxError(
+            f"netns {netns_ref!r} does not exist (a name under /run/netns or a path)"
+        ) from None
+    try:
+        kind = fcntl.ioctl(fd, _NS_GET_NSTYPE)
+    except OSError:
+        kind = -1
+    if kind != _CLONE_NEWNET:
+        os.close(fd)
+        raise SandboxError(f"netns {netns_ref!r}: {path} is not a network namespace")
+    return fd
 
 
-def _refuse_the_hosts(netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> None:
+def _id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _refuse_the_hosts(pin: int, netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> None:
     """Refuse the netns of PID 1 or of egress itself, and a cgroup that holds either of
     them: attached there, egress would put default-deny rules on the host, or freeze (and
     at a kill, kill) PID 1 or itself. The API's callers (group egress) are not root."""
-    target = netns.netns_id(netns_ref)
+    target = _id(pin)
     ours = ((1, "PID 1"), (os.getpid(), "egress"))
     for pid, who in ours:
-        if target is not None and target == netns.netns_id(f"/proc/{pid}/ns/net"):
+        if target == netns.netns_id(f"/proc/{pid}/ns/net"):
             raise SandboxError(f"netns {netns_ref} is the network namespace of {who} (pid "
                                f"{pid}): attach to a sandbox's own")  # fmt: skip
     mounts = find_mounts()
     for given, mount, index in ((cgroup_v2, mounts.v2, 0), (freezer, mounts.freezer, 1)):
         if not given or mount is None:
             continue
-        rel = os.path.relpath(os.path.realpath(given), os.path.realpath(mount))
+        rel = os.path.relpath(given, os.path.realpath(mount))  # given: resolved already
         if rel == ".." or rel.startswith("../"):
             continue  # not a cgroup of that mount: Cgroup.attach_existing says so
         rel = "/" if rel == "." else "/" + rel
@@ -171,14 +210,17 @@ def _refuse_the_hosts(netns_ref: str, cgroup_v2: str | None, freezer: str | None
                                    "sandbox's own cgroup")  # fmt: skip
 
 
-def _cgroup(netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> Cgroup:
+def _cgroup(pinned: str, netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> Cgroup:
     if cgroup_v2 is None and freezer is not None:
         raise SandboxError("a freezer cgroup needs the cgroup v2 directory it mirrors")
-    return Cgroup.attached(netns.netns_path(netns_ref), cgroup_v2, freezer)
+    cgroup = Cgroup.attached(pinned, cgroup_v2, freezer)
+    if not cgroup.bound:  # said with the name the caller knows, not the descriptor's path
+        cgroup.unbound_reason = f"no process has run in netns {netns_ref} yet"
+    return cgroup
 
 
-def _ifreq(netns_ref: str, request: int, flags: int = 0) -> int:
-    with netns.in_netns(netns_ref):
+def _ifreq(pinned: str, netns_ref: str, request: int, flags: int = 0) -> int:
+    with netns.in_netns(pinned):
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         raw = fcntl.ioctl(sock.fileno(), request, struct.pack("16sH14x", b"lo", flags))
@@ -189,10 +231,10 @@ def _ifreq(netns_ref: str, request: int, flags: int = 0) -> int:
     return int(struct.unpack_from("16sH", raw)[1])
 
 
-def _lo_is_up(netns_ref: str) -> bool:
-    return bool(_ifreq(netns_ref, _SIOCGIFFLAGS) & _IFF_UP)
+def _lo_is_up(pinned: str, netns_ref: str) -> bool:
+    return bool(_ifreq(pinned, netns_ref, _SIOCGIFFLAGS) & _IFF_UP)
 
 
-def _lo_down(netns_ref: str) -> None:
-    flags = _ifreq(netns_ref, _SIOCGIFFLAGS)
-    _ifreq(netns_ref, _SIOCSIFFLAGS, flags & ~_IFF_UP)
+def _lo_down(pinned: str, netns_ref: str) -> None:
+    flags = _ifreq(pinned, netns_ref, _SIOCGIFFLAGS)
+    _ifreq(pinned, netns_ref, _SIOCSIFFLAGS, flags & ~_IFF_UP)

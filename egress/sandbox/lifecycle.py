@@ -55,6 +55,10 @@ class Sandbox:
     created_s: float = 0.0  # create-to-ready time
     uid: int | None = None  # the workload's own uid (and gid), when egress allocated one
     _undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
+    # What this process holds for the sandbox beyond its nft handle (an attached netns's
+    # descriptor): closed by release, and by destroy after the undo steps.
+    _held: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    netns_id: tuple[int, int] | None = None  # an attached netns's (device, inode), pinned
     # Where the create's time went, ms by step in order (claim, netns, ...): egressd's
     # sandbox JSON and `egressctl run --report` show it.
     create_steps_ms: dict[str, float] = field(default_factory=dict)
@@ -67,9 +71,22 @@ class Sandbox:
     def resolv_conf(self) -> Path:
         return ETC_NETNS / self.netns / "resolv.conf"
 
+    def hold(self, close: Callable[[], None]) -> None:
+        """Something this process keeps open for the sandbox while it serves it."""
+        self._held.append(close)
+
+    def release(self) -> None:
+        """Let go of what this process holds for the sandbox (its nft handle, ``hold``s)
+        and undo nothing in the kernel: it stays for another process to adopt."""
+        self.nft.close()
+        _unwind([("held", close) for close in self._held])
+        self._held.clear()
+
     def destroy(self) -> None:
         """Remove everything this sandbox made, newest first; report what resisted."""
         failures = _unwind(self._undo)
+        failures += _unwind([("held", close) for close in self._held])
+        self._held.clear()
         if failures:
             raise SandboxError(f"sandbox {self.id}: teardown left: " + "; ".join(failures))
 

@@ -654,7 +654,7 @@ def test_two_attaches_of_one_netns_at_once_leave_one_serving_it_with_its_rules(
 
 
 def test_attach_refuses_the_hosts_netns_and_cgroups_that_hold_egressd_or_pid_1(
-    daemon: Egressd, lab: Lab
+    daemon: Egressd, lab: Lab, tmp_path: Path
 ) -> None:
     """Group egress is not root: attached to the host's netns, egress would put its
     default-deny rules on the host; to a cgroup holding egressd or PID 1, a freeze or a
@@ -666,8 +666,11 @@ def test_attach_refuses_the_hosts_netns_and_cgroups_that_hold_egressd_or_pid_1(
     # PID 1 is asked first: where egressd runs in the root cgroup (this VM), it is PID 1's
     pid_1_under = (cgroup_paths(1)[0] + "/").startswith(mine.rstrip("/") + "/")
     host_tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    plain_file = tmp_path / "not-a-netns"
+    plain_file.touch()
     with hand_made("host") as (ns, cgroup):
         cases = [
+            ({"netns": str(plain_file)}, "is not a network namespace"),
             ({"netns": "/proc/self/ns/net", "cgroup": cgroup.v2_path}, "namespace of egress"),
             ({"netns": f"/proc/{daemon.pid}/ns/net"}, "namespace of egress"),
             ({"netns": ns, "cgroup": v2}, "holds PID 1"),
@@ -686,6 +689,25 @@ def test_attach_refuses_the_hosts_netns_and_cgroups_that_hold_egressd_or_pid_1(
         assert after.stdout == host_tables.stdout
 
 
+def test_attach_keeps_the_cgroup_it_checked_not_a_link_to_it(
+    daemon: Egressd, lab: Lab, tmp_path: Path
+) -> None:
+    """A cgroup named through a symlink the caller owns: checked as what it pointed at,
+    then kept as the link, a freeze or kill would go wherever the link was turned since
+    (a cgroup holding egressd or PID 1). What egress keeps is the cgroup it checked."""
+    link = tmp_path / "cgroup-link"
+    with hand_made("link") as (ns, cgroup):
+        link.symlink_to(cgroup.v2_path)
+        body = {"netns": ns, "cgroup": str(link), "uplink_netns": lab.uplink_netns,
+                "policy": policy("link", "allowed.lab.test")}  # fmt: skip
+        box = daemon.client.call("POST", "/v1/sandboxes/attach", body)
+        try:
+            shown = daemon.client.call("GET", f"/v1/sandboxes/{box['id']}")
+            assert shown["cgroup"] == os.path.realpath(cgroup.v2_path), shown
+        finally:
+            daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
 def test_attach_refuses_a_cgroup_that_holds_the_process_attaching() -> None:
     """The same refusal for egress's own cgroup where it is not PID 1's (this VM runs
     egressd in the root cgroup): a process moved into a cgroup of its own asks."""
@@ -695,7 +717,8 @@ def test_attach_refuses_a_cgroup_that_holds_the_process_attaching() -> None:
         procs = os.path.join(cgroup.v2_path, "cgroup.procs")
         code = (f"import os\nopen({procs!r}, 'w').write(str(os.getpid()))\n"
                 "from egress.sandbox.attach import _refuse_the_hosts\n"
-                f"_refuse_the_hosts({ns!r}, {cgroup.v2_path!r}, None)\n")  # fmt: skip
+                f"pin = os.open('/run/netns/' + {ns!r}, os.O_RDONLY)\n"
+                f"_refuse_the_hosts(pin, {ns!r}, {cgroup.v2_path!r}, None)\n")  # fmt: skip
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=60)  # fmt: skip
         assert done.returncode == 1 and "holds egress (pid" in done.stderr, done.stderr
