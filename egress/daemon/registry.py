@@ -90,7 +90,7 @@ class Served:
         from egress.kernel.nft import NftHandle
 
         try:
-            with NftHandle.open(self.sb.netns) as nft:
+            with NftHandle.open(self.sb.reach, label=self.sb.netns) as nft:
                 return nft.table_exists("inet", c.TABLE)
         except EgressError:
             return False
@@ -296,7 +296,7 @@ class Registry:
             return  # attach reports the missing netns precisely
         for s in self.served.values():
             with contextlib.suppress(OSError):
-                if _inode(s.sb.netns) == target:
+                if _inode(s.sb.reach) == target:
                     raise Conflict(f"netns {netns_ref} is already served as sandbox {s.id}")
 
     async def _serve(

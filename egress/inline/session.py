@@ -80,7 +80,7 @@ class Session:
         self.review_hint = review_hint
         self.state = SessionState()
         # A listener handed over by a previous egressd is already bound to the group.
-        self.listener = listener or NflogListener.open(sb.netns, c.INLINE_GROUP)
+        self.listener = listener or NflogListener.open(sb.reach, c.INLINE_GROUP)
         self._monitor: asyncio.Task[None] | None = None
         self._reviewed: FreezeEvent | None = None  # what the running review is about
         # A review looks for the thaw every FROZEN_POLL_S at first, then less often: at

@@ -152,8 +152,8 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
     # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,
     # and would call the template's a redefinition.
     if policy.connect.check_names:  # the NFQUEUE rule first: until it is there, fail closed
-        queue_rule.install(sb.netns, render_queue_rule(), check=True)
-    with NftHandle.open(sb.netns) as nft:
+        queue_rule.install(sb.reach, render_queue_rule(), check=True)
+    with NftHandle.open(sb.reach, label=sb.netns) as nft:
         for attempt in (1, 2):
             text, removed = swap_text(nft, policy, keep)
             try:

@@ -84,11 +84,11 @@ def make(
             upstreams=upstreams,
             nft=sb.nft,
             on_violation=session.on_violation,
-            listen_netns=sb.netns,
+            listen_netns=sb.reach,
             upstream_netns=upstream_netns,
             mark=mark,
         )
-        session.flows = FlowCheck(sb.netns, resolver, session.on_violation, listener=queue,
+        session.flows = FlowCheck(sb.reach, resolver, session.on_violation, listener=queue,
                                   frozen=sb.cgroup.is_frozen)  # fmt: skip
         session.flows.start()
         session.start_tick(resolver.core)

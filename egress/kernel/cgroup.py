@@ -95,6 +95,7 @@ class Cgroup:
         self.cpu_path = cpu_path
         self.ours = ours  # under egress's own parent: the last one out removes the parent
         self.netns: str | None = None  # unbound: the netns whose processes say which
+        self.netns_label: str | None = None  # its name in messages, if ``netns`` is an fd's
         self.on_bind: Callable[[Cgroup], object] | None = None  # e.g. record it in the journal
         self.unbound_reason = ""  # why the last bind found none
         # Unbound, in a pod: the cgroups of egress's own processes there (a sidecar's),
@@ -193,28 +194,39 @@ class Cgroup:
 
     @classmethod
     def in_netns(
-        cls, netns_path: str, v2_path: str = "", freezer_path: str | None = None
+        cls,
+        netns_path: str,
+        v2_path: str = "",
+        freezer_path: str | None = None,
+        label: str | None = None,
     ) -> Cgroup:
         """The cgroup of the processes that run in the netns (a CNI ADD comes before the
         container's first process): found when an act needs it (``bind``, from
         ``kernel.netns_cgroup``), and found again at each freeze (the Enforcer's
         ``bind(refresh=True)``) and kill, so it widens to cover
         every process there then (a pod's containers after its pause container). Read
-        paths never look: until bound, nothing is frozen and there is nothing to list."""
+        paths never look: until bound, nothing is frozen and there is nothing to list.
+        ``label``: the netns's name in what it says, where ``netns_path`` is an fd's."""
         cgroup = cls(v2_path, freezer_path)
         cgroup.netns = netns_path
-        cgroup.unbound_reason = f"no process has run in netns {netns_path} yet"
+        cgroup.netns_label = label
+        cgroup.unbound_reason = f"no process has run in netns {label or netns_path} yet"
         return cgroup
 
     @classmethod
     def attached(
-        cls, netns_path: str, v2_path: str | None, freezer_path: str | None, found: bool = False
+        cls,
+        netns_path: str,
+        v2_path: str | None,
+        freezer_path: str | None,
+        found: bool = False,
+        label: str | None = None,
     ) -> Cgroup:
         """An attached sandbox's cgroup, as its record has it: the runtime's, given as
         paths; or (no path yet, or ``found``: it was found from its processes) the one
         its processes run in (``in_netns``), bound to the recorded paths if any."""
         if not v2_path or found:
-            return cls.in_netns(netns_path, v2_path or "", freezer_path)
+            return cls.in_netns(netns_path, v2_path or "", freezer_path, label)
         return cls.attach_existing(v2_path, freezer_path)
 
     @property
@@ -235,7 +247,10 @@ class Cgroup:
                 exclude = self.exclude() if self.exclude is not None else ()
                 v2, freezer = discover(self.netns, exclude, self.skip_init)
             except NoCgroup as exc:
-                self.unbound_reason = str(exc)
+                said = str(exc)
+                self.unbound_reason = (
+                    said.replace(self.netns, self.netns_label) if self.netns_label else said
+                )
                 self.nobody = exc.nobody
                 return bool(self.v2_path)
             changed = v2 != self.v2_path or freezer != self.freezer_path
@@ -244,6 +259,12 @@ class Cgroup:
         if changed and self.on_bind is not None:
             self.on_bind(self)
         return True
+
+    def forget_netns(self) -> None:
+        """Look for the cgroup no more (its netns's descriptor is about to close, and its
+        number could name another netns then); what it bound stays."""
+        with self._lock:
+            self.netns = None
 
     def _bound(self) -> None:
         if not self.bind():

@@ -146,21 +146,28 @@ class NftHandle:
     def __init__(self, nft: Any, netns: str | None) -> None:
         self._nft: Any = nft
         self.netns = netns
+        self.label = netns  # what messages call the netns (``open``'s ``label``)
 
     @classmethod
-    def open(cls, netns: str | None = None, worker: NftWorker | None = None) -> NftHandle:
+    def open(
+        cls, netns: str | None = None, worker: NftWorker | None = None, label: str | None = None
+    ) -> NftHandle:
         """A handle acting on netns (a name or /proc/PID/ns/net path; None = current),
-        through ``worker`` if given or ``use_worker()`` was called, else in-process."""
+        through ``worker`` if given or ``use_worker()`` was called, else in-process.
+        ``label``: the netns's name in messages, where ``netns`` is a descriptor's path."""
         worker = worker or _worker
         if worker is not None:
-            return cls(_WorkerContext(worker, netns), netns)
-        with in_netns(netns):
-            try:
-                nft = nftables.Nftables()
-            except OSError as exc:
-                raise DatapathError(f"cannot load libnftables: {exc}") from exc
-        nft.set_json_output(False)
-        return cls(nft, netns)
+            handle = cls(_WorkerContext(worker, netns), netns)
+        else:
+            with in_netns(netns):
+                try:
+                    nft = nftables.Nftables()
+                except OSError as exc:
+                    raise DatapathError(f"cannot load libnftables: {exc}") from exc
+            nft.set_json_output(False)
+            handle = cls(nft, netns)
+        handle.label = label or netns
+        return handle
 
     def netns_fd(self) -> int | None:
         """A descriptor of this handle's netns, the caller's to close (None: the current
@@ -197,7 +204,7 @@ class NftHandle:
     def _run(self, text: str) -> str:
         rc, out, err = self._ctx().cmd(text)
         if rc != 0:
-            raise DatapathError(f"nft failed in {self.netns or 'current netns'}: {err.strip()}")
+            raise DatapathError(f"nft failed in {self.label or 'current netns'}: {err.strip()}")
         return str(out)
 
     def _run_json(self, text: str) -> list[dict[str, Any]]:
@@ -331,7 +338,10 @@ class NftHandle:
         try:
             self._run(f"create table {_family(family)} {_name('table', table)}")
         except DatapathError:
-            if self.table_exists(family, table):  # EEXIST, whatever the message's words
+            # EEXIST, whatever the message's words. (A worker that died after the kernel
+            # made the table leaves it, empty, and the next attach is told it is taken:
+            # `nft delete table inet egress` in that netns clears it.)
+            if self.table_exists(family, table):
                 return False
             raise
         return True

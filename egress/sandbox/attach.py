@@ -14,10 +14,12 @@ was; the cgroup is only ever frozen, thawed or killed, never made or removed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import ipaddress
 import os
 import socket
+import stat
 import struct
 import sys
 import time
@@ -70,13 +72,13 @@ def attach(
         freezer = os.path.realpath(freezer) if freezer else freezer
         _refuse_the_hosts(pin, netns_ref, cgroup_v2, freezer)
         cgroup = _cgroup(pinned, netns_ref, cgroup_v2, freezer)
-        nft = NftHandle.open(pinned)
+        nft = NftHandle.open(pinned, label=netns_ref)
     except BaseException:
         os.close(pin)
         raise
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
-    sb.hold(lambda: os.close(pin))
-    sb.netns_id = _id(pin)
+    sb.hold(lambda: _unpin(cgroup, pin))
+    sb.netns_id, sb.pinned = _id(pin), pinned
     sb.add_undo("nft handle", nft.close)
     try:
         # Made empty first, the claim on the netns: a look for it, then a load, let two
@@ -123,14 +125,14 @@ def adopt(
     try:
         if netns_id is not None and _id(pin) != netns_id:
             raise SandboxError(f"netns {netns_ref} is not the one attached any more")
-        cgroup = Cgroup.attached(pinned, cgroup_v2, freezer, found)
-        nft = NftHandle.open(pinned)
+        cgroup = Cgroup.attached(pinned, cgroup_v2, freezer, found, label=netns_ref)
+        nft = NftHandle.open(pinned, label=netns_ref)
     except BaseException:
         os.close(pin)
         raise
     sb = Sandbox(sandbox_id, policy, NO_NET, netns_ref, "", None, cgroup, nft)
-    sb.hold(lambda: os.close(pin))
-    sb.netns_id = _id(pin)
+    sb.hold(lambda: _unpin(cgroup, pin))
+    sb.netns_id, sb.pinned = _id(pin), pinned
     sb.add_undo("nft handle", nft.close)
     try:
         if not nft.table_exists("inet", c.TABLE):
@@ -160,8 +162,12 @@ def _open_netns(netns_ref: str, gone: bool = False) -> int:
     else (opened non-blocking: a FIFO a caller names does not hang the open)."""
     path = netns.netns_path(netns_ref)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a netns file is; no device is opened
+            raise SandboxError(f"netns {netns_ref!r}: {path} is not a network namespace")
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise SandboxError(f"netns {netns_ref!r}: {exc.strerror}") from None
         if gone:
             raise SandboxError(f"netns {netns_ref!r} is gone") from None
         raise SandboxError(
@@ -175,6 +181,13 @@ def _open_netns(netns_ref: str, gone: bool = False) -> int:
         os.close(fd)
         raise SandboxError(f"netns {netns_ref!r}: {path} is not a network namespace")
     return fd
+
+
+def _unpin(cgroup: Cgroup, fd: int) -> None:
+    """Close the netns's descriptor, once the cgroup no longer looks through it (a kill
+    that binds it meanwhile would otherwise read whatever netns gets that number next)."""
+    cgroup.forget_netns()
+    os.close(fd)
 
 
 def _id(fd: int) -> tuple[int, int]:
@@ -213,10 +226,7 @@ def _refuse_the_hosts(pin: int, netns_ref: str, cgroup_v2: str | None, freezer: 
 def _cgroup(pinned: str, netns_ref: str, cgroup_v2: str | None, freezer: str | None) -> Cgroup:
     if cgroup_v2 is None and freezer is not None:
         raise SandboxError("a freezer cgroup needs the cgroup v2 directory it mirrors")
-    cgroup = Cgroup.attached(pinned, cgroup_v2, freezer)
-    if not cgroup.bound:  # said with the name the caller knows, not the descriptor's path
-        cgroup.unbound_reason = f"no process has run in netns {netns_ref} yet"
-    return cgroup
+    return Cgroup.attached(pinned, cgroup_v2, freezer, label=netns_ref)
 
 
 def _ifreq(pinned: str, netns_ref: str, request: int, flags: int = 0) -> int:

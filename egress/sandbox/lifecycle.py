@@ -59,6 +59,7 @@ class Sandbox:
     # descriptor): closed by release, and by destroy after the undo steps.
     _held: list[Callable[[], None]] = field(default_factory=list, repr=False)
     netns_id: tuple[int, int] | None = None  # an attached netns's (device, inode), pinned
+    pinned: str | None = None  # and the path to its descriptor, while this process holds it
     # Where the create's time went, ms by step in order (claim, netns, ...): egressd's
     # sandbox JSON and `egressctl run --report` show it.
     create_steps_ms: dict[str, float] = field(default_factory=dict)
@@ -66,6 +67,12 @@ class Sandbox:
     def add_undo(self, what: str, step: Callable[[], None]) -> None:
         """Something made for this sandbox after creation, removed with it."""
         self._undo.append((what, step))
+
+    @property
+    def reach(self) -> str:
+        """The path this process enters the netns by: an attached one's descriptor (the
+        path it was given may name another netns by now), else its name."""
+        return self.pinned or self.netns
 
     @property
     def resolv_conf(self) -> Path:

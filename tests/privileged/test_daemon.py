@@ -708,6 +708,33 @@ def test_attach_keeps_the_cgroup_it_checked_not_a_link_to_it(
             daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
+def test_what_an_attached_sandbox_says_of_its_cgroup_names_its_netns_as_given(
+    daemon: Egressd, lab: Lab, state_dir: Path
+) -> None:
+    """Attach goes through a descriptor of the netns; what it says of the cgroup it
+    looks for there names the netns as the caller did, not /proc/PID/fd/N. Attached
+    without a cgroup (as CNI does), a process runs there in this test's own cgroup,
+    which holds processes outside (or has exited by the look): the violation is
+    blocked, not frozen, and says why."""
+    with hand_made("label") as (ns, _):
+        body = {"netns": ns, "uplink_netns": lab.uplink_netns,
+                "policy": policy("label", "allowed.lab.test")}  # fmt: skip
+        box = daemon.client.call("POST", "/v1/sandboxes/attach", body)
+        try:
+            connect(ns, "192.0.2.7")  # blocked; its cgroup is shared (or it is gone): not frozen
+            with Journal.open(state_dir) as journal:
+
+                def said() -> list[str]:
+                    return [str(v["detail"]) for v in journal.violations(box["id"])
+                            if "not frozen" in str(v["detail"])]  # fmt: skip
+
+                assert wait_until(said, 20), journal.violations(box["id"])
+                [detail] = said()
+            assert f"netns {ns} " in detail and "/proc/" not in detail, detail
+        finally:
+            daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
+
+
 def test_attach_refuses_a_cgroup_that_holds_the_process_attaching() -> None:
     """The same refusal for egress's own cgroup where it is not PID 1's (this VM runs
     egressd in the root cgroup): a process moved into a cgroup of its own asks."""
