@@ -88,12 +88,14 @@ class Sandbox:
         self.nft.close()
         _unwind([("held", close) for close in self._held])
         self._held.clear()
+        self.pinned = None  # its number is free now: reach goes by the name again
 
     def destroy(self) -> None:
         """Remove everything this sandbox made, newest first; report what resisted."""
         failures = _unwind(self._undo)
         failures += _unwind([("held", close) for close in self._held])
         self._held.clear()
+        self.pinned = None
         if failures:
             raise SandboxError(f"sandbox {self.id}: teardown left: " + "; ".join(failures))
 
