@@ -1,14 +1,15 @@
 """Attach egress to a network namespace and cgroup that another runtime made.
 
 bubblewrap, podman, containerd and systemd-nspawn create their own namespaces. egress
-adds exactly two things to such a netns: its ruleset as table ``inet egress`` (the same
-template as a sandbox it made) and, if it was down, the loopback link the resolver
-listens on. Detaching removes exactly those two things again, so the netns is left as it
-was; the cgroup is only ever frozen, thawed or killed, never made or removed.
+adds exactly three things to such a netns: its ruleset as table ``inet egress`` (the same
+template as a sandbox it made), the NFQUEUE rule its checked names need (in
+iptables-nft's ``mangle`` table, ``kernel.queue_rule``) and, if it was down, the loopback
+link the resolver listens on. Detaching removes exactly those again, so the netns is
+left as it was; the cgroup is only ever frozen, thawed or killed, never made or removed.
 
     netns (name or path, opened once) ─▶ create table inet egress (refused: attached
-        already) ─▶ lo up ─▶ nft load into it
-    detach ─▶ lo down again if it was down ─▶ delete table inet egress
+        already) ─▶ lo up ─▶ NFQUEUE rule ─▶ nft load into the table
+    detach ─▶ NFQUEUE rule out ─▶ lo down again if it was down ─▶ delete the table
 """
 
 from __future__ import annotations
