@@ -80,6 +80,13 @@ def netns_exists(name: str) -> bool:
     return os.path.exists(netns_path(name))
 
 
+def fd_path(fd: int) -> str:
+    """A path to the netns this process holds open as ``fd``, for whatever takes a path
+    (``in_netns``, another process of ours it is handed to): it names that netns, not
+    whatever a name or /proc/PID path names by now, for as long as ``fd`` is open."""
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
 def netns_id(name_or_path: str) -> tuple[int, int] | None:
     """Which netns the name or path pins now (its nsfs device and inode), None if none:
     a path like /proc/PID/ns/net can come to pin another one when the PID is reused."""

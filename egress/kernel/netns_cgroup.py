@@ -96,7 +96,8 @@ def procs_below(directory: str) -> set[int]:
     return out
 
 
-def _under(path: str, roots: Collection[str]) -> bool:
+def under(path: str, roots: Collection[str]) -> bool:
+    """``path`` is one of the cgroups ``roots`` or below one (paths from "/")."""
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
@@ -127,7 +128,7 @@ def discover(
             paths = cgroup_paths(pid)
         except OSError:
             continue  # exited meanwhile
-        if exclude and _under(paths[0], exclude):
+        if exclude and under(paths[0], exclude):
             ours.add(pid)
             continue
         found.append(paths)

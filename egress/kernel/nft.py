@@ -27,7 +27,7 @@ import nftables
 
 from egress.datapath import constants as c
 from egress.errors import DatapathError, EgressError, SandboxError
-from egress.kernel.netns import in_netns, netns_path
+from egress.kernel.netns import fd_path, in_netns, netns_path
 from egress.kernel.nft_worker import NftWorker
 
 FAMILIES = frozenset({"ip", "ip6", "inet", "arp", "bridge", "netdev"})
@@ -107,7 +107,7 @@ class _WorkerContext:
                 self._fd = os.open(netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 raise SandboxError(f"netns {netns}: {exc.strerror}") from None
-            self._netns = f"/proc/{os.getpid()}/fd/{self._fd}"
+            self._netns = fd_path(self._fd)
             # A handle dropped without close() must not keep the netns (and its veth)
             # alive for as long as egressd runs.
             self._finalizer = weakref.finalize(self, os.close, self._fd)

@@ -33,7 +33,7 @@ from egress.kernel import netns
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup
 from egress.kernel.cgroup_mounts import find_mounts
-from egress.kernel.netns_cgroup import NoCgroup, cgroup_paths
+from egress.kernel.netns_cgroup import NoCgroup, cgroup_paths, under
 from egress.kernel.nft import NftHandle
 from egress.model import Policy
 from egress.sandbox.lifecycle import Sandbox, renew_rules
@@ -67,7 +67,7 @@ def attach(
     """
     start = time.monotonic()
     pin = _open_netns(netns_ref)
-    pinned = f"/proc/{os.getpid()}/fd/{pin}"
+    pinned = netns.fd_path(pin)
     try:
         cgroup_v2 = os.path.realpath(cgroup_v2) if cgroup_v2 else cgroup_v2
         freezer = os.path.realpath(freezer) if freezer else freezer
@@ -122,7 +122,7 @@ def adopt(
     ``netns_id``: the (device, inode) it was attached as: a path that names another
     netns by now is refused. Pinned as ``attach`` pins it."""
     pin = _open_netns(netns_ref, gone=True)
-    pinned = f"/proc/{os.getpid()}/fd/{pin}"
+    pinned = netns.fd_path(pin)
     try:
         if netns_id is not None and _id(pin) != netns_id:
             raise SandboxError(f"netns {netns_ref} is not the one attached any more")
@@ -219,7 +219,7 @@ def _refuse_the_hosts(pin: int, netns_ref: str, cgroup_v2: str | None, freezer: 
                 held = cgroup_paths(pid)[index]
             except (OSError, NoCgroup):
                 continue
-            if held is not None and (held == rel or held.startswith(rel.rstrip("/") + "/")):
+            if held is not None and under(held, (rel,)):
                 raise SandboxError(f"cgroup {given} holds {who} (pid {pid}): attach to a "
                                    "sandbox's own cgroup")  # fmt: skip
 
