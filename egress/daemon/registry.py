@@ -454,14 +454,8 @@ class Registry:
         if record.kind == SandboxKind.CREATED:
             sb = await _in_thread(adopt_created, record, policy)
         else:
-            try:
-                same = (
-                    record.netns_inode is None or list(_inode(record.netns)) == record.netns_inode
-                )
-            except OSError:
-                same = False
-            if not same:  # e.g. /proc/PID/ns/net of a reused PID: not the netns we attached
-                raise SandboxError(f"netns {record.netns} is not the one attached any more")
+            # adopt refuses a netns that is not the recorded one (/proc/PID/ns/net of a
+            # reused PID), looked at through the descriptor it then goes on with.
             sb = await _in_thread(
                 attach_mod.adopt, record.id, policy, record.netns, record.cgroup,
                 record.freezer, record.lo_raised, record.cgroup_found or not record.cgroup,

@@ -86,16 +86,19 @@ class Sandbox:
         """Let go of what this process holds for the sandbox (its nft handle, ``hold``s)
         and undo nothing in the kernel: it stays for another process to adopt."""
         self.nft.close()
-        _unwind([("held", close) for close in self._held])
+        self._let_go()
+
+    def _let_go(self) -> list[str]:
+        """Close what ``hold`` was given; what resisted. The pinned path goes with it:
+        its number is free now, and ``reach`` goes by the name again."""
+        failures = _unwind([("held", close) for close in self._held])
         self._held.clear()
-        self.pinned = None  # its number is free now: reach goes by the name again
+        self.pinned = None
+        return failures
 
     def destroy(self) -> None:
         """Remove everything this sandbox made, newest first; report what resisted."""
-        failures = _unwind(self._undo)
-        failures += _unwind([("held", close) for close in self._held])
-        self._held.clear()
-        self.pinned = None
+        failures = _unwind(self._undo) + self._let_go()
         if failures:
             raise SandboxError(f"sandbox {self.id}: teardown left: " + "; ".join(failures))
 
