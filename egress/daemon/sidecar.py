@@ -36,7 +36,8 @@ from typing import IO
 
 from egress.collect import Collector
 from egress.datapath import constants as c
-from egress.datapath.render import Sidecar, queue_rule, reload_rules, render_sandbox
+from egress.datapath.render import Sidecar, reload_rules, render_sandbox
+from egress.datapath.render import queue_rules as render_queue_rules
 from egress.errors import DatapathError, EgressError, SandboxError, UpstreamError
 from egress.inline import wiring
 from egress.inline.upstream import parse_upstream, resolve_upstreams, set_mark
@@ -313,7 +314,7 @@ def _enforce(nft: NftHandle, cfg: Config) -> str:
     digest = hashlib.sha256(cfg.policy_bytes + b"\0" + template.encode()).hexdigest()
     marker = f"add counter inet {c.TABLE} sidecar_{digest[:16]}\n"
     if cfg.policy.connect.check_names:  # kept when the sidecar ends, as the table is
-        queue_rules.install(None, queue_rule(), check=True)
+        queue_rules.install(None, render_queue_rules(), check=True)
     if not nft.table_exists("inet", c.TABLE):
         nft.load(text + marker)
         return "loaded"
@@ -416,7 +417,7 @@ def _leave(sb: sbx.Sandbox, journal: Journal, remove: bool) -> None:
 
 def _remove_rules(sb: sbx.Sandbox) -> None:
     sb.nft.delete_table("inet", c.TABLE)
-    queue_rules.remove(None, queue_rule())
+    queue_rules.remove(None, render_queue_rules())
 
 
 def _stop_on_signals() -> asyncio.Event:

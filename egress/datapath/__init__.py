@@ -10,6 +10,8 @@
     NFLOG payload ──packet.parse_ip_packet()──▶ Packet; evidence.drop_violation()
     a new flow's first client bytes ──firstbytes.judge()──▶ FirstBytes: the TLS SNI or
         HTTP Host it asks for, or why it names no one hostname (invariant 10's input)
+    a plain-HTTP flow's later bytes ──httpstream.RequestStream.feed()──▶ each request
+        head, judged as the first, its body framed as the server frames it
 
 The kernel adapters load the text in one atomic transaction (kernel.nft); the resolver's
 adds go over egress's own netlink socket (kernel.nft_sets, libnftables as the fallback);

@@ -43,16 +43,25 @@ SIDECAR_MARK = 0x65677364
 # `queue` needs CONFIG_NFT_QUEUE, which many kernels lack) hands them to the inline
 # layer on queue FIRST_BYTES_QUEUE, without bypass: nobody listening, they are dropped.
 # The verdict re-marks each one: CHECKED_MARK (the flow's conntrack mark becomes
-# CT_CHECKED, and its later packets stay in the kernel), REFUSED_MARK (answered with a
-# TCP reset) or 0 (a segment with no data,
-# ahead of the flow's first request: the chain's usual rules then take it).
+# CT_CHECKED, and its later packets stay in the kernel), READ_MARK (a plain-HTTP flow:
+# its conntrack mark becomes CT_READING, and every later segment with data is queued
+# too, so that each request is read), REFUSED_MARK (answered with a TCP reset) or 0 (a
+# segment with no data, ahead of the flow's first request: the chain's usual rules then
+# take it). A CT_READING flow's segments are marked QUEUE_MARK too; an iptables-nft rule
+# turns that into READ_QUEUE_MARK as it queues them, from the conntrack mark it finds
+# then, so the inline layer tells a later segment of a read connection from a new
+# connection's on the same ports, also for a segment it re-runs (render.queue_rules).
 # Exact values, never bits: SIDECAR_MARK shares the packet mark, and a bit test would
 # match some of its bits. "egr" and a number, like SANDBOX_CT_MARK.
 FIRST_BYTES_QUEUE = 100
 CT_NEEDS_CHECK = 0x65677210
 CT_CHECKED = 0x65677211
+CT_READING = 0x65677212
 QUEUE_MARK = 0x65677220
 CHECKED_MARK = 0x65677221
 REFUSED_MARK = 0x65677222
+READ_QUEUE_MARK = 0x65677223
+READ_MARK = 0x65677224
 FIRST_BYTES_LOG_PREFIX = "egress first_bytes"  # the observer's copy of a queued segment
+READ_LOG_PREFIX = "egress http_read"  # ... of a segment of a flow read request by request
 ANSWER_LOG_PREFIX = "egress dns answer"  # the observer's copy of the resolver's answers

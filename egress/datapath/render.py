@@ -138,8 +138,11 @@ def _check_defines(ports: tuple[int, ...]) -> list[Define]:
                "connect.check_names: TCP ports whose flows are bound to names"),
         Define("CT_NEEDS_CHECK", hex(c.CT_NEEDS_CHECK), "conntrack mark: first request unread"),
         Define("CT_CHECKED", hex(c.CT_CHECKED), "conntrack mark: first request judged, passed"),
+        Define("CT_READING", hex(c.CT_READING), "conntrack mark: plain HTTP, each request read"),
         Define("QUEUE_MARK", hex(c.QUEUE_MARK), "packet mark: to the inline layer's NFQUEUE"),
+        Define("READ_QUEUE_MARK", hex(c.READ_QUEUE_MARK), "packet mark: queued as a read flow's"),
         Define("CHECKED_MARK", hex(c.CHECKED_MARK), "packet mark: the inline layer passed it"),
+        Define("READ_MARK", hex(c.READ_MARK), "packet mark: passed, and its flow is read on"),
         Define("REFUSED_MARK", hex(c.REFUSED_MARK), "packet mark: the inline layer refused it"),
     ]  # fmt: skip
 
@@ -152,6 +155,7 @@ def _check_defines(ports: tuple[int, ...]) -> list[Define]:
 # for the sandbox's CPUs just when the flow waited: on 2 vCPUs that added about 0.1 ms to
 # each checked flow's first byte (bench/bench_firstbytes.py, p50 0.21 -> 0.06-0.15 ms).
 _SEGMENT_COPY = f'log group {c.OBSERVER_GROUP} prefix "{c.FIRST_BYTES_LOG_PREFIX}"'
+_READ_COPY = f'log group {c.OBSERVER_GROUP} prefix "{c.READ_LOG_PREFIX}"'
 # Segments with no data stay in the kernel: the IP length is the headers' alone. nft has
 # no arithmetic, so each TCP header length (data offset 5-15 words) gets its own rule
 # (a set of `ip length . tcp doff` would be shorter, but nft 1.0.6 cannot list it).
@@ -163,13 +167,20 @@ _BARE = "\n".join(
 
 # The template's chains. Loading it again over a table declares them again, which adds
 # their rules to the old ones: a reload flushes them first.
-CHAINS = ("first_bytes", "output", "violation", "foreign_dns", "spoofed_source", "blocked_connect")
+CHAINS = (
+    "first_bytes", "read_on", "output", "violation", "foreign_dns", "spoofed_source",
+    "blocked_connect",
+)  # fmt: skip
 # The chains an older egress's table may lack (the flush of a missing one fails).
 NEWER_CHAINS = (
     f"add chain inet {c.TABLE} first_bytes "
     "{ type filter hook output priority mangle - 10; policy accept; }",
     f"add chain inet {c.TABLE} spoofed_source",
+    f"add chain inet {c.TABLE} read_on",
 )
+# The newest of them: a table without it was loaded by an egress that reads only a flow's
+# first request, and an adopter loads this one's rules into it (lifecycle.renew_rules).
+NEWEST_CHAIN = "read_on"
 
 
 def reload_rules(template: str, policy: Policy, sidecar: Sidecar | None = None) -> str:
@@ -198,6 +209,8 @@ def _first_bytes_chain(checks: bool) -> str:
 	}
 	chain first_bytes {
 		type filter hook output priority mangle - 10; policy accept;
+	}
+	chain read_on {
 	}"""
     return f"""
 	# Connections bound to names: a flow marked CT_NEEDS_CHECK (below, in output) has its
@@ -212,12 +225,20 @@ def _first_bytes_chain(checks: bool) -> str:
 		# for an old entry's (a closed connection it keeps a while, a server's reset): the
 		# connection it opens is new to the server, and its bytes are read.
 {_RESYN}
-		tcp flags & syn == 0 ct mark != $CT_NEEDS_CHECK accept
+		tcp flags & syn == 0 ct mark != {{ $CT_NEEDS_CHECK, $CT_READING }} accept
 {_BARE}
 		# Data in a SYN (TCP Fast Open) would reach the server before any check: dropped, and
 		# the client's kernel sends the SYN again without it.
 		tcp flags & syn == syn counter name syn_data drop
+		ct mark $CT_READING goto read_on
 		{_SEGMENT_COPY} meta mark set $QUEUE_MARK
+	}}
+
+	# A plain-HTTP flow whose first request passed: each later segment with data is held
+	# too, so that every request it carries is read (the queue's rules mark it
+	# READ_QUEUE_MARK as they queue it), and copied to the observer as such.
+	chain read_on {{
+		{_READ_COPY} meta mark set $QUEUE_MARK
 	}}"""
 
 
@@ -240,8 +261,10 @@ def _first_bytes_verdicts() -> str:
         "\n\t\t# rule): dropped. The others carry the inline layer's verdict."
         "\n\t\tmeta mark $QUEUE_MARK ct mark $CT_CHECKED accept"
         "\n\t\tmeta mark $QUEUE_MARK counter name dropped drop"
+        "\n\t\tmeta mark $READ_QUEUE_MARK counter name dropped drop"
         "\n\t\tmeta mark $REFUSED_MARK reject with tcp reset"
         "\n\t\tmeta mark $CHECKED_MARK ct mark set $CT_CHECKED accept"
+        "\n\t\tmeta mark $READ_MARK ct mark set $CT_READING accept"
     )
 
 
@@ -260,17 +283,26 @@ def _needs_check() -> str:
     )
 
 
-def queue_rule() -> tuple[str, ...]:
-    """The iptables-nft rule (after ``-t mangle -A OUTPUT``), for IPv4 and IPv6 alike,
-    that hands what ``first_bytes`` marked to the inline layer's NFQUEUE. No
-    ``--queue-bypass``: with no listener the kernel drops the segment (fail closed)."""
+def queue_rules() -> tuple[tuple[str, ...], ...]:
+    """The iptables-nft rules (after ``-t mangle -A OUTPUT``, in this order), for IPv4 and
+    IPv6 alike, that hand what ``first_bytes`` marked to the inline layer's NFQUEUE. No
+    ``--queue-bypass``: with no listener the kernel drops the segment (fail closed).
+
+    Each asks conntrack at the moment it queues, and so does a segment the inline layer
+    re-runs (NF_REPEAT): one marked before its flow's first request passed comes back as
+    what its flow is by then. Checked (TLS): not queued again, it goes by. Read request by
+    request (plain HTTP): queued as READ_QUEUE_MARK, a later segment of that connection.
+    Unchecked: queued as QUEUE_MARK, a new connection's on the same ports."""
+    comment = ("-m", "comment", "--comment", c.FIRST_BYTES_LOG_PREFIX)
+    queue = ("-j", "NFQUEUE", "--queue-num", str(c.FIRST_BYTES_QUEUE))
     return (
-        "-m", "mark", "--mark", hex(c.QUEUE_MARK),
-        # Only flows conntrack still has unchecked: a segment re-run (NF_REPEAT) after its
-        # flow passed goes by, one of a new connection on the same ports is queued again.
-        "-m", "connmark", "--mark", hex(c.CT_NEEDS_CHECK),
-        "-m", "comment", "--comment", c.FIRST_BYTES_LOG_PREFIX,
-        "-j", "NFQUEUE", "--queue-num", str(c.FIRST_BYTES_QUEUE),
+        ("-m", "mark", "--mark", hex(c.QUEUE_MARK),
+         "-m", "connmark", "--mark", hex(c.CT_NEEDS_CHECK), *comment, *queue),
+        ("-m", "mark", "--mark", hex(c.QUEUE_MARK),
+         "-m", "connmark", "--mark", hex(c.CT_READING), *comment,
+         "-j", "MARK", "--set-mark", hex(c.READ_QUEUE_MARK)),
+        ("-m", "mark", "--mark", hex(c.READ_QUEUE_MARK),
+         "-m", "connmark", "--mark", hex(c.CT_READING), *comment, *queue),
     )  # fmt: skip
 
 

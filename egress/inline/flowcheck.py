@@ -7,7 +7,11 @@ judges it against the resolver core's own bindings (the names whose answers put 
 address into this sandbox's sets); this shell performs what it decides:
 
 - passed: each held segment is released with CHECKED_MARK, which sets the flow's
-  conntrack mark to CT_CHECKED, so every later packet of it stays in the kernel;
+  conntrack mark to CT_CHECKED, so every later packet of it stays in the kernel. A flow
+  whose first request is plain HTTP is released with READ_MARK instead (CT_READING):
+  every later segment of it with data is queued too, and each request it carries is
+  judged as the first was, its body framed as the server frames it
+  (``datapath.httpstream``); the segments between requests go at once;
 - refused: a ``name_mismatch`` goes to the Session (journal, then freeze by default).
   A flow that freezes the sandbox has its segments dropped: the process stays inside
   its write or read with its socket open, where attribution finds it. Otherwise, and for
@@ -17,8 +21,11 @@ address into this sandbox's sets); this shell performs what it decides:
 - a segment with no data ahead of the flow's first request: released unmarked (the
   chain's usual rules take it; it carries nothing to read);
 - a segment that may continue a passed flow (``Decision.probe``): re-run through the
-  queue's rule (NF_REPEAT), which queues only flows conntrack has unchecked. If it comes
-  back it is a new connection's from the same port: judged afresh.
+  queue's rules (NF_REPEAT), which ask conntrack again. A checked flow's goes by; a read
+  flow's comes back marked READ_QUEUE_MARK and is read as its flow's next bytes; one
+  that comes back unmarked is a new connection's from the same port: judged afresh.
+- a segment marked READ_QUEUE_MARK of a flow this layer reads no stream for (it
+  restarted, or let the flow go at a bound): reset, with no verdict.
 
 If this process dies, the queue has no listener and the kernel drops what it would
 queue: new checked flows fail closed until a layer serves the queue again.
@@ -92,13 +99,16 @@ class FlowCheck:
             self.requests.refuse_new_until = now + LOSS_S
         try:
             for pkt in packets:
-                seg = segment_of(pkt.packet_id, pkt.packet)
+                read = pkt.mark == c.READ_QUEUE_MARK  # conntrack: a read flow's (queue_rules)
+                seg = segment_of(pkt.packet_id, pkt.packet, read)
                 if seg is None:  # not TCP as this reads it: nothing judged, so dropped
                     self._verdict(pkt.packet_id, accept=False)
                     continue
                 self._held[pkt.packet_id] = pkt
-                if self._probed.pop((seg.key, seg.seq), 0) is None:  # back: a new flow
-                    self.requests.forget(seg.key)
+                back = self._probed.pop((seg.key, seg.seq), 0) is None
+                if back and not read:  # queued again as unchecked: a new connection's
+                    for decision in self.requests.forget(seg.key):
+                        self._perform(decision, now)
                 for decision in self.requests.feed(seg, core.bindings, core.matcher, now):
                     self._perform(decision, now)
         finally:  # what waits is timed, also after a failure
@@ -131,7 +141,7 @@ class FlowCheck:
             self.resolver.core.audit_asked(ip_address(d.key[2]), d.key[3], d.verdict.name, now)
         action = policy.action(ViolationClass.NAME_MISMATCH)
         release = d.accept or policy.mode is Mode.AUDIT or action is Action.LOG
-        mark: int | None = c.CHECKED_MARK
+        mark: int | None = c.READ_MARK if d.read else c.CHECKED_MARK
         if d.verdict is None and self.requests.decided(d.key) is None:
             mark = 0  # no data ahead of the first request: nothing decided yet
         elif d.verdict is not None and not d.verdict.allowed:
@@ -145,7 +155,7 @@ class FlowCheck:
             self.on_violation(v)
             if not release and action is Action.FREEZE:
                 mark = None  # dropped: the process is frozen inside its write or read
-        elif d.verdict is not None:
+        elif d.verdict is not None and not d.later:
             self.passed += 1
         elif not d.accept and action is Action.FREEZE and not release and self.frozen():
             mark = None  # a retransmission while frozen: dropped, the socket stays as it was

@@ -23,7 +23,7 @@ from typing import Any
 
 from egress.datapath import constants as c
 from egress.datapath.elements import SetUpdate, plan_update
-from egress.datapath.render import queue_rule as render_queue_rule
+from egress.datapath.render import queue_rules as render_queue_rules
 from egress.datapath.render import reload_rules
 from egress.errors import DatapathError
 from egress.inline.server import ResolverServer
@@ -152,7 +152,7 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
     # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,
     # and would call the template's a redefinition.
     if policy.connect.check_names:  # the NFQUEUE rule first: until it is there, fail closed
-        queue_rule.install(sb.reach, render_queue_rule(), check=True)
+        queue_rule.install(sb.reach, render_queue_rules(), check=True)
     with NftHandle.open(sb.reach, label=sb.netns) as nft:
         for attempt in (1, 2):
             text, removed = swap_text(nft, policy, keep)

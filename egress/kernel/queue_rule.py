@@ -1,14 +1,15 @@
-"""The one iptables-nft rule a sandbox netns needs: NFQUEUE for what nft marked.
+"""The iptables-nft rules a sandbox netns needs: NFQUEUE for what nft marked.
 
 nft's own ``queue`` statement needs nft_queue (CONFIG_NFT_QUEUE), which many kernels,
 this project's test VMs among them, are built without; iptables-nft's ``-j NFQUEUE``
 goes through nft_compat and the xt target instead. So the sandbox's nft table marks the
-segments to hold (``datapath.render``'s ``first_bytes`` chain) and this rule, in
-iptables-nft's ``mangle`` OUTPUT chain (priority -150), queues them. The table is
+segments to hold (``datapath.render``'s ``first_bytes`` chain) and these rules, in
+iptables-nft's ``mangle`` OUTPUT chain (priority -150), queue them (``render.queue_rules``
+says which, and why there are three). The table is
 iptables-nft's own (``table ip mangle``, ``table ip6 mangle``): the sandbox's atomic nft
 loads never touch it, and removing the netns removes it.
 
-Without this rule nothing is let through unchecked: a marked segment that is not queued
+Without these rules nothing is let through unchecked: a marked segment that is not queued
 meets a drop in the sandbox's output chain.
 """
 
@@ -28,40 +29,46 @@ TOOLS = {4: "iptables-nft", 6: "ip6tables-nft"}
 TIMEOUT_S = 30.0
 
 
-def install(netns: str | None, rule: Sequence[str], check: bool = False) -> None:
-    """Append ``rule`` to mangle OUTPUT for IPv4 and IPv6 in ``netns``. With ``check``
-    (a netns egress did not make: a container's), only where it is not there yet."""
+def install(netns: str | None, rules: Sequence[Sequence[str]], check: bool = False) -> None:
+    """Append ``rules`` to mangle OUTPUT, in order, for IPv4 and IPv6 in ``netns``. With
+    ``check`` (a netns egress did not make, or one an older egress made), only those not
+    there yet."""
     if check:
         for family in (4, 6):
-            if not _present(netns, family, rule):
-                _run(netns, family, "-A", rule)
+            for rule in rules:
+                if not _present(netns, family, rule):
+                    _run(netns, family, "-A", rule)
         return
-    key = tuple(rule)
+    key = tuple(tuple(rule) for rule in rules)
     copy = _copies.get(key)
     if copy is not None and copy is not _EXEC_ONLY:
         try:
             nft_copy.apply(copy, netns)
             return
         except OSError as exc:  # iptables-nft knows best; and from now on it does it all
-            print(f"egress: copying the NFQUEUE rule into {netns} failed ({exc}); "
+            print(f"egress: copying the NFQUEUE rules into {netns} failed ({exc}); "
                   "running iptables-nft for this and later sandboxes", file=sys.stderr,
                   flush=True)  # fmt: skip
             _copies[key] = _EXEC_ONLY
-    _exec_both(netns, rule)
+    for rule in rules:  # in order: a later rule acts on what an earlier one marked
+        _exec_both(netns, rule)
     if key in _copies:
         return
     with contextlib.suppress(OSError):
         made = nft_copy.capture(netns, _FAMILIES, "mangle")
-        # Exactly what a fresh netns gets: a table, its chain, the one rule, per family.
-        counts = (made.count(k) == len(_FAMILIES) for k in (nft_copy.NEWTABLE, nft_copy.NEWRULE))
+        # Exactly what a fresh netns gets: a table, its chain, the rules, per family.
+        counts = (
+            made.count(nft_copy.NEWTABLE) == len(_FAMILIES),
+            made.count(nft_copy.NEWRULE) == len(_FAMILIES) * len(rules),
+        )
         if all(counts) and made.plain():
             _copies[key] = made
 
 
-# What iptables-nft made for a rule in a netns that had nothing of its own, read back
+# What iptables-nft made for the rules in a netns that had nothing of its own, read back
 # (egress.kernel.nft_copy) and copied into the next fresh netns in one batch: each exec
 # of iptables-nft cost 3-7 ms of a create. Only for netns egress made (no ``check``).
-_copies: dict[tuple[str, ...], nft_copy.Copy] = {}
+_copies: dict[tuple[tuple[str, ...], ...], nft_copy.Copy] = {}
 _EXEC_ONLY = nft_copy.Copy(())  # a copy was refused once: iptables-nft from then on
 _FAMILIES = (2, 10)  # NFPROTO_IPV4, NFPROTO_IPV6
 
@@ -80,12 +87,13 @@ def _exec_both(netns: str | None, rule: Sequence[str]) -> None:
             raise error
 
 
-def remove(netns: str | None, rule: Sequence[str]) -> None:
-    """Delete every copy of ``rule`` from ``netns`` (a netns egress leaves behind), and
+def remove(netns: str | None, rules: Sequence[Sequence[str]]) -> None:
+    """Delete every copy of ``rules`` from ``netns`` (a netns egress leaves behind), and
     iptables-nft's mangle table if nothing else is left in it: installing made it."""
     for family in (4, 6):
-        while _present(netns, family, rule):
-            _run(netns, family, "-D", rule)
+        for rule in rules:
+            while _present(netns, family, rule):
+                _run(netns, family, "-D", rule)
         if shutil.which(TOOLS[family]) is not None and _empty(netns, family):
             _nft(netns, ["delete", "table", "ip" if family == 4 else "ip6", "mangle"])
 

@@ -15,7 +15,10 @@ check_names off), so a flow there is judged only for a name no rule allows, the 
 being left to the inline layer until the kernel's element expires; and a
 segment on the ports of a flow that just passed is judged only if it is a whole first
 request naming a host (conntrack, which tells the inline layer whether it is the same
-connection, does not tell the observer).
+connection, does not tell the observer). A plain-HTTP flow is read request by request
+here too, from the copies marked as its (``egress http_read``) and the ones copied before
+its first request passed; a read flow whose start this observer did not see is left to
+the inline layer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import ipaddress
 import itertools
 import struct
 import time
+from dataclasses import replace
 
 from egress.datapath import constants as c
 from egress.datapath.firstbytes import Outcome, judge
@@ -54,6 +58,8 @@ class FlowWatch:
             return []
         if event.prefix == c.FIRST_BYTES_LOG_PREFIX:
             return self._on_segment(event)
+        if event.prefix == c.READ_LOG_PREFIX:
+            return self._on_segment(event, read=True)
         return []
 
     def expire(self, now: float) -> list[Violation]:
@@ -78,15 +84,23 @@ class FlowWatch:
         """Bind what the answer ``data`` (a DNS message) names, as of ``now``."""
         self.answers.learn(data, now)
 
-    def _on_segment(self, event: NflogEvent) -> list[Violation]:
-        seg = segment_of(next(self._ids), event.packet)
+    def _on_segment(self, event: NflogEvent, read: bool = False) -> list[Violation]:
+        seg = segment_of(next(self._ids), event.packet, read)
         if seg is None:
             return []
         key = seg.key
         self._uids.setdefault(key, event.uid)
         now = event.timestamp
+        if read and not self.requests.reads(key):
+            return []  # a stream whose start this observer did not see: the inline layer's
         decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
-        if any(d.probe for d in decisions):
+        if any(d.probe for d in decisions) and self.requests.follows(seg):
+            # Copied before the flow's first request passed (conntrack read it on only
+            # after), in order: the read connection's next bytes, as far as this layer
+            # can tell. Past a gap, it is judged below as a reconnect's would be.
+            seg = replace(seg, read=True)
+            decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
+        elif any(d.probe for d in decisions):
             # Late bytes of a flow that passed, or a new connection from the same port:
             # the inline layer asks conntrack, this layer cannot. A segment that is a whole
             # first request naming a host is judged as one (what a reconnect must send to

@@ -28,6 +28,17 @@ a ``probe``: the shell re-runs it through the queue's chain (NF_REPEAT), whose r
 queues only flows still unchecked in conntrack. A segment of the passed connection
 goes on; one of a new connection comes back, and ``forget`` makes it judged as what it
 is. A refusal is kept as it is: its retransmissions (after a resume) are refused again.
+
+A flow whose first request is plain HTTP is read on (``Decision.read``): the shell has
+conntrack queue its every later segment with data, marked as a read flow's
+(``Segment.read``), and each is fed in order to the flow's ``RequestStream``
+(``datapath.httpstream``), which frames bodies and hands back each request head to judge
+as the first was. A segment is held while the bytes it carries are not all judged (an
+unfinished head), past a gap until the bytes before it come, and within the same bounds
+as a first request. A retransmission must agree with the bytes that framed requests
+(``KEEP_BYTES`` of them kept a flow); a body's bytes frame nothing. A segment of a read
+flow queued before conntrack knew it as one (its first request's verdict came after)
+is a probe too: re-run, it comes back marked as what its flow is by then.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from egress.datapath.firstbytes import MAX_HELLO, Outcome, judge
+from egress.datapath.httpstream import RequestStream
 from egress.datapath.packet import Packet
 from egress.model import IPAddress
 from egress.policy.matcher import Matcher
@@ -58,6 +70,9 @@ HELD_FACTOR = 4  # packets held per flow, retransmissions and bare ACKs too: 4 x
 DECIDED = 4096  # flows whose verdict a retransmission may still ask for
 CONTINUE_BYTES = 256 * 1024  # a decided flow's later segments: this far past its bytes
 PASSED_S = 2.0  # how long a pass is remembered
+MAX_READING = 1024  # plain-HTTP flows read request by request at once; the oldest goes
+KEEP_BYTES = 16 * 1024  # a read flow's framing bytes kept to compare retransmissions with
+KEEP_TOTAL = 1024 * 1024  # ... over all its read flows
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,21 +88,26 @@ class Segment:
     # URG set: a server without SO_OOBINLINE takes the urgent byte out of the stream, so
     # it would read other bytes than the check did. A first request never needs it.
     urgent: bool = False
+    # Conntrack had the flow as read request by request when the segment was queued (its
+    # first request passed as plain HTTP): a later segment of that connection, not a new
+    # connection's first (see ``FirstRequests``).
+    read: bool = False
 
 
 TCP_URG = 0x20
 
 
-def segment_of(packet_id: int, p: Packet | None) -> Segment | None:
+def segment_of(packet_id: int, p: Packet | None, read: bool = False) -> Segment | None:
     """The segment a parsed packet carries, or None if it is not one this can judge (not
-    TCP, a fragment, no ports): both layers read their copies through this."""
+    TCP, a fragment, no ports): both layers read their copies through this. ``read``:
+    the ruleset says its flow is read request by request (``Segment.read``)."""
     if p is None or p.proto != "tcp" or p.fragment or p.seq is None:
         return None
     if p.sport is None or p.dport is None:
         return None
     key = (p.src, p.sport, p.dst, p.dport)
     urgent = bool((p.tcp_flags or 0) & TCP_URG)
-    return Segment(packet_id, key, _address(p.dst), p.dport, p.seq, p.payload, urgent)
+    return Segment(packet_id, key, _address(p.dst), p.dport, p.seq, p.payload, urgent, read)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -107,6 +127,10 @@ class Decision:
     key: FlowKey
     verdict: FlowVerdict | None = None
     probe: bool = False  # re-run it through the queue's rule: conntrack says which flow
+    # Released, and the flow is read on: its later segments are queued too (plain HTTP,
+    # request by request). An accept without it ends the queueing of a passed flow.
+    read: bool = False
+    later: bool = False  # ``verdict`` is on a read flow's request after its first
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +149,52 @@ class _Waiting:
     first_seq: int = 0  # of the first segment held: sequence numbers are ordered from it
     segments: dict[int, Segment] = field(default_factory=dict)  # by seq
     held: list[int] = field(default_factory=list)  # packet ids, bare ACKs included
+
+
+@dataclass
+class _Reading:
+    """A plain-HTTP flow whose first request passed, read request by request."""
+
+    dst: IPAddress
+    dport: int
+    stream: RequestStream
+    base: int  # the sequence number of the stream's first byte
+    held: list[int] = field(default_factory=list)  # packets held until the stream is judged
+    held_since: float = 0.0
+    ahead: dict[int, Segment] = field(default_factory=dict)  # past a gap, by seq
+    framing: list[tuple[int, bytes]] = field(default_factory=list)  # (stream offset, bytes)
+    kept: int = 0  # bytes in ``framing``
+    forgotten: int = 0  # framing bytes before this stream offset are no longer kept
+    verdict: FlowVerdict | None = None  # the last head passed, not yet released
+    passed_at: float = 0.0  # when its first request passed
+    released: bool = False  # a verdict was released: the next ones are on later requests
+
+    def next_seq(self) -> int:
+        return (self.base + self.stream.offset) % (1 << 32)
+
+    def keep(self, at: int, data: bytes) -> None:
+        if self.framing and self.framing[-1][0] + len(self.framing[-1][1]) == at:
+            last_at, last = self.framing[-1]
+            self.framing[-1] = (last_at, last + data)
+        else:
+            self.framing.append((at, data))
+        self.kept += len(data)
+        while self.kept > KEEP_BYTES and len(self.framing) > 1:
+            at0, old = self.framing.pop(0)
+            self.kept -= len(old)
+            self.forgotten = at0 + len(old)
+
+    def agrees(self, at: int, data: bytes) -> bool:
+        """A retransmission of stream bytes ``at``.. says what was read there: the same
+        bytes wherever they framed requests (a body's bytes frame nothing)."""
+        if at < self.forgotten:
+            return False
+        end = at + len(data)
+        for kept_at, kept in self.framing:
+            lo, hi = max(at, kept_at), min(end, kept_at + len(kept))
+            if lo < hi and data[lo - at : hi - at] != kept[lo - kept_at : hi - kept_at]:
+                return False
+        return True
 
 
 class FirstRequests:
@@ -147,33 +217,73 @@ class FirstRequests:
         self.refuse_new_until = 0.0
         self._waiting: OrderedDict[FlowKey, _Waiting] = OrderedDict()
         self._decided: OrderedDict[FlowKey, _Decided] = OrderedDict()
+        self._reading: OrderedDict[FlowKey, _Reading] = OrderedDict()
+        self._kept = 0  # framing bytes kept over all read flows
+        self._holding: set[FlowKey] = set()  # read flows holding packets
 
     def __len__(self) -> int:
-        """Flows waiting for the rest of their first request."""
-        return len(self._waiting)
+        """Flows waiting for the rest of a request: their first, or a read flow's next."""
+        return len(self._waiting) + len(self._holding)
 
-    def forget(self, key: FlowKey) -> None:
-        """A probed segment came back: it is a new connection's, so judge it afresh."""
+    def forget(self, key: FlowKey) -> list[Decision]:
+        """A probed segment came back: it is a new connection's, so judge it afresh. What
+        the old connection's read stream still held is dropped (it is gone)."""
         self._decided.pop(key, None)
+        r = self._reading.pop(key, None)
+        if r is None:
+            return []
+        self._let_go(key, r)
+        return [Decision(tuple(r.held), False, key)] if r.held else []
 
     def decided(self, key: FlowKey) -> bool | None:
         """The verdict on flow ``key`` (passed or not), None while it has none."""
+        if key in self._reading:
+            return True
         found = self._decided.get(key)
         return None if found is None else found.allowed
+
+    def reads(self, key: FlowKey) -> bool:
+        """Flow ``key`` passed as plain HTTP and is read request by request."""
+        return key in self._reading
+
+    def follows(self, seg: Segment) -> bool:
+        """``seg`` starts within its read flow's stream so far, or right after it."""
+        r = self._reading.get(seg.key)
+        return r is not None and _distance(r.next_seq(), seg.seq) <= 0
 
     def feed(
         self, seg: Segment, bindings: Bindings, matcher: Matcher, now: float
     ) -> list[Decision]:
         """Hold ``seg``, or decide on it and what its flow holds."""
+        reading = self._reading.get(seg.key)
+        out: list[Decision] = []
+        if reading is not None:
+            if seg.read:
+                self._reading.move_to_end(seg.key)
+                return self._on_read(seg, reading, bindings, matcher, now) + self._bound(seg.key)
+            # Queued before the first request's verdict had conntrack read the flow on, or
+            # a new connection's from the same port: conntrack knows (a probe). Far from
+            # the stream, or long after that verdict, it is a new connection's at once.
+            if (
+                now - reading.passed_at <= PASSED_S
+                and 0 <= _distance(reading.base, seg.seq) < reading.stream.offset + CONTINUE_BYTES
+            ):
+                return [Decision((seg.packet_id,), True, seg.key, probe=True)]
+            out += self.forget(seg.key)
+        if seg.read:
+            # Conntrack reads the flow on and this has no stream for it: a refused flow's
+            # retransmission, or a stream this layer lost (it restarted, or let the flow
+            # go at a bound), where requests begin is unknown. A reset, and no verdict:
+            # the workload did nothing wrong.
+            return [Decision((seg.packet_id,), False, seg.key)]
         decided = self._decided.get(seg.key)
         if decided is not None:
             if not decided.allowed:
-                return [Decision((seg.packet_id,), False, seg.key)]
+                return [*out, Decision((seg.packet_id,), False, seg.key)]
             if _continues(decided, seg, now):
-                return [Decision((seg.packet_id,), True, seg.key, probe=True)]
+                return [*out, Decision((seg.packet_id,), True, seg.key, probe=True)]
             del self._decided[seg.key]  # another connection from the same port
 
-        out = []
         flow = self._waiting.get(seg.key)
         if flow is None:
             if not seg.data:  # a bare ACK before any byte: it carries nothing
@@ -216,6 +326,10 @@ class FirstRequests:
             out.append(self._refuse(seg.key, "segments overlap with other bytes", "overlap"))
             return out
         first = judge(data)
+        if first.outcome is Outcome.NAME and first.protocol == "http":
+            if self._gap(flow, data):
+                return out  # what is past the gap is read in order too: wait for it
+            return out + self._start_reading(seg.key, flow, data, bindings, matcher, now)
         if first.outcome is Outcome.NEED_MORE:
             if (
                 len(flow.segments) >= self.max_segments
@@ -230,9 +344,168 @@ class FirstRequests:
         return out
 
     def expire(self, now: float) -> list[Decision]:
-        """Refuse the flows whose first request did not complete in ``timeout_s``."""
+        """Refuse the flows whose first request, or a read flow's next bytes held, did not
+        complete in ``timeout_s``."""
         late = [k for k, f in self._waiting.items() if now - f.started >= self.timeout_s]
-        return [self._refuse(k, f"no complete first request in {self.timeout_s:g} s") for k in late]
+        out = [self._refuse(k, f"no complete first request in {self.timeout_s:g} s") for k in late]
+        held = [k for k in self._holding if now - self._reading[k].held_since >= self.timeout_s]
+        for key in held:
+            why = f"no complete request in {self.timeout_s:g} s"
+            out.append(self._refuse_read(key, self._reading[key], why))
+        return out
+
+    # --- plain HTTP, request by request ----------------------------------------------------
+
+    def _start_reading(
+        self,
+        key: FlowKey,
+        flow: _Waiting,
+        data: bytes,
+        bindings: Bindings,
+        matcher: Matcher,
+        now: float,
+    ) -> list[Decision]:
+        """A first request in plain HTTP: the flow is read on, from its first byte."""
+        del self._waiting[key]
+        start = min(flow.segments, key=lambda s: _distance(flow.first_seq, s))
+        r = _Reading(flow.dst, flow.dport, RequestStream(), start, list(flow.held), flow.started)
+        r.passed_at = now
+        self._decided.pop(key, None)
+        self._reading[key] = r
+        self._holding.add(key)  # what it holds stays counted in self._held
+        refusal = self._read(key, r, data, bindings, matcher, now)
+        return ([refusal] if refusal is not None else self._release(key, r)) + self._bound(key)
+
+    def _on_read(
+        self, seg: Segment, r: _Reading, bindings: Bindings, matcher: Matcher, now: float
+    ) -> list[Decision]:
+        key = seg.key
+        if r.stream.opaque:  # past a tunnel's start: nothing more is read (ends queueing)
+            return [Decision((seg.packet_id,), True, key)]
+        if not r.held:
+            r.held_since = now
+            self._holding.add(key)
+        r.held.append(seg.packet_id)
+        self._held += 1
+        if seg.urgent and seg.data:
+            return [self._refuse_read(key, r, "urgent data (URG) in a request", "malformed")]
+        if self._held > self.max_held:  # the kernel's queue must never fill up
+            return [self._refuse_read(key, r, f"{self._held - 1} segments held already")]
+        refusal = self._take(key, r, seg, bindings, matcher, now)
+        while refusal is None and r.ahead and not r.stream.opaque:
+            ready = [q for q in r.ahead if _distance(r.next_seq(), q) <= 0]
+            if not ready:
+                break
+            for q in ready:
+                if refusal is None:
+                    refusal = self._take(key, r, r.ahead.pop(q), bindings, matcher, now)
+        if refusal is not None:
+            return [refusal]
+        if len(r.ahead) >= self.max_segments or len(r.held) >= HELD_FACTOR * self.max_segments:
+            return [self._refuse_read(key, r, f"no complete request in {len(r.held)} segments")]
+        return self._release(key, r)
+
+    def _take(
+        self,
+        key: FlowKey,
+        r: _Reading,
+        seg: Segment,
+        bindings: Bindings,
+        matcher: Matcher,
+        now: float,
+    ) -> Decision | None:
+        """Read what ``seg`` adds to the stream, once it is in order."""
+        rel = _distance(r.next_seq(), seg.seq)
+        if rel > 0:  # past a gap: kept until the bytes before it come
+            known = r.ahead.get(seg.seq)
+            if known is None or len(seg.data) > len(known.data):
+                r.ahead[seg.seq] = seg
+            return None
+        overlap = min(-rel, len(seg.data))
+        if overlap and not r.agrees(r.stream.offset + rel, seg.data[:overlap]):
+            return self._refuse_read(key, r, "a retransmission with other bytes where "
+                                     "requests are framed", "overlap")  # fmt: skip
+        new = seg.data[overlap:]
+        return self._read(key, r, new, bindings, matcher, now) if new else None
+
+    def _read(
+        self,
+        key: FlowKey,
+        r: _Reading,
+        data: bytes,
+        bindings: Bindings,
+        matcher: Matcher,
+        now: float,
+    ) -> Decision | None:
+        """Feed ``data``, the stream's next bytes; judge each head they complete."""
+        before, kept = r.stream.offset, r.kept
+        step = r.stream.feed(data)
+        for at, n in step.framing:
+            r.keep(at, data[at - before : at - before + n])
+        self._kept += r.kept - kept
+        for head in step.heads:
+            verdict = judge_flow(head, r.dst, r.dport, bindings, matcher, now)
+            if not verdict.allowed:
+                return self._refuse_read(key, r, verdict=verdict)
+            r.verdict = verdict
+        return None
+
+    def _release(self, key: FlowKey, r: _Reading) -> list[Decision]:
+        """Release what the flow holds once every byte of it is judged (or the stream
+        left HTTP: what is past that is not read)."""
+        if not r.stream.opaque and (r.ahead or r.stream.pending):
+            return []
+        r.ahead.clear()
+        later = r.released and r.verdict is not None
+        d = Decision(tuple(r.held), True, key, r.verdict, read=not r.stream.opaque, later=later)
+        r.released = r.released or r.verdict is not None
+        self._held -= len(r.held)
+        r.held, r.verdict = [], None
+        self._holding.discard(key)
+        return [d]
+
+    def _refuse_read(
+        self,
+        key: FlowKey,
+        r: _Reading,
+        why: str = "",
+        reason: str = "incomplete",
+        verdict: FlowVerdict | None = None,
+    ) -> Decision:
+        if verdict is None:
+            where = endpoint(r.dst, r.dport)
+            verdict = FlowVerdict(False, None, reason, f"a flow to {where}: {why}")
+        del self._reading[key]
+        self._let_go(key, r)
+        self._remember(key, False, r.base, r.stream.offset, r.held_since)
+        return Decision(tuple(r.held), False, key, verdict)
+
+    def _let_go(self, key: FlowKey, r: _Reading) -> None:
+        self._held -= len(r.held)
+        self._kept -= r.kept
+        self._holding.discard(key)
+
+    def _bound(self, key: FlowKey) -> list[Decision]:
+        """At most ``MAX_READING`` read flows, keeping ``KEEP_TOTAL`` framing bytes: the
+        ones read least recently go (a later segment of one is reset: ``feed``)."""
+        out = []
+        while len(self._reading) > 1 and (
+            len(self._reading) > MAX_READING or self._kept > KEEP_TOTAL
+        ):
+            old = next(iter(self._reading))
+            if old == key:
+                self._reading.move_to_end(key)
+                old = next(iter(self._reading))
+            r = self._reading.pop(old)
+            self._let_go(old, r)
+            if r.held:
+                out.append(Decision(tuple(r.held), False, old))
+        return out
+
+    def _gap(self, flow: _Waiting, data: bytes) -> bool:
+        """Held bytes lie past the first gap (``data`` ends at it)."""
+        start = min(flow.segments, key=lambda s: _distance(flow.first_seq, s))
+        return any(_distance(start, q) + len(s.data) > len(data) for q, s in flow.segments.items())
 
     def _contiguous(self, flow: _Waiting) -> bytes | None:
         """The bytes from the first segment held on, up to the first gap; None when two

@@ -24,7 +24,7 @@ from egress.store.rundir import Record
 
 def adopt_created(record: Record, policy: Policy) -> Sandbox:
     """A sandbox an earlier egressd created, from its address claim; its rules are
-    reloaded only if an egress before the source check loaded them (``renew_rules``).
+    reloaded only if an older egress loaded them (``renew_rules``).
 
     Its claim now names this process as owner, so `egressctl gc` leaves it alone.
     """
@@ -47,12 +47,13 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
         print(f"egressd: sandbox {record.id}: {exc}", file=sys.stderr)
     nft = NftHandle.open(claim.netns)
     try:
-        renewed = renew_rules(nft, policy)
+        renewed = renew_rules(nft, policy, claim.netns)
     except EgressError:
         nft.close()
         raise
     if renewed:
-        print(f"egressd: sandbox {record.id}: rules renewed (source check)", file=sys.stderr)
+        print(f"egressd: sandbox {record.id}: rules renewed (an older egress loaded them)",
+              file=sys.stderr)  # fmt: skip
         said = forget_spoofed_flows(claim.netns)
         if said:
             print(f"egressd: sandbox {record.id}: {said}", file=sys.stderr)

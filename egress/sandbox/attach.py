@@ -27,7 +27,8 @@ import time
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import SandboxNet
-from egress.datapath.render import queue_rule, render_sandbox
+from egress.datapath.render import queue_rules as render_queue_rules
+from egress.datapath.render import render_sandbox
 from egress.errors import AlreadyAttached, EgressError, SandboxError
 from egress.kernel import netns
 from egress.kernel import queue_rule as queue_rules
@@ -93,9 +94,9 @@ def attach(
             netns.loopback_up(pinned)
             sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned, netns_ref))
         # Ours to remove when detaching, with the table: this netns outlives the sandbox.
-        sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, queue_rule()))
+        sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, render_queue_rules()))
         if policy.connect.check_names:
-            queue_rules.install(pinned, queue_rule(), check=True)
+            queue_rules.install(pinned, render_queue_rules(), check=True)
         nft.load(render_sandbox(read_template("sandbox.nft"), policy))  # into the claim
     except BaseException:
         with contextlib.suppress(EgressError):
@@ -116,7 +117,7 @@ def adopt(
     netns_id: tuple[int, int] | None = None,
 ) -> Sandbox:
     """An attachment a previous process made, with its learned sets as they are (and its
-    rules, unless ``renew_rules`` finds them older than the source check);
+    rules, unless ``renew_rules`` finds them an older egress's);
     ``Sandbox.destroy`` detaches it the same way. ``found``: its cgroup is the one its
     processes run in (``Cgroup.in_netns``), looked for again at each freeze.
     ``netns_id``: the (device, inode) it was attached as: a path that names another
@@ -138,11 +139,12 @@ def adopt(
     try:
         if not nft.table_exists("inet", c.TABLE):
             raise SandboxError(f"netns {netns_ref} has no table inet {c.TABLE} any more")
-        if renew_rules(nft, policy):
+        if renew_rules(nft, policy, pinned):
             # Its conntrack entries stay: a container's inbound flows began from sources
             # not its own too, and forgetting them would cut them.
-            print(f"egressd: sandbox {sandbox_id}: rules renewed (source check); flows "
-                  "begun before keep going until they end", file=sys.stderr)  # fmt: skip
+            print(f"egressd: sandbox {sandbox_id}: rules renewed (an older egress loaded "
+                  "them); flows begun before keep going until they end",
+                  file=sys.stderr)  # fmt: skip
     except BaseException:
         sb.release()  # nothing of the netns's is undone: it stays as it was found
         raise
@@ -150,7 +152,7 @@ def adopt(
     sb.add_undo(f"table inet {c.TABLE}", lambda: nft.delete_table("inet", c.TABLE))
     if lo_raised:
         sb.add_undo(f"lo of {netns_ref}", lambda: _lo_down(pinned, netns_ref))
-    sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, queue_rule()))
+    sb.add_undo("NFQUEUE rule", lambda: queue_rules.remove(pinned, render_queue_rules()))
     return sb
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from egress.datapath import constants as c
 from egress.datapath.addressing import Pools, SandboxNet
-from egress.datapath.render import queue_rule, reload_rules, render_sandbox
+from egress.datapath.render import NEWEST_CHAIN, reload_rules, render_sandbox
+from egress.datapath.render import queue_rules as render_queue_rules
 from egress.errors import EgressError, SandboxError
 from egress.kernel import conntrack, netns, rtnl
 from egress.kernel import queue_rule as queue_rules
@@ -214,7 +215,7 @@ def _build(
     nft = NftHandle.open(name)
     undo.append(("nft handle", nft.close))
     if policy.connect.check_names:  # before the ruleset: a flow it holds is then queued
-        queue_rules.install(name, queue_rule())
+        queue_rules.install(name, render_queue_rules())
         steps.done("queue")
     nft.load(render_sandbox(read_template("sandbox.nft"), policy))
     steps.done("rules")
@@ -258,13 +259,19 @@ def pin_neighbours(net: SandboxNet, name: str, host_if: str, uplink: str | None)
         inside.run(sandbox)
 
 
-def renew_rules(nft: NftHandle, policy: Policy) -> bool:
-    """A table an egress before the source check loaded (it has no ``spoofed_source``
-    chain) gets this template's rules, in one transaction that keeps its learned
-    elements; True if it did. An adopter calls it: a sandbox outlives the egressd that
-    made it, and its workload could otherwise still send from any IPv6 address."""
-    if nft.chain_exists("inet", c.TABLE, "spoofed_source"):
+def renew_rules(nft: NftHandle, policy: Policy, netns: str | None) -> bool:
+    """A table an older egress loaded gets this template's rules, in one transaction that
+    keeps its learned elements, and the NFQUEUE rules it lacks; True if it did. Older:
+    before the source check (it has no ``spoofed_source`` chain), or before plain-HTTP
+    flows were read request by request (no ``read_on``). An adopter calls it: a sandbox
+    outlives the egressd that made it, and its workload could otherwise still send from
+    any IPv6 address, or any request after a connection's first."""
+    if nft.chain_exists("inet", c.TABLE, "spoofed_source") and nft.chain_exists(
+        "inet", c.TABLE, NEWEST_CHAIN
+    ):
         return False
+    if policy.connect.check_names:  # the queue's rules first: until they are, fail closed
+        queue_rules.install(netns, render_queue_rules(), check=True)
     nft.load(reload_rules(read_template("sandbox.nft"), policy))
     return True
 

@@ -378,6 +378,85 @@ def test_a_head_a_lenient_server_reads_otherwise_is_refused_and_reaches_nothing(
         assert "lone CR or LF" in str(v["detail"]), run.explain()
 
 
+# Requests after a connection's first, each sent once the one before was answered (or
+# all at once when the script is given one chunk): what each got back, one word a chunk,
+# up to the first reset.
+CHUNKS = r"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], 80), timeout=5)
+for chunk in sys.argv[2:]:
+    try:
+        s.sendall(bytes.fromhex(chunk))
+        got = s.recv(4096)
+        print("answered" if got else "closed", flush=True)
+    except ConnectionResetError:
+        print("reset", flush=True)
+        break
+    except socket.timeout:
+        print("timeout", flush=True)
+"""
+
+
+def _get(host: str, path: str = "/", extra: bytes = b"", method: bytes = b"GET") -> bytes:
+    return b"%s %s HTTP/1.1\r\nHost: %s\r\n%s\r\n" % (method, path.encode(), host.encode(), extra)
+
+
+def test_every_request_on_a_kept_alive_connection_is_judged(lab: Lab) -> None:
+    """curl reuses its connection for a second URL of the same host (num_connects 0);
+    the second asks for another name in its Host. Before plain-HTTP flows were read
+    request by request, only the first was read and the lab answered the second."""
+    fmt = "%{http_code} %{num_connects}\\n"
+    script = f"""curl -sS --max-time 10 -o /dev/null -w '{fmt}' http://{ALLOWED}/first \
+    --next -sS --max-time 10 -o /dev/null -w '{fmt}' http://{ALLOWED}/again \
+    --next -sS --max-time 10 -o /dev/null -w '{fmt}' -H 'Host: {OTHER}' http://{ALLOWED}/other
+echo "curl exit $?"
+"""
+    with run_tool(lab, policy(action="block"), script) as run:
+        lines = run.stdout.splitlines()
+        assert lines[:2] == ["200 1", "200 0"], run.explain()  # the second on the same one
+        assert lines[-1] == "curl exit 56", run.explain()  # the third: reset
+        assert [(host, r["path"]) for r, (_, _, host) in zip(run.requests, lab_saw(run),
+                                                             strict=True)] == [
+            (ALLOWED, "/first"), (ALLOWED, "/again"),
+        ], run.explain()  # fmt: skip
+        # The kept-alive connection's, then curl's: a reused connection that is reset
+        # gets its request sent again on a new one, judged as a first request.
+        found = mismatches(run)
+        assert len(found) == 2 and len({str(v["flow"]) for v in found}) == 2, run.explain()
+        for v in found:
+            assert v["qname"] == OTHER and "[name_not_allowed]" in str(v["detail"])
+            assert {d["layer"] for d in v["detected_by"]} == {"inline", "observer"}
+
+
+def test_requests_are_found_where_the_server_finds_them_past_bodies(lab: Lab) -> None:
+    """A server that reads each chunk it receives and answers it (the lenient server
+    above) gets, on one connection each: a POST whose body is another request's bytes,
+    then a request for the allowed name (both read, both answered); a chunked POST, then
+    a request for another name (reset, never received); and two requests in one write,
+    the second for another name (reset whole: neither received)."""
+    other = "b.example.com"
+    fake = _get(other)
+    post = _get(LENIENT_NAME, "/post", b"Content-Length: %d\r\n" % len(fake), b"POST") + fake
+    chunked = _get(LENIENT_NAME, "/chunked", b"Transfer-Encoding: chunked\r\n", b"POST")
+    chunked += b"5\r\nhello\r\n0\r\n\r\n"
+    plain = _get(LENIENT_NAME, "/plain")
+    pipelined = _get(LENIENT_NAME, "/pipelined") + _get(other, "/behind")
+    script = f"""getent ahostsv4 {LENIENT_NAME} >/dev/null
+/usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {post.hex()} {plain.hex()}
+/usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {chunked.hex()} {_get(other).hex()}
+/usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {pipelined.hex()}
+"""
+    with lenient_server(lab) as log, run_tool(lab, policy(LENIENT_NAME, "block"), script) as run:
+        assert run.stdout.split() == ["answered", "answered", "answered", "reset", "reset"], (
+            run.explain()
+        )
+        got = b"".join(bytes.fromhex(line.split()[1]) for line in log.read_text().splitlines()
+                       if line.startswith("got "))  # fmt: skip
+        assert got == post + plain + chunked, (got, run.explain())
+        found = mismatches(run)
+        assert [v["qname"] for v in found] == [other, other], run.explain()
+
+
 # Connect again from the same source port right after a pass (the server closes first,
 # so the port is free at once): the new connection must be judged, not given the pass.
 REUSE = r"""
@@ -388,7 +467,10 @@ def ask(host, port, unread=b""):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("0.0.0.0", port))
     s.connect((ip, 80))
-    req = b"GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host.encode()
+    length = b"Content-Length: %d\r\n" % len(unread) if unread else b""
+    method = b"POST" if unread else b"GET"
+    req = b"%s / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n%s\r\n" % (
+        method, host.encode(), length)
     s.sendall(req + unread)
     try:
         got = b""
@@ -399,8 +481,8 @@ def ask(host, port, unread=b""):
         return "reset", port
     finally:
         s.close()
-# unread: bytes after the request that the server never reads, so that it closes with a
-# reset; conntrack then keeps the old, passed entry (CLOSE) for a new SYN on those ports.
+# unread: a body the server never reads (it has no POST), so that it closes with a reset;
+# conntrack then keeps the old, passed entry (CLOSE) for a new SYN on those ports.
 unread = b"x" * int(sys.argv[4]) if len(sys.argv) > 4 else b""
 first, port = ask(allowed, 0, unread)
 print(first, ask(other, port)[0], ask(other, port)[0])

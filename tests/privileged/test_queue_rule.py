@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from egress.datapath import constants as c
-from egress.datapath.render import queue_rule
+from egress.datapath.render import queue_rules as render_queue_rules
 from egress.kernel import netns, nft_copy
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.nft import NftHandle
@@ -20,14 +20,15 @@ from tests.support.netns import scratch_netns
 
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("require_root")]
 
-RULE = queue_rule()
-# What the sandbox's table does before the queue rule: the flow needs its check, the
-# segment is one to hold.
-MARKS = f"""
+RULES = render_queue_rules()
+KEY = tuple(tuple(rule) for rule in RULES)
+# What the sandbox's table does before the queue rules: the flow needs its check (or is
+# read request by request), the segment is one to hold.
+MARKS = """
 table inet t {{
     chain out {{
         type filter hook output priority -170; policy accept;  # after conntrack (-200)
-        udp dport 9999 ct mark set {c.CT_NEEDS_CHECK} meta mark set {c.QUEUE_MARK}
+        udp dport 9999 ct mark set {ct} meta mark set {mark}
     }}
 }}
 """
@@ -68,26 +69,28 @@ def test_the_second_netns_gets_a_copy_that_is_the_same_rule(
     fresh: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second = fresh
-    queue_rules.install(first, RULE)  # iptables-nft, then read back
-    copy = queue_rules._copies[tuple(RULE)]
-    assert copy.count(nft_copy.NEWRULE) == 2  # one per family
+    queue_rules.install(first, RULES)  # iptables-nft, then read back
+    copy = queue_rules._copies[KEY]
+    assert copy.count(nft_copy.NEWRULE) == 2 * len(RULES)  # per family
 
     def no_exec(*_: object) -> None:
         raise AssertionError("iptables-nft ran: the copy was refused")
 
     monkeypatch.setattr(queue_rules, "_exec_both", no_exec)
-    queue_rules.install(second, RULE)  # the copy alone
+    queue_rules.install(second, RULES)  # the copy alone
     assert listing(second) == listing(first)
     assert "-A OUTPUT -m mark --mark 0x65677220 -m connmark --mark 0x65677210" in listing(second)
     for family in (4, 6):
-        assert queue_rules._present(second, family, RULE)
-    # It queues: with nobody on the queue the held segment is dropped (no bypass).
-    with NftHandle.open(second) as nft:
-        nft.load(MARKS)
-        assert not arrives(second)
-        nft.delete_table("inet", "t")
-        assert arrives(second)  # the control: unmarked, it is let through
-    queue_rules.remove(second, RULE)
+        assert all(queue_rules._present(second, family, rule) for rule in RULES)
+    # It queues: with nobody on the queue the held segment is dropped (no bypass), an
+    # unchecked flow's and a read flow's alike; a checked flow's goes by.
+    for ct, queued in ((c.CT_NEEDS_CHECK, True), (c.CT_READING, True), (c.CT_CHECKED, False)):
+        with NftHandle.open(second) as nft:
+            nft.load(MARKS.format(ct=ct, mark=c.QUEUE_MARK))
+            assert arrives(second) is not queued, hex(ct)
+            nft.delete_table("inet", "t")
+            assert arrives(second)  # the control: unmarked, it is let through
+    queue_rules.remove(second, RULES)
     tables = subprocess.run(
         ["ip", "netns", "exec", second, "nft", "list", "tables"],
         capture_output=True,
@@ -100,8 +103,8 @@ def test_the_second_netns_gets_a_copy_that_is_the_same_rule(
 
 def test_a_copy_the_kernel_refuses_falls_back_to_iptables_nft(fresh: list[str]) -> None:
     first, second = fresh
-    queue_rules.install(first, RULE)
-    key = tuple(RULE)
+    queue_rules.install(first, RULES)
+    key = KEY
     # A copy naming an expression no kernel has: the batch is refused as a whole.
     good = queue_rules._copies[key]
     queue_rules._copies[key] = nft_copy.Copy(
@@ -110,7 +113,7 @@ def test_a_copy_the_kernel_refuses_falls_back_to_iptables_nft(fresh: list[str]) 
             for k, f, a in good.objects
         )
     )
-    queue_rules.install(second, RULE)
+    queue_rules.install(second, RULES)
     assert listing(second) == listing(first)
     # Refused once, refused again: later creates run iptables-nft without trying it.
     assert queue_rules._copies[key] is queue_rules._EXEC_ONLY
@@ -118,8 +121,8 @@ def test_a_copy_the_kernel_refuses_falls_back_to_iptables_nft(fresh: list[str]) 
 
 def test_a_copy_is_kept_only_of_what_a_fresh_netns_got(fresh: list[str]) -> None:
     first, _ = fresh
-    queue_rules.install(first, RULE)
-    copy = queue_rules._copies[tuple(RULE)]
+    queue_rules.install(first, RULES)
+    copy = queue_rules._copies[KEY]
     assert copy.plain()
     # A rule read short (its expressions lost) or an owned table is not iptables-nft's.
     short = nft_copy.Copy(tuple((k, f, b"") if k == nft_copy.NEWRULE else (k, f, a)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import struct
 import time
+from dataclasses import replace
 
 from dnslib import CNAME, QTYPE, RR, A
 from test_resolver_bindings import hello
@@ -182,9 +183,11 @@ def test_a_reconnect_from_the_same_port_is_judged_and_late_bytes_are_not() -> No
     watch = FlowWatch(inline.policy, inline.matcher, None)
     rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
     watch.on_event(answer_event(released(inline, "allowed.test", rr), 0.1))
-    first = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    first = b"POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 500\r\n\r\n"
     assert watch.on_event(segment_event(first, 1.0)) == []
+    # its body, copied before conntrack read the flow on: read as the flow's
     assert watch.on_event(segment_event(b"x" * 500, 1.0, seq=1000 + len(first))) == []
+    assert watch.requests.reads((SRC, SPORT, DST, 443))
     again = b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n"
     [v] = watch.on_event(segment_event(again, 1.1, seq=1000 + len(first) + 9000))
     assert "[name_not_allowed]" in v.detail
@@ -269,3 +272,25 @@ def test_a_binding_replaced_on_other_ports_is_bound_again_by_the_next_copy() -> 
     assert not watch.bindings.bound(ip, "allowed.test", 443, 20.0)
     watch.learn(first, 10.02)
     assert watch.bindings.bound(ip, "allowed.test", 443, 20.0)
+
+
+def read_event(data: bytes, at: float, seq: int) -> NflogEvent:
+    """A copy of a segment of a flow the ruleset reads request by request."""
+    event = segment_event(data, at, seq=seq)
+    return replace(event, prefix=c.READ_LOG_PREFIX)
+
+
+def test_each_request_of_a_read_flow_is_judged_from_the_copies_marked_as_its() -> None:
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
+    watch.on_event(answer_event(released(inline, "allowed.test", rr), 0.1))
+    first = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    assert watch.on_event(segment_event(first, 1.0)) == []
+    assert watch.on_event(read_event(first, 1.1, seq=1000 + len(first))) == []
+    again = b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n"
+    [v] = watch.on_event(read_event(again, 1.2, seq=1000 + 2 * len(first)))
+    assert "denied.test" in v.detail and "[name_not_allowed]" in v.detail
+    # a read flow whose start it never saw: left to the inline layer
+    other = FlowWatch(inline.policy, inline.matcher, None)
+    assert other.on_event(read_event(again, 1.2, seq=5000)) == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from egress.datapath import constants as c
 from egress.datapath.evidence import drop_class
-from egress.datapath.render import queue_rule, render_sandbox
+from egress.datapath.render import queue_rules, render_sandbox
 from egress.policy import parse_policy
 from egress.store.paths import read_template
 
@@ -42,9 +42,11 @@ def test_checked_flows_are_marked_when_new_and_queued_until_judged() -> None:
     out = chain(text, "output")
     established = out.index("ct state established,related accept")
     verdicts = [i for i, r in enumerate(out) if r.startswith("meta mark $")]
-    assert len(verdicts) == 4 and max(verdicts) < established
+    assert len(verdicts) == 6 and max(verdicts) < established
     assert out[verdicts[0]] == "meta mark $QUEUE_MARK ct mark $CT_CHECKED accept"  # a probe
     assert out[verdicts[1]].endswith("counter name dropped drop")  # never queued: dropped
+    assert out[verdicts[2]] == "meta mark $READ_QUEUE_MARK counter name dropped drop"
+    assert "meta mark $READ_MARK ct mark set $CT_READING accept" in out  # read on
     needs = [r for r in out if "ct mark set $CT_NEEDS_CHECK" in r]
     assert [r.split()[0] for r in needs] == ["ip", "ip6"]
     pickups = [r for r in out if r.endswith("tcp flags & (syn | ack) != syn drop")]
@@ -59,9 +61,12 @@ def test_checked_flows_are_marked_when_new_and_queued_until_judged() -> None:
         "tcp flags & (syn | ack) == syn ip6",
     ]
     assert all(r.endswith("ct mark set $CT_NEEDS_CHECK") for r in fb[2:4])
-    assert fb[4] == "tcp flags & syn == 0 ct mark != $CT_NEEDS_CHECK accept"
+    assert fb[4] == "tcp flags & syn == 0 ct mark != { $CT_NEEDS_CHECK, $CT_READING } accept"
     assert sum(r.endswith("accept") and "doff" in r for r in fb) == 22  # no data: no queue
+    assert fb[-2] == "ct mark $CT_READING goto read_on"  # plain HTTP, read on
     assert fb[-1].endswith("meta mark set $QUEUE_MARK") and c.FIRST_BYTES_LOG_PREFIX in fb[-1]
+    [read] = chain(text, "read_on")
+    assert read.endswith("meta mark set $QUEUE_MARK") and c.READ_LOG_PREFIX in read
     assert any(c.ANSWER_LOG_PREFIX in r for r in out)
 
 
@@ -71,14 +76,22 @@ def test_no_checks_no_mark_and_an_empty_chain() -> None:
     assert chain(text, "first_bytes") == [
         "type filter hook output priority mangle - 10; policy accept;"
     ]
+    assert "\tchain read_on {\n\t}" in text  # empty
 
 
-def test_the_queue_rule_has_no_bypass() -> None:
-    rule = queue_rule()
-    assert "--queue-bypass" not in rule and "--fail-open" not in rule
-    assert rule[rule.index("--mark") + 1] == hex(c.QUEUE_MARK)
-    assert rule[rule.index("connmark") + 2] == hex(c.CT_NEEDS_CHECK)  # unchecked flows only
-    assert rule[rule.index("--queue-num") + 1] == str(c.FIRST_BYTES_QUEUE)
+def test_the_queue_rules_have_no_bypass_and_ask_conntrack_which_flow() -> None:
+    unchecked, reread, read = queue_rules()
+    for rule in (unchecked, read):
+        assert "--queue-bypass" not in rule and "--fail-open" not in rule
+        assert rule[rule.index("--queue-num") + 1] == str(c.FIRST_BYTES_QUEUE)
+    assert unchecked[unchecked.index("--mark") + 1] == hex(c.QUEUE_MARK)
+    assert unchecked[unchecked.index("connmark") + 2] == hex(c.CT_NEEDS_CHECK)
+    # a read flow's segment marked for the queue is told apart as it is queued
+    assert reread[reread.index("--mark") + 1] == hex(c.QUEUE_MARK)
+    assert reread[reread.index("connmark") + 2] == hex(c.CT_READING)
+    assert reread[reread.index("--set-mark") + 1] == hex(c.READ_QUEUE_MARK)
+    assert read[read.index("--mark") + 1] == hex(c.READ_QUEUE_MARK)
+    assert read[read.index("connmark") + 2] == hex(c.CT_READING)
 
 
 def test_the_observers_drop_evidence_is_handed_over_at_once_and_its_copies_batched() -> None:
@@ -92,8 +105,9 @@ def test_the_observers_drop_evidence_is_handed_over_at_once_and_its_copies_batch
     prefixes = [ln.split('prefix "', 1)[1].split('"')[0] for ln in logs]
     evidence = [ln for ln, p in zip(logs, prefixes, strict=True) if drop_class(p) is not None]
     copies = [ln for ln in logs if ln not in evidence]
-    # drops: foreign DNS, spoofed source, blocked connect; copies: queries, answers, segments
-    assert len(evidence) == 3 and len(copies) == 3
+    # drops: foreign DNS, spoofed source, blocked connect; copies: queries, answers,
+    # segments, read flows' segments
+    assert len(evidence) == 3 and len(copies) == 4
     assert any(c.FIRST_BYTES_LOG_PREFIX in ln for ln in copies)
     assert all("queue-threshold 1" in ln for ln in evidence)
     assert not any("queue-threshold" in ln for ln in copies)

@@ -231,3 +231,132 @@ def test_urgent_data_in_a_first_request_refuses_the_flow() -> None:
     urgent = Segment(1, KEY, IP, 443, ISN, data, urgent=True)
     [d] = fr.feed(urgent, bindings(), matcher(), 1.0)
     assert not d.accept and d.verdict and "urgent" in d.verdict.detail
+
+
+# --- plain HTTP, read request by request -------------------------------------------------
+
+HTTP_KEY = ("10.7.0.2", 40001, "203.0.113.10", 80)
+
+
+def http(host: str, extra: str = "", method: str = "GET") -> bytes:
+    return f"{method} /x HTTP/1.1\r\nHost: {host}\r\n{extra}\r\n".encode()
+
+
+class Conn:
+    """One plain-HTTP connection's segments, in order, sequence numbers from ISN."""
+
+    def __init__(self, fr: FirstRequests) -> None:
+        self.fr, self.seq, self.ids = fr, ISN, itertools.count(100)
+
+    def seg(self, data: bytes, read: bool = True, seq: int | None = None) -> Segment:
+        at = self.seq if seq is None else seq
+        if seq is None:
+            self.seq += len(data)
+        return Segment(next(self.ids), HTTP_KEY, IP, 80, at, data, read=read)
+
+    def send(self, data: bytes, read: bool = True, now: float = 1.0) -> list[Decision]:
+        return self.fr.feed(self.seg(data, read), bindings(), matcher(), now)
+
+
+def opened(first: bytes = b"") -> Conn:
+    conn = Conn(FirstRequests())
+    [d] = conn.send(first or http("allowed.test"), read=False)
+    assert d.accept and d.read and d.verdict and d.verdict.name == "allowed.test"
+    assert not d.later
+    return conn
+
+
+def test_every_request_of_a_kept_alive_plain_http_flow_is_judged() -> None:
+    conn = opened()
+    [d] = conn.send(http("allowed.test"))
+    assert d.accept and d.read and d.verdict and d.verdict.name == "allowed.test"
+    assert d.later  # the flow passed before: not counted as a flow again
+    [d] = conn.send(http("denied.test"))
+    assert not d.accept and d.verdict and d.verdict.reason == "name_not_allowed"
+    [d] = conn.send(http("allowed.test"))  # its later segments are reset, not read
+    assert not d.accept and d.verdict is None
+
+
+def test_a_request_pipelined_behind_the_first_is_judged_with_it() -> None:
+    conn = Conn(FirstRequests())
+    [d] = conn.send(http("allowed.test") + http("denied.test"), read=False)
+    assert not d.accept and d.verdict and d.verdict.name == "denied.test"
+
+
+def test_a_body_is_not_read_as_requests_and_the_head_after_it_is() -> None:
+    body = http("denied.test")
+    conn = opened(http("allowed.test", f"Content-Length: {len(body) + 4}\r\n", "POST"))
+    [d] = conn.send(body[:10])
+    assert d.accept and d.read and d.verdict is None  # a body's bytes: released at once
+    [d] = conn.send(body[10:] + b"1234")
+    assert d.accept and d.read
+    [d] = conn.send(http("denied.test"))
+    assert not d.accept and d.verdict and d.verdict.reason == "name_not_allowed"
+
+
+def test_a_head_over_two_segments_is_held_whole_then_judged() -> None:
+    conn = opened()
+    second = http("denied.test")
+    assert conn.send(second[:20]) == [] and len(conn.fr) == 1
+    [d] = conn.send(second[20:])
+    assert not d.accept and d.packet_ids == (101, 102)
+    conn = opened()
+    assert conn.send(second[:20].replace(b"GET", b"PUT")) == []
+    [d] = conn.send(http("allowed.test")[20:])
+    assert d.accept and d.packet_ids == (101, 102)
+
+
+def test_segments_past_a_gap_wait_for_it_and_are_read_in_order() -> None:
+    conn = opened()
+    a, b = conn.seg(http("allowed.test")), conn.seg(http("denied.test"))
+    assert conn.fr.feed(b, bindings(), matcher(), 1.0) == []  # ahead: held
+    [d] = conn.fr.feed(a, bindings(), matcher(), 1.0)
+    assert not d.accept and d.packet_ids == (b.packet_id, a.packet_id)
+
+
+def test_a_retransmission_must_agree_where_requests_are_framed() -> None:
+    body = b"x" * 10
+    first = http("allowed.test", f"Content-Length: {len(body)}\r\n", "POST")
+    conn = opened(first + body)
+    # The body again with other bytes: it frames nothing, the server keeps one copy.
+    [d] = conn.fr.feed(conn.seg(b"y" * 10, seq=ISN + len(first)), bindings(), matcher(), 1.0)
+    assert d.accept
+    forged = first.replace(b"allowed.test", b"denied..test")  # the same length
+    [d] = conn.fr.feed(conn.seg(forged, seq=ISN), bindings(), matcher(), 1.0)
+    assert not d.accept and d.verdict and d.verdict.reason == "overlap"
+
+
+def test_a_read_segment_of_a_stream_not_known_is_reset_without_a_verdict() -> None:
+    fr = FirstRequests()
+    [d] = fr.feed(Segment(5, HTTP_KEY, IP, 80, ISN, http("allowed.test"), read=True),
+                  bindings(), matcher(), 1.0)  # fmt: skip
+    assert not d.accept and d.verdict is None
+
+
+def test_a_segment_queued_before_the_pass_is_a_probe_and_a_far_one_a_new_flow() -> None:
+    conn = opened()
+    near = conn.seg(http("allowed.test"), read=False)
+    assert conn.fr.feed(near, bindings(), matcher(), 1.0) == [
+        Decision((near.packet_id,), True, HTTP_KEY, probe=True)
+    ]
+    far = conn.seg(http("denied.test"), read=False, seq=ISN + 10_000_000)
+    [d] = conn.fr.feed(far, bindings(), matcher(), 1.0)
+    assert not d.accept and d.verdict and d.verdict.reason == "name_not_allowed"
+    assert not conn.fr.reads(HTTP_KEY)
+
+
+def test_after_connect_the_tunnel_ends_the_reading() -> None:
+    conn = opened(b"CONNECT allowed.test:80 HTTP/1.1\r\nHost: allowed.test:80\r\n\r\n")
+    [d] = conn.send(b"\x16\x03\x01\x00\x05hello")
+    assert d.accept and not d.read  # released, and conntrack stops queueing the flow
+    [d] = conn.send(http("denied.test"))
+    assert d.accept and not d.read
+
+
+def test_a_read_flow_holding_bytes_is_refused_in_time() -> None:
+    conn = opened()
+    assert conn.send(http("allowed.test")[:10], now=2.0) == []
+    assert conn.fr.expire(6.9) == []
+    [d] = conn.fr.expire(7.0)
+    assert not d.accept and d.verdict and d.verdict.reason == "incomplete"
+    assert len(conn.fr) == 0
