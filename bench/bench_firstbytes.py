@@ -16,6 +16,12 @@ Then two runs of the same workload, one with the check on and one with it off:
   segments the kernel handed to the inline layer (``first_bytes_packets``), per flow;
 - downloads 1 GB (10 x 100 MB) on one connection per 100 MB, for the throughput.
 
+Last, uploads: a plain-HTTP flow is read request by request, so each of its segments
+with data goes to the inline layer (a download's are bare ACKs, which stay in the
+kernel). One run POSTs 100 MB bodies to a sink server in the lab (SINK, an AnyIP
+address), alternating the checked port and the unchecked one in ABBA order, and prints
+both rates and the segments queued.
+
 Prints figures and the on/off differences; asserts nothing. Needs root.
 
     .venv/bin/python bench/bench_firstbytes.py [-n 400] [--rounds 3]
@@ -32,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,8 @@ from egress.lab import Lab
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "allowed.lab.test"
 CHECKED_PORT, UNCHECKED_PORT = 80, 8080  # the ttfb run checks the first only
+SINK, SINK_NAME = "198.19.7.8", "ip-198-19-7-8.any.lab.test"  # AnyIP in the lab
+UPLOAD = 100_000_000  # bytes per POST
 
 POLICY = """
 apiVersion: egress/v1
@@ -48,8 +57,32 @@ metadata: {{name: bench-firstbytes}}
 spec:
   dns:
     upstreams: ["198.51.100.53"]
-    allow: [{name}]
+    allow: [{name}, {sink}]
   connect: {{ports: [80, 443, 8080], check_names: {checks}}}
+"""
+
+# Reads a request head and its Content-Length body, answers 200, closes; on both ports.
+SINK_SERVER = r"""
+import socket, sys, threading
+def serve(conn):
+    with conn:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += conn.recv(65536)
+        head, _, body = head.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        left = length - len(body)
+        while left > 0:
+            left -= len(conn.recv(1 << 20))
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+def listen(port):
+    srv = socket.create_server((sys.argv[1], port))
+    while True:
+        threading.Thread(target=serve, args=(srv.accept()[0],), daemon=True).start()
+for port in (80, 8080):
+    threading.Thread(target=listen, args=(port,), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
 """
 
 WORKLOAD = r"""
@@ -85,16 +118,39 @@ elif mode == "bulk":
     t0 = time.perf_counter()
     total = sum(fetch(b"/bytes/%d" % 100_000_000)[1] for _ in range(n))
     print(json.dumps([total, time.perf_counter() - t0]))
+elif mode == "upload":  # POSTs to the sink, ports 80 and 8080 alternately (ABBA)
+    sink, size = socket.gethostbyname(sys.argv[4]), int(sys.argv[5])
+    chunk = b"x" * (1 << 20)
+    def post(port):
+        s = socket.create_connection((sink, port))
+        t0 = time.perf_counter()
+        s.sendall(b"POST /up HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n\r\n"
+                  % (sys.argv[4].encode(), size))
+        left = size
+        while left > 0:
+            left -= s.send(chunk[:left])
+        assert s.recv(100).startswith(b"HTTP/1.1 200")
+        seconds = time.perf_counter() - t0
+        s.close()
+        return seconds
+    times = {80: [], 8080: []}
+    for i in range(n):
+        for port in ((80, 8080) if i % 2 == 0 else (8080, 80)):
+            times[port].append(post(port))
+    print(json.dumps([times[80], times[8080]]))
 """
 
 
-def run(lab: Lab, d: Path, checks: str, mode: str, n: int) -> tuple[Any, dict[str, int]]:
+def run(
+    lab: Lab, d: Path, checks: str, mode: str, n: int, *extra: str
+) -> tuple[Any, dict[str, int]]:
     policy = d / f"policy-{checks}.yaml"
-    policy.write_text(POLICY.format(name=NAME, checks=checks))
+    policy.write_text(POLICY.format(name=NAME, sink=SINK_NAME, checks=checks))
     report = d / "report.json"
     argv = [sys.executable, "-m", "egress.cli.main", "run", "--policy", str(policy),
             "--uplink-netns", lab.uplink_netns, "--report", str(report), "--workdir",
-            str(d / "work"), "--", "/usr/bin/python3", "w.py", mode, str(n), NAME]  # fmt: skip
+            str(d / "work"), "--", "/usr/bin/python3", "w.py", mode, str(n), NAME,
+            *extra]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(argv, capture_output=True, text=True, cwd=d / "work", env=env,
                           timeout=900)  # fmt: skip
@@ -114,6 +170,8 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=400, help="connections per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="time-to-first-byte runs (default 3)")
     ap.add_argument("--gigabytes", type=int, default=1, help="bulk transfer size (default 1)")
+    ap.add_argument("--uploads", type=int, default=5,
+                    help="100 MB POSTs per port in the upload run (default 5)")  # fmt: skip
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_firstbytes needs root (network namespaces, cgroups)", file=sys.stderr)
@@ -167,6 +225,24 @@ def main() -> int:
             print(f"  {label:<10} " + "  ".join(f"{r:7.1f}" for r in rates[checks]))
         ratio = statistics.mean(rates["true"]) / statistics.mean(rates["false"])
         print(f"  on/off     {ratio:.3f}")
+        lab.spawn(["/usr/bin/python3", "-c", SINK_SERVER, SINK], role="sink")
+        sink_log = Path(lab.run_dir) / "sink.log"
+        deadline = time.monotonic() + 30
+        while "ready" not in (sink_log.read_text() if sink_log.exists() else ""):
+            if time.monotonic() > deadline:
+                raise SystemExit("the sink server did not start: see " + str(sink_log))
+            time.sleep(0.05)
+        (checked, unchecked), c = run(lab, d, f"[{CHECKED_PORT}]", "upload", args.uploads,
+                                      SINK_NAME, str(UPLOAD))  # fmt: skip
+        on_rates = [UPLOAD / t / 1e6 for t in checked]
+        off_rates = [UPLOAD / t / 1e6 for t in unchecked]
+        print(f"uploads, {args.uploads} x {UPLOAD // 1_000_000} MB POSTs per port, alternating "
+              "in one sandbox (MB/s):")  # fmt: skip
+        print(f"  checked ({CHECKED_PORT})   " + "  ".join(f"{r:7.1f}" for r in on_rates))
+        print(f"  unchecked ({UNCHECKED_PORT}) " + "  ".join(f"{r:7.1f}" for r in off_rates))
+        print(f"  on/off median {statistics.median(on_rates) / statistics.median(off_rates):.3f}; "
+              f"segments queued {c['first_bytes_packets']} "
+              f"({c['first_bytes_packets'] / args.uploads:.0f} per checked upload)")  # fmt: skip
     finally:
         lab.down()
         shutil.rmtree(d, ignore_errors=True)

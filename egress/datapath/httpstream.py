@@ -15,15 +15,21 @@ is looked for exactly where the server will look for it:
 
 Anything two servers could frame differently is refused, never guessed: both headers at
 once, another transfer coding, a size line with whitespace, a ``0x``, a lone CR or LF,
-or more than 16 hex digits, chunk data not followed by CRLF. Between requests, empty
-lines (CRLF) are skipped, as servers do; any other byte must start an HTTP/1.x head.
+or more than 16 hex digits, chunk data not followed by CRLF. Between requests, up to
+``MAX_EMPTY_LINES`` empty lines (CRLF) are skipped, as servers skip them; any other byte
+must start an HTTP/1.x head.
 
 After a ``CONNECT`` or an ``Upgrade`` request the server may leave HTTP (a tunnel, a
-WebSocket) or may not. The client's next bytes tell: if the next byte could start a
-request (a token byte or CR), it is read as one; if not (a TLS record, a WebSocket
-frame) the stream is opaque from there on. A server that did not switch reads such
-bytes as a malformed request line and closes. HTTP/2 over cleartext (``Upgrade: h2c``)
-starts with its preface, which ``firstbytes`` refuses as it refuses prior knowledge.
+WebSocket) or may not. The client's next byte tells, and only a byte that no server
+reads as part of a request line counts: a TLS record's (22), or a WebSocket frame's
+first byte (a data or control opcode, FIN, maybe RSV1: 0x00-0x02, 0x80-0x82, 0x88-0x8A,
+0xC0-0xC2). Then the stream is opaque from there on; a server that did not switch reads
+such a byte as a malformed request line and closes. Anything else is read as the next
+request (or refused as no request): servers skip a leading LF (nginx, Node's llhttp) or
+whitespace (Python's ``http.server`` splits at 0x85 and 0xA0 too), so a tunnel whose
+protocol starts otherwise (SSH's ``SSH-``) is refused. HTTP/2 over cleartext
+(``Upgrade: h2c``) starts with its preface, which ``firstbytes`` refuses as it refuses
+prior knowledge.
 
 What this does not see: a server that leaves a request's declared body unread and keeps
 the connection reads that body as requests (Python's ``http.server`` with a handler that
@@ -45,6 +51,7 @@ from egress.datapath.firstbytes import (
     _TCHAR,
     _VALUE_CTL,
     MAX_HEAD,
+    METHODS,
     FirstBytes,
     Outcome,
     _refuse,
@@ -52,6 +59,7 @@ from egress.datapath.firstbytes import (
 )
 
 MAX_SIZE_LINE = 1024  # a chunk-size line with its extensions
+MAX_EMPTY_LINES = 4  # CRLFs between two requests (clients send one at most, after a body)
 MAX_HEX = 16  # hex digits in a chunk size
 MAX_LENGTH_DIGITS = 15  # a Content-Length of up to 10^15 - 1 bytes
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -60,7 +68,10 @@ _DIGITS = frozenset(b"0123456789")
 # whitespace. Servers differ on whitespace around them, so there is none.
 _EXT = frozenset(range(0x21, 0x7F))
 _LONE = "a chunk-size line ended by a lone CR or LF"
-_START = _TCHAR | {0x0D}  # a byte a request (or an empty line before one) may start with
+# A byte that starts no request line for any server, and starts a TLS record or a
+# WebSocket frame: the stream left HTTP (see the module docstring).
+_LEAVES_HTTP = frozenset({0x16, 0x00, 0x01, 0x02, 0x80, 0x81, 0x82, 0x88, 0x89, 0x8A,
+                          0xC0, 0xC1, 0xC2})  # fmt: skip
 
 
 class _State(Enum):
@@ -105,8 +116,8 @@ class RequestStream:
     def __init__(self) -> None:
         self._state = _State.HEAD
         self._buf = bytearray()  # the unfinished head, size line or trailer
-        self._buf_at = 0  # its offset in the stream
         self._left = 0  # BODY, DATA: bytes still to come
+        self._empty = 0  # empty lines since the last head
         self._after_body = _State.HEAD
         self.offset = 0  # bytes fed so far
         self.requests = 0  # heads judged
@@ -137,10 +148,7 @@ class RequestStream:
                 if self._left == 0:
                     self._state = _State.DATA_END if state is _State.DATA else self._after_body
             elif state is _State.MAYBE_OPAQUE:
-                if data[pos] in _START:
-                    self._state = _State.HEAD
-                else:
-                    self._state = _State.OPAQUE
+                self._state = _State.OPAQUE if data[pos] in _LEAVES_HTTP else _State.HEAD
             else:
                 pos = self._framed(data, pos, heads, framing)
         self.offset += len(data)
@@ -155,13 +163,16 @@ class RequestStream:
     ) -> int:
         """Read framing bytes (a head, a size line, a trailer) from ``data[pos:]`` into the
         buffer; act on them once complete. Returns where it stopped."""
-        if not self._buf:
-            self._buf_at = self.offset + pos
         state = self._state
+        if state is _State.HEAD and self.requests and not self._buf:
+            skipped = self._empty_lines(data, pos)
+            if skipped:
+                framing.append((self.offset + pos, skipped))
+                return pos + skipped
         if state is _State.DATA_END:
             take = min(2 - len(self._buf), len(data) - pos)
         else:
-            take = len(data) - pos
+            take = self._extent(data, pos, b"\r\n" if state is _State.SIZE else b"\r\n\r\n")
         start = len(self._buf)
         self._buf += data[pos : pos + take]
         used = self._complete(start, heads)
@@ -171,6 +182,27 @@ class RequestStream:
         consumed = used - start  # of what this call added
         framing.append((self.offset + pos, consumed))
         return pos + consumed
+
+    def _extent(self, data: bytes, pos: int, end: bytes) -> int:
+        """How much of ``data[pos:]`` to buffer: up to the first ``end`` (which may begin
+        in the buffer), else all of it, within the element's bound. Only that much is
+        copied: one segment of many small elements must not be copied once for each."""
+        bound = (MAX_SIZE_LINE if end == b"\r\n" else MAX_HEAD) + 4
+        tail = bytes(self._buf[-(len(end) - 1) :]) if self._buf else b""
+        window = tail + data[pos : pos + bound]
+        found = window.find(end)
+        if found < 0:
+            return min(len(data) - pos, bound)
+        return max(1, found + len(end) - len(tail))
+
+    def _empty_lines(self, data: bytes, pos: int) -> int:
+        """CRLFs at ``data[pos:]`` between requests, skipped in one step (servers skip
+        them too); more than ``MAX_EMPTY_LINES`` in a row are left to be refused."""
+        n = 0
+        while data.startswith(b"\r\n", pos + 2 * n) and self._empty < MAX_EMPTY_LINES:
+            n += 1
+            self._empty += 1
+        return 2 * n
 
     def _complete(self, start: int, heads: list[FirstBytes]) -> int | None:
         """Act on the buffer if it now holds a whole element; how much of it that element
@@ -182,11 +214,17 @@ class RequestStream:
                     return None
                 if buf[:2] != b"\r\n":
                     return self._refuse(heads, "malformed", "a lone CR between requests")
+                if self._empty >= MAX_EMPTY_LINES:
+                    return self._refuse(heads, "malformed", f"more than {MAX_EMPTY_LINES} "
+                                        "empty lines between requests")  # fmt: skip
+                self._empty += 1
                 return self._done(2)
             end = buf.find(b"\r\n\r\n", max(0, start - 3))
             if end < 0:
                 found = judge(bytes(buf))
-                if found.outcome is Outcome.NEED_MORE and found.protocol == "http":
+                if found.outcome is Outcome.NEED_MORE and (
+                    found.protocol == "http" or any(m.startswith(buf) for m in METHODS)
+                ):  # (a lone "P" could still be HTTP/2's preface, or POST, PUT, PATCH)
                     return None
                 return self._head_refused(found, heads)
             head = bytes(buf[: end + 4])
@@ -200,6 +238,7 @@ class RequestStream:
                 return len(head)
             heads.append(found)
             self.requests += 1
+            self._empty = 0
             self._after_body = _State.MAYBE_OPAQUE if framing.switches else _State.HEAD
             if framing.chunked:
                 self._state = _State.SIZE

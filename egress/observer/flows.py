@@ -117,6 +117,9 @@ class FlowWatch:
             uid = self._uids.pop(d.key, None)
             if d.verdict is None or d.verdict.allowed:
                 continue
+            if d.later and d.verdict.reason == "incomplete":
+                continue  # a read flow's bytes it lacks: a copy lost here (NFLOG overran),
+                # most likely; the inline layer, which holds the segments, bounds them
             dst = ipaddress.ip_address(d.key[2])
             if d.verdict.reason != "name_not_allowed" and self.unknown.get(dst, 0.0) > now:
                 continue  # resolved before this observer started (maybe through a rule with

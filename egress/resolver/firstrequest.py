@@ -36,7 +36,7 @@ conntrack queue its every later segment with data, marked as a read flow's
 as the first was. A segment is held while the bytes it carries are not all judged (an
 unfinished head), past a gap until the bytes before it come, and within the same bounds
 as a first request. A retransmission must agree with the bytes that framed requests
-(``KEEP_BYTES`` of them kept a flow); a body's bytes frame nothing. A segment of a read
+(the last ``KEEP_BYTES`` of them per flow); a body's bytes frame nothing. A segment of a read
 flow queued before conntrack knew it as one (its first request's verdict came after)
 is a probe too: re-run, it comes back marked as what its flow is by then.
 """
@@ -71,7 +71,7 @@ DECIDED = 4096  # flows whose verdict a retransmission may still ask for
 CONTINUE_BYTES = 256 * 1024  # a decided flow's later segments: this far past its bytes
 PASSED_S = 2.0  # how long a pass is remembered
 MAX_READING = 1024  # plain-HTTP flows read request by request at once; the oldest goes
-KEEP_BYTES = 16 * 1024  # a read flow's framing bytes kept to compare retransmissions with
+KEEP_BYTES = 8 * 1024  # a read flow's framing bytes kept to compare retransmissions with
 KEEP_TOTAL = 1024 * 1024  # ... over all its read flows
 
 
@@ -130,7 +130,10 @@ class Decision:
     # Released, and the flow is read on: its later segments are queued too (plain HTTP,
     # request by request). An accept without it ends the queueing of a passed flow.
     read: bool = False
-    later: bool = False  # ``verdict`` is on a read flow's request after its first
+    later: bool = False  # ``verdict`` is on a read flow's bytes after its first request
+    # Dropped without a verdict or a reset, for the client's TCP to send again: a read
+    # flow's segment past a gap the queue made, beyond what is held for it.
+    quiet: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +162,11 @@ class _Reading:
     dport: int
     stream: RequestStream
     base: int  # the sequence number of the stream's first byte
-    held: list[int] = field(default_factory=list)  # packets held until the stream is judged
+    held: list[int] = field(default_factory=list)  # in order, held until all judged
     held_since: float = 0.0
     ahead: dict[int, Segment] = field(default_factory=dict)  # past a gap, by seq
-    framing: list[tuple[int, bytes]] = field(default_factory=list)  # (stream offset, bytes)
+    ahead_since: float = 0.0
+    framing: list[tuple[int, bytearray]] = field(default_factory=list)  # (stream offset, bytes)
     kept: int = 0  # bytes in ``framing``
     forgotten: int = 0  # framing bytes before this stream offset are no longer kept
     verdict: FlowVerdict | None = None  # the last head passed, not yet released
@@ -172,17 +176,27 @@ class _Reading:
     def next_seq(self) -> int:
         return (self.base + self.stream.offset) % (1 << 32)
 
+    def packets(self) -> tuple[int, ...]:
+        return (*self.held, *(s.packet_id for s in self.ahead.values()))
+
     def keep(self, at: int, data: bytes) -> None:
-        if self.framing and self.framing[-1][0] + len(self.framing[-1][1]) == at:
-            last_at, last = self.framing[-1]
-            self.framing[-1] = (last_at, last + data)
+        """Keep framing bytes ``data`` at stream offset ``at``: the last ``KEEP_BYTES``."""
+        last = self.framing[-1] if self.framing else None
+        if last is not None and last[0] + len(last[1]) == at:
+            last[1].extend(data)
         else:
-            self.framing.append((at, data))
+            self.framing.append((at, bytearray(data)))
         self.kept += len(data)
-        while self.kept > KEEP_BYTES and len(self.framing) > 1:
-            at0, old = self.framing.pop(0)
-            self.kept -= len(old)
-            self.forgotten = at0 + len(old)
+        while self.kept > KEEP_BYTES:
+            first_at, first = self.framing[0]
+            cut = min(len(first), self.kept - KEEP_BYTES)
+            del first[:cut]
+            self.kept -= cut
+            self.forgotten = first_at + cut
+            if first:
+                self.framing[0] = (first_at + cut, first)
+            else:
+                self.framing.pop(0)
 
     def agrees(self, at: int, data: bytes) -> bool:
         """A retransmission of stream bytes ``at``.. says what was read there: the same
@@ -233,7 +247,7 @@ class FirstRequests:
         if r is None:
             return []
         self._let_go(key, r)
-        return [Decision(tuple(r.held), False, key)] if r.held else []
+        return [Decision(r.packets(), False, key)] if r.packets() else []
 
     def decided(self, key: FlowKey) -> bool | None:
         """The verdict on flow ``key`` (passed or not), None while it has none."""
@@ -287,13 +301,13 @@ class FirstRequests:
         flow = self._waiting.get(seg.key)
         if flow is None:
             if not seg.data:  # a bare ACK before any byte: it carries nothing
-                return [Decision((seg.packet_id,), True, seg.key)]
+                return [*out, Decision((seg.packet_id,), True, seg.key)]
             if bindings.unchecked(seg.dst, seg.dport, now):  # its rule: check_names false
                 self._remember(seg.key, True, seg.seq, len(seg.data), now)
                 where = endpoint(seg.dst, seg.dport)
                 verdict = FlowVerdict(True, None, "", f"a flow to {where}: not checked "
                                       "(a rule with check_names: false resolved it)")  # fmt: skip
-                return [Decision((seg.packet_id,), True, seg.key, verdict)]
+                return [*out, Decision((seg.packet_id,), True, seg.key, verdict)]
             if len(self._waiting) >= self.max_flows:
                 out.append(self._refuse(next(iter(self._waiting)), "too many flows waiting"))
             if now < self.refuse_new_until:
@@ -326,11 +340,11 @@ class FirstRequests:
             out.append(self._refuse(seg.key, "segments overlap with other bytes", "overlap"))
             return out
         first = judge(data)
-        if first.outcome is Outcome.NAME and first.protocol == "http":
-            if self._gap(flow, data):
-                return out  # what is past the gap is read in order too: wait for it
+        # Plain HTTP with held bytes past a gap: they are read in order too, so it waits.
+        gap = first.outcome is Outcome.NAME and first.protocol == "http" and self._gap(flow, data)
+        if first.outcome is Outcome.NAME and first.protocol == "http" and not gap:
             return out + self._start_reading(seg.key, flow, data, bindings, matcher, now)
-        if first.outcome is Outcome.NEED_MORE:
+        if first.outcome is Outcome.NEED_MORE or gap:
             if (
                 len(flow.segments) >= self.max_segments
                 or len(flow.held) >= HELD_FACTOR * self.max_segments  # bare ACKs, repeats
@@ -348,10 +362,20 @@ class FirstRequests:
         complete in ``timeout_s``."""
         late = [k for k, f in self._waiting.items() if now - f.started >= self.timeout_s]
         out = [self._refuse(k, f"no complete first request in {self.timeout_s:g} s") for k in late]
-        held = [k for k in self._holding if now - self._reading[k].held_since >= self.timeout_s]
-        for key in held:
-            why = f"no complete request in {self.timeout_s:g} s"
-            out.append(self._refuse_read(key, self._reading[key], why))
+        for key in list(self._holding):
+            r = self._reading[key]
+            if r.held and now - r.held_since >= self.timeout_s:
+                why = f"no complete request in {self.timeout_s:g} s"
+                out.append(self._refuse_read(key, r, why))
+            elif r.ahead and now - r.ahead_since >= self.timeout_s:
+                # The gap never filled: what waits past it is dropped, for its client to
+                # send again (a lost segment is the queue's doing, not the workload's).
+                ids = tuple(q.packet_id for q in r.ahead.values())
+                r.ahead.clear()
+                self._held -= len(ids)
+                if not r.held:
+                    self._holding.discard(key)
+                out.append(Decision(ids, False, key, quiet=True))
         return out
 
     # --- plain HTTP, request by request ----------------------------------------------------
@@ -379,31 +403,60 @@ class FirstRequests:
     def _on_read(
         self, seg: Segment, r: _Reading, bindings: Bindings, matcher: Matcher, now: float
     ) -> list[Decision]:
-        key = seg.key
+        key, pid = seg.key, seg.packet_id
         if r.stream.opaque:  # past a tunnel's start: nothing more is read (ends queueing)
-            return [Decision((seg.packet_id,), True, key)]
-        if not r.held:
+            return [Decision((pid,), True, key)]
+        if self._held >= self.max_held:  # the queue must never fill: its client sends it again
+            return [Decision((pid,), False, key, quiet=True)]
+        rel = _distance(r.next_seq(), seg.seq)
+        if rel > 0:  # past a gap: kept until the bytes before it come, or dropped
+            return self._hold_ahead(key, r, seg, now)
+        r.held.append(pid)
+        self._held += 1
+        if len(r.held) == 1:
             r.held_since = now
             self._holding.add(key)
-        r.held.append(seg.packet_id)
-        self._held += 1
         if seg.urgent and seg.data:
             return [self._refuse_read(key, r, "urgent data (URG) in a request", "malformed")]
-        if self._held > self.max_held:  # the kernel's queue must never fill up
-            return [self._refuse_read(key, r, f"{self._held - 1} segments held already")]
         refusal = self._take(key, r, seg, bindings, matcher, now)
         while refusal is None and r.ahead and not r.stream.opaque:
-            ready = [q for q in r.ahead if _distance(r.next_seq(), q) <= 0]
+            ready = sorted((q for q in r.ahead if _distance(r.next_seq(), q) <= 0),
+                           key=lambda q: _distance(r.next_seq(), q))  # fmt: skip
             if not ready:
                 break
             for q in ready:
                 if refusal is None:
-                    refusal = self._take(key, r, r.ahead.pop(q), bindings, matcher, now)
+                    taken = r.ahead.pop(q)
+                    r.held.append(taken.packet_id)
+                    refusal = self._take(key, r, taken, bindings, matcher, now)
         if refusal is not None:
             return [refusal]
-        if len(r.ahead) >= self.max_segments or len(r.held) >= HELD_FACTOR * self.max_segments:
+        if len(r.held) >= HELD_FACTOR * self.max_segments:
             return [self._refuse_read(key, r, f"no complete request in {len(r.held)} segments")]
         return self._release(key, r)
+
+    def _hold_ahead(self, key: FlowKey, r: _Reading, seg: Segment, now: float) -> list[Decision]:
+        """A segment past a gap. Its copies must agree (the receiver keeps one); beyond
+        ``max_segments`` of them it is dropped, for its client to send again: a gap is
+        a lost segment (the queue overflowed), not the workload's doing."""
+        known = r.ahead.get(seg.seq)
+        if known is not None:
+            if not _agree(known.data, seg.data):
+                r.held.append(seg.packet_id)
+                self._held += 1
+                return [self._refuse_read(key, r, "a retransmission with other bytes", "overlap")]
+            if len(seg.data) <= len(known.data):
+                return [Decision((seg.packet_id,), False, key, quiet=True)]  # held already
+            r.ahead[seg.seq] = seg  # a longer copy: the shorter one's packet goes
+            return [Decision((known.packet_id,), False, key, quiet=True)]
+        if len(r.ahead) >= self.max_segments:
+            return [Decision((seg.packet_id,), False, key, quiet=True)]
+        r.ahead[seg.seq] = seg
+        self._held += 1
+        if len(r.ahead) == 1:
+            r.ahead_since = now
+        self._holding.add(key)
+        return []
 
     def _take(
         self,
@@ -414,13 +467,8 @@ class FirstRequests:
         matcher: Matcher,
         now: float,
     ) -> Decision | None:
-        """Read what ``seg`` adds to the stream, once it is in order."""
+        """Read what ``seg`` (in order, or a retransmission) adds to the stream."""
         rel = _distance(r.next_seq(), seg.seq)
-        if rel > 0:  # past a gap: kept until the bytes before it come
-            known = r.ahead.get(seg.seq)
-            if known is None or len(seg.data) > len(known.data):
-                r.ahead[seg.seq] = seg
-            return None
         overlap = min(-rel, len(seg.data))
         if overlap and not r.agrees(r.stream.offset + rel, seg.data[:overlap]):
             return self._refuse_read(key, r, "a retransmission with other bytes where "
@@ -451,18 +499,21 @@ class FirstRequests:
         return None
 
     def _release(self, key: FlowKey, r: _Reading) -> list[Decision]:
-        """Release what the flow holds once every byte of it is judged (or the stream
-        left HTTP: what is past that is not read)."""
-        if not r.stream.opaque and (r.ahead or r.stream.pending):
+        """Release what is held in order once every byte of it is judged (or the stream
+        left HTTP: nothing past that is read, what waits past a gap goes too)."""
+        if not r.stream.opaque and r.stream.pending:
             return []
-        r.ahead.clear()
+        ids = r.packets() if r.stream.opaque else tuple(r.held)
+        if r.stream.opaque:
+            r.ahead.clear()
         later = r.released and r.verdict is not None
-        d = Decision(tuple(r.held), True, key, r.verdict, read=not r.stream.opaque, later=later)
+        d = Decision(ids, True, key, r.verdict, read=not r.stream.opaque, later=later)
         r.released = r.released or r.verdict is not None
-        self._held -= len(r.held)
+        self._held -= len(ids)
         r.held, r.verdict = [], None
-        self._holding.discard(key)
-        return [d]
+        if not r.ahead:
+            self._holding.discard(key)
+        return [d] if ids else []
 
     def _refuse_read(
         self,
@@ -478,10 +529,10 @@ class FirstRequests:
         del self._reading[key]
         self._let_go(key, r)
         self._remember(key, False, r.base, r.stream.offset, r.held_since)
-        return Decision(tuple(r.held), False, key, verdict)
+        return Decision(r.packets(), False, key, verdict, later=True)
 
     def _let_go(self, key: FlowKey, r: _Reading) -> None:
-        self._held -= len(r.held)
+        self._held -= len(r.held) + len(r.ahead)
         self._kept -= r.kept
         self._holding.discard(key)
 
@@ -498,8 +549,8 @@ class FirstRequests:
                 old = next(iter(self._reading))
             r = self._reading.pop(old)
             self._let_go(old, r)
-            if r.held:
-                out.append(Decision(tuple(r.held), False, old))
+            if r.packets():
+                out.append(Decision(r.packets(), False, old))
         return out
 
     def _gap(self, flow: _Waiting, data: bytes) -> bool:

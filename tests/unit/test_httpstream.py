@@ -91,6 +91,12 @@ def test_bytes_where_a_request_begins_that_are_no_request_are_refused(after: byt
 def test_empty_lines_between_requests_are_skipped_as_servers_skip_them() -> None:
     seen, step, _ = fed(req("a.test") + b"\r\n\r\n" + req("b.test"), len(req("a.test")) + 1)
     assert seen == ["a.test", "b.test"] and step.pending == 0
+    # a run of them is no client's: bounded (each costs the reader a step)
+    for cut in (0, len(req("a.test")) + 3):
+        seen, step, _ = fed(req("a.test") + b"\r\n" * 5 + req("b.test"), cut)
+        assert seen == ["a.test", "malformed"], cut
+    seen, _, _ = fed(req("a.test") + b"\r\n" * 4 + req("b.test") + b"\r\n" * 4 + req("c.test"))
+    assert seen == ["a.test", "b.test", "c.test"]
 
 
 @pytest.mark.parametrize(
@@ -148,6 +154,27 @@ def test_chunk_framing_servers_could_read_differently_is_refused(chunks: bytes) 
     seen, step, _ = fed(head + chunks + req("b.test"))
     assert seen[0] == "a.test" and step.refusal is not None, seen
     assert "b.test" not in seen
+
+
+@pytest.mark.parametrize(
+    "first",
+    [b"\n", b" ", b"\t", b"\x0b", b"\x1c", b"\x85", b"\xa0", b"\x00\n"[1:], b"SSH-2.0-x\r\n"],
+)
+def test_after_an_upgrade_only_a_frame_or_a_record_leaves_http(first: bytes) -> None:
+    """Servers skip a leading LF (nginx, llhttp) or whitespace (Python's str.split, 0x85
+    and 0xA0 among it) before a request line: such bytes are read, and refused."""
+    up = req("a.test", "Upgrade: websocket\r\nConnection: Upgrade\r\n")
+    seen, step, _ = fed(up + first + req("b.test"))
+    assert seen[0] == "a.test" and step.refusal is not None and not step.opaque, seen
+    assert "b.test" not in seen
+
+
+def test_a_method_cut_after_its_p_is_waited_for() -> None:
+    for method in ("POST", "PUT", "PATCH"):
+        data = req("a.test") + req("b.test", "Content-Length: 0\r\n", method)
+        cut = len(req("a.test")) + 1
+        seen, step, _ = fed(data, cut)
+        assert seen == ["a.test", "b.test"] and step.pending == 0, method
 
 
 def test_after_an_upgrade_a_frame_makes_the_stream_opaque() -> None:
