@@ -25,7 +25,10 @@ address into this sandbox's sets); this shell performs what it decides:
   flow's comes back marked READ_QUEUE_MARK and is read as its flow's next bytes; one
   that comes back unmarked is a new connection's from the same port: judged afresh.
 - a segment marked READ_QUEUE_MARK of a flow this layer reads no stream for (it
-  restarted, or let the flow go at a bound): reset, with no verdict.
+  restarted, or let the flow go at a bound): reset, with no verdict;
+- a read flow's segment past a gap (the queue lost the one before it): held a while
+  for the gap to fill, then dropped without a verdict or a reset (``Decision.quiet``),
+  for the client's TCP to send again.
 
 If this process dies, the queue has no listener and the kernel drops what it would
 queue: new checked flows fail closed until a layer serves the queue again.
