@@ -20,16 +20,15 @@ or more than 16 hex digits, chunk data not followed by CRLF. Between requests, u
 must start an HTTP/1.x head.
 
 After a ``CONNECT`` or an ``Upgrade`` request the server may leave HTTP (a tunnel, a
-WebSocket) or may not. The client's next byte tells, and only a byte that no server
-reads as part of a request line counts: a TLS record's (22), or a WebSocket frame's
-first byte (a data or control opcode, FIN, maybe RSV1: 0x00-0x02, 0x80-0x82, 0x88-0x8A,
-0xC0-0xC2). Then the stream is opaque from there on; a server that did not switch reads
-such a byte as a malformed request line and closes. Anything else is read as the next
-request (or refused as no request): servers skip a leading LF (nginx, Node's llhttp) or
-whitespace (Python's ``http.server`` splits at 0x85 and 0xA0 too), so a tunnel whose
-protocol starts otherwise (SSH's ``SSH-``) is refused. HTTP/2 over cleartext
-(``Upgrade: h2c``) starts with its preface, which ``firstbytes`` refuses as it refuses
-prior knowledge.
+WebSocket), or may not and read what follows as requests. Only its answer says which,
+and this reads only the client's bytes; nor is there a first byte that tells: Netty
+skips every byte up to 0x20 before a request line, nginx and Node a CR or LF, Python's
+``http.server`` whitespace (0x85 and 0xA0 among it), and a TLS record's fields can be
+chosen to be such bytes and its random to be a request. So the bytes after such a
+request are read as requests too: a tunnel or WebSocket over plain HTTP on a checked
+port is refused (its traffic is no request), as is cleartext HTTP/2 after
+``Upgrade: h2c`` (its preface, which ``firstbytes`` refuses as it refuses prior
+knowledge). Over TLS, or through a rule with ``check_names: false``, they pass.
 
 What this does not see: a server that leaves a request's declared body unread and keeps
 the connection reads that body as requests (Python's ``http.server`` with a handler that
@@ -68,10 +67,8 @@ _DIGITS = frozenset(b"0123456789")
 # whitespace. Servers differ on whitespace around them, so there is none.
 _EXT = frozenset(range(0x21, 0x7F))
 _LONE = "a chunk-size line ended by a lone CR or LF"
-# A byte that starts no request line for any server, and starts a TLS record or a
-# WebSocket frame: the stream left HTTP (see the module docstring).
-_LEAVES_HTTP = frozenset({0x16, 0x00, 0x01, 0x02, 0x80, 0x81, 0x82, 0x88, 0x89, 0x8A,
-                          0xC0, 0xC1, 0xC2})  # fmt: skip
+_AFTER_SWITCH = (" after CONNECT or Upgrade (a tunnel or WebSocket over plain HTTP is not "
+                 "read: use TLS, or a rule with check_names: false)")  # fmt: skip
 
 
 class _State(Enum):
@@ -81,8 +78,6 @@ class _State(Enum):
     DATA = "data"  # ``left`` bytes of chunk data
     DATA_END = "data_end"  # the CRLF after chunk data
     TRAILER = "trailer"  # the trailer section after the last chunk
-    MAYBE_OPAQUE = "maybe_opaque"  # after CONNECT or Upgrade: the next byte decides
-    OPAQUE = "opaque"  # not HTTP any more: nothing to read
     REFUSED = "refused"  # a refusal was given: nothing more is read
 
 
@@ -92,7 +87,6 @@ class Step:
 
     heads: tuple[FirstBytes, ...]  # each head completed, in order; a REFUSE ends the list
     pending: int  # bytes at the end not judged yet: held until they are
-    opaque: bool  # the stream left HTTP: nothing after this is read
     # (offset, length) in the stream of the bytes that say where requests begin and end:
     # heads, empty lines, size lines, the CRLF after chunk data, trailers
     framing: tuple[tuple[int, int], ...]
@@ -107,7 +101,7 @@ class Step:
 class _Framing:
     chunked: bool
     length: int
-    switches: bool  # CONNECT or Upgrade: the server may leave HTTP after it
+    switches: bool  # CONNECT or Upgrade: the server may leave HTTP after it (not read)
 
 
 class RequestStream:
@@ -118,13 +112,9 @@ class RequestStream:
         self._buf = bytearray()  # the unfinished head, size line or trailer
         self._left = 0  # BODY, DATA: bytes still to come
         self._empty = 0  # empty lines since the last head
-        self._after_body = _State.HEAD
+        self._switched = False  # the last head was CONNECT or Upgrade
         self.offset = 0  # bytes fed so far
         self.requests = 0  # heads judged
-
-    @property
-    def opaque(self) -> bool:
-        return self._state is _State.OPAQUE
 
     @property
     def pending(self) -> int:
@@ -139,20 +129,16 @@ class RequestStream:
         pos = 0
         while pos < len(data) and self._state is not _State.REFUSED:
             state = self._state
-            if state is _State.OPAQUE:
-                pos = len(data)
-            elif state in (_State.BODY, _State.DATA):
+            if state in (_State.BODY, _State.DATA):
                 take = min(self._left, len(data) - pos)
                 self._left -= take
                 pos += take
                 if self._left == 0:
-                    self._state = _State.DATA_END if state is _State.DATA else self._after_body
-            elif state is _State.MAYBE_OPAQUE:
-                self._state = _State.OPAQUE if data[pos] in _LEAVES_HTTP else _State.HEAD
+                    self._state = _State.DATA_END if state is _State.DATA else _State.HEAD
             else:
                 pos = self._framed(data, pos, heads, framing)
         self.offset += len(data)
-        return Step(tuple(heads), self.pending, self.opaque, _merge(framing))
+        return Step(tuple(heads), self.pending, _merge(framing))
 
     def _framed(
         self,
@@ -226,6 +212,8 @@ class RequestStream:
                     found.protocol == "http" or any(m.startswith(buf) for m in METHODS)
                 ):  # (a lone "P" could still be HTTP/2's preface, or POST, PUT, PATCH)
                     return None
+                if found.reason == "too_long" and len(buf) < MAX_HEAD + 4:
+                    return None  # its end could still come within the bound, as judge reads it
                 return self._head_refused(found, heads)
             head = bytes(buf[: end + 4])
             found = judge(head)
@@ -239,13 +227,13 @@ class RequestStream:
             heads.append(found)
             self.requests += 1
             self._empty = 0
-            self._after_body = _State.MAYBE_OPAQUE if framing.switches else _State.HEAD
+            self._switched = framing.switches
             if framing.chunked:
                 self._state = _State.SIZE
             elif framing.length:
                 self._state, self._left = _State.BODY, framing.length
             else:
-                self._state = self._after_body
+                self._state = _State.HEAD
             return self._done(len(head))
         if state is _State.SIZE:
             return self._size_line(heads)
@@ -259,7 +247,7 @@ class RequestStream:
             return self._done(2)
         # TRAILER: empty, or fields up to an empty line
         if buf[:2] == b"\r\n":
-            self._state = self._after_body
+            self._state = _State.HEAD
             return self._done(2)
         if len(buf) < 2 and buf == b"\r":
             return None
@@ -273,7 +261,7 @@ class RequestStream:
         trailer = bytes(buf[: end + 4])
         if _bad_lines(trailer[:-4]) or not _fields_ok(trailer[:-4].split(b"\r\n")):
             return self._refuse(heads, "malformed", "a malformed trailer field")
-        self._state = self._after_body
+        self._state = _State.HEAD
         return self._done(len(trailer))
 
     def _size_line(self, heads: list[FirstBytes]) -> int | None:
@@ -282,9 +270,11 @@ class RequestStream:
         if end < 0:
             if b"\n" in buf or b"\r" in buf[:-1]:
                 return self._refuse(heads, "malformed", _LONE)
-            if len(buf) > MAX_SIZE_LINE:
+            if len(buf) > MAX_SIZE_LINE + 1:  # (the line and its CR)
                 return self._refuse(heads, "too_long", f"a size line over {MAX_SIZE_LINE} bytes")
             return None
+        if end > MAX_SIZE_LINE:
+            return self._refuse(heads, "too_long", f"a size line over {MAX_SIZE_LINE} bytes")
         line = bytes(buf[:end])
         size, semi, ext = line.partition(b";")
         if b"\r" in line or b"\n" in line:
@@ -301,12 +291,14 @@ class RequestStream:
         return self._done(end + 2)
 
     def _head_refused(self, found: FirstBytes, heads: list[FirstBytes]) -> int:
+        after = _AFTER_SWITCH if self._switched else ""
         if found.protocol == "http2":  # the preface, whole or not yet
-            found = _refuse("http2", "http2_prior_knowledge", "HTTP/2 without TLS: no name to read")
-        elif found.outcome is not Outcome.REFUSE or found.reason == "unknown_protocol":
+            found = _refuse("http2", "http2_prior_knowledge",
+                            f"HTTP/2 without TLS: no name to read{after}")  # fmt: skip
+        elif found.protocol != "http" or found.reason == "unknown_protocol":
             # not HTTP/1.x (a ClientHello, whole or not yet, or anything else)
             found = _refuse("", "unknown_protocol", "not an HTTP/1.x request where the next "
-                            "request begins")  # fmt: skip
+                            f"request begins{after}")  # fmt: skip
         heads.append(found)
         self._state = _State.REFUSED
         return len(self._buf)

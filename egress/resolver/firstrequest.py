@@ -71,8 +71,11 @@ DECIDED = 4096  # flows whose verdict a retransmission may still ask for
 CONTINUE_BYTES = 256 * 1024  # a decided flow's later segments: this far past its bytes
 PASSED_S = 2.0  # how long a pass is remembered
 MAX_READING = 1024  # plain-HTTP flows read request by request at once; the oldest goes
-KEEP_BYTES = 8 * 1024  # a read flow's framing bytes kept to compare retransmissions with
-KEEP_TOTAL = 1024 * 1024  # ... over all its read flows
+# A read flow's framing bytes kept to compare retransmissions with: a whole head at its
+# bound and more (a retransmission of a long head's first segment must still agree).
+KEEP_BYTES = 20 * 1024
+KEEP_SPANS = 256  # where older framing bytes were, kept without them: a body's may pass
+KEEP_TOTAL = 2 * 1024 * 1024  # ... over all its read flows
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +171,8 @@ class _Reading:
     ahead_since: float = 0.0
     framing: list[tuple[int, bytearray]] = field(default_factory=list)  # (stream offset, bytes)
     kept: int = 0  # bytes in ``framing``
-    forgotten: int = 0  # framing bytes before this stream offset are no longer kept
+    dropped: list[tuple[int, int]] = field(default_factory=list)  # framing no longer kept
+    forgotten: int = 0  # before this stream offset not even where framing was is known
     verdict: FlowVerdict | None = None  # the last head passed, not yet released
     passed_at: float = 0.0  # when its first request passed
     released: bool = False  # a verdict was released: the next ones are on later requests
@@ -192,7 +196,12 @@ class _Reading:
             cut = min(len(first), self.kept - KEEP_BYTES)
             del first[:cut]
             self.kept -= cut
-            self.forgotten = first_at + cut
+            if self.dropped and self.dropped[-1][1] == first_at:
+                self.dropped[-1] = (self.dropped[-1][0], first_at + cut)
+            else:
+                self.dropped.append((first_at, first_at + cut))
+            if len(self.dropped) > KEEP_SPANS:
+                self.forgotten = self.dropped.pop(0)[1]
             if first:
                 self.framing[0] = (first_at + cut, first)
             else:
@@ -201,9 +210,9 @@ class _Reading:
     def agrees(self, at: int, data: bytes) -> bool:
         """A retransmission of stream bytes ``at``.. says what was read there: the same
         bytes wherever they framed requests (a body's bytes frame nothing)."""
-        if at < self.forgotten:
-            return False
         end = at + len(data)
+        if at < self.forgotten or any(lo < end and at < hi for lo, hi in self.dropped):
+            return False  # it overlaps framing bytes no longer kept: cannot be told
         for kept_at, kept in self.framing:
             lo, hi = max(at, kept_at), min(end, kept_at + len(kept))
             if lo < hi and data[lo - at : hi - at] != kept[lo - kept_at : hi - kept_at]:
@@ -364,18 +373,21 @@ class FirstRequests:
         out = [self._refuse(k, f"no complete first request in {self.timeout_s:g} s") for k in late]
         for key in list(self._holding):
             r = self._reading[key]
-            if r.held and now - r.held_since >= self.timeout_s:
+            if r.ahead and now - min(r.ahead_since, r.held_since or r.ahead_since) >= (
+                self.timeout_s
+            ):
+                # A gap that never filled: what waits on either side of it is dropped, for
+                # its client to send again (a lost segment is the queue's doing, not the
+                # workload's). What the stream read of it comes again, and must agree.
+                ids = r.packets()
+                r.ahead.clear()
+                r.held = []
+                self._held -= len(ids)
+                self._holding.discard(key)
+                out.append(Decision(ids, False, key, quiet=True))
+            elif r.held and now - r.held_since >= self.timeout_s:
                 why = f"no complete request in {self.timeout_s:g} s"
                 out.append(self._refuse_read(key, r, why))
-            elif r.ahead and now - r.ahead_since >= self.timeout_s:
-                # The gap never filled: what waits past it is dropped, for its client to
-                # send again (a lost segment is the queue's doing, not the workload's).
-                ids = tuple(q.packet_id for q in r.ahead.values())
-                r.ahead.clear()
-                self._held -= len(ids)
-                if not r.held:
-                    self._holding.discard(key)
-                out.append(Decision(ids, False, key, quiet=True))
         return out
 
     # --- plain HTTP, request by request ----------------------------------------------------
@@ -404,8 +416,6 @@ class FirstRequests:
         self, seg: Segment, r: _Reading, bindings: Bindings, matcher: Matcher, now: float
     ) -> list[Decision]:
         key, pid = seg.key, seg.packet_id
-        if r.stream.opaque:  # past a tunnel's start: nothing more is read (ends queueing)
-            return [Decision((pid,), True, key)]
         if self._held >= self.max_held:  # the queue must never fill: its client sends it again
             return [Decision((pid,), False, key, quiet=True)]
         rel = _distance(r.next_seq(), seg.seq)
@@ -419,7 +429,7 @@ class FirstRequests:
         if seg.urgent and seg.data:
             return [self._refuse_read(key, r, "urgent data (URG) in a request", "malformed")]
         refusal = self._take(key, r, seg, bindings, matcher, now)
-        while refusal is None and r.ahead and not r.stream.opaque:
+        while refusal is None and r.ahead:
             ready = sorted((q for q in r.ahead if _distance(r.next_seq(), q) <= 0),
                            key=lambda q: _distance(r.next_seq(), q))  # fmt: skip
             if not ready:
@@ -439,6 +449,11 @@ class FirstRequests:
         """A segment past a gap. Its copies must agree (the receiver keeps one); beyond
         ``max_segments`` of them it is dropped, for its client to send again: a gap is
         a lost segment (the queue overflowed), not the workload's doing."""
+        if seg.urgent and seg.data:
+            r.held.append(seg.packet_id)
+            self._held += 1
+            r.held_since = r.held_since or now
+            return [self._refuse_read(key, r, "urgent data (URG) in a request", "malformed")]
         known = r.ahead.get(seg.seq)
         if known is not None:
             if not _agree(known.data, seg.data):
@@ -499,15 +514,12 @@ class FirstRequests:
         return None
 
     def _release(self, key: FlowKey, r: _Reading) -> list[Decision]:
-        """Release what is held in order once every byte of it is judged (or the stream
-        left HTTP: nothing past that is read, what waits past a gap goes too)."""
-        if not r.stream.opaque and r.stream.pending:
+        """Release what is held in order once every byte of it is judged."""
+        if r.stream.pending:
             return []
-        ids = r.packets() if r.stream.opaque else tuple(r.held)
-        if r.stream.opaque:
-            r.ahead.clear()
+        ids = tuple(r.held)
         later = r.released and r.verdict is not None
-        d = Decision(ids, True, key, r.verdict, read=not r.stream.opaque, later=later)
+        d = Decision(ids, True, key, r.verdict, read=True, later=later)
         r.released = r.released or r.verdict is not None
         self._held -= len(ids)
         r.held, r.verdict = [], None

@@ -432,8 +432,10 @@ def test_requests_are_found_where_the_server_finds_them_past_bodies(lab: Lab) ->
     """A server that reads each chunk it receives and answers it (the lenient server
     above) gets, on one connection each: a POST whose body is another request's bytes,
     then a request for the allowed name (both read, both answered); a chunked POST, then
-    a request for another name (reset, never received); and two requests in one write,
-    the second for another name (reset whole: neither received)."""
+    a request for another name (reset, never received); two requests in one write, the
+    second for another name (reset whole: neither received); and a request with an
+    Upgrade header the server ignores, then a NUL and a request for another name (Netty
+    skips the NUL and serves it; reset, never received)."""
     other = "b.example.com"
     fake = _get(other)
     post = _get(LENIENT_NAME, "/post", b"Content-Length: %d\r\n" % len(fake), b"POST") + fake
@@ -441,20 +443,25 @@ def test_requests_are_found_where_the_server_finds_them_past_bodies(lab: Lab) ->
     chunked += b"5\r\nhello\r\n0\r\n\r\n"
     plain = _get(LENIENT_NAME, "/plain")
     pipelined = _get(LENIENT_NAME, "/pipelined") + _get(other, "/behind")
+    # an Upgrade the server ignores, then a request behind a byte Netty would skip
+    upgrade = _get(LENIENT_NAME, "/ws", b"Upgrade: websocket\r\nConnection: Upgrade\r\n")
+    behind = b"\x00" + _get(other, "/after-upgrade")
     script = f"""getent ahostsv4 {LENIENT_NAME} >/dev/null
 /usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {post.hex()} {plain.hex()}
 /usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {chunked.hex()} {_get(other).hex()}
 /usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {pipelined.hex()}
+/usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {upgrade.hex()} {behind.hex()}
 """
     with lenient_server(lab) as log, run_tool(lab, policy(LENIENT_NAME, "block"), script) as run:
-        assert run.stdout.split() == ["answered", "answered", "answered", "reset", "reset"], (
-            run.explain()
-        )
+        assert run.stdout.split() == [
+            "answered", "answered", "answered", "reset", "reset", "answered", "reset",
+        ], run.explain()  # fmt: skip
         got = b"".join(bytes.fromhex(line.split()[1]) for line in log.read_text().splitlines()
                        if line.startswith("got "))  # fmt: skip
-        assert got == post + plain + chunked, (got, run.explain())
+        assert got == post + plain + chunked + upgrade, (got, run.explain())
         found = mismatches(run)
-        assert [v["qname"] for v in found] == [other, other], run.explain()
+        assert [v.get("qname") for v in found] == [other, other, None], run.explain()
+        assert "CONNECT or Upgrade" in str(found[2]["detail"]), run.explain()
 
 
 # Connect again from the same source port right after a pass (the server closes first,

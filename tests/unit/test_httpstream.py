@@ -23,7 +23,7 @@ def fed(data: bytes, *cuts: int) -> tuple[list[str | None], Step, RequestStream]
     s = RequestStream()
     seen: list[str | None] = []
     bounds = [0, *cuts, len(data)]
-    step = Step((), 0, False, ())
+    step = Step((), 0, ())
     for a, b in itertools.pairwise(bounds):
         step = s.feed(data[a:b])
         seen += names(step)
@@ -35,7 +35,7 @@ def test_every_request_of_a_kept_alive_connection_is_read() -> None:
     for cuts in ((), (5,), (len(req("a.test")),), (3, 40, 41, 60)):
         seen, step, _ = fed(data, *cuts)
         assert seen == ["a.test", "b.test", "c.test"], cuts
-        assert step.pending == 0 and not step.opaque
+        assert step.pending == 0
 
 
 def test_a_content_length_body_is_skipped_and_the_head_after_it_read() -> None:
@@ -157,16 +157,28 @@ def test_chunk_framing_servers_could_read_differently_is_refused(chunks: bytes) 
 
 
 @pytest.mark.parametrize(
-    "first",
-    [b"\n", b" ", b"\t", b"\x0b", b"\x1c", b"\x85", b"\xa0", b"\x00\n"[1:], b"SSH-2.0-x\r\n"],
+    "after",
+    [
+        b"\x81\x85abcd",  # a WebSocket frame
+        b"\x00" + req("b.test"),  # Netty skips bytes up to 0x20 before a request line
+        b"\x16\x03\x01\x00\x05hello",  # a TLS record (its fields can be such bytes too)
+        b"\n" + req("b.test"),  # nginx and Node skip a LF
+        b"\x85" + req("b.test"),  # Python's http.server splits at it
+        b"SSH-2.0-x\r\n",
+    ],
 )
-def test_after_an_upgrade_only_a_frame_or_a_record_leaves_http(first: bytes) -> None:
-    """Servers skip a leading LF (nginx, llhttp) or whitespace (Python's str.split, 0x85
-    and 0xA0 among it) before a request line: such bytes are read, and refused."""
-    up = req("a.test", "Upgrade: websocket\r\nConnection: Upgrade\r\n")
-    seen, step, _ = fed(up + first + req("b.test"))
-    assert seen[0] == "a.test" and step.refusal is not None and not step.opaque, seen
-    assert "b.test" not in seen
+def test_after_connect_or_upgrade_what_is_no_request_is_refused(after: bytes) -> None:
+    """Only the server's answer says whether it switched, and no first byte does (a
+    server that did not reads past bytes the others would take for a frame): what comes
+    after such a request is read as requests, and anything else refused."""
+    for first in (
+        req("a.test", "Upgrade: websocket\r\nConnection: Upgrade\r\n"),
+        b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n",
+    ):
+        seen, step, _ = fed(first + after)
+        assert seen[0] == "a.test" and step.refusal is not None, seen
+        assert "b.test" not in seen
+        assert "CONNECT or Upgrade" in step.refusal.detail
 
 
 def test_a_method_cut_after_its_p_is_waited_for() -> None:
@@ -177,26 +189,29 @@ def test_a_method_cut_after_its_p_is_waited_for() -> None:
         assert seen == ["a.test", "b.test"] and step.pending == 0, method
 
 
-def test_after_an_upgrade_a_frame_makes_the_stream_opaque() -> None:
-    up = req("a.test", "Upgrade: websocket\r\nConnection: Upgrade\r\n")
-    s = RequestStream()
-    step = s.feed(up + b"\x81\x85abcd" + b"GET / HTTP/1.1\r\nHost: b.test\r\n\r\n")
-    assert names(step) == ["a.test"] and step.opaque and step.pending == 0
-    assert names(s.feed(req("c.test"))) == [] and s.opaque
-
-
 def test_after_an_upgrade_the_server_refused_a_request_is_still_read() -> None:
     up = req("a.test", "Upgrade: websocket\r\nConnection: Upgrade\r\n")
-    seen, step, _ = fed(up + req("b.test") + req("c.test"), len(up))
-    assert seen == ["a.test", "b.test", "c.test"] and not step.opaque
+    seen, _, _ = fed(up + req("b.test") + req("c.test"), len(up))
+    assert seen == ["a.test", "b.test", "c.test"]
 
 
-def test_after_connect_a_tls_hello_is_the_tunnel_and_a_request_is_read() -> None:
-    connect = b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n"
-    step = RequestStream().feed(connect + b"\x16\x03\x01\x00\x05hello")
-    assert names(step) == ["a.test"] and step.opaque
-    seen, step, _ = fed(connect + req("b.test"))
-    assert seen == ["a.test", "b.test"] and not step.opaque
+def test_the_bounds_do_not_depend_on_where_the_bytes_are_cut() -> None:
+    from egress.datapath.firstbytes import MAX_HEAD
+    from egress.datapath.httpstream import MAX_SIZE_LINE
+
+    for extra in (-1, 0, 1, 2, 3, 4):  # heads ending near MAX_HEAD
+        base = req("a.test", "X: \r\n")
+        head = base[:-4] + b"y" * (MAX_HEAD + extra - len(base)) + b"\r\n\r\n"
+        whole, _, _ = fed(head)
+        bytewise, _, _ = fed(head, *range(1, len(head)))
+        assert whole == bytewise, extra
+    chunked = req("a.test", "Transfer-Encoding: chunked\r\n", "POST")
+    for extra in (-1, 0, 1, 2, 3):  # size lines near MAX_SIZE_LINE
+        line = b"0;" + b"e" * (MAX_SIZE_LINE - 2 + extra) + b"\r\n\r\n"
+        whole, _, _ = fed(chunked + line)
+        cuts = range(len(chunked) + 1, len(chunked) + len(line))
+        bytewise, _, _ = fed(chunked + line, *cuts)
+        assert whole == bytewise, extra
 
 
 def test_h2c_after_an_upgrade_is_refused_at_its_preface() -> None:

@@ -345,12 +345,10 @@ def test_a_segment_queued_before_the_pass_is_a_probe_and_a_far_one_a_new_flow() 
     assert not conn.fr.reads(HTTP_KEY)
 
 
-def test_after_connect_the_tunnel_ends_the_reading() -> None:
+def test_after_connect_a_tunnel_is_refused_not_let_through_unread() -> None:
     conn = opened(b"CONNECT allowed.test:80 HTTP/1.1\r\nHost: allowed.test:80\r\n\r\n")
     [d] = conn.send(b"\x16\x03\x01\x00\x05hello")
-    assert d.accept and not d.read  # released, and conntrack stops queueing the flow
-    [d] = conn.send(http("denied.test"))
-    assert d.accept and not d.read
+    assert not d.accept and d.verdict and d.verdict.reason == "unknown_protocol"
 
 
 def test_a_read_flow_holding_bytes_is_refused_in_time() -> None:
@@ -394,7 +392,7 @@ def test_framing_bytes_kept_are_bounded_per_flow() -> None:
         [d] = conn.send(http("allowed.test"))
         assert d.accept
     r = conn.fr._reading[HTTP_KEY]
-    assert r.kept <= KEEP_BYTES and conn.fr._kept == r.kept and r.forgotten > 0
+    assert r.kept <= KEEP_BYTES and conn.fr._kept == r.kept and r.dropped
     # a retransmission of bytes no longer kept is refused, one of kept bytes is not
     tail = http("allowed.test")
     [d] = conn.fr.feed(conn.seg(tail, seq=conn.seq - len(tail)), bindings(), matcher(), 1.0)
@@ -423,3 +421,33 @@ def test_a_first_request_waiting_past_a_gap_keeps_its_bounds() -> None:
     ]
     fr = FirstRequests(max_segments=4)  # within the bounds: it waits for the gap
     assert [d for seg in (a1, past, a2) for d in fr.feed(seg, bindings(), matcher(), 1.0)] == []
+
+
+def test_a_long_heads_first_segment_sent_again_agrees_and_a_bodys_passes() -> None:
+    conn = opened()
+    head = http("allowed.test", "Cookie: " + "c" * 12000 + "\r\n", "POST")
+    body = b"b" * 30000
+    start = conn.seq
+    data = head.replace(b"POST /x", b"POST /y")[:-2] + b"Content-Length: 30000\r\n\r\n" + body
+    data += http("allowed.test") * 3
+    for i in range(0, len(data), 1448):
+        assert all(d.accept for d in conn.send(data[i : i + 1448]))
+    again = conn.seg(data[:1448], seq=start)  # the head's first segment, sent again
+    [d] = conn.fr.feed(again, bindings(), matcher(), 1.0)
+    assert d.accept  # within what is kept
+    at = start + len(data) - len(body) - 3 * len(http("allowed.test")) + 100
+    [d] = conn.fr.feed(conn.seg(b"z" * 500, seq=at), bindings(), matcher(), 1.0)
+    assert d.accept  # body bytes frame nothing
+
+
+def test_urgent_data_past_a_gap_is_refused() -> None:
+    conn = opened()
+    second = http("allowed.test")
+    first = conn.seg(second[:10])
+    rest = Segment(77, HTTP_KEY, IP, 80, first.seq + 10, second[10:], urgent=True, read=True)
+    out = conn.fr.feed(rest, bindings(), matcher(), 1.0)
+    out += conn.fr.feed(first, bindings(), matcher(), 1.0)
+    assert [(d.accept, d.verdict.reason if d.verdict else None) for d in out] == [
+        (False, "malformed"),
+        (False, None),  # the bytes before it, of a refused flow: reset
+    ]
