@@ -179,10 +179,7 @@ def test_a_first_request_that_never_completes_is_refused_by_the_timer() -> None:
 
 
 def test_a_reconnect_from_the_same_port_is_judged_and_late_bytes_are_not() -> None:
-    inline = core()
-    watch = FlowWatch(inline.policy, inline.matcher, None)
-    rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
-    watch.on_event(answer_event(released(inline, "allowed.test", rr), 0.1))
+    _, watch = watching_allowed()
     first = b"POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 500\r\n\r\n"
     assert watch.on_event(segment_event(first, 1.0)) == []
     # its body, copied before conntrack read the flow on: read as the flow's
@@ -274,6 +271,15 @@ def test_a_binding_replaced_on_other_ports_is_bound_again_by_the_next_copy() -> 
     assert watch.bindings.bound(ip, "allowed.test", 443, 20.0)
 
 
+def watching_allowed() -> tuple[ResolverCore, FlowWatch]:
+    """An observer's watch that saw the inline core answer allowed.test with DST."""
+    inline = core()
+    watch = FlowWatch(inline.policy, inline.matcher, None)
+    rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
+    watch.on_event(answer_event(released(inline, "allowed.test", rr), 0.1))
+    return inline, watch
+
+
 def read_event(data: bytes, at: float, seq: int) -> NflogEvent:
     """A copy of a segment of a flow the ruleset reads request by request."""
     event = segment_event(data, at, seq=seq)
@@ -281,10 +287,7 @@ def read_event(data: bytes, at: float, seq: int) -> NflogEvent:
 
 
 def test_each_request_of_a_read_flow_is_judged_from_the_copies_marked_as_its() -> None:
-    inline = core()
-    watch = FlowWatch(inline.policy, inline.matcher, None)
-    rr = RR("allowed.test", QTYPE.A, rdata=A(DST), ttl=60)
-    watch.on_event(answer_event(released(inline, "allowed.test", rr), 0.1))
+    inline, watch = watching_allowed()
     first = b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
     assert watch.on_event(segment_event(first, 1.0)) == []
     assert watch.on_event(read_event(first, 1.1, seq=1000 + len(first))) == []
