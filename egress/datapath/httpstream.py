@@ -258,6 +258,8 @@ class RequestStream:
             if _bad_lines(bytes(buf).removesuffix(b"\r")):
                 return self._refuse(heads, "malformed", "a trailer line ended by a lone CR or LF")
             return None
+        if end > MAX_HEAD:
+            return self._refuse(heads, "too_long", f"a trailer over {MAX_HEAD:,} bytes")
         trailer = bytes(buf[: end + 4])
         if _bad_lines(trailer[:-4]) or not _fields_ok(trailer[:-4].split(b"\r\n")):
             return self._refuse(heads, "malformed", "a malformed trailer field")
@@ -332,22 +334,26 @@ def _framing_of(head: bytes) -> _Framing | FirstBytes:
             codings.append(value.strip(b" \t").lower())
         elif name == b"upgrade":
             upgrade = True
+    switches = method == b"CONNECT" or upgrade
     if codings and lengths:
         return _refuse("http", "malformed", "both Transfer-Encoding and Content-Length")
+    if switches and (codings or any(v.strip(b"0") for v in lengths)):
+        # Node's llhttp switches right after such a head, Go reads the body first
+        return _refuse("http", "malformed", "a body on a CONNECT or Upgrade request")
     if codings:
         if version != b"HTTP/1.1":
             return _refuse("http", "malformed", "Transfer-Encoding in an HTTP/1.0 request")
         if codings != [b"chunked"]:
             return _refuse("http", "malformed", f"transfer coding {b', '.join(codings)[:40]!r}")
-        return _Framing(True, 0, method == b"CONNECT" or upgrade)
+        return _Framing(True, 0, switches)
     if lengths:
         first = lengths[0]
         if not first or len(first) > MAX_LENGTH_DIGITS or not _DIGITS.issuperset(first):
             return _refuse("http", "malformed", f"Content-Length {first[:20]!r}")
         if any(v != first for v in lengths):
             return _refuse("http", "malformed", "Content-Length values that differ")
-        return _Framing(False, int(first), method == b"CONNECT" or upgrade)
-    return _Framing(False, 0, method == b"CONNECT" or upgrade)
+        return _Framing(False, int(first), switches)
+    return _Framing(False, 0, switches)
 
 
 def _bad_lines(data: bytes) -> bool:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from egress.datapath.firstbytes import MAX_HELLO, Outcome, judge
 from egress.datapath.httpstream import RequestStream
@@ -176,6 +176,7 @@ class _Reading:
     verdict: FlowVerdict | None = None  # the last head passed, not yet released
     passed_at: float = 0.0  # when its first request passed
     released: bool = False  # a verdict was released: the next ones are on later requests
+    marked: bool = False  # a segment went with READ_MARK: conntrack knows the flow as read
 
     def next_seq(self) -> int:
         return (self.base + self.stream.offset) % (1 << 32)
@@ -207,12 +208,13 @@ class _Reading:
             else:
                 self.framing.pop(0)
 
-    def agrees(self, at: int, data: bytes) -> bool:
+    def agrees(self, at: int, data: bytes) -> bool | None:
         """A retransmission of stream bytes ``at``.. says what was read there: the same
-        bytes wherever they framed requests (a body's bytes frame nothing)."""
+        bytes wherever they framed requests (a body's bytes frame nothing). None: it
+        overlaps framing bytes no longer kept, so that cannot be told."""
         end = at + len(data)
         if at < self.forgotten or any(lo < end and at < hi for lo, hi in self.dropped):
-            return False  # it overlaps framing bytes no longer kept: cannot be told
+            return None
         for kept_at, kept in self.framing:
             lo, hi = max(at, kept_at), min(end, kept_at + len(kept))
             if lo < hi and data[lo - at : hi - at] != kept[lo - kept_at : hi - kept_at]:
@@ -282,6 +284,19 @@ class FirstRequests:
         out: list[Decision] = []
         if reading is not None:
             if seg.read:
+                self._reading.move_to_end(seg.key)
+                return self._on_read(seg, reading, bindings, matcher, now) + self._bound(seg.key)
+            # Nothing of the flow was released yet (its first segments end inside an
+            # element), so conntrack cannot know it as read: what follows its bytes is its
+            # next bytes. (A new connection on these ports needs the old socket gone, its
+            # first write still held here, and a new first byte at exactly these
+            # sequence numbers.)
+            if (
+                not reading.marked
+                and _distance(reading.base, seg.seq) >= 0
+                and _distance(reading.next_seq(), seg.seq) <= 0
+            ):
+                seg = replace(seg, read=True)
                 self._reading.move_to_end(seg.key)
                 return self._on_read(seg, reading, bindings, matcher, now) + self._bound(seg.key)
             # Queued before the first request's verdict had conntrack read the flow on, or
@@ -373,9 +388,8 @@ class FirstRequests:
         out = [self._refuse(k, f"no complete first request in {self.timeout_s:g} s") for k in late]
         for key in list(self._holding):
             r = self._reading[key]
-            if r.ahead and now - min(r.ahead_since, r.held_since or r.ahead_since) >= (
-                self.timeout_s
-            ):
+            since = min(r.ahead_since, r.held_since) if r.held else r.ahead_since
+            if r.ahead and now - since >= self.timeout_s:
                 # A gap that never filled: what waits on either side of it is dropped, for
                 # its client to send again (a lost segment is the queue's doing, not the
                 # workload's). What the stream read of it comes again, and must agree.
@@ -485,9 +499,12 @@ class FirstRequests:
         """Read what ``seg`` (in order, or a retransmission) adds to the stream."""
         rel = _distance(r.next_seq(), seg.seq)
         overlap = min(-rel, len(seg.data))
-        if overlap and not r.agrees(r.stream.offset + rel, seg.data[:overlap]):
+        agrees = r.agrees(r.stream.offset + rel, seg.data[:overlap]) if overlap else True
+        if agrees is False:
             return self._refuse_read(key, r, "a retransmission with other bytes where "
                                      "requests are framed", "overlap")  # fmt: skip
+        if agrees is None:  # a copy of bytes long gone by: unread, so reset (no verdict)
+            return self._refuse_read(key, r, "", verdict=None, quietly=True)
         new = seg.data[overlap:]
         return self._read(key, r, new, bindings, matcher, now) if new else None
 
@@ -521,6 +538,8 @@ class FirstRequests:
         later = r.released and r.verdict is not None
         d = Decision(ids, True, key, r.verdict, read=True, later=later)
         r.released = r.released or r.verdict is not None
+        r.marked = r.marked or bool(ids)
+        r.held_since = 0.0
         self._held -= len(ids)
         r.held, r.verdict = [], None
         if not r.ahead:
@@ -534,8 +553,11 @@ class FirstRequests:
         why: str = "",
         reason: str = "incomplete",
         verdict: FlowVerdict | None = None,
+        quietly: bool = False,
     ) -> Decision:
-        if verdict is None:
+        """Refuse the flow: its held segments are dropped or reset, and so is every later
+        one. ``quietly``: with no verdict (reset, and no violation)."""
+        if verdict is None and not quietly:
             where = endpoint(r.dst, r.dport)
             verdict = FlowVerdict(False, None, reason, f"a flow to {where}: {why}")
         del self._reading[key]

@@ -397,6 +397,22 @@ for chunk in sys.argv[2:]:
 """
 
 
+# Two writes, each its own segment (TCP_NODELAY), the first ending inside an element
+# (a chunk-size line): nothing of the flow can be released before the second comes.
+SPLIT = r"""
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 80), timeout=5)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+s.sendall(bytes.fromhex(sys.argv[2]))
+time.sleep(0.1)
+s.sendall(bytes.fromhex(sys.argv[3]))
+try:
+    print("answered" if s.recv(4096) else "closed", flush=True)
+except ConnectionResetError:
+    print("reset", flush=True)
+"""
+
+
 def _get(host: str, path: str = "/", extra: bytes = b"", method: bytes = b"GET") -> bytes:
     return b"%s %s HTTP/1.1\r\nHost: %s\r\n%s\r\n" % (method, path.encode(), host.encode(), extra)
 
@@ -433,9 +449,11 @@ def test_requests_are_found_where_the_server_finds_them_past_bodies(lab: Lab) ->
     above) gets, on one connection each: a POST whose body is another request's bytes,
     then a request for the allowed name (both read, both answered); a chunked POST, then
     a request for another name (reset, never received); two requests in one write, the
-    second for another name (reset whole: neither received); and a request with an
-    Upgrade header the server ignores, then a NUL and a request for another name (Netty
-    skips the NUL and serves it; reset, never received)."""
+    second for another name (reset whole: neither received); a request with an Upgrade
+    header the server ignores, then a NUL and a request for another name (Netty skips
+    the NUL and serves it; reset, never received); and a chunked POST whose first
+    segment ends inside a size line, so that its second comes before conntrack knows
+    the flow as read (answered, both received)."""
     other = "b.example.com"
     fake = _get(other)
     post = _get(LENIENT_NAME, "/post", b"Content-Length: %d\r\n" % len(fake), b"POST") + fake
@@ -446,19 +464,23 @@ def test_requests_are_found_where_the_server_finds_them_past_bodies(lab: Lab) ->
     # an Upgrade the server ignores, then a request behind a byte Netty would skip
     upgrade = _get(LENIENT_NAME, "/ws", b"Upgrade: websocket\r\nConnection: Upgrade\r\n")
     behind = b"\x00" + _get(other, "/after-upgrade")
+    split = _get(LENIENT_NAME, "/split", b"Transfer-Encoding: chunked\r\n", b"POST") + b"6"
+    rest = b"4\r\n" + b"x" * 100 + b"\r\n0\r\n\r\n"
     script = f"""getent ahostsv4 {LENIENT_NAME} >/dev/null
 /usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {post.hex()} {plain.hex()}
 /usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {chunked.hex()} {_get(other).hex()}
 /usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {pipelined.hex()}
 /usr/bin/python3 -c '{CHUNKS}' {LENIENT_ADDRESS} {upgrade.hex()} {behind.hex()}
+/usr/bin/python3 -c '{SPLIT}' {LENIENT_ADDRESS} {split.hex()} {rest.hex()}
 """
     with lenient_server(lab) as log, run_tool(lab, policy(LENIENT_NAME, "block"), script) as run:
         assert run.stdout.split() == [
             "answered", "answered", "answered", "reset", "reset", "answered", "reset",
+            "answered",
         ], run.explain()  # fmt: skip
         got = b"".join(bytes.fromhex(line.split()[1]) for line in log.read_text().splitlines()
                        if line.startswith("got "))  # fmt: skip
-        assert got == post + plain + chunked + upgrade, (got, run.explain())
+        assert got == post + plain + chunked + upgrade + split + rest, (got, run.explain())
         found = mismatches(run)
         assert [v.get("qname") for v in found] == [other, other, None], run.explain()
         assert "CONNECT or Upgrade" in str(found[2]["detail"]), run.explain()

@@ -230,3 +230,30 @@ def test_framing_spans_cover_heads_and_size_lines_not_bodies() -> None:
     assert covered[: len(head) + 3] == b"\x01" * (len(head) + 3)  # head, "3\r\n"
     assert covered[len(head) + 3 : len(head) + 6] == b"\x00" * 3  # "abc"
     assert covered[len(head) + 6 :] == b"\x01" * (len(data) - len(head) - 6)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["Content-Length: 38\r\n", "Transfer-Encoding: chunked\r\n"],
+)
+def test_a_body_on_connect_or_upgrade_is_refused(extra: str) -> None:
+    """Node's llhttp switches right after a CONNECT head whatever its Content-Length,
+    Go reads the body first: two servers, two framings."""
+    for first in (
+        f"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n{extra}\r\n".encode(),
+        req("a.test", f"Upgrade: websocket\r\nConnection: Upgrade\r\n{extra}"),
+    ):
+        seen, _, _ = fed(first + req("b.test"))
+        assert seen == ["malformed"], first
+    seen, _, _ = fed(req("a.test", "Upgrade: x\r\nContent-Length: 0\r\n") + req("b.test"))
+    assert seen == ["a.test", "b.test"]
+
+
+def test_a_trailer_over_the_bound_is_refused_however_it_is_cut() -> None:
+    from egress.datapath.firstbytes import MAX_HEAD
+
+    head = req("a.test", "Transfer-Encoding: chunked\r\n", "POST")
+    trailer = b"0\r\nX: " + b"t" * (MAX_HEAD + 10) + b"\r\n\r\n"
+    for cut in (None, len(head) + 100, len(head) + MAX_HEAD // 2):
+        seen, _, _ = fed(head + trailer, *(() if cut is None else (cut,)))
+        assert seen == ["a.test", "too_long"], cut

@@ -398,7 +398,7 @@ def test_framing_bytes_kept_are_bounded_per_flow() -> None:
     [d] = conn.fr.feed(conn.seg(tail, seq=conn.seq - len(tail)), bindings(), matcher(), 1.0)
     assert d.accept
     [d] = conn.fr.feed(conn.seg(tail, seq=ISN), bindings(), matcher(), 1.0)
-    assert not d.accept and d.verdict and d.verdict.reason == "overlap"
+    assert not d.accept and d.verdict is None  # cannot be told: reset, no violation
 
 
 def test_a_held_flow_forgotten_for_a_reconnect_gets_its_verdicts() -> None:
@@ -451,3 +451,27 @@ def test_urgent_data_past_a_gap_is_refused() -> None:
         (False, "malformed"),
         (False, None),  # the bytes before it, of a refused flow: reset
     ]
+
+
+def test_a_first_write_ending_inside_an_element_goes_on_unmarked() -> None:
+    """Nothing of the flow was released (its first segment ends inside a chunk-size
+    line), so conntrack has not marked it read: its next segment comes unmarked and is
+    its next bytes, not a new connection's first request."""
+    conn = Conn(FirstRequests())
+    head = http("allowed.test", "Transfer-Encoding: chunked\r\n", "POST")
+    assert conn.send(head + b"6", read=False) == []  # held: "6" may go on
+    [d] = conn.send(b"4\r\n" + b"x" * 100 + b"\r\n0\r\n\r\n", read=False)
+    assert d.accept and d.read and d.packet_ids == (100, 101)
+    assert d.verdict and d.verdict.name == "allowed.test"
+    [d] = conn.send(http("allowed.test"), read=False)  # marked read by now: a probe
+    assert d.probe
+
+
+def test_a_gap_long_after_the_flow_began_is_waited_for_its_own_time() -> None:
+    conn = opened()
+    conn.seg(http("allowed.test"))  # lost
+    late = conn.seg(http("allowed.test"))
+    assert conn.fr.feed(late, bindings(), matcher(), 100.0) == []
+    assert conn.fr.expire(100.01) == []  # not the flow's start, 99 s before
+    [d] = conn.fr.expire(105.0)
+    assert d.quiet
