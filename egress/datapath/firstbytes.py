@@ -235,8 +235,7 @@ def _http(data: bytes) -> FirstBytes:
     # A lone CR or LF ends a line for some servers and not for others: refused as soon as
     # it is seen (a CR at the very end may still be followed by its LF).
     head = data[:end] if end >= 0 else data[: MAX_HEAD + 4].removesuffix(b"\r")
-    crlf = head.count(b"\r\n")
-    if head.count(b"\n") != crlf or head.count(b"\r") != crlf:
+    if lone_line_end(head):
         method = data.partition(b" ")[0]
         if method in METHODS:
             return _refuse("http", "malformed", "a line ended by a lone CR or LF")
@@ -266,11 +265,10 @@ def _http(data: bytes) -> FirstBytes:
     for line in lines[1:]:
         if not line or line[:1] in (b" ", b"\t"):
             return _refuse("http", "malformed", "a folded or empty header line")
-        field, colon, value = line.partition(b":")
-        if not colon or not field or not _TCHAR.issuperset(field):
-            return _refuse("http", "malformed", f"header line {line[:40]!r}")
-        if not _VALUE_CTL.isdisjoint(value):
-            return _refuse("http", "malformed", f"a control byte in header {field[:40]!r}")
+        problem = field_line_problem(line)
+        if problem:
+            return _refuse("http", "malformed", problem)
+        field, _, value = line.partition(b":")
         if field.lower() == b"host":
             hosts.append(value.strip(b" \t"))
     if len(hosts) > 1:
@@ -285,6 +283,24 @@ def _http(data: bytes) -> FirstBytes:
     if not hosts:
         return _refuse("http", "no_host", "no Host header")
     return _authority(hosts[0])
+
+
+def lone_line_end(data: bytes) -> bool:
+    """``data`` holds a CR or LF that is not part of a CRLF: some servers end a line
+    there and others do not (a request head's, or a trailer's)."""
+    crlf = data.count(b"\r\n")
+    return data.count(b"\n") != crlf or data.count(b"\r") != crlf
+
+
+def field_line_problem(line: bytes) -> str:
+    """What is wrong with a header or trailer field line for a reader as strict as any
+    server: a name that is not a token, or a control byte in the value; "" if nothing."""
+    field, colon, value = line.partition(b":")
+    if not colon or not field or not _TCHAR.issuperset(field):
+        return f"header line {line[:40]!r}"
+    if not _VALUE_CTL.isdisjoint(value):
+        return f"a control byte in header {field[:40]!r}"
+    return ""
 
 
 def _unknown() -> FirstBytes:

@@ -47,14 +47,14 @@ from dataclasses import dataclass
 from enum import Enum
 
 from egress.datapath.firstbytes import (
-    _TCHAR,
-    _VALUE_CTL,
     MAX_HEAD,
     METHODS,
     FirstBytes,
     Outcome,
     _refuse,
+    field_line_problem,
     judge,
+    lone_line_end,
 )
 
 MAX_SIZE_LINE = 1024  # a chunk-size line with its extensions
@@ -255,13 +255,14 @@ class RequestStream:
         if end < 0:
             if len(buf) > MAX_HEAD:
                 return self._refuse(heads, "too_long", f"a trailer over {MAX_HEAD:,} bytes")
-            if _bad_lines(bytes(buf).removesuffix(b"\r")):
+            if lone_line_end(bytes(buf).removesuffix(b"\r")):
                 return self._refuse(heads, "malformed", "a trailer line ended by a lone CR or LF")
             return None
         if end > MAX_HEAD:
             return self._refuse(heads, "too_long", f"a trailer over {MAX_HEAD:,} bytes")
         trailer = bytes(buf[: end + 4])
-        if _bad_lines(trailer[:-4]) or not _fields_ok(trailer[:-4].split(b"\r\n")):
+        fields = trailer[:-4]
+        if lone_line_end(fields) or any(map(field_line_problem, fields.split(b"\r\n"))):
             return self._refuse(heads, "malformed", "a malformed trailer field")
         self._state = _State.HEAD
         return self._done(len(trailer))
@@ -354,22 +355,6 @@ def _framing_of(head: bytes) -> _Framing | FirstBytes:
             return _refuse("http", "malformed", "Content-Length values that differ")
         return _Framing(False, int(first), switches)
     return _Framing(False, 0, switches)
-
-
-def _bad_lines(data: bytes) -> bool:
-    """A CR or LF that is not part of a CRLF."""
-    crlf = data.count(b"\r\n")
-    return data.count(b"\r") != crlf or data.count(b"\n") != crlf
-
-
-def _fields_ok(lines: list[bytes]) -> bool:
-    for line in lines:
-        field, colon, value = line.partition(b":")
-        if not colon or not field or not _TCHAR.issuperset(field):
-            return False
-        if not _VALUE_CTL.isdisjoint(value):
-            return False
-    return True
 
 
 def _merge(spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

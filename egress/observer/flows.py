@@ -94,13 +94,14 @@ class FlowWatch:
         if read and not self.requests.reads(key):
             return []  # a stream whose start this observer did not see: the inline layer's
         decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
-        if any(d.probe for d in decisions) and self.requests.follows(seg):
+        probed = any(d.probe for d in decisions)
+        if probed and self.requests.follows(seg):
             # Copied before the flow's first request passed (conntrack read it on only
             # after), in order: the read connection's next bytes, as far as this layer
             # can tell. Past a gap, it is judged below as a reconnect's would be.
             seg = replace(seg, read=True)
             decisions = self.requests.feed(seg, self.bindings, self.matcher, now)
-        elif any(d.probe for d in decisions):
+        elif probed:
             # Late bytes of a flow that passed, or a new connection from the same port:
             # the inline layer asks conntrack, this layer cannot. A segment that is a whole
             # first request naming a host is judged as one (what a reconnect must send to

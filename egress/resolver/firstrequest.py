@@ -156,6 +156,10 @@ class _Waiting:
     segments: dict[int, Segment] = field(default_factory=dict)  # by seq
     held: list[int] = field(default_factory=list)  # packet ids, bare ACKs included
 
+    def start(self) -> int:
+        """The sequence number of the earliest byte held (0 with none)."""
+        return min(self.segments, key=lambda s: _distance(self.first_seq, s), default=0)
+
 
 @dataclass
 class _Reading:
@@ -175,8 +179,9 @@ class _Reading:
     forgotten: int = 0  # before this stream offset not even where framing was is known
     verdict: FlowVerdict | None = None  # the last head passed, not yet released
     passed_at: float = 0.0  # when its first request passed
-    released: bool = False  # a verdict was released: the next ones are on later requests
-    marked: bool = False  # a segment went with READ_MARK: conntrack knows the flow as read
+    # A segment went with READ_MARK: conntrack knows the flow as read, and a verdict
+    # released from now on is on a later request (the first release carries the first's).
+    marked: bool = False
 
     def next_seq(self) -> int:
         return (self.base + self.stream.offset) % (1 << 32)
@@ -417,8 +422,9 @@ class FirstRequests:
     ) -> list[Decision]:
         """A first request in plain HTTP: the flow is read on, from its first byte."""
         del self._waiting[key]
-        start = min(flow.segments, key=lambda s: _distance(flow.first_seq, s))
-        r = _Reading(flow.dst, flow.dport, RequestStream(), start, list(flow.held), flow.started)
+        r = _Reading(
+            flow.dst, flow.dport, RequestStream(), flow.start(), list(flow.held), flow.started
+        )
         r.passed_at = now
         self._decided.pop(key, None)
         self._reading[key] = r
@@ -432,6 +438,8 @@ class FirstRequests:
         key, pid = seg.key, seg.packet_id
         if self._held >= self.max_held:  # the queue must never fill: its client sends it again
             return [Decision((pid,), False, key, quiet=True)]
+        if seg.urgent and seg.data:  # in order or past a gap
+            return [self._refuse_with(key, r, pid, "urgent data (URG) in a request", "malformed")]
         rel = _distance(r.next_seq(), seg.seq)
         if rel > 0:  # past a gap: kept until the bytes before it come, or dropped
             return self._hold_ahead(key, r, seg, now)
@@ -440,8 +448,6 @@ class FirstRequests:
         if len(r.held) == 1:
             r.held_since = now
             self._holding.add(key)
-        if seg.urgent and seg.data:
-            return [self._refuse_read(key, r, "urgent data (URG) in a request", "malformed")]
         refusal = self._take(key, r, seg, bindings, matcher, now)
         while refusal is None and r.ahead:
             ready = sorted((q for q in r.ahead if _distance(r.next_seq(), q) <= 0),
@@ -449,10 +455,11 @@ class FirstRequests:
             if not ready:
                 break
             for q in ready:
-                if refusal is None:
-                    taken = r.ahead.pop(q)
-                    r.held.append(taken.packet_id)
-                    refusal = self._take(key, r, taken, bindings, matcher, now)
+                taken = r.ahead.pop(q)
+                r.held.append(taken.packet_id)
+                refusal = self._take(key, r, taken, bindings, matcher, now)
+                if refusal is not None:
+                    break
         if refusal is not None:
             return [refusal]
         if len(r.held) >= HELD_FACTOR * self.max_segments:
@@ -463,17 +470,11 @@ class FirstRequests:
         """A segment past a gap. Its copies must agree (the receiver keeps one); beyond
         ``max_segments`` of them it is dropped, for its client to send again: a gap is
         a lost segment (the queue overflowed), not the workload's doing."""
-        if seg.urgent and seg.data:
-            r.held.append(seg.packet_id)
-            self._held += 1
-            r.held_since = r.held_since or now
-            return [self._refuse_read(key, r, "urgent data (URG) in a request", "malformed")]
         known = r.ahead.get(seg.seq)
         if known is not None:
             if not _agree(known.data, seg.data):
-                r.held.append(seg.packet_id)
-                self._held += 1
-                return [self._refuse_read(key, r, "a retransmission with other bytes", "overlap")]
+                why = "a retransmission with other bytes"
+                return [self._refuse_with(key, r, seg.packet_id, why, "overlap")]
             if len(seg.data) <= len(known.data):
                 return [Decision((seg.packet_id,), False, key, quiet=True)]  # held already
             r.ahead[seg.seq] = seg  # a longer copy: the shorter one's packet goes
@@ -535,9 +536,8 @@ class FirstRequests:
         if r.stream.pending:
             return []
         ids = tuple(r.held)
-        later = r.released and r.verdict is not None
+        later = r.marked and r.verdict is not None
         d = Decision(ids, True, key, r.verdict, read=True, later=later)
-        r.released = r.released or r.verdict is not None
         r.marked = r.marked or bool(ids)
         r.held_since = 0.0
         self._held -= len(ids)
@@ -545,6 +545,14 @@ class FirstRequests:
         if not r.ahead:
             self._holding.discard(key)
         return [d] if ids else []
+
+    def _refuse_with(
+        self, key: FlowKey, r: _Reading, packet_id: int, why: str, reason: str
+    ) -> Decision:
+        """Refuse the flow with ``packet_id``, just come, among what it holds."""
+        r.held.append(packet_id)
+        self._held += 1
+        return self._refuse_read(key, r, why, reason)
 
     def _refuse_read(
         self,
@@ -589,7 +597,7 @@ class FirstRequests:
 
     def _gap(self, flow: _Waiting, data: bytes) -> bool:
         """Held bytes lie past the first gap (``data`` ends at it)."""
-        start = min(flow.segments, key=lambda s: _distance(flow.first_seq, s))
+        start = flow.start()
         return any(_distance(start, q) + len(s.data) > len(data) for q, s in flow.segments.items())
 
     def _contiguous(self, flow: _Waiting) -> bytes | None:
@@ -623,9 +631,9 @@ class FirstRequests:
     def _decide(self, key: FlowKey, verdict: FlowVerdict, now: float | None = None) -> Decision:
         flow = self._waiting.pop(key)
         self._held -= len(flow.held)
-        start = min(flow.segments, key=lambda s: _distance(flow.first_seq, s), default=0)
         length = self._size(flow)
-        self._remember(key, verdict.allowed, start, length, flow.started if now is None else now)
+        self._remember(key, verdict.allowed, flow.start(), length,
+                       flow.started if now is None else now)  # fmt: skip
         return Decision(tuple(flow.held), verdict.allowed, key, verdict)
 
     def _remember(self, key: FlowKey, allowed: bool, start: int, length: int, at: float) -> None:
