@@ -269,6 +269,26 @@ class TunnelSpec:
     search_domains: tuple[str, ...] = ()
 
 
+# The fewest bytes ``Limits.memory`` may be: bubblewrap, tini and an interpreter start in
+# about 10 MiB; below this a workload is killed before it runs a line.
+MIN_MEMORY = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a sandbox egress makes may hold at once, enforced by its cgroup: a fork or
+    memory bomb inside stays inside (the kernel refuses the fork; its OOM killer picks
+    among the sandbox's processes) instead of taking the host, and the layers that must
+    freeze it, down with it. None: no limit. A sandbox egress attaches to (a container,
+    a pod) has its runtime's cgroup and limits; egress leaves those alone.
+
+    4,096 tasks leaves a parallel build alone (``make -j``, cargo and npm start a few
+    hundred processes and threads) and keeps a fork bomb to a few MB of kernel memory."""
+
+    pids: int | None = 4096  # processes and threads at once
+    memory: int | None = None  # bytes of RAM (its private /tmp is RAM too) and swap
+
+
 @dataclass(frozen=True)
 class Policy:
     name: str
@@ -278,6 +298,7 @@ class Policy:
     connect: ConnectSpec
     tunnel: TunnelSpec
     violations: dict[ViolationClass, Action] = field(hash=False)
+    limits: Limits = Limits()
     # metadata.annotations: what other tools keep with a policy (egressctl import cilium
     # keeps the endpoint selector there, so export can give it back); egress reads none.
     annotations: tuple[tuple[str, str], ...] = ()

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from egress.model import MAX_ZONE_FREE_BYTES, Action, RateLimit, TunnelSpec, ViolationClass
+from egress.model import (
+    MAX_ZONE_FREE_BYTES,
+    MIN_MEMORY,
+    Action,
+    Limits,
+    RateLimit,
+    TunnelSpec,
+    ViolationClass,
+)
 from egress.policy.dnsspec import MAX_RATE
+from egress.policy.limitsspec import MAX_MEMORY, MAX_PIDS, MIN_PIDS, NO_LIMIT
 from egress.policy.tunnelspec import MAX_ZONES
 
 Schema = dict[str, Any]
@@ -353,6 +362,34 @@ def _violations() -> Schema:
     )
 
 
+def _limits() -> Schema:
+    d = Limits()
+    return _obj(
+        "What a sandbox egress makes may hold at once, through its cgroup (a container's"
+        " or pod's runtime sets its own). 'max': no limit.",
+        {
+            "pids": {
+                "oneOf": [
+                    {"type": "integer", "minimum": MIN_PIDS, "maximum": MAX_PIDS},
+                    {"const": NO_LIMIT},
+                ],
+                "default": d.pids,
+                "description": f"Processes and threads at once. Default {d.pids}.",
+            },
+            "memory": {
+                "oneOf": [
+                    {"type": "integer", "minimum": MIN_MEMORY, "maximum": MAX_MEMORY},
+                    {"type": "string", "pattern": r"^[0-9]{1,16}(Ki|Mi|Gi|Ti)?$"},
+                    {"const": NO_LIMIT},
+                ],
+                "default": NO_LIMIT,
+                "description": "RAM and swap, its private /tmp included, in bytes or binary"
+                " units (512Mi, 2Gi); the OOM killer acts inside the sandbox. Default no limit.",
+            },
+        },
+    )
+
+
 def policy_json_schema() -> dict[str, Any]:
     """The schema as a JSON-ready dict."""
     spec = _obj(
@@ -363,6 +400,7 @@ def policy_json_schema() -> dict[str, Any]:
             "connect": _connect(),
             "tunnel": _tunnel(),
             "violations": _violations(),
+            "limits": _limits(),
         },
         ["dns"],
     )

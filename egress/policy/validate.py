@@ -38,6 +38,7 @@ from egress.policy.checks import (
     get_str,
 )
 from egress.policy.dnsspec import build_dns
+from egress.policy.limitsspec import build_limits
 from egress.policy.ports import ALL_PORTS, PROTOCOLS, build_ports, for_proto, port_list
 from egress.policy.tree import Map, Node, Scalar, Seq
 from egress.policy.tunnelspec import TUNNEL_KEYS as TUNNEL_KEYS  # the vocabulary, in one place
@@ -49,7 +50,7 @@ KIND = "Policy"
 TOP_KEYS = ("apiVersion", "kind", "metadata", "spec")
 METADATA_KEYS = ("name", "annotations")
 MAX_ANNOTATION = 4096  # characters of one annotation's value
-SPEC_KEYS = ("mode", "dns", "connect", "tunnel", "violations")
+SPEC_KEYS = ("mode", "dns", "connect", "tunnel", "violations", "limits")
 CONNECT_KEYS = ("ports", "allow", "check_names")
 CIDR_RULE_KEYS = ("cidr", "ports", "proto")
 VIOLATION_KEYS = tuple(cls.value for cls in ViolationClass)
@@ -139,6 +140,7 @@ def _spec(node: Node | None, name: str, source: str, report: Report) -> Policy:
         connect=connect,
         tunnel=build_tunnel(entry(spec, "tunnel"), report),
         violations=_violations(entry(spec, "violations"), report),
+        limits=build_limits(entry(spec, "limits"), report),
     )
 
 

@@ -129,6 +129,15 @@ def test_an_audit_policy_is_not_exported() -> None:
         write(policy)
 
 
+def test_the_export_says_limits_are_not_carried_only_when_set() -> None:
+    text = "apiVersion: egress/v1\nkind: Policy\nmetadata: {name: a}\nspec:\n" \
+        "  dns: {allow: [x.example.com]}\n"  # fmt: skip
+    plain, _ = parse_policy(text, "a.yaml")
+    limited, _ = parse_policy(text + "  limits: {memory: 1Gi}\n", "a.yaml")
+    assert "spec.limits" not in write(plain)
+    assert "#   spec.limits (set the pod's resources.limits" in write(limited)
+
+
 HEAD = """apiVersion: cilium.io/v2
 kind: CiliumNetworkPolicy
 metadata: {name: t}

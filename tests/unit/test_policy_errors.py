@@ -387,3 +387,47 @@ def test_annotations_are_strings_under_plain_keys() -> None:
     text = str(info.value)
     assert "metadata.annotations: key 'bad key': use letters" in text
     assert "metadata.annotations.k: expected a string, got a list" in text
+
+
+def test_limits_values() -> None:
+    text = HEAD + ("  dns: {allow: []}\n  limits:\n    pids: 8\n    memory: 2G\n    swap: max\n")
+    assert_problems(
+        text_problems(text),
+        [
+            ("7:11", "spec.limits.pids: must be 16-4194304 (or 'max'), got 8"),
+            (
+                "8:13",
+                "spec.limits.memory: '2G' is ambiguous (10^n bytes to Kubernetes, 2^n to"
+                " systemd): write 2Gi, or the number of bytes",
+            ),
+            ("9:5", "spec.limits: unknown key 'swap'; allowed: pids, memory"),
+        ],
+    )
+    assert_problems(
+        text_problems(HEAD + "  dns: {allow: []}\n  limits: {pids: '64', memory: 16Mi}\n"),
+        [
+            ("6:18", "spec.limits.pids: expected a whole number of tasks or 'max', got a string"),
+            ("6:32", "spec.limits.memory: 16Mi is below the least a workload starts in (32Mi)"),
+        ],
+    )
+    assert_problems(
+        text_problems(HEAD + "  dns: {allow: []}\n  limits: {memory: 1.5Gi}\n"),
+        [("6:20", "spec.limits.memory: expected a size like 512Mi or 2Gi, or 'max', got '1.5Gi'")],
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "pids", "memory"),
+    [
+        ("", 4096, None),
+        ("  limits: {}\n", 4096, None),
+        ("  limits: {pids: max, memory: max}\n", None, None),
+        ("  limits: {pids: 100, memory: 512Mi}\n", 100, 512 << 20),
+        ("  limits: {memory: 1Gi}\n", 4096, 1 << 30),
+        ("  limits: {memory: 33554432}\n", 4096, 32 << 20),
+        ("  limits: {memory: '2Ti'}\n", 4096, 2 << 40),
+    ],
+)
+def test_limits_read(text: str, pids: int | None, memory: int | None) -> None:
+    policy, _ = parse_policy(HEAD + "  dns: {allow: []}\n" + text, "t.yaml")
+    assert (policy.limits.pids, policy.limits.memory) == (pids, memory)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from egress.policy import dnsspec, ports, validate
+from egress.policy import dnsspec, limitsspec, ports, validate
 from egress.policy.schema import policy_json_schema
 
 POLICIES = sorted((Path(__file__).resolve().parents[2] / "policies").glob("*.yaml"))
@@ -40,6 +40,7 @@ def test_schema_keys_match_the_validator() -> None:
         ("spec", "connect"): validate.CONNECT_KEYS,
         ("spec", "tunnel"): validate.TUNNEL_KEYS,
         ("spec", "violations"): validate.VIOLATION_KEYS,
+        ("spec", "limits"): limitsspec.LIMITS_KEYS,
     }
     for path, keys in expected.items():
         node = props(schema, *path)
@@ -84,6 +85,11 @@ def test_schema_rejects_what_the_validator_rejects() -> None:
         {"dns": {}},
         {"dns": {"allow": []}, "mode": "Enforce"},
         {"dns": {"allow": []}, "connect": {"ports": [0]}},
+        {"dns": {"allow": []}, "limits": {"pids": 8}},
+        {"dns": {"allow": []}, "limits": {"pids": "4096"}},
+        {"dns": {"allow": []}, "limits": {"memory": "2G"}},
+        {"dns": {"allow": []}, "limits": {"memory": 1024}},
+        {"dns": {"allow": []}, "limits": {"swap": "max"}},
     ]
     for bad_spec in bad_specs:
         assert not validator.is_valid({**good, "spec": bad_spec}), bad_spec
