@@ -216,7 +216,8 @@ def cmd_exec(args: argparse.Namespace) -> int:
             f"sandbox {args.sandbox} is attached to a netns another runtime made; "
             "start its processes through that runtime"
         )
-    cgroup = Cgroup.attach_existing(data["cgroup"], data.get("freezer"), data.get("cpu"))
+    cgroup = Cgroup.attach_existing(data["cgroup"], data.get("freezer"), data.get("cpu"),
+                                    data.get("pids"), data.get("memory"))  # fmt: skip
     # egressd's answer may be a moment old: the kernel's word, right before the start.
     # A child joining a frozen cgroup would stop before its first instruction.
     if data["state"] == SandboxState.FROZEN or cgroup.is_frozen():

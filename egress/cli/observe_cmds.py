@@ -47,11 +47,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_observe(args: argparse.Namespace) -> int:
+    from egress.kernel import oom
     from egress.kernel.sched import leave_realtime
     from egress.observer.layer import Observer, ObserverConfig
     from egress.store.paths import state_dir
 
     leave_realtime("egressctl observe")  # it freezes too (e.g. as a pod's observer)
+    oom.shelter("egressctl observe")
     if args.freezer is not None and args.cgroup is None:
         raise SandboxError("--freezer needs --cgroup (the v2 directory it mirrors)")
     peers = None

@@ -21,7 +21,7 @@ from egress import __version__
 from egress.collect import Collector
 from egress.daemon.lag import LoopLag
 from egress.errors import EgressError, SandboxError
-from egress.kernel import nft
+from egress.kernel import nft, oom
 from egress.kernel.netns_cgroup import enter_host_cgroupns
 from egress.kernel.sched import leave_realtime, raise_session_group
 from egress.observer.supervisor import Supervisor
@@ -234,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _host_cgroupns("egressd observer")
             _raise_open_files()  # a few descriptors per sandbox watched
             leave_realtime("egressd observer")  # it freezes too
+            oom.shelter("egressd observer")
             sup = Supervisor(Path(args.run_dir), state_dir(args.state_dir), args.shards)
             return sup.run()
         if args_in[:1] == ["sidecar"]:
@@ -391,6 +392,7 @@ def _raise_priority() -> None:
     (kernel/sched.py, raise_session_group): else -10 counts only against egressd's own
     workers. Real-time is not safe: see kernel/sched.py."""
     leave_realtime("egressd")
+    oom.shelter("egressd")
     with contextlib.suppress(OSError):
         if os.getpriority(os.PRIO_PROCESS, 0) > NICE:
             os.setpriority(os.PRIO_PROCESS, 0, NICE)

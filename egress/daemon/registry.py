@@ -117,6 +117,8 @@ class Served:
             "cgroup": r.cgroup,
             "freezer": r.freezer,
             "cpu": self.sb.cgroup.cpu_path,  # the v1 cpu twin of one egress made, if any
+            "pids": self.sb.cgroup.pids_path,  # its v1 pids twin (spec.limits.pids), if any
+            "memory": self.sb.cgroup.memory_path,  # its v1 memory twin, if any
             "uplink_netns": r.uplink_netns,
             "upstream": r.upstream,
             "uid": r.uid,  # the workload's own uid and gid (created sandboxes)

@@ -41,7 +41,7 @@ from egress.datapath.render import queue_rules as render_queue_rules
 from egress.errors import DatapathError, EgressError, SandboxError, UpstreamError
 from egress.inline import wiring
 from egress.inline.upstream import parse_upstream, resolve_upstreams, set_mark
-from egress.kernel import netns
+from egress.kernel import netns, oom
 from egress.kernel import queue_rule as queue_rules
 from egress.kernel.cgroup import Cgroup, find_mounts
 from egress.kernel.netns_cgroup import NoCgroup, Peers
@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise SandboxError("egressd sidecar needs root (nft, NFLOG, SO_MARK and the cgroup)")
     leave_realtime("egressd sidecar")
+    oom.shelter("egressd sidecar")
     cfg = _config(args)
     try:
         lock = _lock(cfg.state)

@@ -16,6 +16,7 @@ tracked) go too: the safe direction.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from egress.datapath import constants as c
 from egress.datapath.elements import SetUpdate, plan_update
 from egress.datapath.render import queue_rules as render_queue_rules
 from egress.datapath.render import reload_rules
-from egress.errors import DatapathError
+from egress.errors import DatapathError, EgressError
 from egress.inline.server import ResolverServer
 from egress.kernel import queue_rule
 from egress.kernel.nft import NftHandle
@@ -151,17 +152,28 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
     keep = resolver.justified(policy, now)
     # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,
     # and would call the template's a redefinition.
-    if policy.connect.check_names:  # the NFQUEUE rule first: until it is there, fail closed
-        queue_rule.install(sb.reach, render_queue_rules(), check=True)
-    with NftHandle.open(sb.reach, label=sb.netns) as nft:
-        for attempt in (1, 2):
-            text, removed = swap_text(nft, policy, keep)
-            try:
-                nft.load(text)
-                break
-            except DatapathError as exc:
-                if attempt == 2 or "No such file or directory" not in str(exc):
-                    raise
+    # Limits first: the kernel may refuse less memory than the sandbox uses, and then
+    # nothing has changed. Only a cgroup egress made has egress's limits.
+    limits = sb.cgroup.ours and policy.limits != sb.policy.limits
+    if limits:
+        sb.cgroup.set_limits(policy.limits)
+    try:
+        if policy.connect.check_names:  # the NFQUEUE rule first: until it is there, fail closed
+            queue_rule.install(sb.reach, render_queue_rules(), check=True)
+        with NftHandle.open(sb.reach, label=sb.netns) as nft:
+            for attempt in (1, 2):
+                text, removed = swap_text(nft, policy, keep)
+                try:
+                    nft.load(text)
+                    break
+                except DatapathError as exc:
+                    if attempt == 2 or "No such file or directory" not in str(exc):
+                        raise
+    except BaseException:
+        if limits:  # the old policy stays in force, all of it
+            with contextlib.suppress(EgressError):
+                sb.cgroup.set_limits(sb.policy.limits)
+        raise
     resolver.core.set_policy(policy)
     resolver.core.bindings.forget_inherited()  # their elements went with the swap
     resolver.core.scorer = scorer_for(policy.tunnel, time.monotonic)

@@ -18,6 +18,12 @@ the root task group, where the kernel weighs tasks by session (autogroups) and a
 workload that starts a session per busy process would multiply its share of the CPUs
 past the layers that must freeze it. All sandboxes' workloads weigh as one session.
 
+A sandbox egress made also has its limits (``model.Limits``: tasks, memory) where those
+controllers are: twins in the v1 pids and memory hierarchies on hybrid hosts, its own
+cgroup's pids.max and memory.max on cgroup v2 (``set_limits``). A fork or memory bomb
+then fails or is OOM-killed inside the sandbox, instead of starving the host and the
+layers that must freeze it.
+
 Mount points are read from /proc/self/mountinfo, never assumed (cgroup_mounts.py).
 """
 
@@ -34,6 +40,7 @@ from collections.abc import Callable, Collection
 
 from egress.errors import SandboxError
 from egress.kernel.cgroup_mounts import CgroupMounts, find_mounts, parse_mountinfo
+from egress.model import Limits
 
 __all__ = ["Cgroup", "CgroupMounts", "find_mounts", "parse_mountinfo"]
 
@@ -82,17 +89,21 @@ def _events(text: str) -> dict[str, str]:
 
 class Cgroup:
     """One sandbox cgroup in the v2 hierarchy, mirrored in the v1 freezer if present (and
-    in the v1 cpu controller, if present, for one egress made)."""
+    in the v1 cpu, pids and memory controllers, where present, for one egress made)."""
 
     def __init__(
         self, v2_path: str, freezer_path: str | None, ours: bool = False,
-        cpu_path: str | None = None,
+        cpu_path: str | None = None, pids_path: str | None = None,
+        memory_path: str | None = None,
     ) -> None:  # fmt: skip
         self.v2_path = v2_path  # "" while unbound (``in_netns``)
         self.freezer_path = freezer_path
         # Membership only: never frozen or read. Not for a runtime's cgroups (attached):
         # their tasks are placed, and weighed, by that runtime.
         self.cpu_path = cpu_path
+        # Membership and limits (``set_limits``), for one egress made; never frozen.
+        self.pids_path = pids_path
+        self.memory_path = memory_path
         self.ours = ours  # under egress's own parent: the last one out removes the parent
         self.netns: str | None = None  # unbound: the netns whose processes say which
         self.netns_label: str | None = None  # its name in messages, if ``netns`` is an fd's
@@ -108,89 +119,166 @@ class Cgroup:
     # ---- construction -------------------------------------------------------------
 
     @classmethod
-    def _paths(cls, name: str, parent: str) -> tuple[str, str | None, str | None]:
-        """<v2>/<parent>/<name>, and its v1 freezer and cpu twins where those are mounted."""
+    def _paths(cls, name: str, parent: str) -> list[str | None]:
+        """<v2>/<parent>/<name>, and its v1 freezer, cpu, pids and memory twins (in that
+        order) where those are mounted."""
         mounts = find_mounts()
         if mounts.v2 is None:
             raise SandboxError("no cgroup2 filesystem is mounted")
         rel = os.path.join(_check_name(parent), _check_name(name))
-        freezer = os.path.join(mounts.freezer, rel) if mounts.freezer else None
-        cpu = os.path.join(mounts.cpu, rel) if mounts.cpu else None
-        return os.path.join(mounts.v2, rel), freezer, cpu
+        v1 = (mounts.freezer, mounts.cpu, mounts.pids, mounts.memory)
+        return [os.path.join(mounts.v2, rel)] + [os.path.join(m, rel) if m else None for m in v1]
 
     @classmethod
-    def create(cls, name: str, parent: str = "egress") -> Cgroup:
-        """Make <v2>/<parent>/<name> (and its v1 freezer and cpu twins); SandboxError if
-        it exists."""
-        v2, freezer, cpu = cls._paths(name, parent)
+    def create(cls, name: str, parent: str = "egress", limits: Limits | None = None) -> Cgroup:
+        """Make <v2>/<parent>/<name> (and its v1 twins), with ``limits`` set before any
+        process joins; SandboxError if it exists, or if a limit cannot be set."""
+        paths = cls._paths(name, parent)
         made: list[str] = []
         try:
-            for path in (v2, freezer, cpu):
+            for path in paths:
                 if path is not None:
                     _mkdir(path)
                     made.append(path)
+            v2, freezer, cpu, pids, memory = paths
+            assert v2 is not None  # _paths makes it
+            cgroup = cls(v2, freezer, ours=True, cpu_path=cpu, pids_path=pids,
+                         memory_path=memory)  # fmt: skip
+            if limits is not None:
+                cgroup.set_limits(limits)
         except SandboxError:
             for path in reversed(made):
                 _rmdir(path)
-            for path in (v2, freezer, cpu):  # the parents this one may have made
+            for path in paths:  # the parents this one may have made
                 if path is not None:
                     _rmdir_parent(path)
             raise
-        return cls(v2, freezer, ours=True, cpu_path=cpu)
+        return cgroup
 
     @classmethod
     def open(cls, name: str, parent: str = "egress") -> Cgroup:
-        v2, freezer, cpu = cls._paths(name, parent)
+        v2, *twins = cls._paths(name, parent)
+        assert v2 is not None  # _paths makes it
         if not os.path.isdir(v2):
             raise SandboxError(f"no cgroup {v2}")
-        return cls(
-            v2, freezer if freezer and os.path.isdir(freezer) else None, ours=True,
-            cpu_path=cpu if cpu and os.path.isdir(cpu) else None,
-        )  # fmt: skip
+        freezer, cpu, pids, memory = (t if t and os.path.isdir(t) else None for t in twins)
+        return cls(v2, freezer, ours=True, cpu_path=cpu, pids_path=pids, memory_path=memory)
 
-    def adopt_cpu_twin(self) -> list[str]:
-        """A sandbox egress made before its cpu twins existed, now adopted by an egressd
-        that makes them: the twin made and every process moved in, as a create would
-        have placed them (see the module doc). Nothing to do for another's cgroup, where
-        the twin exists, or where no v1 cpu controller is mounted. Returns what could not
-        be done, for the caller to say: the sandbox is served all the same."""
-        if not self.ours or self.cpu_path is not None or not self.v2_path:
+    # ---- limits -------------------------------------------------------------------
+
+    def set_limits(self, limits: Limits) -> None:
+        """Write ``limits`` where this sandbox's tasks are counted: its v1 pids and memory
+        twins, else its own cgroup's files in v2 (the controller turned on for egress's
+        parent). SandboxError if a limit is set and no controller here can hold it, or the
+        kernel refuses it (memory below what the sandbox uses and cannot give back)."""
+        if self.pids_path:
+            _write(os.path.join(self.pids_path, "pids.max"), _v2_value(limits.pids))
+        elif _v2_controller(self.v2_path, "pids", wanted=limits.pids is not None):
+            _write(os.path.join(self.v2_path, "pids.max"), _v2_value(limits.pids))
+        if self.memory_path:
+            _v1_memory(self.memory_path, limits.memory)
+        elif _v2_controller(self.v2_path, "memory", wanted=limits.memory is not None):
+            _write(os.path.join(self.v2_path, "memory.max"), _v2_value(limits.memory))
+            # memory.max bounds RAM; without this the rest would go to swap unbounded.
+            swap = os.path.join(self.v2_path, "memory.swap.max")
+            if os.path.exists(swap):
+                _write(swap, "0" if limits.memory is not None else "max")
+
+    def limits(self) -> Limits:
+        """The limits in force, read back from the kernel (None: none)."""
+        pids: int | None = None
+        memory: int | None = None
+        if self.pids_path or os.path.exists(os.path.join(self.v2_path, "pids.max")):
+            text = _read(os.path.join(self.pids_path or self.v2_path, "pids.max")).strip()
+            pids = None if text == "max" else int(text)
+        if self.memory_path:
+            value = int(_read(os.path.join(self.memory_path, "memory.limit_in_bytes")))
+            memory = None if value >= _V1_NO_LIMIT else value
+        elif os.path.exists(os.path.join(self.v2_path, "memory.max")):
+            text = _read(os.path.join(self.v2_path, "memory.max")).strip()
+            memory = None if text == "max" else int(text)
+        return Limits(pids=pids, memory=memory)
+
+    def limit_hits(self) -> dict[str, int]:
+        """How often its limits acted, as the kernel counts: forks refused at pids.max
+        (``pids_refused``) and processes its OOM killer ended inside (``oom_kills``)."""
+        hits = {}
+        where = (
+            ("pids_refused", self.pids_path or self.v2_path, "pids.events", "max"),
+            ("oom_kills", self.memory_path, "memory.oom_control", "oom_kill"),
+            ("oom_kills", self.v2_path, "memory.events", "oom_kill"),
+        )
+        for key, directory, name, field in where:
+            if not directory or key in hits:
+                continue
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    value = _events(f.read()).get(field)
+            except OSError:
+                continue
+            if value is not None:
+                hits[key] = int(value)
+        return hits
+
+    def adopt_twins(self, limits: Limits) -> list[str]:
+        """A sandbox egress made before its v1 cpu, pids or memory twins existed, now
+        adopted by an egressd that makes them: each missing twin made and every process
+        moved in, as a create would have placed them (see the module doc), then
+        ``limits`` set. Nothing to do for another's cgroup. Returns what could not be
+        done, for the caller to say: the sandbox is served all the same."""
+        if not self.ours or not self.v2_path:
             return []
         mounts = find_mounts()
-        if mounts.cpu is None or mounts.v2 is None:
+        if mounts.v2 is None:
             return []
         rel = os.path.relpath(self.v2_path, mounts.v2)
-        twin = os.path.join(mounts.cpu, rel)
+        problems = []
+        for kind, mount in (("cpu", mounts.cpu), ("pids", mounts.pids), ("memory", mounts.memory)):
+            if mount is None or getattr(self, f"{kind}_path") is not None:
+                continue
+            problems += self._adopt_twin(kind, os.path.join(mount, rel), rel)
+        try:
+            self.set_limits(limits)
+        except SandboxError as exc:
+            problems.append(f"limits not set: {exc}")
+        return problems
+
+    def _adopt_twin(self, kind: str, twin: str, rel: str) -> list[str]:
         try:
             _mkdir(twin)
         except SandboxError as exc:
-            return [f"no cpu twin: {exc}"]
-        self.cpu_path = twin  # from here a later exec joins it, whatever is left below
+            return [f"no {kind} twin: {exc}"]
+        setattr(self, f"{kind}_path", twin)  # from here a later exec joins it
         try:
             return _move_into(twin, self.pids, lambda pid: _in_v2(pid, "/" + rel))
         except SandboxError as exc:
             if not os.path.isdir(self.v2_path):  # removed meanwhile (`egressctl gc`)
-                self.cpu_path = None
+                setattr(self, f"{kind}_path", None)
                 with contextlib.suppress(SandboxError):
                     _rmdir(twin)
                     _rmdir_parent(twin)
-            return [f"cpu twin {twin}: {exc}"]
+            return [f"{kind} twin {twin}: {exc}"]
 
     @classmethod
     def attach_existing(
-        cls, v2_path: str, freezer_path: str | None = None, cpu_path: str | None = None
-    ) -> Cgroup:
+        cls, v2_path: str, freezer_path: str | None = None, cpu_path: str | None = None,
+        pids_path: str | None = None, memory_path: str | None = None,
+    ) -> Cgroup:  # fmt: skip
         """Wrap a cgroup someone else made (a container runtime, systemd), or another
-        process of egress (egressd's sandbox JSON: ``cpu_path``, its cpu twin)."""
+        process of egress (egressd's sandbox JSON: its v1 cpu, pids and memory twins,
+        which a process started there joins too)."""
         if not os.path.isfile(os.path.join(v2_path, "cgroup.procs")):
             raise SandboxError(f"{v2_path} is not a cgroup v2 directory")
         if freezer_path is not None and not os.path.isfile(
             os.path.join(freezer_path, "freezer.state")
         ):
             raise SandboxError(f"{freezer_path} is not a v1 freezer cgroup")
-        if cpu_path is not None and not os.path.isfile(os.path.join(cpu_path, "cgroup.procs")):
-            raise SandboxError(f"{cpu_path} is not a v1 cpu cgroup")
-        return cls(v2_path, freezer_path, cpu_path=cpu_path)
+        for kind, path, file in (("cpu", cpu_path, "cgroup.procs"), ("pids", pids_path, "pids.max"),
+                                 ("memory", memory_path, "memory.limit_in_bytes")):  # fmt: skip
+            if path is not None and not os.path.isfile(os.path.join(path, file)):
+                raise SandboxError(f"{path} is not a v1 {kind} cgroup")
+        return cls(v2_path, freezer_path, cpu_path=cpu_path, pids_path=pids_path,
+                   memory_path=memory_path)  # fmt: skip
 
     @classmethod
     def in_netns(
@@ -304,7 +392,8 @@ class Cgroup:
         return not self.populated() and not self._v1_pids()
 
     def _dirs(self) -> list[str]:
-        return [self.v2_path] + [d for d in (self.freezer_path, self.cpu_path) if d]
+        twins = (self.freezer_path, self.cpu_path, self.pids_path, self.memory_path)
+        return [self.v2_path] + [d for d in twins if d]
 
     # ---- freezing -----------------------------------------------------------------
 
@@ -552,6 +641,54 @@ class Cgroup:
             _rmdir(d)
             if self.ours:
                 _rmdir_parent(d)
+
+
+# What v1's memory.limit_in_bytes reads when unlimited (PAGE_COUNTER_MAX pages, rounded);
+# anything this large is no limit.
+_V1_NO_LIMIT = 1 << 62
+
+
+def _v2_value(limit: int | None) -> str:
+    return "max" if limit is None else str(limit)
+
+
+def _v2_controller(v2_path: str, controller: str, wanted: bool) -> bool:
+    """Whether ``controller``'s files are in the v2 cgroup ``v2_path``, turning it on for
+    its parent's children if the parent has it. SandboxError if ``wanted`` and it can't be:
+    a limit the policy sets is never silently left out."""
+    parent = os.path.dirname(v2_path)
+    if os.path.exists(os.path.join(v2_path, f"{controller}.max")):
+        return True
+    try:
+        available = _read(os.path.join(parent, "cgroup.controllers")).split()
+    except SandboxError:
+        available = []
+    if controller in available:
+        _write(os.path.join(parent, "cgroup.subtree_control"), f"+{controller}")
+        return True
+    if wanted:
+        raise SandboxError(
+            f"the policy limits {controller} (spec.limits.{controller}), but this host has no"
+            f" {controller} cgroup controller for {parent} (neither a v1 hierarchy nor in"
+            " cgroup v2): enable it, or set the limit to 'max'"
+        )
+    return False
+
+
+def _v1_memory(path: str, limit: int | None) -> None:
+    """memory.limit_in_bytes, and memory.memsw.limit_in_bytes (RAM and swap) where swap is
+    accounted, to the same value. The kernel keeps memsw >= the limit at every step, so
+    the one that moves towards it goes first."""
+    value = str(limit) if limit is not None else "-1"
+    ram = os.path.join(path, "memory.limit_in_bytes")
+    both = os.path.join(path, "memory.memsw.limit_in_bytes")
+    if not os.path.exists(both):
+        _write(ram, value)
+        return
+    current = int(_read(ram))
+    raising = limit is None or limit >= current
+    for file in (both, ram) if raising else (ram, both):
+        _write(file, value)
 
 
 _FD_SETSIZE = 1024

@@ -1,8 +1,9 @@
 """Where the cgroup hierarchies are mounted, read from /proc/self/mountinfo, never assumed.
 
 cgroup v2 holds every sandbox; on hybrid hosts the v1 freezer (a second freeze, see
-cgroup.py) and the v1 cpu controller (the workload's share of the CPUs, see
-``Cgroup.cpu_path``) are mounted beside it.
+cgroup.py), the v1 cpu controller (the workload's share of the CPUs, see
+``Cgroup.cpu_path``) and the v1 pids and memory controllers (its limits, see
+``Cgroup.set_limits``) are mounted beside it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ class CgroupMounts:
     v2: str | None  # the cgroup2 mount point
     freezer: str | None  # the v1 freezer hierarchy's mount point, if any
     cpu: str | None = None  # the v1 cpu controller's (often shared with cpuacct), if any
+    pids: str | None = None  # the v1 pids controller's, if any
+    memory: str | None = None  # the v1 memory controller's, if any
 
 
 def _unescape(field: str) -> str:
@@ -25,7 +28,7 @@ def _unescape(field: str) -> str:
 
 
 def parse_mountinfo(text: str) -> CgroupMounts:
-    v2 = freezer = cpu = None
+    v2 = freezer = cpu = pids = memory = None
     for line in text.splitlines():
         left, sep, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
@@ -38,7 +41,11 @@ def parse_mountinfo(text: str) -> CgroupMounts:
             freezer = mount_point
         elif fstype == "cgroup" and "cpu" in options and cpu is None:
             cpu = mount_point
-    return CgroupMounts(v2=v2, freezer=freezer, cpu=cpu)
+        elif fstype == "cgroup" and "pids" in options and pids is None:
+            pids = mount_point
+        elif fstype == "cgroup" and "memory" in options and memory is None:
+            memory = mount_point
+    return CgroupMounts(v2=v2, freezer=freezer, cpu=cpu, pids=pids, memory=memory)
 
 
 @cache

@@ -31,8 +31,9 @@ from egress.inline import wiring
 from egress.inline.server import ResolverServer
 from egress.inline.session import Session
 from egress.inline.upstream import parse_upstream, resolve_upstreams
-from egress.model import Policy, ReviewAction, SandboxState
+from egress.model import Limits, Policy, ReviewAction, SandboxState
 from egress.observer.process import ObserverProcess
+from egress.policy.limitsspec import format_size
 from egress.run.command import wait_for_exit
 from egress.sandbox import lifecycle as sbx
 from egress.sandbox import view, workload
@@ -299,6 +300,12 @@ async def _serve(
 
 def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
     with contextlib.suppress(EgressError):
+        hits = sb.cgroup.limit_hits()  # before teardown removes the cgroup
+        result.counters.update(hits)
+        said = _limits_said(sb.policy.limits, hits)
+        if said:
+            print(f"egressctl: {said}", file=sys.stderr)
+    with contextlib.suppress(EgressError):
         packets, nbytes = sb.nft.counter("inet", c.TABLE, "dropped")
         dns_packets, _ = sb.nft.counter("inet", c.TABLE, "dns_queries")
         result.counters.update(
@@ -328,6 +335,20 @@ def _collect(sb: sbx.Sandbox, journal: Journal, result: RunResult) -> None:
             result.counters["flows_refused"] = flows.refused
             result.counters["first_bytes_errors"] = flows.errors + flows.listener.verdict_errors
             result.counters["first_bytes_overruns"] = flows.listener.overruns  # dropped: closed
+
+
+def _limits_said(limits: Limits, hits: dict[str, int]) -> str:
+    """Why a workload's fork failed or a process of it was killed, when its limits acted:
+    both look like the workload's own fault from inside."""
+    said = []
+    refused, killed = hits.get("pids_refused", 0), hits.get("oom_kills", 0)
+    if refused and limits.pids is not None:
+        said.append(f"{refused} fork{'s' * (refused != 1)} refused at spec.limits.pids"
+                    f" ({limits.pids})")  # fmt: skip
+    if killed and limits.memory is not None:
+        said.append(f"{killed} process{'es' * (killed != 1)} killed at spec.limits.memory"
+                    f" ({format_size(limits.memory)})")  # fmt: skip
+    return "the workload hit its limits: " + "; ".join(said) if said else ""
 
 
 def _violation_json(row: dict[str, Any]) -> dict[str, Any]:

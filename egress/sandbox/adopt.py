@@ -33,8 +33,9 @@ def adopt_created(record: Record, policy: Policy) -> Sandbox:
         raise SandboxError(f"sandbox {record.id}: no address claim left; cannot adopt")
     claim = found[0]
     cgroup = Cgroup.open(record.id)
-    # Made by an egressd before cpu twins: its sessions would each weigh as one.
-    for problem in cgroup.adopt_cpu_twin():
+    # Made by an egressd before its v1 twins: its sessions would each weigh as one, and
+    # spec.limits would not hold.
+    for problem in cgroup.adopt_twins(policy.limits):
         print(f"egressd: sandbox {record.id}: {problem}", file=sys.stderr)
     net = SandboxNet(
         claim.index, ipaddress.IPv4Network(claim.net4), ipaddress.IPv6Network(claim.net6)

@@ -221,7 +221,7 @@ def _build(
     steps.done("rules")
     uplink_mod.attach(uplink, host_if)
     steps.done("uplink")
-    cgroup = Cgroup.create(claim.id)
+    cgroup = Cgroup.create(claim.id, limits=policy.limits)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
     _write_resolv_conf(name, undo)
     steps.done("cgroup")

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from egress.errors import SandboxError, UsageError
-from egress.kernel import confine, sched
+from egress.kernel import confine, oom, sched
 from egress.kernel.netns import netns_path
 from egress.sandbox.view import Identity, View, hostname
 from egress.store import uids
@@ -228,6 +228,7 @@ def spawn(
         # Normal first: a real-time task can't join a cpu cgroup that has no real-time
         # runtime of its own (kernels with RT group scheduling refuse it, EINVAL).
         no_priority_above_normal()
+        oom.unshelter()
         join_cgroups(procs_files)
         if scope is not None:
             scope()

@@ -9,6 +9,7 @@ import json
 import os
 import resource
 
+from egress.kernel import oom
 from egress.sandbox import workload
 
 
@@ -46,3 +47,48 @@ def test_the_workload_can_raise_neither_limit_again() -> None:
     seen = _in_child()
     assert seen["calls"] == [[resource.RLIMIT_RTPRIO, [0, 0]], [resource.RLIMIT_NICE, [0, 0]]]
     assert seen["rtprio"] == [0, 0] and seen["nice"] == [0, 0]
+
+
+def _oom_score_after_unshelter(inherited: int) -> int:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: reports through the pipe, never returns
+        code = 1
+        try:
+            os.close(r)
+            with open(oom.SELF, "w") as f:
+                f.write(str(inherited))
+            oom.unshelter()
+            with open(oom.SELF) as f:
+                os.write(w, f.read().strip().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return int(data)
+
+
+def test_the_workload_starts_at_an_oom_score_of_at_least_zero() -> None:
+    """Below 0 (what egress's sheltered layers have, and their children inherit) it goes
+    to 0; above, it stays where the operator put it."""
+    assert _oom_score_after_unshelter(300) == 300
+    assert _oom_score_after_unshelter(0) == 0
+    if _lowers():  # a process without CAP_SYS_RESOURCE can't get below 0 to begin with
+        assert _oom_score_after_unshelter(-999) == 0
+
+
+def _lowers() -> bool:
+    """This process may lower its OOM score (CAP_SYS_RESOURCE): tried in a child."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with open(oom.SELF, "w") as f:
+                f.write("-1")
+            os._exit(0)
+        except OSError:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

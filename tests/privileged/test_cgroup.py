@@ -27,7 +27,7 @@ from egress.errors import SandboxError
 from egress.freeze.enforcer import Enforcer, FreezeEvent
 from egress.kernel import cgroup as cg_mod
 from egress.kernel.cgroup import Cgroup, find_mounts, parse_mountinfo
-from egress.model import Action, Flow, Policy, Violation, ViolationClass
+from egress.model import Action, Flow, Limits, Policy, Violation, ViolationClass
 from egress.policy import parse_policy
 from egress.sandbox.lifecycle import _remove_cgroup
 from egress.store import intents
@@ -167,8 +167,12 @@ def test_parse_mountinfo() -> None:
     hybrid = parse_mountinfo(text + (
         "34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset\n"
         "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+        "38 31 0:35 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids\n"
+        "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
     ))  # fmt: skip
     assert hybrid.cpu == "/sys/fs/cgroup/cpu,cpuacct" and hybrid.freezer == mounts.freezer
+    assert (hybrid.pids, hybrid.memory) == ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/memory")
+    assert mounts.pids is None and mounts.memory is None
     pure = parse_mountinfo("30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n")
     assert pure.v2 == "/sys/fs/cgroup" and pure.freezer is None and pure.cpu is None
 
@@ -1063,7 +1067,7 @@ def test_busy_tasks_are_frozen_at_the_first_ask_in_both_hierarchies(
         busy.wait(timeout=10)
 
 
-@pytest.mark.parametrize("failing_root", ["freezer", "cpu"])
+@pytest.mark.parametrize("failing_root", ["freezer", "cpu", "pids", "memory"])
 def test_create_rolls_back_what_it_made_when_a_twin_fails(
     monkeypatch: pytest.MonkeyPatch, failing_root: str
 ) -> None:
@@ -1083,22 +1087,34 @@ def test_create_rolls_back_what_it_made_when_a_twin_fails(
     monkeypatch.setattr(cg_mod, "_mkdir", failing)
     with pytest.raises(SandboxError, match="injected"):
         Cgroup.create("rollback", parent=PARENT)
-    for made in (mounts.v2, mounts.freezer, mounts.cpu):
+    for made in (mounts.v2, mounts.freezer, mounts.cpu, mounts.pids, mounts.memory):
         if made is not None:
             assert not os.path.exists(os.path.join(made, PARENT)), made
 
 
-def test_a_cpu_twin_made_at_adoption_takes_every_process_forks_included(
-    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes]
+def test_create_rolls_back_when_a_limit_is_refused() -> None:
+    """A limit the kernel refuses (here a pids.max it cannot parse) leaves nothing made."""
+    mounts = find_mounts()
+    with pytest.raises(SandboxError, match=r"pids\.max"):
+        Cgroup.create("refused", parent=PARENT, limits=Limits(pids=-5))
+    for made in (mounts.v2, mounts.freezer, mounts.cpu, mounts.pids, mounts.memory):
+        if made is not None:
+            assert not os.path.exists(os.path.join(made, PARENT)), made
+
+
+@pytest.mark.parametrize("kind", ["cpu", "pids", "memory"])
+def test_a_twin_made_at_adoption_takes_every_process_forks_included(
+    make_cgroup: Callable[[], Cgroup], ticker: subprocess.Popen[bytes], kind: str
 ) -> None:
-    """adopt_cpu_twin on a cgroup made before cpu twins: the twin is made and every
-    process ends in it, one that appeared after the first look (a fork) at the next."""
+    """adopt_twins on a cgroup made before v1 twins: the twin is made and every process
+    ends in it, one that appeared after the first look (a fork) at the next; the limits
+    are set."""
     made = make_cgroup()
-    twin = made.cpu_path
+    twin = getattr(made, f"{kind}_path")
     if twin is None:
-        pytest.skip("no v1 cpu controller mounted on this machine")
+        pytest.skip(f"no v1 {kind} controller mounted on this machine")
     os.rmdir(twin)  # as an egressd from before the twins left it
-    made.cpu_path = None
+    setattr(made, f"{kind}_path", None)
     made.add_pid(ticker.pid)
     real = made.pids
     # Where a fork before its parent's move lands: the v2 cgroup and the freezer, not the
@@ -1123,11 +1139,13 @@ def test_a_cpu_twin_made_at_adoption_takes_every_process_forks_included(
         return looked
 
     made.pids = pids  # type: ignore[method-assign]
+    limits = Limits(pids=100, memory=256 << 20)
     try:
-        assert made.adopt_cpu_twin() == []
-        assert made.cpu_path == twin
+        assert made.adopt_twins(limits) == []
+        assert getattr(made, f"{kind}_path") == twin
         assert set(real()) == {ticker.pid, late[0].pid} and in_twin() == set(real())
-        assert made.adopt_cpu_twin() == []  # has one now: nothing more to do
+        assert made.limits() == limits
+        assert made.adopt_twins(limits) == []  # has them now: nothing more to do
     finally:
         for proc in late:
             proc.kill()
@@ -1175,7 +1193,7 @@ def test_a_twin_made_for_a_sandbox_removed_meanwhile_goes_too(
         return real()
 
     made.pids = gone  # type: ignore[method-assign]
-    problems = made.adopt_cpu_twin()
+    problems = made.adopt_twins(Limits())
     assert len(problems) == 1 and "cannot read" in problems[0], problems
     assert made.cpu_path is None and not os.path.exists(twin)
 

@@ -7,6 +7,7 @@ hand-made netns and cgroup of the attach test are removed by the test itself.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -27,8 +28,10 @@ from egress.kernel.netns_cgroup import cgroup_paths
 from egress.kernel.nft import NftHandle
 from egress.kernel.sched import AUTOGROUP, autogroups_on, session_nice
 from egress.lab import Lab
+from egress.model import Limits
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
+from tests.support.bombs import FORK_BOMB, forked
 from tests.support.egressd import START_S, Egressd, egressd, read_until
 from tests.support.netns import strip_source_check, unique
 from tests.support.probes import dig, set_ips, wait_until
@@ -1095,6 +1098,37 @@ def test_sandbox_exec_from_a_real_time_favoured_caller_starts_its_workload_norma
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(os.SCHED_OTHER), "0"]
+
+
+def test_sandbox_exec_keeps_a_fork_bomb_to_the_policys_limit_and_a_swap_changes_it(
+    daemon: Egressd, lab: Lab
+) -> None:
+    """The attack, through `egressctl sandbox exec`: fork until the host can start nothing
+    (the layers' own work included). Its processes join the sandbox's pids twin too (the
+    JSON's `pids`), so ``limits.pids: 32`` refuses the fork past it (EAGAIN; it stops
+    itself at 256 without). A policy swap sets the new limit in place; a refused one
+    changes nothing."""
+    limited = policy("forks", "allowed.lab.test") + "  limits: {pids: 32, memory: 256Mi}\n"
+    box = daemon.create(limited, lab.uplink_netns)
+    exec_ = [sys.executable, "-m", "egress.cli.main", "sandbox", "exec", "--daemon",
+             daemon.socket, "--user", str(NOBODY), box["id"], "--"]  # fmt: skip
+    try:
+        done = subprocess.run([*exec_, SYSTEM_PYTHON, "-c", FORK_BOMB], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        count, why = forked(done.stdout)
+        assert why == errno.EAGAIN and 16 < count < 32, done.stdout
+        made = Cgroup.open(box["id"])
+        assert (box["pids"], box["memory"]) == (made.pids_path, made.memory_path)
+        assert made.limits() == Limits(pids=32, memory=256 << 20)
+        path = f"/v1/sandboxes/{box['id']}/policy"
+        wider = limited.replace("pids: 32, memory: 256Mi", "pids: 64, memory: max")
+        daemon.client.call("PUT", path, {"policy": wider})
+        assert made.limits() == Limits(pids=64, memory=None)
+        bad = daemon.client.request("PUT", path, {"policy": limited.replace("32", "8")})
+        assert bad[0] == 422 and made.limits() == Limits(pids=64, memory=None)
+    finally:
+        daemon.client.call("DELETE", f"/v1/sandboxes/{box['id']}")
 
 
 def test_sandbox_exec_runs_a_command_inside_and_a_freeze_names_it(

@@ -6,10 +6,13 @@ workload (tests/support/probe.py) that tries things and says what happened.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ from egress.lab import Lab
 from egress.store import claims
 from egress.store.uids import parse_range
 from tests.support import SYSTEM_PYTHON
+from tests.support.bombs import FORK_BOMB, forked
 from tests.support.sandboxes import (
     EGRESSCTL,
     cleanup,
@@ -535,6 +539,137 @@ def test_a_workload_that_starts_a_session_per_process_still_weighs_as_one_sandbo
             if sandbox_id:
                 cleanup(sandbox_id)
         assert sandbox_id and leftovers(sandbox_id, lab.uplink_netns) == []
+
+
+LIMITED = POLICY + "  limits: {pids: 64, memory: 96Mi}\n"
+
+
+def _run_limited(code: str, lab: Lab) -> tuple[str, dict[str, int], str]:
+    """What the workload printed, the run report's counters, and egressctl's stderr."""
+    with workdir() as d:
+        report = d / "report.json"
+        argv = [*run_in(d), "--policy", str(policy_file(d, LIMITED)), "--report", str(report),
+                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env())
+        assert done.returncode == 0, done.stderr
+        counters = json.loads(report.read_text())["counters"]
+    return done.stdout, counters, done.stderr
+
+
+def test_a_fork_bomb_stays_inside_its_sandbox(lab: Lab) -> None:
+    """The attack: fork until the host has no task left to give, and the layers that must
+    freeze the workload (and everything else on the host) can start nothing. Under
+    ``limits.pids: 64`` the kernel refuses the sandbox's 65th task (EAGAIN); the bomb
+    stops itself at 256 here, so without the limit it reaches 256."""
+    out, counters, said = _run_limited(FORK_BOMB, lab)
+    count, why = forked(out)
+    # bwrap's, tini's and the workload's own tasks count too.
+    assert why == errno.EAGAIN and 48 < count < 64, out
+    assert counters["pids_refused"] == 1 and counters["oom_kills"] == 0, counters
+    assert "the workload hit its limits: 1 fork refused at spec.limits.pids (64)" in said
+
+
+def test_a_memory_bomb_and_a_full_tmp_stay_inside_their_sandbox(lab: Lab) -> None:
+    """The attack: take the host's memory, in the heap or in the private /tmp (a tmpfs:
+    RAM), until its OOM killer picks among the host's processes, egress's layers
+    included. Under ``limits.memory: 96Mi`` each is stopped inside the sandbox: the
+    heap's child is OOM-killed, the /tmp writer is killed or refused, and what /tmp
+    holds stays under the limit. Each would take 256 MiB without it."""
+    code = """if 1:
+        import json, os
+
+        def child(act):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    act()
+                    os._exit(0)
+                except OSError:
+                    os._exit(3)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+        def heap():
+            blocks = [b"\x01" * (8 << 20) for _ in range(32)]  # written: resident
+            del blocks
+
+        def tmp():
+            with open("/tmp/fill", "wb", buffering=0) as f:
+                for _ in range(32):
+                    f.write(b"\x01" * (8 << 20))
+
+        out = {"heap": child(heap), "tmp": child(tmp)}
+        out["tmp_mib"] = os.path.getsize("/tmp/fill") >> 20
+        print(json.dumps(out))
+    """
+    out, counters, said = _run_limited(code, lab)
+    seen = json.loads(out)
+    assert seen["heap"] == -signal.SIGKILL, seen
+    assert seen["tmp"] in (-signal.SIGKILL, 3) and int(str(seen["tmp_mib"])) < 96, seen
+    kills = counters["oom_kills"]
+    assert kills >= 1 and counters["pids_refused"] == 0, counters
+    killed = f"{kills} process{'es' * (kills != 1)} killed at spec.limits.memory (96Mi)"
+    assert killed in said, said
+
+
+def _can_lower_oom_scores() -> bool:
+    """This root has CAP_SYS_RESOURCE (a VM's or a container's may not)."""
+    with open("/proc/self/status") as f:
+        caps = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+    return bool(int(caps["CapEff"], 16) >> 24 & 1)  # CAP_SYS_RESOURCE is bit 24
+
+
+def test_the_layers_are_the_last_the_oom_killer_picks_and_the_workload_can_not_join_them(
+    lab: Lab,
+) -> None:
+    """The attack: with no memory limit, take the host's memory so its OOM killer ends the
+    largest process, egress's. egressctl run (the inline layer) and its observer run at
+    oom_score_adj -999; the workload, its child, starts at 0 and may not go below."""
+    if not _can_lower_oom_scores():
+        pytest.skip("root here lacks CAP_SYS_RESOURCE: no process can lower its OOM score")
+    code = """if 1:
+        import os, sys
+        print(open("/proc/self/oom_score_adj").read().strip(), flush=True)
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("-500")
+            print("lowered", flush=True)
+        except PermissionError:
+            print("refused", flush=True)
+        sys.stdin.read()
+    """
+    with workdir() as d:
+        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
+                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env=env())  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert [proc.stdout.readline().strip() for _ in range(2)] == ["0", "refused"]
+            [claim] = [c for c in claims.load_all() if c.owner_pid == proc.pid]
+            layers = [proc.pid, *_observers_of(proc.pid)]
+            assert len(layers) == 2 and claim.id
+            for pid in layers:
+                with open(f"/proc/{pid}/oom_score_adj") as f:
+                    assert f.read().strip() == "-999", pid
+            proc.stdin.close()
+            assert proc.wait(timeout=60) == 0
+        finally:
+            _end(proc)
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+
+def _observers_of(pid: int) -> list[int]:
+    """egressctl run's observer layer: the child it forked (same command line; the
+    workload's bwrap is the other child)."""
+    own = Path(f"/proc/{pid}/cmdline").read_bytes()
+    out = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/cmdline").read_bytes() == own:
+                out.append(int(child))
+    return out
 
 
 def test_egressctl_observe_started_real_time_leaves_it_before_anything_else() -> None:
