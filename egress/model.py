@@ -282,11 +282,18 @@ class Limits:
     freeze it, down with it. None: no limit. A sandbox egress attaches to (a container,
     a pod) has its runtime's cgroup and limits; egress leaves those alone.
 
-    4,096 tasks leaves a parallel build alone (``make -j``, cargo and npm start a few
-    hundred processes and threads) and keeps a fork bomb to a few MB of kernel memory."""
+    2,048 tasks, podman's default, leaves a parallel build alone (``make -j``, cargo,
+    npm and a JVM start a few hundred processes and threads); each task holds at least
+    its kernel stack and task struct (~30 KiB), a process its page tables too, so a
+    fork bomb at the limit costs the host some 60-250 MiB until it is frozen or killed.
+    All sandboxes together get at most 3/4 of the host's tasks and memory (the parent
+    cgroup's caps, ``kernel.cgroup``)."""
 
-    pids: int | None = 4096  # processes and threads at once
+    pids: int | None = 2048  # processes and threads at once
     memory: int | None = None  # bytes of RAM (its private /tmp is RAM too) and swap
+    # The keys the policy wrote: a default the host has no controller for is said and
+    # left out; a limit the policy names is never silently dropped.
+    explicit: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

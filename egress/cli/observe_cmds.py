@@ -53,7 +53,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
     from egress.store.paths import state_dir
 
     leave_realtime("egressctl observe")  # it freezes too (e.g. as a pod's observer)
-    oom.shelter("egressctl observe")
+    oom.shelter("egressctl observe", say=False)
     if args.freezer is not None and args.cgroup is None:
         raise SandboxError("--freezer needs --cgroup (the v2 directory it mirrors)")
     peers = None

@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return 2
     leave_realtime("egressctl run")  # before anything starts: the workload inherits it
-    oom.shelter("egressctl run")  # the workload does not: spawn resets it
+    oom.shelter("egressctl run", say=False)  # the workload does not: spawn resets it
     shape = workload_args.read(args, uid_range=parse_range(args.uid_range), report=args.report)
     # Before the policy is read: where it sits may be what is wrong with it.
     check_policy_location(args.policy, shape.workdir, shape.binds)

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from egress.convert.cilium_names import host_regex, to_cilium
-from egress.model import CidrRule, DnsRule, Limits, Mode, Policy, PortRange, Ports
+from egress.model import CidrRule, DnsRule, Mode, Policy, PortRange, Ports
 from egress.resolver.answer import learned_ports
 
 CNP = "CiliumNetworkPolicy"
@@ -165,7 +165,7 @@ def _header(policy: Policy) -> str:
         "#   serverNames and HTTP host rules check the names listed, not which name's",
         "#   answer gave the address (egress binds a flow to that name).",
     ]
-    if policy.limits != Limits():  # a pod's are its spec's resources, not a network policy's
+    if policy.limits.explicit:  # a pod's are its spec's resources, not a network policy's
         lines.append("#   spec.limits (set the pod's resources.limits and its pids limit instead).")
     return "\n".join(lines) + "\n"
 

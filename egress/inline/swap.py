@@ -152,10 +152,10 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
     keep = resolver.justified(policy, now)
     # A fresh libnftables context: the one that loaded the ruleset keeps its `define`s,
     # and would call the template's a redefinition.
-    # Limits first: the kernel may refuse less memory than the sandbox uses, and then
-    # nothing has changed. Only a cgroup egress made has egress's limits.
-    limits = sb.cgroup.ours and policy.limits != sb.policy.limits
-    if limits:
+    # Limits first: less memory than the sandbox uses is refused, and then nothing has
+    # changed (set_limits puts back what it wrote). Only a cgroup egress made has them.
+    before = sb.cgroup.limits() if sb.cgroup.ours else None
+    if before is not None:
         sb.cgroup.set_limits(policy.limits)
     try:
         if policy.connect.check_names:  # the NFQUEUE rule first: until it is there, fail closed
@@ -170,9 +170,9 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
                     if attempt == 2 or "No such file or directory" not in str(exc):
                         raise
     except BaseException:
-        if limits:  # the old policy stays in force, all of it
+        if before is not None:  # the old policy stays in force, all of it
             with contextlib.suppress(EgressError):
-                sb.cgroup.set_limits(sb.policy.limits)
+                sb.cgroup.set_limits(before)
         raise
     resolver.core.set_policy(policy)
     resolver.core.bindings.forget_inherited()  # their elements went with the swap

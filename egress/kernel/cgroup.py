@@ -105,6 +105,7 @@ class Cgroup:
         self.pids_path = pids_path
         self.memory_path = memory_path
         self.ours = ours  # under egress's own parent: the last one out removes the parent
+        self.notes: list[str] = []  # what ``create`` could not do of a default limit
         self.netns: str | None = None  # unbound: the netns whose processes say which
         self.netns_label: str | None = None  # its name in messages, if ``netns`` is an fd's
         self.on_bind: Callable[[Cgroup], object] | None = None  # e.g. record it in the journal
@@ -132,26 +133,27 @@ class Cgroup:
     @classmethod
     def create(cls, name: str, parent: str = "egress", limits: Limits | None = None) -> Cgroup:
         """Make <v2>/<parent>/<name> (and its v1 twins), with ``limits`` set before any
-        process joins; SandboxError if it exists, or if a limit cannot be set."""
+        process joins (``notes``: a default the host can't hold) and the parent's caps
+        for all sandboxes together (``_cap_parent``); SandboxError if it exists, or if a
+        limit cannot be set."""
         paths = cls._paths(name, parent)
         made: list[str] = []
         try:
-            for path in paths:
-                if path is not None:
-                    _mkdir(path)
-                    made.append(path)
+            for path in dict.fromkeys(p for p in paths if p):  # once: a hierarchy may be shared
+                _mkdir(path)
+                made.append(path)
             v2, freezer, cpu, pids, memory = paths
             assert v2 is not None  # _paths makes it
             cgroup = cls(v2, freezer, ours=True, cpu_path=cpu, pids_path=pids,
                          memory_path=memory)  # fmt: skip
             if limits is not None:
-                cgroup.set_limits(limits)
+                _cap_parent(os.path.dirname(pids or v2), os.path.dirname(memory or v2))
+                cgroup.notes = cgroup.set_limits(limits)
         except SandboxError:
             for path in reversed(made):
                 _rmdir(path)
-            for path in paths:  # the parents this one may have made
-                if path is not None:
-                    _rmdir_parent(path)
+            for path in dict.fromkeys(p for p in paths if p):  # the parents it may have made
+                _rmdir_parent(path)
             raise
         return cgroup
 
@@ -166,35 +168,85 @@ class Cgroup:
 
     # ---- limits -------------------------------------------------------------------
 
-    def set_limits(self, limits: Limits) -> None:
+    def set_limits(self, limits: Limits) -> list[str]:
         """Write ``limits`` where this sandbox's tasks are counted: its v1 pids and memory
-        twins, else its own cgroup's files in v2 (the controller turned on for egress's
-        parent). SandboxError if a limit is set and no controller here can hold it, or the
-        kernel refuses it (memory below what the sandbox uses and cannot give back)."""
-        if self.pids_path:
-            _write(os.path.join(self.pids_path, "pids.max"), _v2_value(limits.pids))
-        elif _v2_controller(self.v2_path, "pids", wanted=limits.pids is not None):
-            _write(os.path.join(self.v2_path, "pids.max"), _v2_value(limits.pids))
-        if self.memory_path:
-            _v1_memory(self.memory_path, limits.memory)
-        elif _v2_controller(self.v2_path, "memory", wanted=limits.memory is not None):
-            _write(os.path.join(self.v2_path, "memory.max"), _v2_value(limits.memory))
-            # memory.max bounds RAM; without this the rest would go to swap unbounded.
-            swap = os.path.join(self.v2_path, "memory.swap.max")
-            if os.path.exists(swap):
-                _write(swap, "0" if limits.memory is not None else "max")
+        twins, else its own cgroup's files in v2 (the controller turned on for its parent
+        when a limit needs it). Returns what a default limit could not be held by (no
+        such controller here), for the caller to say. SandboxError, with the limits put
+        back as they were, if a limit the policy names has no controller here or the
+        kernel refuses one; a memory limit below what the sandbox uses now is refused
+        before anything is written (lowering it would reclaim, or OOM-kill on cgroup v2,
+        inside the write, on the caller's thread)."""
+        before = self.limits()
+        notes = []
+        try:
+            for kind in ("pids", "memory"):
+                note = self._set_limit(kind, getattr(limits, kind), kind in limits.explicit)
+                if note:
+                    notes.append(note)
+        except SandboxError:
+            for kind in ("pids", "memory"):
+                with contextlib.suppress(SandboxError):
+                    self._set_limit(kind, getattr(before, kind), False)
+            raise
+        return notes
+
+    def _set_limit(self, kind: str, value: int | None, explicit: bool) -> str | None:
+        if kind == "memory" and value is not None:
+            used = self._memory_used()
+            if used is not None and used > value:
+                raise SandboxError(
+                    f"spec.limits.memory {value} is below what the sandbox uses now ({used}"
+                    " bytes): set it higher, or free memory in the sandbox first"
+                )
+        twin = self.pids_path if kind == "pids" else self.memory_path
+        if twin and kind == "pids":
+            _write(os.path.join(twin, "pids.max"), _v2_value(value))
+            return None
+        if twin:
+            _v1_memory(twin, value)
+            return None
+        path = os.path.join(self.v2_path, f"{kind}.max")
+        if not os.path.exists(path):
+            if value is None:
+                return None  # nothing to lift
+            if not _enable_v2(self.v2_path, kind):
+                where = os.path.dirname(self.v2_path)
+                if explicit:
+                    raise SandboxError(
+                        f"spec.limits.{kind}: this host has no {kind} cgroup controller for"
+                        f" {where} (no v1 hierarchy, none enabled in cgroup v2): enable it,"
+                        f" or set {kind}: max"
+                    )
+                return (f"no {kind} cgroup controller for {where}: the default"
+                        f" spec.limits.{kind} ({value}) is not held")  # fmt: skip
+        swap = os.path.join(self.v2_path, "memory.swap.max")
+        if kind == "memory" and value is not None and os.path.exists(swap):
+            _write(swap, "0")  # first: lowering memory.max would push the rest to swap
+        _write(path, _v2_value(value))
+        if kind == "memory" and value is None and os.path.exists(swap):
+            _write(swap, "max")
+        return None
+
+    def _memory_used(self) -> int | None:
+        for directory, name in ((self.memory_path, "memory.usage_in_bytes"),
+                                (self.v2_path, "memory.current")):  # fmt: skip
+            if directory and os.path.exists(os.path.join(directory, name)):
+                return int(_read(os.path.join(directory, name)))
+        return None
 
     def limits(self) -> Limits:
         """The limits in force, read back from the kernel (None: none)."""
         pids: int | None = None
         memory: int | None = None
-        if self.pids_path or os.path.exists(os.path.join(self.v2_path, "pids.max")):
-            text = _read(os.path.join(self.pids_path or self.v2_path, "pids.max")).strip()
+        pids_dir = self.pids_path or self.v2_path
+        if pids_dir and os.path.exists(os.path.join(pids_dir, "pids.max")):
+            text = _read(os.path.join(pids_dir, "pids.max")).strip()
             pids = None if text == "max" else int(text)
         if self.memory_path:
             value = int(_read(os.path.join(self.memory_path, "memory.limit_in_bytes")))
             memory = None if value >= _V1_NO_LIMIT else value
-        elif os.path.exists(os.path.join(self.v2_path, "memory.max")):
+        elif self.v2_path and os.path.exists(os.path.join(self.v2_path, "memory.max")):
             text = _read(os.path.join(self.v2_path, "memory.max")).strip()
             memory = None if text == "max" else int(text)
         return Limits(pids=pids, memory=memory)
@@ -221,11 +273,13 @@ class Cgroup:
         return hits
 
     def adopt_twins(self, limits: Limits) -> list[str]:
-        """A sandbox egress made before its v1 cpu, pids or memory twins existed, now
-        adopted by an egressd that makes them: each missing twin made and every process
-        moved in, as a create would have placed them (see the module doc), then
-        ``limits`` set. Nothing to do for another's cgroup. Returns what could not be
-        done, for the caller to say: the sandbox is served all the same."""
+        """A sandbox an earlier egressd made, now adopted: each v1 cpu, pids or memory
+        twin it lacks (made before they existed) made, and every process of its v2
+        cgroup moved into each twin, new or not (one started meanwhile by a client that
+        knew of fewer twins would escape the limits for good), as a create would have
+        placed them (see the module doc); then ``limits`` set. Nothing to do for
+        another's cgroup. Returns what could not be done, for the caller to say: the
+        sandbox is served all the same."""
         if not self.ours or not self.v2_path:
             return []
         mounts = find_mounts()
@@ -234,25 +288,26 @@ class Cgroup:
         rel = os.path.relpath(self.v2_path, mounts.v2)
         problems = []
         for kind, mount in (("cpu", mounts.cpu), ("pids", mounts.pids), ("memory", mounts.memory)):
-            if mount is None or getattr(self, f"{kind}_path") is not None:
-                continue
-            problems += self._adopt_twin(kind, os.path.join(mount, rel), rel)
+            if mount is not None:
+                problems += self._adopt_twin(kind, os.path.join(mount, rel), rel)
         try:
-            self.set_limits(limits)
+            problems += self.set_limits(limits)
         except SandboxError as exc:
             problems.append(f"limits not set: {exc}")
         return problems
 
     def _adopt_twin(self, kind: str, twin: str, rel: str) -> list[str]:
-        try:
-            _mkdir(twin)
-        except SandboxError as exc:
-            return [f"no {kind} twin: {exc}"]
-        setattr(self, f"{kind}_path", twin)  # from here a later exec joins it
+        made = getattr(self, f"{kind}_path") is None
+        if made:
+            try:
+                _mkdir(twin)
+            except SandboxError as exc:
+                return [f"no {kind} twin: {exc}"]
+            setattr(self, f"{kind}_path", twin)  # from here a later exec joins it
         try:
             return _move_into(twin, self.pids, lambda pid: _in_v2(pid, "/" + rel))
         except SandboxError as exc:
-            if not os.path.isdir(self.v2_path):  # removed meanwhile (`egressctl gc`)
+            if made and not os.path.isdir(self.v2_path):  # removed meanwhile (`egressctl gc`)
                 setattr(self, f"{kind}_path", None)
                 with contextlib.suppress(SandboxError):
                     _rmdir(twin)
@@ -393,7 +448,7 @@ class Cgroup:
 
     def _dirs(self) -> list[str]:
         twins = (self.freezer_path, self.cpu_path, self.pids_path, self.memory_path)
-        return [self.v2_path] + [d for d in twins if d]
+        return list(dict.fromkeys([self.v2_path] + [d for d in twins if d]))
 
     # ---- freezing -----------------------------------------------------------------
 
@@ -652,27 +707,56 @@ def _v2_value(limit: int | None) -> str:
     return "max" if limit is None else str(limit)
 
 
-def _v2_controller(v2_path: str, controller: str, wanted: bool) -> bool:
-    """Whether ``controller``'s files are in the v2 cgroup ``v2_path``, turning it on for
-    its parent's children if the parent has it. SandboxError if ``wanted`` and it can't be:
-    a limit the policy sets is never silently left out."""
+# All sandboxes together may hold at most this share of the host's tasks and memory:
+# with each at its own limit, a few fork or /tmp bombs would still take the rest, and the
+# host's OOM killer, not the sandboxes', would choose among the host's processes.
+_PARENT_SHARE = (3, 4)
+
+
+def _cap_parent(pids_parent: str, memory_parent: str) -> None:
+    """Cap egress's parent cgroup(s) at _PARENT_SHARE of the host's tasks (pid_max or
+    threads-max, the lower) and of its RAM, where no cap is set yet: an operator's own
+    value stays. Where a controller is not there, nothing is written."""
+    num, den = _PARENT_SHARE
+    tasks = min(_host_number("/proc/sys/kernel/pid_max"),
+                _host_number("/proc/sys/kernel/threads-max"))  # fmt: skip
+    ram = _ram()
+    caps = (
+        (os.path.join(pids_parent, "pids.max"), tasks * num // den),
+        (os.path.join(memory_parent, "memory.limit_in_bytes"), ram * num // den),  # v1
+        (os.path.join(memory_parent, "memory.max"), ram * num // den),  # v2
+    )
+    for path, cap in caps:
+        if not os.path.exists(path):
+            continue
+        text = _read(path).strip()
+        if text == "max" or (text.isdigit() and int(text) >= _V1_NO_LIMIT):
+            _write(path, str(cap))
+
+
+def _host_number(path: str) -> int:
+    return int(_read(path))
+
+
+def _ram() -> int:
+    """The host's RAM in bytes (MemTotal)."""
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise SandboxError("/proc/meminfo has no MemTotal")
+
+
+def _enable_v2(v2_path: str, controller: str) -> bool:
+    """Turn ``controller`` on for the children of ``v2_path``'s parent, if the parent has
+    it; whether ``v2_path`` has its files now."""
     parent = os.path.dirname(v2_path)
-    if os.path.exists(os.path.join(v2_path, f"{controller}.max")):
-        return True
     try:
-        available = _read(os.path.join(parent, "cgroup.controllers")).split()
-    except SandboxError:
-        available = []
-    if controller in available:
+        if controller not in _read(os.path.join(parent, "cgroup.controllers")).split():
+            return False
         _write(os.path.join(parent, "cgroup.subtree_control"), f"+{controller}")
-        return True
-    if wanted:
-        raise SandboxError(
-            f"the policy limits {controller} (spec.limits.{controller}), but this host has no"
-            f" {controller} cgroup controller for {parent} (neither a v1 hierarchy nor in"
-            " cgroup v2): enable it, or set the limit to 'max'"
-        )
-    return False
+    except SandboxError:
+        return False
+    return os.path.exists(os.path.join(v2_path, f"{controller}.max"))
 
 
 def _v1_memory(path: str, limit: int | None) -> None:

@@ -37,13 +37,16 @@ def parse_mountinfo(text: str) -> CgroupMounts:
         mount_point, fstype, options = _unescape(fields[4]), tail[0], tail[2].split(",")
         if fstype == "cgroup2" and v2 is None:
             v2 = mount_point
-        elif fstype == "cgroup" and "freezer" in options and freezer is None:
+        if fstype != "cgroup":
+            continue
+        # Each on its own: one v1 hierarchy may hold several controllers (the same twin).
+        if "freezer" in options and freezer is None:
             freezer = mount_point
-        elif fstype == "cgroup" and "cpu" in options and cpu is None:
+        if "cpu" in options and cpu is None:
             cpu = mount_point
-        elif fstype == "cgroup" and "pids" in options and pids is None:
+        if "pids" in options and pids is None:
             pids = mount_point
-        elif fstype == "cgroup" and "memory" in options and memory is None:
+        if "memory" in options and memory is None:
             memory = mount_point
     return CgroupMounts(v2=v2, freezer=freezer, cpu=cpu, pids=pids, memory=memory)
 

@@ -17,11 +17,13 @@ SELF = "/proc/self/oom_score_adj"
 LAYER_SCORE = -999
 
 
-def shelter(who: str) -> None:
+def shelter(who: str, say: bool = True) -> None:
     """Lower this process's oom_score_adj to LAYER_SCORE, unless it is lower already; its
     threads and children (the nft worker, the observer's shards) inherit it. Called
     before any of them starts. The kernel allows it only with CAP_SYS_RESOURCE (a VM's or
-    container's root may lack it): then say so, once, and go on."""
+    container's root may lack it): then go on, and say so if ``say`` (a daemon, once at
+    its start; not each ``egressctl run``, where the sandboxes' parent cgroup's memory
+    cap keeps their own bombs' OOM kills among them anyway)."""
     try:
         with open(SELF) as f:
             current = int(f.read())
@@ -30,6 +32,8 @@ def shelter(who: str) -> None:
         with open(SELF, "w") as f:
             f.write(str(LAYER_SCORE))
     except (OSError, ValueError) as exc:
+        if not say:
+            return
         why = exc.strerror if isinstance(exc, OSError) else str(exc)
         print(f"{who}: its oom_score_adj stays as it was ({why}): when the host runs out of "
               "memory its OOM killer may pick it (run it with CAP_SYS_RESOURCE, or "

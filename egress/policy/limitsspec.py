@@ -31,6 +31,7 @@ def build_limits(node: Node | None, report: Report) -> Limits:
         return Limits()
     fields = get_map(node, PATH, report, LIMITS_KEYS)
     pids, memory = Limits.pids, Limits.memory
+    explicit = frozenset(key for key in LIMITS_KEYS if entry(fields, key) is not None)
     value = entry(fields, "pids")
     if value is not None:
         try:
@@ -43,7 +44,7 @@ def build_limits(node: Node | None, report: Report) -> Limits:
             memory = _memory(value)
         except ValueError as exc:
             report.error(value.where, f"{PATH}.memory: {exc}")
-    return Limits(pids=pids, memory=memory)
+    return Limits(pids=pids, memory=memory, explicit=explicit)
 
 
 def _pids(node: Node) -> int | None:

@@ -346,8 +346,8 @@ def _limits_said(limits: Limits, hits: dict[str, int]) -> str:
         said.append(f"{refused} fork{'s' * (refused != 1)} refused at spec.limits.pids"
                     f" ({limits.pids})")  # fmt: skip
     if killed and limits.memory is not None:
-        said.append(f"{killed} process{'es' * (killed != 1)} killed at spec.limits.memory"
-                    f" ({format_size(limits.memory)})")  # fmt: skip
+        said.append(f"{killed} process{'es' * (killed != 1)} killed by the OOM killer"
+                    f" (spec.limits.memory {format_size(limits.memory)})")  # fmt: skip
     return "the workload hit its limits: " + "; ".join(said) if said else ""
 
 

@@ -103,6 +103,10 @@ def attach(
             sb.destroy()
         raise
     sb.created_s = time.monotonic() - start
+    if policy.limits.explicit:
+        print(f"egress: sandbox {sandbox_id}: spec.limits not applied: an attached sandbox's"
+              " cgroup, and its limits, are its runtime's (a pod's resources.limits)",
+              file=sys.stderr)  # fmt: skip
     return sb, lo_raised
 
 

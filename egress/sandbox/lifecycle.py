@@ -12,6 +12,7 @@ import fcntl
 import os
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
@@ -222,6 +223,8 @@ def _build(
     uplink_mod.attach(uplink, host_if)
     steps.done("uplink")
     cgroup = Cgroup.create(claim.id, limits=policy.limits)
+    for note in cgroup.notes:
+        print(f"egress: sandbox {claim.id}: {note}", file=sys.stderr)
     undo.append((f"cgroup {claim.id}", lambda: _remove_cgroup(cgroup)))
     _write_resolv_conf(name, undo)
     steps.done("cgroup")

@@ -604,11 +604,14 @@ def test_attach_enforces_freezes_and_detaches_leaving_the_netns_as_it_was(
 ) -> None:
     with hand_made("att") as (ns, cgroup), sleeper(ns, cgroup):
         before = _snapshot(ns)
-        body = {"netns": ns, "cgroup": cgroup.v2_path, "policy": policy("att", "allowed.lab.test"),
+        # Limits are the runtime's in a netns and cgroup it made: said, and left alone.
+        text = policy("att", "allowed.lab.test") + "  limits: {pids: 64}\n"
+        body = {"netns": ns, "cgroup": cgroup.v2_path, "policy": text,
                 "uplink_netns": lab.uplink_netns, "id": ns[-20:].replace(".", "-")}  # fmt: skip
         box = daemon.client.call("POST", "/v1/sandboxes/attach", body)
         try:
-            assert box["kind"] == "attached"
+            assert box["kind"] == "attached" and box["pids"] is None
+            assert f"sandbox {box['id']}: spec.limits not applied" in daemon.stderr()
             again = daemon.client.request("POST", "/v1/sandboxes/attach", {**body, "id": None})
             assert again[0] == 409, again
             assert dig(ns, "allowed.lab.test") == NAMES["allowed.lab.test"]

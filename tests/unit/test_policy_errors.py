@@ -417,17 +417,18 @@ def test_limits_values() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "pids", "memory"),
+    ("text", "pids", "memory", "explicit"),
     [
-        ("", 4096, None),
-        ("  limits: {}\n", 4096, None),
-        ("  limits: {pids: max, memory: max}\n", None, None),
-        ("  limits: {pids: 100, memory: 512Mi}\n", 100, 512 << 20),
-        ("  limits: {memory: 1Gi}\n", 4096, 1 << 30),
-        ("  limits: {memory: 33554432}\n", 4096, 32 << 20),
-        ("  limits: {memory: '2Ti'}\n", 4096, 2 << 40),
+        ("", 2048, None, set()),
+        ("  limits: {}\n", 2048, None, set()),
+        ("  limits: {pids: max, memory: max}\n", None, None, {"pids", "memory"}),
+        ("  limits: {pids: 100, memory: 512Mi}\n", 100, 512 << 20, {"pids", "memory"}),
+        ("  limits: {memory: 1Gi}\n", 2048, 1 << 30, {"memory"}),
+        ("  limits: {memory: 33554432}\n", 2048, 32 << 20, {"memory"}),
+        ("  limits: {pids: 2048, memory: '2Ti'}\n", 2048, 2 << 40, {"pids", "memory"}),
     ],
 )
-def test_limits_read(text: str, pids: int | None, memory: int | None) -> None:
+def test_limits_read(text: str, pids: int | None, memory: int | None, explicit: set[str]) -> None:
     policy, _ = parse_policy(HEAD + "  dns: {allow: []}\n" + text, "t.yaml")
-    assert (policy.limits.pids, policy.limits.memory) == (pids, memory)
+    limits = policy.limits
+    assert (limits.pids, limits.memory, limits.explicit) == (pids, memory, explicit)
