@@ -148,7 +148,7 @@ class Cgroup:
                          memory_path=memory)  # fmt: skip
             if limits is not None:
                 _cap_parent(os.path.dirname(pids or v2), os.path.dirname(memory or v2))
-                cgroup.notes = cgroup.set_limits(limits)
+                cgroup.notes = cgroup.set_limits(limits, fresh=True)
         except SandboxError:
             for path in reversed(made):
                 _rmdir(path)
@@ -168,7 +168,7 @@ class Cgroup:
 
     # ---- limits -------------------------------------------------------------------
 
-    def set_limits(self, limits: Limits) -> list[str]:
+    def set_limits(self, limits: Limits, fresh: bool = False) -> list[str]:
         """Write ``limits`` where this sandbox's tasks are counted: its v1 pids and memory
         twins, else its own cgroup's files in v2 (the controller turned on for its parent
         when a limit needs it). Returns what a default limit could not be held by (no
@@ -176,23 +176,31 @@ class Cgroup:
         back as they were, if a limit the policy names has no controller here or the
         kernel refuses one; a memory limit below what the sandbox uses now is refused
         before anything is written (lowering it would reclaim, or OOM-kill on cgroup v2,
-        inside the write, on the caller's thread)."""
-        before = self.limits()
+        inside the write, on the caller's thread). ``fresh``: just made, empty and
+        unlimited (``create``, which removes it on failure): nothing to read first."""
+        before = Limits(pids=None, memory=None) if fresh else self.limits()
         notes = []
         try:
             for kind in ("pids", "memory"):
-                note = self._set_limit(kind, getattr(limits, kind), kind in limits.explicit)
+                value = getattr(limits, kind)
+                if value is None and getattr(before, kind) is None:
+                    continue  # no limit to lift
+                note = self._set_limit(kind, value, kind in limits.explicit, fresh)
                 if note:
                     notes.append(note)
         except SandboxError:
+            if fresh:
+                raise
             for kind in ("pids", "memory"):
                 with contextlib.suppress(SandboxError):
                     self._set_limit(kind, getattr(before, kind), False)
             raise
         return notes
 
-    def _set_limit(self, kind: str, value: int | None, explicit: bool) -> str | None:
-        if kind == "memory" and value is not None:
+    def _set_limit(
+        self, kind: str, value: int | None, explicit: bool, fresh: bool = False
+    ) -> str | None:
+        if kind == "memory" and value is not None and not fresh:
             used = self._memory_used()
             if used is not None and used > value:
                 raise SandboxError(
@@ -713,10 +721,22 @@ def _v2_value(limit: int | None) -> str:
 _PARENT_SHARE = (3, 4)
 
 
+# The parents capped by this process, as (device, inode): the last sandbox's teardown
+# removes a parent, and the next create makes a new one, which gets its caps again.
+_capped: set[tuple[int, int]] = set()
+
+
 def _cap_parent(pids_parent: str, memory_parent: str) -> None:
     """Cap egress's parent cgroup(s) at _PARENT_SHARE of the host's tasks (pid_max or
     threads-max, the lower) and of its RAM, where no cap is set yet: an operator's own
-    value stays. Where a controller is not there, nothing is written."""
+    value stays. Where a controller is not there, nothing is written. Once a parent:
+    a create pays a stat for it, not reads of /proc."""
+    try:
+        seen = {(st.st_dev, st.st_ino) for st in map(os.stat, {pids_parent, memory_parent})}
+    except OSError as exc:
+        raise SandboxError(f"cannot look at {pids_parent}: {exc.strerror}") from None
+    if seen <= _capped:
+        return
     num, den = _PARENT_SHARE
     tasks = min(_host_number("/proc/sys/kernel/pid_max"),
                 _host_number("/proc/sys/kernel/threads-max"))  # fmt: skip
@@ -732,6 +752,7 @@ def _cap_parent(pids_parent: str, memory_parent: str) -> None:
         text = _read(path).strip()
         if text == "max" or (text.isdigit() and int(text) >= _V1_NO_LIMIT):
             _write(path, str(cap))
+    _capped.update(seen)
 
 
 def _host_number(path: str) -> int:
@@ -874,17 +895,17 @@ def _sigkill(pid: int) -> None:
 def _mkdir(path: str) -> None:
     try:
         for attempt in range(3):
-            # Not exist_ok: makedirs raises FileExistsError if the parent goes between
-            # its mkdir and its look (a last sandbox's teardown, a failed create's
-            # rollback), which the except below would take for this cgroup existing.
-            with contextlib.suppress(FileExistsError):
-                os.makedirs(os.path.dirname(path))
-            try:
+            try:  # the parent is there but for the first sandbox: one mkdir, not two
                 os.mkdir(path)
                 break
             except FileNotFoundError:
                 if attempt == 2:  # the last sandbox's teardown took the parent meanwhile
                     raise
+            # Not exist_ok: makedirs raises FileExistsError if the parent goes between
+            # its mkdir and its look (a last sandbox's teardown, a failed create's
+            # rollback), which the except below would take for this cgroup existing.
+            with contextlib.suppress(FileExistsError):
+                os.makedirs(os.path.dirname(path))
     except FileExistsError as exc:
         raise SandboxError(f"cgroup {path} already exists") from exc
     except OSError as exc:
