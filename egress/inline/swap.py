@@ -16,8 +16,8 @@ tracked) go too: the safe direction.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -171,8 +171,11 @@ def swap(sb: Sandbox, resolver: TrackingResolver, policy: Policy) -> int:
                         raise
     except BaseException:
         if before is not None:  # the old policy stays in force, all of it
-            with contextlib.suppress(EgressError):
+            try:
                 sb.cgroup.set_limits(before)
+            except EgressError as exc:  # it grew past them meanwhile: say so, go on
+                print(f"egress: sandbox {sb.id}: limits not put back after a failed swap:"
+                      f" {exc}", file=sys.stderr)  # fmt: skip
         raise
     resolver.core.set_policy(policy)
     resolver.core.bindings.forget_inherited()  # their elements went with the swap

@@ -149,7 +149,7 @@ class Cgroup:
             if limits is not None:
                 _cap_parent(os.path.dirname(pids or v2), os.path.dirname(memory or v2))
                 cgroup.notes = cgroup.set_limits(limits, fresh=True)
-        except SandboxError:
+        except BaseException:  # a Ctrl-C too: the caller has no undo for it yet
             for path in reversed(made):
                 _rmdir(path)
             for path in dict.fromkeys(p for p in paths if p):  # the parents it may have made
@@ -188,7 +188,7 @@ class Cgroup:
                 note = self._set_limit(kind, value, kind in limits.explicit, fresh)
                 if note:
                     notes.append(note)
-        except SandboxError:
+        except BaseException:
             if fresh:
                 raise
             for kind in ("pids", "memory"):
@@ -200,12 +200,13 @@ class Cgroup:
     def _set_limit(
         self, kind: str, value: int | None, explicit: bool, fresh: bool = False
     ) -> str | None:
-        if kind == "memory" and value is not None and not fresh:
+        if kind == "memory" and value is not None and not fresh and self._lowers(value):
             used = self._memory_used()
             if used is not None and used > value:
                 raise SandboxError(
                     f"spec.limits.memory {value} is below what the sandbox uses now ({used}"
-                    " bytes): set it higher, or free memory in the sandbox first"
+                    " bytes, page cache and swap included): set it higher, or free memory"
+                    " in the sandbox first"
                 )
         twin = self.pids_path if kind == "pids" else self.memory_path
         if twin and kind == "pids":
@@ -236,12 +237,19 @@ class Cgroup:
             _write(swap, "max")
         return None
 
+    def _lowers(self, value: int) -> bool:
+        """``value`` is below the memory limit in force (or there was none)."""
+        now = self.limits().memory
+        return now is None or value < now
+
     def _memory_used(self) -> int | None:
-        for directory, name in ((self.memory_path, "memory.usage_in_bytes"),
-                                (self.v2_path, "memory.current")):  # fmt: skip
-            if directory and os.path.exists(os.path.join(directory, name)):
-                return int(_read(os.path.join(directory, name)))
-        return None
+        """RAM in use, and swap where the kernel counts it (the v1 memsw limit holds both)."""
+        if self.memory_path:
+            names = ("memory.usage_in_bytes", "memory.memsw.usage_in_bytes")
+            found = [os.path.join(self.memory_path, n) for n in names]
+            return max((int(_read(f)) for f in found if os.path.exists(f)), default=None)
+        current = os.path.join(self.v2_path, "memory.current")
+        return int(_read(current)) if os.path.exists(current) else None
 
     def limits(self) -> Limits:
         """The limits in force, read back from the kernel (None: none)."""
@@ -299,19 +307,24 @@ class Cgroup:
             if mount is not None:
                 problems += self._adopt_twin(kind, os.path.join(mount, rel), rel)
         try:
+            # An egress before the caps left its parent without them.
+            parent = os.path.dirname
+            _cap_parent(parent(self.pids_path or self.v2_path),
+                        parent(self.memory_path or self.v2_path))  # fmt: skip
             problems += self.set_limits(limits)
         except SandboxError as exc:
             problems.append(f"limits not set: {exc}")
         return problems
 
     def _adopt_twin(self, kind: str, twin: str, rel: str) -> list[str]:
-        made = getattr(self, f"{kind}_path") is None
+        # Made just now by another kind's step where one v1 hierarchy holds both.
+        made = getattr(self, f"{kind}_path") is None and twin not in self._dirs()
         if made:
             try:
                 _mkdir(twin)
             except SandboxError as exc:
                 return [f"no {kind} twin: {exc}"]
-            setattr(self, f"{kind}_path", twin)  # from here a later exec joins it
+        setattr(self, f"{kind}_path", twin)  # from here a later exec joins it
         try:
             return _move_into(twin, self.pids, lambda pid: _in_v2(pid, "/" + rel))
         except SandboxError as exc:

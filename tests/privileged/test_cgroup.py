@@ -59,7 +59,7 @@ needs_v1 = pytest.mark.skipif(not HAS_V1, reason="no v1 freezer hierarchy on thi
 def parent_dirs() -> Iterator[None]:
     yield
     mounts = find_mounts()
-    for root in (mounts.v2, mounts.freezer, mounts.cpu):
+    for root in (mounts.v2, mounts.freezer, mounts.cpu, mounts.pids, mounts.memory):
         if root is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(os.path.join(root, PARENT))
@@ -1111,7 +1111,7 @@ def test_a_twin_made_at_adoption_takes_every_process_forks_included(
 ) -> None:
     """adopt_twins on a cgroup made before v1 twins: the twin is made and every process
     ends in it, one that appeared after the first look (a fork) at the next; the limits
-    are set."""
+    are set, and the parent's caps."""
     made = make_cgroup()
     twin = getattr(made, f"{kind}_path")
     if twin is None:
@@ -1148,6 +1148,8 @@ def test_a_twin_made_at_adoption_takes_every_process_forks_included(
         assert getattr(made, f"{kind}_path") == twin
         assert set(real()) == {ticker.pid, late[0].pid} and in_twin() == set(real())
         assert made.limits() == limits
+        assert made.pids_path is not None  # and its parent capped, as a create caps it
+        assert Path(os.path.dirname(made.pids_path), "pids.max").read_text().strip() != "max"
         assert made.adopt_twins(limits) == []  # has them now: nothing more to do
     finally:
         for proc in late:
