@@ -9,7 +9,8 @@ everything that is wrong with a file.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from egress.errors import Location, Problem
 from egress.policy.tree import Map, Node, Scalar, Seq
@@ -120,6 +121,30 @@ def get_bool(node: Node, path: str, report: Report) -> bool | None:
         return node.value
     report.error(node.where, f"{path}: expected true or false, got {kind_of(node)}")
     return None
+
+
+T = TypeVar("T")
+
+
+def read_values(
+    fields: Map | None,
+    path: str,
+    report: Report,
+    readers: Mapping[str, Callable[[Node], T]],
+    values: dict[str, T],
+) -> dict[str, T]:
+    """``values`` (the defaults), with each key of ``fields`` that ``readers`` names read
+    by its reader; a value its reader refuses (ValueError) is reported where it is and
+    keeps its default, so one run reports every problem."""
+    for key, read in readers.items():
+        value = entry(fields, key)
+        if value is None:
+            continue
+        try:
+            values[key] = read(value)
+        except ValueError as exc:
+            report.error(value.where, f"{path}.{key}: {exc}")
+    return values
 
 
 def entry(node: Map | None, key: str) -> Node | None:

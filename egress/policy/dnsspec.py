@@ -31,6 +31,7 @@ from egress.policy.checks import (
     get_map,
     get_str,
     kind_of,
+    read_values,
 )
 from egress.policy.names import parse_pattern
 from egress.policy.ports import build_ports
@@ -161,15 +162,8 @@ def _rate_limit(node: Node, report: Report) -> RateLimit:
     """
     path = f"{PATH}.rate_limit"
     fields = get_map(node, path, report, RATE_KEYS)
-    values = {"qps": RateLimit.qps, "burst": RateLimit.burst}
-    for key in RATE_KEYS:
-        value = entry(fields, key)
-        if value is None:
-            continue
-        try:
-            values[key] = _rate(value)
-        except ValueError as exc:
-            report.error(value.where, f"{path}.{key}: {exc}")
+    defaults = {"qps": RateLimit.qps, "burst": RateLimit.burst}
+    values = read_values(fields, path, report, dict.fromkeys(RATE_KEYS, _rate), defaults)
     return RateLimit(qps=values["qps"], burst=values["burst"])
 
 

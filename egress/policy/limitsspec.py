@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from egress.model import MIN_MEMORY, Limits
-from egress.policy.checks import Report, entry, get_map, kind_of
+from egress.policy.checks import Report, entry, get_map, kind_of, read_values
 from egress.policy.tree import Node, Scalar
 
 PATH = "spec.limits"
@@ -30,21 +30,10 @@ def build_limits(node: Node | None, report: Report) -> Limits:
     if node is None:
         return Limits()
     fields = get_map(node, PATH, report, LIMITS_KEYS)
-    pids, memory = Limits.pids, Limits.memory
     explicit = frozenset(key for key in LIMITS_KEYS if entry(fields, key) is not None)
-    value = entry(fields, "pids")
-    if value is not None:
-        try:
-            pids = _pids(value)
-        except ValueError as exc:
-            report.error(value.where, f"{PATH}.pids: {exc}")
-    value = entry(fields, "memory")
-    if value is not None:
-        try:
-            memory = _memory(value)
-        except ValueError as exc:
-            report.error(value.where, f"{PATH}.memory: {exc}")
-    return Limits(pids=pids, memory=memory, explicit=explicit)
+    defaults = {"pids": Limits.pids, "memory": Limits.memory}
+    values = read_values(fields, PATH, report, {"pids": _pids, "memory": _memory}, defaults)
+    return Limits(pids=values["pids"], memory=values["memory"], explicit=explicit)
 
 
 def _pids(node: Node) -> int | None:

@@ -8,30 +8,21 @@ from __future__ import annotations
 import json
 import os
 import resource
+from collections.abc import Callable
 
 from egress.kernel import oom
 from egress.sandbox import workload
 
 
-def _in_child() -> dict[str, object]:
+def _in_child(act: Callable[[], bytes]) -> bytes:
+    """What ``act`` returns, run in a forked child (as ``spawn``'s child runs)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: reports through the pipe, never returns
         code = 1
         try:
             os.close(r)
-            calls: list[list[object]] = []
-            real = resource.setrlimit
-
-            def recording(which: int, limits: tuple[int, int]) -> None:
-                calls.append([which, list(limits)])
-                real(which, limits)
-
-            resource.setrlimit = recording  # type: ignore[assignment]
-            workload.no_priority_above_normal()
-            out = {"calls": calls, "rtprio": resource.getrlimit(resource.RLIMIT_RTPRIO),
-                   "nice": resource.getrlimit(resource.RLIMIT_NICE)}  # fmt: skip
-            os.write(w, json.dumps(out).encode())
+            os.write(w, act())
             code = 0
         finally:
             os._exit(code)
@@ -40,36 +31,42 @@ def _in_child() -> dict[str, object]:
         data = f.read()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    return dict(json.loads(data))
+    return data
+
+
+def _limits_after_no_priority() -> dict[str, object]:
+    def act() -> bytes:
+        calls: list[list[object]] = []
+        real = resource.setrlimit
+
+        def recording(which: int, limits: tuple[int, int]) -> None:
+            calls.append([which, list(limits)])
+            real(which, limits)
+
+        resource.setrlimit = recording  # type: ignore[assignment]
+        workload.no_priority_above_normal()
+        out = {"calls": calls, "rtprio": resource.getrlimit(resource.RLIMIT_RTPRIO),
+               "nice": resource.getrlimit(resource.RLIMIT_NICE)}  # fmt: skip
+        return json.dumps(out).encode()
+
+    return dict(json.loads(_in_child(act)))
 
 
 def test_the_workload_can_raise_neither_limit_again() -> None:
-    seen = _in_child()
+    seen = _limits_after_no_priority()
     assert seen["calls"] == [[resource.RLIMIT_RTPRIO, [0, 0]], [resource.RLIMIT_NICE, [0, 0]]]
     assert seen["rtprio"] == [0, 0] and seen["nice"] == [0, 0]
 
 
 def _oom_score_after_unshelter(inherited: int) -> int:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: reports through the pipe, never returns
-        code = 1
-        try:
-            os.close(r)
-            with open(oom.SELF, "w") as f:
-                f.write(str(inherited))
-            oom.unshelter()
-            with open(oom.SELF) as f:
-                os.write(w, f.read().strip().encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return int(data)
+    def act() -> bytes:
+        with open(oom.SELF, "w") as f:
+            f.write(str(inherited))
+        oom.unshelter()
+        with open(oom.SELF) as f:
+            return f.read().strip().encode()
+
+    return int(_in_child(act))
 
 
 def test_the_workload_starts_at_an_oom_score_of_at_least_zero() -> None:

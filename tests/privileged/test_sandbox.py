@@ -485,6 +485,15 @@ def test_a_workload_can_not_make_itself_real_time_or_favoured_whatever_limits_it
                     "limit": "refused", "policy": os.SCHED_OTHER}  # fmt: skip
 
 
+def _piped_run(d: Path, code: str, lab: Lab) -> subprocess.Popen[str]:
+    """`egressctl run` of Python ``code`` under POLICY, its stdin and stdout piped: the
+    test reads what the workload says and closes stdin to end it."""
+    argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
+            "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env())  # fmt: skip
+
+
 def test_a_workload_that_starts_a_session_per_process_still_weighs_as_one_sandbox(
     lab: Lab,
 ) -> None:
@@ -511,10 +520,7 @@ def test_a_workload_that_starts_a_session_per_process_still_weighs_as_one_sandbo
         sys.stdin.read()
     """
     with workdir() as d:
-        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
-                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                env=env())  # fmt: skip
+        proc = _piped_run(d, code, lab)
         sandbox_id = None
         try:
             assert proc.stdout is not None and proc.stdin is not None
@@ -638,10 +644,7 @@ def test_the_layers_are_the_last_the_oom_killer_picks_and_the_workload_can_not_j
         sys.stdin.read()
     """
     with workdir() as d:
-        argv = [*run_in(d), "--policy", str(policy_file(d, POLICY)),
-                "--uplink-netns", lab.uplink_netns, "--", SYSTEM_PYTHON, "-c", code]  # fmt: skip
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                env=env())  # fmt: skip
+        proc = _piped_run(d, code, lab)
         try:
             assert proc.stdout is not None and proc.stdin is not None
             assert [proc.stdout.readline().strip() for _ in range(2)] == ["0", "refused"]
