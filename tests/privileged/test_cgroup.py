@@ -330,12 +330,19 @@ def after_each_ask(cg: Cgroup, before: Callable[[], object], after: Callable[[],
     with ``freeze(asked=True)``, which waits for that same ask: not a freeze asked again,
     so no ``before``; on a busy host the look misses, and it was counted as one)."""
     real_freeze, real_soon = cg.freeze, cg.freeze_soon
+    # The missed look's ask, already waited for and ``after``-ed here: finish's wait for
+    # that same ask must not run ``after`` again (a lock taken twice raised in SQLite).
+    reported = [False]
 
     def hooked(*args: Any, **kwargs: Any) -> float:
-        if not kwargs.get("asked"):
+        asked = bool(kwargs.get("asked"))
+        if not asked:
             before()
         took = real_freeze(*args, **kwargs)
-        after()
+        if asked and reported[0]:
+            reported[0] = False
+        else:
+            after()
         return took
 
     def hooked_soon() -> float | None:
@@ -343,6 +350,7 @@ def after_each_ask(cg: Cgroup, before: Callable[[], object], after: Callable[[],
         soon = real_soon()
         if soon is None:
             real_freeze(asked=True)
+            reported[0] = True
         after()
         return soon
 
