@@ -183,9 +183,13 @@ class Cgroup:
         try:
             for kind in ("pids", "memory"):
                 value = getattr(limits, kind)
-                if value is None and getattr(before, kind) is None:
+                now = getattr(before, kind)
+                if value is None and now is None:
                     continue  # no limit to lift
-                note = self._set_limit(kind, value, kind in limits.explicit, fresh)
+                # Memory lowered (or limited anew) in a cgroup with tasks: checked first.
+                check = kind == "memory" and not fresh and value is not None
+                check = check and (now is None or value < now)
+                note = self._set_limit(kind, value, kind in limits.explicit, check)
                 if note:
                     notes.append(note)
         except BaseException:
@@ -198,9 +202,9 @@ class Cgroup:
         return notes
 
     def _set_limit(
-        self, kind: str, value: int | None, explicit: bool, fresh: bool = False
+        self, kind: str, value: int | None, explicit: bool, check_use: bool = False
     ) -> str | None:
-        if kind == "memory" and value is not None and not fresh and self._lowers(value):
+        if check_use and value is not None:
             used = self._memory_used()
             if used is not None and used > value:
                 raise SandboxError(
@@ -237,11 +241,6 @@ class Cgroup:
             _write(swap, "max")
         return None
 
-    def _lowers(self, value: int) -> bool:
-        """``value`` is below the memory limit in force (or there was none)."""
-        now = self.limits().memory
-        return now is None or value < now
-
     def _memory_used(self) -> int | None:
         """RAM in use, and swap where the kernel counts it (the v1 memsw limit holds both)."""
         if self.memory_path:
@@ -253,18 +252,12 @@ class Cgroup:
 
     def limits(self) -> Limits:
         """The limits in force, read back from the kernel (None: none)."""
-        pids: int | None = None
-        memory: int | None = None
         pids_dir = self.pids_path or self.v2_path
-        if pids_dir and os.path.exists(os.path.join(pids_dir, "pids.max")):
-            text = _read(os.path.join(pids_dir, "pids.max")).strip()
-            pids = None if text == "max" else int(text)
+        pids = _read_limit(os.path.join(pids_dir, "pids.max")) if pids_dir else None
         if self.memory_path:
-            value = int(_read(os.path.join(self.memory_path, "memory.limit_in_bytes")))
-            memory = None if value >= _V1_NO_LIMIT else value
-        elif self.v2_path and os.path.exists(os.path.join(self.v2_path, "memory.max")):
-            text = _read(os.path.join(self.v2_path, "memory.max")).strip()
-            memory = None if text == "max" else int(text)
+            memory = _read_limit(os.path.join(self.memory_path, "memory.limit_in_bytes"))
+        else:
+            memory = _read_limit(os.path.join(self.v2_path, "memory.max")) if self.v2_path else None
         return Limits(pids=pids, memory=memory)
 
     def limit_hits(self) -> dict[str, int]:
@@ -728,6 +721,15 @@ def _v2_value(limit: int | None) -> str:
     return "max" if limit is None else str(limit)
 
 
+def _read_limit(path: str) -> int | None:
+    """The limit in a pids.max, memory.max or v1 memory.limit_in_bytes file; None for no
+    limit ("max", v1's huge number) or no such file (no such controller there)."""
+    if not os.path.exists(path):
+        return None
+    text = _read(path).strip()
+    return None if text == "max" or int(text) >= _V1_NO_LIMIT else int(text)
+
+
 # All sandboxes together may hold at most this share of the host's tasks and memory:
 # with each at its own limit, a few fork or /tmp bombs would still take the rest, and the
 # host's OOM killer, not the sandboxes', would choose among the host's processes.
@@ -753,17 +755,14 @@ def _cap_parent(pids_parent: str, memory_parent: str) -> None:
     num, den = _PARENT_SHARE
     tasks = min(_host_number("/proc/sys/kernel/pid_max"),
                 _host_number("/proc/sys/kernel/threads-max"))  # fmt: skip
-    ram = _ram()
+    ram = _ram() * num // den
     caps = (
         (os.path.join(pids_parent, "pids.max"), tasks * num // den),
-        (os.path.join(memory_parent, "memory.limit_in_bytes"), ram * num // den),  # v1
-        (os.path.join(memory_parent, "memory.max"), ram * num // den),  # v2
+        (os.path.join(memory_parent, "memory.limit_in_bytes"), ram),  # v1
+        (os.path.join(memory_parent, "memory.max"), ram),  # v2
     )
     for path, cap in caps:
-        if not os.path.exists(path):
-            continue
-        text = _read(path).strip()
-        if text == "max" or (text.isdigit() and int(text) >= _V1_NO_LIMIT):
+        if os.path.exists(path) and _read_limit(path) is None:
             _write(path, str(cap))
     _capped.update(seen)
 
