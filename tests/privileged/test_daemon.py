@@ -825,7 +825,9 @@ def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
     """Started under SCHED_FIFO (``chrt``, or a unit's CPUSchedulingPolicy), egressd starved
     what its freezes wait on (freezes unconfirmed after 5 s at 1,000 sandboxes): it and
     its observer layer go back to SCHED_OTHER before they start anything, every thread
-    and child, and say so. With reset-on-fork only the starting thread is real-time."""
+    and child, and say so. With reset-on-fork only the starting thread is real-time.
+    Both layers run at nice -10, the observer's shards too: at nice 0 beside egressd it
+    judged seconds late under load."""
     with egressd(state_dir, wrapper=("chrt", "--fifo", *flags, "10")) as d:
         threads, children = tasks_under(d.pid)
         assert children  # its nft worker
@@ -839,6 +841,8 @@ def test_egressd_and_its_observer_started_real_time_run_under_sched_other(
             threads, children = tasks_under(observer.pid)
             assert children  # its shards
             assert policies(threads) == {os.SCHED_OTHER}
+            for pid in (observer.pid, *children):
+                assert os.getpriority(os.PRIO_PROCESS, pid) == -10
             assert "egressd observer: started SCHED_FIFO, now SCHED_OTHER" in said
         finally:
             observer.send_signal(signal.SIGTERM)
