@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import time
+from types import SimpleNamespace
 
 from dnslib import QTYPE, RR, A, DNSRecord
 from test_packet import ipv4, tcp, udp
 
 from egress.datapath import constants as c
+from egress.datapath.packet import parse_ip_packet
+from egress.kernel.nflog import NflogEvent
 from egress.observer.flows import FlowWatch
 from egress.observer.layer import Observer
 from egress.observer.replays import REPLAY_MAX, REPLAY_S, QueryReplays
@@ -93,3 +96,45 @@ def test_the_observer_deals_with_repeats_and_answers_up_to_the_first_copy_to_jud
     assert not bound("203.0.113.8")  # behind the unjudged query: its turn comes after it
     assert observer._sift(copies[4:]) == 1  # the repeat, in a datagram of its own
     assert observer._sift([(0, 0, 0, b"egress blocked_connect\0", packet(QUERY))]) == 0
+
+
+def test_a_drain_judges_no_repeat_behind_a_copy_to_judge_but_after_a_verdict_it_does() -> None:
+    """Copies read in one drain behind one that must be judged (a query not judged yet)
+    come as events, in order. A repeat among them of a query allowed within the second
+    is not judged again: the same verdict (``replays``); a busy observer reads many at
+    once, and judging each again made it slower the further behind it fell. After a
+    violation it is judged: the verdict (a tunnel's zone) may cover it now."""
+    policy, _ = parse_policy(POLICY, "t.yaml")
+    other = QUERY[:-3] + b"\x1c\x00\x01"  # AAAA: not judged yet
+
+    def event(dns: bytes) -> NflogEvent:
+        raw = packet(dns)
+        parsed = parse_ip_packet(raw)
+        assert parsed is not None
+        return NflogEvent(c.OBSERVER_GROUP, c.DNS_LOG_PREFIX, raw, 1234, 1234, 4, 0x0800,
+                          time.time(), parsed.flow(), parsed)  # fmt: skip
+
+    def drained(verdict_on_other: object) -> list[bytes]:
+        observer = object.__new__(Observer)  # the parts _drain uses, no netns or journal
+        observer.queries = QueryReplays()
+        observer.flows = FlowWatch(policy, Matcher(policy), None)
+        observer.queries.remember(packet(QUERY), QUERY, time.monotonic())
+        judged: list[bytes] = []
+        acted: list[object] = []
+
+        def judge(e: NflogEvent) -> object:
+            assert e.packet is not None
+            judged.append(e.packet.payload)
+            return verdict_on_other if e.packet.payload == other else None
+
+        observer.judge = judge  # type: ignore[method-assign]
+        observer._act = acted.append  # type: ignore[method-assign]
+        events = [event(other), event(QUERY), event(QUERY)]
+        observer.listener = SimpleNamespace(read_events=lambda _max: events)  # type: ignore[assignment]
+        observer._drain()
+        assert acted == ([] if verdict_on_other is None else [verdict_on_other])
+        return judged
+
+    assert drained(None) == [other]
+    found = object()
+    assert drained(found) == [other, QUERY]  # emptied by the verdict, then kept again
