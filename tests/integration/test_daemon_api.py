@@ -19,7 +19,7 @@ from aiohttp import web
 
 from egress.daemon.api import make_app, openapi_document
 from egress.daemon.lag import LoopLag
-from egress.daemon.main import _serve_metrics
+from egress.daemon.main import NICE, _serve_metrics
 from egress.daemon.registry import Registry
 from egress.errors import SandboxError
 from egress.store.journal import Journal
@@ -224,3 +224,14 @@ async def test_metrics_show_how_late_the_loop_ran_what_was_due(api: Api) -> None
     assert late is not None and total is not None
     assert int(late.group(1)) < int(total.group(1))  # one above 25 ms
     assert f"egress_loop_lag_max_seconds {lag.worst!r}" in text  # exact, not :g
+
+
+def test_both_layers_units_give_them_egressds_nice_and_the_limit_to_raise_their_session() -> None:
+    """Both units start their layer at egressd's nice (-10), and let it give its session
+    the same (autogroups) through RLIMIT_NICE, as they give no CAP_SYS_NICE: without it
+    the kernel refuses the session's nice, and -10 weighs only inside the layer's own
+    session. Equal, so that neither layer takes the other's turns."""
+    for name in ("egressd.service", "egressd-observer.service"):
+        lines = (ROOT / "containers" / name).read_text().splitlines()
+        assert f"Nice={NICE}" in lines, name
+        assert f"LimitNICE={NICE}" in lines, name

@@ -32,7 +32,7 @@ from egress.model import Limits
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
 from tests.support.bombs import FORK_BOMB, forked
-from tests.support.egressd import START_S, Egressd, egressd, read_until
+from tests.support.egressd import EGRESSD, START_S, Egressd, egressd, read_until
 from tests.support.netns import strip_source_check, unique
 from tests.support.probes import dig, set_ips, wait_until
 from tests.support.sched import policies, tasks_under
@@ -872,6 +872,44 @@ def test_egressd_raises_its_own_session_and_no_one_elses(state_dir: Path) -> Non
             assert os.getsid(worker) == worker and session_nice(worker) == 0
         assert session_nice(os.getpid()) == before
     finally:  # as it was, whatever a failing egressd did to it
+        AUTOGROUP.write_text(str(before))
+
+
+@pytest.mark.skipif(
+    not autogroups_on() or "nice" not in AUTOGROUP.read_text(),  # empty: init's own group
+    reason="the kernel does not schedule this test's session as a group (autogroups)",
+)
+def test_the_observer_raises_its_own_session_and_no_one_elses(state_dir: Path) -> None:
+    """As egressd does: `egressd observer` leading its session (a service) raises it to
+    -10, its shards in it; started from a shell it leaves the shell's as it was. Else a
+    busy egressd's session at -10 takes the second layer's turns."""
+    before = session_nice(os.getpid())
+    try:
+        with egressd(state_dir) as d:
+            shared = d.observer()
+            try:
+                read_until(shared, "egressd observer: following")  # after its priority
+                assert os.getpriority(os.PRIO_PROCESS, shared.pid) == -10
+                assert session_nice(os.getpid()) == before
+            finally:
+                shared.send_signal(signal.SIGTERM)
+                shared.communicate(timeout=20)
+            argv = [*EGRESSD, "observer", "--run-dir", str(d.run_dir),
+                    "--state-dir", str(d.state)]  # fmt: skip
+            leader = subprocess.Popen(argv, stderr=subprocess.PIPE, start_new_session=True)
+            try:
+                read_until(leader, "egressd observer: following")
+                assert session_nice(leader.pid) == -10
+                assert wait_until(lambda: tasks_under(leader.pid)[1], START_S)  # its shards
+                _, shards = tasks_under(leader.pid)
+                for pid in (leader.pid, *shards):
+                    assert os.getsid(pid) == leader.pid
+                    assert os.getpriority(os.PRIO_PROCESS, pid) == -10
+            finally:
+                leader.send_signal(signal.SIGTERM)
+                leader.communicate(timeout=20)
+        assert session_nice(os.getpid()) == before
+    finally:  # as it was, whatever a failing observer did to it
         AUTOGROUP.write_text(str(before))
 
 
