@@ -254,7 +254,11 @@ class Observer:
                 # drain had to judge first (``_sift`` stops there): the same verdict, as
                 # ``replays`` says, in this same order, without a parse. A busy observer
                 # reads many copies at once, most of them behind one to judge: judging
-                # each repeat again made it slower the further behind it was.
+                # each repeat again made it slower the further behind it was. As in
+                # ``_sift`` and the resolver's replay, the scorer does not see it: its
+                # windows would not move, only its zone's place among those kept, so a
+                # zone of repeats alone is let go first; a zone remade still counts what
+                # it sent before (tunnel/scorer.py, ``_allowance``).
                 continue
             v = self.judge(event)
             if v is not None:

@@ -107,34 +107,41 @@ def test_a_drain_judges_no_repeat_behind_a_copy_to_judge_but_after_a_verdict_it_
     policy, _ = parse_policy(POLICY, "t.yaml")
     other = QUERY[:-3] + b"\x1c\x00\x01"  # AAAA: not judged yet
 
-    def event(dns: bytes) -> NflogEvent:
+    def event(dns: bytes, prefix: str = c.DNS_LOG_PREFIX) -> NflogEvent:
         raw = packet(dns)
         parsed = parse_ip_packet(raw)
         assert parsed is not None
-        return NflogEvent(c.OBSERVER_GROUP, c.DNS_LOG_PREFIX, raw, 1234, 1234, 4, 0x0800,
+        return NflogEvent(c.OBSERVER_GROUP, prefix, raw, 1234, 1234, 4, 0x0800,
                           time.time(), parsed.flow(), parsed)  # fmt: skip
 
-    def drained(verdict_on_other: object) -> list[bytes]:
+    def drained(events: list[NflogEvent], verdict_on_other: object = None,
+                allowed_at: float = 0.0) -> list[tuple[str, bytes]]:  # fmt: skip
         observer = object.__new__(Observer)  # the parts _drain uses, no netns or journal
         observer.queries = QueryReplays()
         observer.flows = FlowWatch(policy, Matcher(policy), None)
-        observer.queries.remember(packet(QUERY), QUERY, time.monotonic())
-        judged: list[bytes] = []
+        observer.queries.remember(packet(QUERY), QUERY, time.monotonic() - allowed_at)
+        judged: list[tuple[str, bytes]] = []
         acted: list[object] = []
 
         def judge(e: NflogEvent) -> object:
             assert e.packet is not None
-            judged.append(e.packet.payload)
+            judged.append((e.prefix, e.packet.payload))
             return verdict_on_other if e.packet.payload == other else None
 
         observer.judge = judge  # type: ignore[method-assign]
         observer._act = acted.append  # type: ignore[method-assign]
-        events = [event(other), event(QUERY), event(QUERY)]
         observer.listener = SimpleNamespace(read_events=lambda _max: events)  # type: ignore[assignment]
         observer._drain()
         assert acted == ([] if verdict_on_other is None else [verdict_on_other])
         return judged
 
-    assert drained(None) == [other]
+    dns = c.DNS_LOG_PREFIX
+    behind = [event(other), event(QUERY), event(QUERY)]
+    assert drained(behind) == [(dns, other)]
     found = object()
-    assert drained(found) == [other, QUERY]  # emptied by the verdict, then kept again
+    assert drained(behind, found) == [(dns, other), (dns, QUERY)]  # emptied, then kept
+    # Only a query's own copy: a drop carrying an allowed query's bytes is judged.
+    dropped = "egress foreign_dns"
+    assert drained([event(other), event(QUERY, dropped)]) == [(dns, other), (dropped, QUERY)]
+    # A query allowed longer ago than REPLAY_S is judged again.
+    assert drained(behind, allowed_at=REPLAY_S + 0.5) == [(dns, other), (dns, QUERY)]
