@@ -389,9 +389,10 @@ def _raise_priority(who: str) -> None:
     waiting for its turn. The observer at nice 0 beside egressd at -10 got what egressd
     left: at 1,000 sandboxes and 4,700 queries/s on 2 vCPUs (bench/bench_egressd.py) it
     decided a blocked datagram 1.9 s after it was sent at the median and 3.9 s at p99
-    (egressd: 0.07 and 0.22 s), a second layer a workload outruns; at -10, 9 and 354 ms.
-    The price, where the CPUs are short: egressd's DNS tail, as the observer takes its
-    turns (at 500 sandboxes, hits p99 16-32 ms against 7-9).
+    (egressd: 0.07 and 0.22 s), a second layer a workload outruns; at -10, 1-9 and
+    258-354 ms, and 0.7-0.8 and 86-92 ms once it judged repeats no more than once
+    (Observer._drain). The price, where the CPUs are short: egressd's DNS tail, as the
+    observer takes its turns (at 1,000, hits p99 283-352 ms against 226).
 
     Its session too, where the kernel schedules by session and it leads its own
     (kernel/sched.py, raise_session_group): else -10 counts only against its own
