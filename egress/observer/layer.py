@@ -262,10 +262,10 @@ class Observer:
                 continue
             v = self.judge(event)
             if v is not None:
-                self.queries.clear()  # a verdict (a tunnel's zone) may now cover repeats
+                queries.clear()  # a verdict (a tunnel's zone) may now cover repeats
                 self._act(v)
             elif event.prefix == c.DNS_LOG_PREFIX and event.packet is not None:
-                self.queries.remember(event.payload, event.packet.payload, time.monotonic())
+                queries.remember(event.payload, event.packet.payload, time.monotonic())
             elif event.prefix in (c.FIRST_BYTES_LOG_PREFIX, c.READ_LOG_PREFIX):
                 # The ruleset drops a checked flow's segment it could not queue (no queue
                 # rule) counted but not logged: have the counter read after this one.

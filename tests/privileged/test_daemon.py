@@ -32,7 +32,7 @@ from egress.model import Limits
 from egress.store.journal import Journal
 from tests.support import NOBODY, SYSTEM_PYTHON
 from tests.support.bombs import FORK_BOMB, forked
-from tests.support.egressd import EGRESSD, START_S, Egressd, egressd, read_until
+from tests.support.egressd import START_S, Egressd, egressd, read_until
 from tests.support.netns import strip_source_check, unique
 from tests.support.probes import dig, set_ips, wait_until
 from tests.support.sched import policies, tasks_under
@@ -894,9 +894,7 @@ def test_the_observer_raises_its_own_session_and_no_one_elses(state_dir: Path) -
             finally:
                 shared.send_signal(signal.SIGTERM)
                 shared.communicate(timeout=20)
-            argv = [*EGRESSD, "observer", "--run-dir", str(d.run_dir),
-                    "--state-dir", str(d.state)]  # fmt: skip
-            leader = subprocess.Popen(argv, stderr=subprocess.PIPE, start_new_session=True)
+            leader = d.observer(own_session=True)
             try:
                 read_until(leader, "egressd observer: following")
                 assert session_nice(leader.pid) == -10
