@@ -250,7 +250,7 @@ class Observer:
             if event.prefix == c.DNS_LOG_PREFIX and queries.allowed(
                 event.payload, time.monotonic()
             ):
-                # A repeat of a query allowed within the last second, behind a copy this
+                # A repeat of a query allowed within the last minute, behind a copy this
                 # drain had to judge first (``_sift`` stops there): the same verdict, as
                 # ``replays`` says, in this same order, without a parse. A busy observer
                 # reads many copies at once, most of them behind one to judge: judging
@@ -278,7 +278,7 @@ class Observer:
         making events of them (``sift.sift``): repeats of a query allowed within the last
         second, and answers over UDP. How many it dealt with: it stops at the first that
         must be an event. The clocks are read once: a datagram's copies take tens of
-        microseconds here, against a replay's second and an answer's 50 ms."""
+        microseconds here, against a replay's minute and an answer's 50 ms."""
         return sift(copies, self.queries, self.flows.answers, time.monotonic(), time.time())
 
     def _act(self, v: Violation) -> None:

@@ -2,7 +2,7 @@
 
 The NFLOG listener hands the observer each datagram's copies (``kernel.nflog``'s
 ``sift`` hook) before it makes events of them. The leading ones whose bytes say all there
-is are dealt with here: repeats of a query allowed within the last second
+is are dealt with here: repeats of a query allowed within the last minute
 (``replays.QueryReplays``), and answers over UDP, whose bindings ``answers.Answers``
 keeps by their bytes. Compiled by mypyc (``observer.native``): at cache hits these are
 nearly every copy the observer reads, two a query.
@@ -30,7 +30,7 @@ def sift(
 ) -> int:
     """How many of ``copies`` (one datagram's, in order, as ``nflog_wire.walk`` finds
     them), from the first, were dealt with: it stops at the first that must be an event (a query not
-    judged allowed within the last second, anything but a DNS query or a UDP answer), so
+    judged allowed within the last minute, anything but a DNS query or a UDP answer), so
     nothing behind it is acted on first. ``now`` is the monotonic clock, ``wall`` the
     wall clock (the bindings' ends), each read once for the datagram."""
     for i in range(len(copies)):

@@ -25,7 +25,7 @@ def packet(dns: bytes, sport: int = 40000) -> bytes:
     return ipv4(17, udp(sport, 53, dns))
 
 
-def test_a_repeat_with_another_id_and_port_is_allowed_for_a_second() -> None:
+def test_a_repeat_with_another_id_and_port_is_allowed_for_a_minute() -> None:
     r = QueryReplays()
     r.remember(packet(QUERY), QUERY, now=10.0)
     repeat = packet(b"\xab\xcd" + QUERY[2:], sport=40001)
@@ -33,6 +33,20 @@ def test_a_repeat_with_another_id_and_port_is_allowed_for_a_second() -> None:
     assert not r.allowed(repeat, 10.0 + REPLAY_S)
     other = QUERY[:-3] + b"\x1c\x00\x01"  # AAAA: another question
     assert not r.allowed(packet(other), 10.5)
+
+
+def test_a_name_asked_about_once_a_second_is_judged_once_a_minute() -> None:
+    """What egressd's sandboxes ask: a few names, each about once a second (5 qps over 4
+    names). Each repeat within the minute after a judgement is replayed; with a replay
+    of one second, most of them were judged again, and so parsed and scored."""
+    r = QueryReplays()
+    judged = []
+    for at in (0.0, 0.9, 2.1, 3.4, 7.0, 30.0, 59.9, 60.0, 61.3, 119.9, 120.0):
+        asked = packet(at.hex().encode()[:2] + QUERY[2:])  # another ID each time
+        if not r.allowed(asked, at):
+            judged.append(at)
+            r.remember(asked, asked[28:], at)
+    assert judged == [0.0, 60.0, 120.0]
 
 
 def test_only_what_was_judged_is_kept() -> None:
@@ -100,7 +114,7 @@ def test_the_observer_deals_with_repeats_and_answers_up_to_the_first_copy_to_jud
 
 def test_a_drain_judges_no_repeat_behind_a_copy_to_judge_but_after_a_verdict_it_does() -> None:
     """Copies read in one drain behind one that must be judged (a query not judged yet)
-    come as events, in order. A repeat among them of a query allowed within the second
+    come as events, in order. A repeat among them of a query allowed within the minute
     is not judged again: the same verdict (``replays``); a busy observer reads many at
     once, and judging each again made it slower the further behind it fell. After a
     violation it is judged: the verdict (a tunnel's zone) may cover it now."""
