@@ -276,7 +276,7 @@ class Observer:
     def _sift(self, copies: Copies) -> int:
         """Deal here with the first of ``copies`` whose bytes say all there is, without
         making events of them (``sift.sift``): repeats of a query allowed within the last
-        second, and answers over UDP. How many it dealt with: it stops at the first that
+        minute, and answers over UDP. How many it dealt with: it stops at the first that
         must be an event. The clocks are read once: a datagram's copies take tens of
         microseconds here, against a replay's minute and an answer's 50 ms."""
         return sift(copies, self.queries, self.flows.answers, time.monotonic(), time.time())

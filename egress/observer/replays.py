@@ -12,14 +12,19 @@ verdict the scorer reached since (a tunnel found in its zone covers every query 
 so any violation the observer finds empties this (``clear``).
 
 REPLAY_S is a minute, from the judgement, not from the last repeat: a question asked
-again and again is judged once a minute, so the scorer still hears of it that often (its
-memory of names asked again, ``tunnel.scorer``'s ``Seen``, and its zone's place among
-those kept are refreshed). The resolver's own replay skips the scorer for longer: while
-its cache entry lives (``ResolverCore.replay``). A second was too short for what
-egressd serves: a sandbox that asks its few names about once a second each (5 qps
-over 4 names, ``bench_egressd``'s hits) had nearly every repeat judged again, and at
-1,000 sandboxes the observer spent 68-69% of a CPU (3,989-4,069 qps), and 57% with a
-minute (4,210 qps): 170 -> 135 us a query.
+again and again is judged at most once a minute, so the scorer still hears of it that
+often (its memory of names asked again, ``tunnel.scorer``'s ``Seen``, and its zone's
+place among those kept are refreshed). What that costs: a zone of more names than its
+own ``Seen`` holds (170-340) counts a forgotten one as new when it is judged again, now
+once a minute, not at nearly every repeat, so a verdict that rests on those re-counts
+alone comes later from this layer (the inline scorer sees every repeat that leaves, as
+a TTL 0 answer is not cached); the evidence of a verdict counts the queries this layer
+scored, not its replays. The resolver's own replay skips the scorer while its cache
+entry lives (the answer's TTL, at most ``dns.ttl_max``): longer or shorter than a minute.
+A second was too short for what egressd serves: a sandbox that asks its few names about
+once a second each (5 qps over 4 names, ``bench_egressd``'s hits) had nearly every
+repeat judged again, and at 1,000 sandboxes the observer spent 68-69% of a CPU
+(3,989-4,069 qps), and 57% with a minute (4,210 qps): 170 -> 135 us a query.
 
 Keys come from ``datapath.nflog_wire.udp4_payload`` of the copied IP packet, for lookup
 and for keeping alike, and only a query that is exactly what was judged is kept: nothing

@@ -5,7 +5,7 @@ Its part of the flow (DESIGN.md)::
     query ─ ratelimit.TokenBucket (per sandbox, spec.dns.rate_limit): over it? ─▶ dropped
         │ (within it)
         ▼
-    query bytes ─ core.replay: the same bytes answered within the last second? ─▶ reply bytes
+    query bytes ─ core.replay: the same bytes answered from a cache entry alive? ─▶ reply bytes
         │ (no)
         ▼ wire.parse_query (header + question by hand) ─▶ cache hit? ─▶ Reply (cache.render)
         ▼ miss: judge.judge (matcher + tunnel scorer) ─ denied ─▶ Report + NXDOMAIN/REFUSED,

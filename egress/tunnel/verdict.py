@@ -29,7 +29,7 @@ class TunnelVerdict:
     score: float  # largest value/limit over the crossed rules (>= 1.0)
     reasons: tuple[Crossing, ...]
     queries_before: int  # queries under the zone forwarded before the verdict
-    bytes_before: int  # subdomain text those queries carried upstream (repeats included)
+    bytes_before: int  # subdomain text those queries carried upstream (repeats scored included)
     unique_before: int  # distinct subdomains among them
     types: tuple[tuple[str, int], ...]  # record-type mix of the zone's queries
 

@@ -187,7 +187,7 @@ class ZoneState:
         # The sum over all zones keeps the sandbox-wide table (``vocab``'s fallback).
         self.vocab = Vocab(SANDBOX_SLOTS if zone == ALL_ZONES else ZONE_SLOTS)
         self.queries = 0  # forwarded queries (not the one a verdict stopped)
-        self.bytes = 0  # their subdomain text, repeats included
+        self.bytes = 0  # their subdomain text, repeats scored included (not replays)
         self.unique = 0
         self.types: dict[int, int] = {}
         # Made again while Spent has its eviction (``TunnelScorer._state``):

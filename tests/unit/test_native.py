@@ -292,8 +292,9 @@ print(json.dumps(out))
 
 
 # Hands the observer's sift datagrams of copies (repeats of queries judged allowed, and
-# queries not judged; answers, allowed and not, over UDP and TCP, damaged; other
-# prefixes) on clocks that advance by milliseconds to seconds, handing it the rest after
+# queries not judged, and queries judged longer ago than REPLAY_S; answers, allowed and
+# not, over UDP and TCP, damaged; other prefixes) on clocks that advance by milliseconds
+# to seconds, handing it the rest after
 # each copy it stops at (which would be an event), and prints how many it dealt with
 # each time and what the bindings hold.
 SIFT = r"""
@@ -302,7 +303,7 @@ sys.path[:0] = [sys.argv[1]]
 from dnslib import QTYPE, RR, A, DNSRecord
 from egress.observer import native
 from egress.observer.answers import Answers
-from egress.observer.replays import QueryReplays
+from egress.observer.replays import REPLAY_S, QueryReplays
 from egress.observer.sift import ANSWER_PREFIX, DNS_PREFIX, sift
 from egress.policy import parse_policy
 from egress.policy.matcher import Matcher
@@ -358,7 +359,7 @@ for i in range(3000):
             data = bytes(question(rng.choice(["A", "AAAA", "TXT"])).pack())
             packet = udp(rng.randint(1024, 65535), 53, data)
             if rng.random() < 0.8:
-                queries.remember(packet, data, now - rng.choice([0.0, 0.5, 2.0]))
+                queries.remember(packet, data, now - rng.choice([0.0, 0.5, REPLAY_S + 1.0]))
             copies.append((0, 0, 0, DNS_PREFIX, packet))
         elif kind < 0.85:
             packet = udp(53, 40000, answer())
