@@ -163,17 +163,19 @@ class Egressd:
         self, to_file: bool = False, *options: str, own_session: bool = False
     ) -> subprocess.Popen[bytes]:
         """Its observer layer (`egressd observer` on the same run dir and journal), stderr
-        piped (read it with ``read_until``; ``own_session``: leading a session of its own,
-        as a service does) or, ``to_file``, appended to ``observer.log`` here (a line per
-        sandbox watched: hundreds fill a pipe nobody reads). The caller stops it."""
+        piped (read it with ``read_until``) or, ``to_file``, appended to ``observer.log``
+        here (a line per sandbox watched: hundreds fill a pipe nobody reads); leading a
+        session of its own, as a service does, if ``own_session`` or this egressd does.
+        The caller stops it."""
         argv = [*self.wrapper, *EGRESSD, "observer", "--run-dir", str(self.run_dir),
                 "--state-dir", str(self.state), *options]  # fmt: skip
+        session = own_session or self.own_session
         if not to_file:
             return subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE,
-                                    start_new_session=own_session)  # fmt: skip
+                                    start_new_session=session)  # fmt: skip
         with open(self.dir / "observer.log", "ab") as err:
             return subprocess.Popen(argv, cwd=ROOT, stderr=err,
-                                    start_new_session=self.own_session)  # fmt: skip
+                                    start_new_session=session)  # fmt: skip
 
     def delete_all(self) -> list[str]:
         """Delete every sandbox it serves; what could not be deleted (why)."""
