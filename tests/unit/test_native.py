@@ -294,9 +294,8 @@ print(json.dumps(out))
 # Hands the observer's sift datagrams of copies (repeats of queries judged allowed, and
 # queries not judged, and queries judged longer ago than REPLAY_S; answers, allowed and
 # not, over UDP and TCP, damaged; other prefixes) on clocks that advance by milliseconds
-# to seconds, handing it the rest after
-# each copy it stops at (which would be an event), and prints how many it dealt with
-# each time and what the bindings hold.
+# to seconds, handing it the rest after each copy it stops at (which would be an event),
+# and prints how many it dealt with each time and what the bindings hold.
 SIFT = r"""
 import ipaddress, json, random, struct, sys
 sys.path[:0] = [sys.argv[1]]

@@ -42,10 +42,10 @@ def test_a_name_asked_about_once_a_second_is_judged_once_a_minute() -> None:
     r = QueryReplays()
     judged = []
     for at in (0.0, 0.9, 2.1, 3.4, 7.0, 30.0, 59.9, 60.0, 61.3, 119.9, 120.0):
-        asked = packet(int(at * 10).to_bytes(2, "big") + QUERY[2:])  # another ID each time
-        if not r.allowed(asked, at):
+        dns = int(at * 10).to_bytes(2, "big") + QUERY[2:]  # another ID each time
+        if not r.allowed(packet(dns), at):
             judged.append(at)
-            r.remember(asked, asked[28:], at)
+            r.remember(packet(dns), dns, at)
     assert judged == [0.0, 60.0, 120.0]
 
 
